@@ -1,0 +1,153 @@
+"""`asyncgrpo`: the command line (DESIGN.md §1). Every command takes Hydra overrides as extra arguments."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config.rules import ConfigError
+
+app = typer.Typer(
+    name="asyncgrpo",
+    help="Asynchronous GRPO post-training: a vLLM sampler, a rollout worker and a tree-packed FSDP2 trainer, "
+         "composed from Hydra configs and recipes.\n\nExamples:\n\n"
+         "  asyncgrpo train +recipe=smoke\n\n"
+         "  asyncgrpo serve +recipe=deepmath --dry-run\n\n"
+         "  asyncgrpo config +recipe=deepmath rollout.num_generations=16",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+OVERRIDES_HELP = "Hydra overrides, e.g. +recipe=deepmath rollout.temperature=0.8 trainer.max_steps=100"
+RECIPES_DIR_HELP = "Extra folder of recipes (NAME.yaml) for +recipe=NAME; may be repeated."
+
+
+def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
+    from .config.compose import compose
+
+    try:
+        return compose(overrides or [], extra_recipe_dirs=recipes_dirs)
+    except ConfigError as exc:
+        err.print(f"[bold red]config error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("config")
+def config_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+) -> None:
+    """Print the composed, validated config as YAML."""
+    from .config.compose import to_yaml
+
+    cfg = _compose(overrides, recipes_dir)
+    sys.stdout.write(to_yaml(cfg))
+
+
+@app.command("recipes")
+def recipes_cmd(
+    recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+) -> None:
+    """List the recipes, each with its one-line description."""
+    from .config.compose import list_recipes
+
+    try:
+        recipes = list_recipes(recipes_dir)
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    table = Table("recipe", "description", box=None, show_header=True, header_style="bold")
+    for r in recipes:
+        table.add_row(f"+recipe={r.name}", r.description or "(no description)")
+    out.print(table)
+
+
+@app.command("serve")
+def serve_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment instead of starting it."),
+    recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+) -> None:
+    """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
+    from .launch.server_command import build_server_command
+
+    cfg = _compose(overrides, recipes_dir)
+    try:
+        command = build_server_command(cfg)
+    except ConfigError as exc:
+        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    if dry_run:
+        for note in command.notes:
+            sys.stdout.write(f"# {note}\n")
+        sys.stdout.write(command.shell_line() + "\n")
+        return
+    for note in command.notes:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
+    argv = list(command.argv)
+    if argv[0] == "vllm" and shutil.which("vllm") is None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            err.print("[bold red]vLLM is not installed.[/] Install the extra on a CUDA machine: "
+                      "pip install 'asyncgrpo[vllm]'  (or run on CPU with sampler.backend=embedded)", highlight=False)
+            raise typer.Exit(1)
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
+    env = {**os.environ, **command.env}
+    err.print(f"[dim]$ {command.shell_line()}[/]", highlight=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)
+
+
+@app.command("doctor", context_settings={"allow_extra_args": True})
+def doctor_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
+    recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+) -> None:
+    """Check a running server against the config (flags, LoRA limits, versions, GPUs) and print the fix."""
+    try:
+        from .doctor.checks import run_doctor
+    except ImportError:
+        err.print("asyncgrpo doctor: not yet available in this version.")
+        raise typer.Exit(1) from None
+    cfg = _compose(overrides, recipes_dir)
+    raise typer.Exit(run_doctor(cfg, as_json=as_json))
+
+
+@app.command("train")
+def train_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan only."),
+    recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+) -> None:
+    """Run the main job: the sampler, the FSDP2 trainer and its rollout worker, with live panels."""
+    try:
+        from .launch.supervisor import run_train
+    except ImportError:
+        cfg = _compose(overrides, recipes_dir)
+        err.print("asyncgrpo train: not yet available in this version; `asyncgrpo config` shows the composed config "
+                  "and `asyncgrpo serve` starts the sampler.")
+        raise typer.Exit(1) from None
+    cfg = _compose(overrides, recipes_dir)
+    raise typer.Exit(run_train(cfg, dry_run=dry_run))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Compose `conf/` + a recipe + overrides into a validated config, and convert it for the trainer.
+
+Where things are found: `conf/` and `recipes/` next to the package in a checkout, else the copies
+packaged inside the wheel (`asyncgrpo_cli/_data/`). Recipes are registered as the Hydra group
+``recipe`` (selected with ``+recipe=NAME``); ``extra_recipe_dirs`` adds a user's own folders.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .rules import ConfigError, check_fields, check_lora_rank
+
+_PKG_DIR = Path(__file__).resolve().parent.parent
+_CHECKOUT_DIR = _PKG_DIR.parent
+
+# AsyncGRPOConfig field -> Hydra path, for the fields that do not live under `trainer.` (CONFIG.md).
+FIELD_PATHS: dict[str, str] = {
+    "dtype": "model.dtype",
+    "model_init_kwargs": "model.model_init_kwargs",
+    "trust_remote_code": "model.trust_remote_code",
+    "router_aux_loss_coef": "model.router_aux_loss_coef",
+    **{n: f"rollout.{n}" for n in (
+        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+        "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations")},
+    **{n: f"loss.{n}" for n in (
+        "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max")},
+    **{n: f"staleness.{n}" for n in (
+        "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
+    "token_budget": "packing.token_budget",
+    "vllm_server_base_url": "sampler.url",
+    "vllm_server_timeout": "sampler.timeout",
+    "log_completions": "logging.log_completions",
+    "num_completions_to_print": "logging.num_completions_to_print",
+}
+
+
+def hydra_path(field_name: str) -> str:
+    """The Hydra path a user types for an `AsyncGRPOConfig` field (``top_p`` → ``rollout.top_p``)."""
+    return FIELD_PATHS.get(field_name, f"trainer.{field_name}")
+
+
+def _data_dir(name: str) -> Path:
+    checkout = _CHECKOUT_DIR / name
+    if checkout.is_dir() and (_CHECKOUT_DIR / "pyproject.toml").is_file():
+        return checkout
+    packaged = _PKG_DIR / "_data" / name
+    if packaged.is_dir():
+        return packaged
+    raise FileNotFoundError(f"asyncgrpo: cannot find its {name}/ folder (looked in {checkout} and {packaged}); "
+                            "reinstall the package: pip install --force-reinstall asyncgrpo")
+
+
+def conf_dir() -> Path:
+    """The folder holding the Hydra groups (checkout `conf/` or the packaged copy)."""
+    return _data_dir("conf")
+
+
+def recipes_dir() -> Path:
+    """The folder of the built-in recipes (checkout `recipes/` or the packaged copy)."""
+    return _data_dir("recipes")
+
+
+@dataclass
+class RecipeInfo:
+    """One recipe file: its name (for ``+recipe=NAME``), path and one-line description."""
+
+    name: str
+    path: Path
+    description: str
+
+
+_DESCRIPTION = re.compile(r"^#\s*description:\s*(.*)$")
+
+
+def list_recipes(extra_dirs: list[str | Path] | None = None) -> list[RecipeInfo]:
+    """Recipes of the built-in folder then of ``extra_dirs`` (a later folder's recipe wins on a name clash).
+
+    Raises:
+        ConfigError: when an extra folder does not exist.
+    """
+    found: dict[str, RecipeInfo] = {}
+    dirs = [recipes_dir(), *[Path(d) for d in extra_dirs or []]]
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"--recipes-dir={str(d)!r}: no such folder. Fix: pass a folder holding NAME.yaml recipes")
+        for path in sorted(d.glob("*.yaml")):
+            description = ""
+            for line in path.read_text().splitlines()[:5]:
+                m = _DESCRIPTION.match(line.strip())
+                if m:
+                    description = m.group(1).strip()
+                    break
+            found[path.stem] = RecipeInfo(path.stem, path, description)
+    return list(found.values())
+
+
+def _register(extra_recipe_dirs: list[str | Path] | None) -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from .schema import AppConfig
+
+    cs = ConfigStore.instance()
+    cs.store(name="asyncgrpo_schema", node=AppConfig)
+    for recipe in list_recipes(extra_recipe_dirs):
+        cs.store(group="recipe", name=recipe.name, node=OmegaConf.load(recipe.path), package="_global_")
+
+
+def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Path] | None = None,
+            validate: bool = True) -> DictConfig:
+    """Compose the config: `conf/config.yaml` + ``overrides`` (e.g. ``["+recipe=smoke", "rollout.top_k=8"]``).
+
+    Returns:
+        A structured `DictConfig` of `AppConfig` (types checked, unknown keys refused).
+
+    Raises:
+        ConfigError: on an unknown key, a wrong type, a missing recipe, or a value that breaks a rule;
+            the message names the key, the value and the fix.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides or [])
+    _register(extra_recipe_dirs)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain_hydra_error(exc, overrides)) from exc
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
+    msg = str(exc).strip()
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
+        msg = f"{msg}\n{str(cause).strip()}"
+    if "recipe" in msg and "Could not find" in msg:
+        names = ", ".join(r.name for r in list_recipes())
+        return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
+    if "Key" in msg and "not in" in msg:
+        return f"{msg}\nFix: check the spelling against `asyncgrpo config` (every key is listed there)"
+    if "Could not override" in msg or "Could not append" in msg:
+        return f"{msg}\nFix: an existing key is changed with key=value; a new group option is added with +group=option"
+    return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
+
+
+def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
+    """AsyncGRPOConfig field name -> value, read from the composed config."""
+    out: dict[str, Any] = {}
+    for name, path in FIELD_PATHS.items():
+        group, key = path.split(".")
+        if name == "vllm_server_base_url":
+            out[name] = server_url(cfg)
+            continue
+        value = cfg[group][key]
+        out[name] = value.value if hasattr(value, "value") and not isinstance(value, (int, float)) else value
+    for key, value in cfg.trainer.items():
+        out[key] = value
+    return out
+
+
+def server_url(cfg: DictConfig) -> str:
+    """Base URL of the sampler: ``sampler.url`` when set, else the address of the server the CLI starts."""
+    if cfg.sampler.url:
+        return str(cfg.sampler.url).rstrip("/")
+    host = cfg.sampler.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{cfg.sampler.port}"
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Check the composed config across groups (SPEC §2, §7, §9, §8.4; CONFIG.md).
+
+    Raises:
+        ConfigError: naming the Hydra path, the value and the fix.
+    """
+    check_fields(_flat_fields(cfg), hydra_path)
+    if cfg.peft.enabled:
+        check_lora_rank(cfg.peft.r, "peft.r")
+        tm = cfg.peft.target_modules
+        names = [tm] if isinstance(tm, str) else list(tm or [])
+        if "lm_head" in names:
+            raise ConfigError("peft.target_modules includes 'lm_head': adapters on lm_head are not supported (SPEC §2). "
+                              "Fix: drop lm_head, e.g. peft.target_modules=all-linear")
+    if cfg.sampler.max_model_len is not None and cfg.sampler.max_model_len < 1:
+        raise ConfigError(f"sampler.max_model_len={cfg.sampler.max_model_len}: must be >= 1 token. "
+                          "Fix: set it to the longest prompt + rollout.max_completion_length")
+    if cfg.sampler.api_server_count < 1:
+        raise ConfigError(f"sampler.api_server_count={cfg.sampler.api_server_count}: must be >= 1. "
+                          "Fix: set sampler.api_server_count=8")
+    if cfg.sampler.max_logprobs is not None and cfg.sampler.max_logprobs != -1 \
+            and cfg.sampler.max_logprobs < cfg.rollout.num_sampler_logprobs:
+        raise ConfigError(f"sampler.max_logprobs={cfg.sampler.max_logprobs}: below rollout.num_sampler_logprobs="
+                          f"{cfg.rollout.num_sampler_logprobs}, the server would refuse every request. Fix: set "
+                          f"sampler.max_logprobs={cfg.rollout.num_sampler_logprobs} (or leave it null)")
+    if cfg.sampler.backend.value == "external" and not cfg.sampler.url:
+        raise ConfigError("sampler.backend=external needs sampler.url. Fix: add sampler.url=http://HOST:PORT")
+    server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
+    if server is not None and trainer is not None and cfg.sampler.backend.value == "vllm":
+        both = sorted(set(server) & set(trainer))
+        if both:
+            raise ConfigError(
+                f"launch.server_gpus={list(server)} and launch.trainer_gpus={list(trainer)} share GPU(s) {both}: "
+                "vLLM and the trainer must use different GPUs for NCCL weight transfer (SPEC §8.4). "
+                f"Fix: e.g. launch.server_gpus=[{server[0]}] launch.trainer_gpus="
+                f"[{','.join(str(g) for g in trainer if g not in set(server)) or server[0] + 1}]")
+    for key in ("server_gpus", "trainer_gpus"):
+        gpus = cfg.launch[key]
+        if gpus is not None and (len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus)):
+            raise ConfigError(f"launch.{key}={list(gpus)}: GPU indices must be distinct and >= 0. "
+                              f"Fix: e.g. launch.{key}=[0]")
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The composed config as plain Python containers (enums as their string values)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The composed config as YAML (what ``asyncgrpo config`` prints)."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_plain(cfg)))
+
+
+def training_args_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Keyword arguments of `AsyncGRPOConfig` from the composed config (enums as strings)."""
+    plain = to_plain(cfg)
+    kwargs = dict(plain["trainer"])
+    for name, path in FIELD_PATHS.items():
+        group, key = path.split(".")
+        kwargs[name] = plain[group][key]
+    kwargs["vllm_server_base_url"] = server_url(cfg)
+    if kwargs.get("output_dir") is None:
+        kwargs["output_dir"] = "outputs/run"
+    return kwargs
+
+
+def to_training_args(cfg: DictConfig):
+    """Build the `AsyncGRPOConfig` (a `transformers.TrainingArguments`) of a composed config."""
+    from ..train.config import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(**training_args_kwargs(cfg))

@@ -1,0 +1,125 @@
+"""Value rules shared by `AsyncGRPOConfig` (Python API) and the composed Hydra config (CLI).
+
+Each rule reads fields by their `AsyncGRPOConfig` name and reports them through ``path_of`` so the
+same check says ``top_p`` to a Python user and ``rollout.top_p`` to a CLI user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# SPEC §9: the ranks vLLM accepts for --max-lora-rank.
+ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key, the value and the fix."""
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> None:
+    raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
+
+
+def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
+    """Check the async-GRPO fields of one config (SPEC §2, §3, §7, §16.3, Appendix B).
+
+    Args:
+        values: field name → value, by `AsyncGRPOConfig` names (``top_p``, ``max_staleness`` ...).
+        path_of: maps a field name to the name the user typed (e.g. ``rollout.top_p``).
+
+    Raises:
+        ConfigError: on the first invalid value, naming ``path_of(field)``, the value and the fix.
+    """
+    p = path_of
+    g = values.get
+    if g("num_generations", 8) < 2:
+        _fail(p("num_generations"), g("num_generations"), "GRPO needs at least 2 rollouts per group to compute "
+              "a group-relative advantage", f"set {p('num_generations')}=8 (or any value >= 2)")
+    if g("max_completion_length", 1) < 1:
+        _fail(p("max_completion_length"), g("max_completion_length"), "must be >= 1 token",
+              f"set {p('max_completion_length')} to the longest reply you want, e.g. 2048")
+    temperature = g("temperature", 1.0)
+    if temperature is None or temperature <= 0:
+        _fail(p("temperature"), temperature, "must be > 0 (a greedy sampler makes every group identical and "
+              "its log-probs are not a distribution)", f"set {p('temperature')}=1.0")
+    top_p, top_k, min_p = g("top_p", 1.0), g("top_k", 0), g("min_p", None)
+    if not 0 < top_p <= 1:
+        _fail(p("top_p"), top_p, "must lie in (0, 1]", f"set {p('top_p')}=1.0 to disable nucleus filtering")
+    if top_k < 0:
+        _fail(p("top_k"), top_k, "must be >= 0 (0 disables top-k)", f"set {p('top_k')}=0")
+    if min_p is not None and not 0 <= min_p <= 1:
+        _fail(p("min_p"), min_p, "must lie in [0, 1]", f"set {p('min_p')}=null to disable it")
+    if top_p < 1 and top_k <= 0:
+        _fail(p("top_p"), top_p, f"nucleus filtering needs {p('top_k')} > 0: vLLM bounds the candidate set "
+              "with top_k (SPEC §7)", f"also set {p('top_k')}=512, or set {p('top_p')}=1.0")
+    if min_p is not None and min_p > 0 and top_k <= 0:
+        _fail(p("min_p"), min_p, f"min-p filtering needs {p('top_k')} > 0: vLLM bounds the candidate set with "
+              "top_k (SPEC §7)", f"also set {p('top_k')}=512, or set {p('min_p')}=null")
+    if g("repetition_penalty", 1.0) <= 0:
+        _fail(p("repetition_penalty"), g("repetition_penalty"), "must be > 0", f"set {p('repetition_penalty')}=1.0")
+    nlp = g("num_sampler_logprobs", 8)
+    if nlp < 0:
+        _fail(p("num_sampler_logprobs"), nlp, "must be >= 0", f"set {p('num_sampler_logprobs')}=8")
+    if g("score_centering", True) and nlp < 1:
+        _fail(p("num_sampler_logprobs"), nlp, "score centering needs the sampler's top log-probs to take the "
+              "expectation over (SPEC §3.3.2)",
+              f"set {p('num_sampler_logprobs')}=8, or {p('score_centering')}=false for the clipped objective")
+    if g("epsilon", 0.2) < 0:
+        _fail(p("epsilon"), g("epsilon"), "must be >= 0", f"set {p('epsilon')}=0.2")
+    eh = g("epsilon_high", None)
+    if eh is not None and eh < 0:
+        _fail(p("epsilon_high"), eh, "must be >= 0", f"set {p('epsilon_high')}=0.28 or null")
+    cmin, cmax = g("vllm_importance_sampling_clip_min", 0.5), g("vllm_importance_sampling_clip_max", 5.0)
+    if not 0 <= cmin < cmax:
+        _fail(p("vllm_importance_sampling_clip_min"), cmin,
+              f"needs 0 <= clip_min < {p('vllm_importance_sampling_clip_max')} (= {cmax})",
+              "use the defaults 0.5 and 5.0")
+    tb = g("token_budget", None)
+    if tb is not None and tb < 1:
+        _fail(p("token_budget"), tb, "must be >= 1 token", f"set {p('token_budget')}=null to use the server's max_model_len")
+    if g("max_concurrent_rollouts", 512) < 1:
+        _fail(p("max_concurrent_rollouts"), g("max_concurrent_rollouts"), "must be >= 1",
+              f"set {p('max_concurrent_rollouts')}=512")
+    if g("max_staleness", 4) < 0:
+        _fail(p("max_staleness"), g("max_staleness"), "must be >= 0 weight updates (0 = on-policy)",
+              f"set {p('max_staleness')}=4")
+    if g("weight_sync_steps", 1) < 1:
+        _fail(p("weight_sync_steps"), g("weight_sync_steps"), "must be >= 1 optimizer step",
+              f"set {p('weight_sync_steps')}=1")
+    if g("rollout_worker_timeout", 300.0) <= 0:
+        _fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
+              f"set {p('rollout_worker_timeout')}=300")
+    if g("vllm_server_timeout", 1800.0) <= 0:
+        _fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
+              f"set {p('vllm_server_timeout')}=1800")
+    dtype = g("dtype", "float32")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
+    if g("use_liger_kernel", False):
+        _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (SPEC §2)",
+              f"set {p('use_liger_kernel')}=false")
+    if g("remove_unused_columns", False):
+        _fail(p("remove_unused_columns"), True, "every dataset column must reach the reward functions (SPEC §2)",
+              f"set {p('remove_unused_columns')}=false")
+    if g("deepspeed", None):
+        _fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (SPEC §2)",
+              f"remove {p('deepspeed')}")
+
+
+def check_lora_rank(r: int, key: str = "peft.r") -> None:
+    """Reject LoRA ranks vLLM cannot serve (SPEC §9: the largest allowed ``--max-lora-rank`` is 512).
+
+    Raises:
+        ConfigError: when ``r`` < 1 or ``r`` > 512.
+    """
+    if r < 1 or r > ALLOWED_LORA_RANKS[-1]:
+        _fail(key, r, f"vLLM serves LoRA ranks up to {ALLOWED_LORA_RANKS[-1]} "
+              f"(--max-lora-rank is one of {', '.join(map(str, ALLOWED_LORA_RANKS))})",
+              f"set {key} to a value in 1..512, e.g. 32")
+
+
+def max_lora_rank_for(r: int) -> int:
+    """Smallest allowed ``--max-lora-rank`` >= ``r`` (SPEC §9). Raises ConfigError above 512."""
+    check_lora_rank(r)
+    return next(a for a in ALLOWED_LORA_RANKS if a >= r)

@@ -1,0 +1,320 @@
+"""Structured config of the CLI: one dataclass per Hydra group (CONFIG.md maps each path to SPEC's names).
+
+Hydra merges `conf/` and the recipes onto these dataclasses, so a wrong type or an unknown key fails
+at compose time. The `trainer` group is generated from `AsyncGRPOConfig`'s `TrainingArguments` fields
+so it accepts exactly the fields the installed transformers has, with SPEC §16.4's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class SamplerBackend(str, enum.Enum):
+    """Which inference server the main job starts (CONFIG.md `sampler.backend`)."""
+
+    vllm = "vllm"
+    embedded = "embedded"
+    external = "external"
+
+
+class AttentionBackend(str, enum.Enum):
+    """Tree-attention backend (`packing.attention`): auto = flex on CUDA, sdpa elsewhere."""
+
+    auto = "auto"
+    sdpa = "sdpa"
+    flex = "flex"
+    flash = "flash"
+
+
+class Dashboard(str, enum.Enum):
+    """Live display: auto = rich panels on a TTY, plain lines otherwise."""
+
+    auto = "auto"
+    rich = "rich"
+    plain = "plain"
+    off = "off"
+
+
+class ModelDType(str, enum.Enum):
+    """dtype the trainer loads the weights in (SPEC §16.3)."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+@dataclass
+class ModelConfig:
+    """What is trained."""
+
+    name: Optional[str] = None
+    """Hub id or local directory of the model (`AsyncGRPOTrainer`'s ``model``); set by the recipe."""
+    dtype: ModelDType = ModelDType.float32
+    """dtype the weights are loaded in (SPEC §16.3: float32 by default)."""
+    model_init_kwargs: Optional[dict[str, Any]] = None
+    """Extra keyword arguments for ``from_pretrained``."""
+    trust_remote_code: bool = False
+    """Allow checkpoints that ship their own Python code."""
+    router_aux_loss_coef: Optional[float] = None
+    """MoE load-balancing loss coefficient (None = the model config's; 0.0 disables)."""
+    gguf_file: Optional[str] = None
+    """GGUF file inside ``name`` to load with ``gguf_file=`` (GGUF-only checkpoints)."""
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: a dataset (``name``) or a generator (``generator`` + ``task``)."""
+
+    name: Optional[str] = None
+    """Hub id or local path given to ``datasets.load_dataset``."""
+    subset: Optional[str] = None
+    """Dataset configuration name (``load_dataset``'s second argument)."""
+    split: str = "train"
+    """Dataset split."""
+    streaming: bool = False
+    """Load as an IterableDataset (cannot be repositioned on resume, SPEC §12)."""
+    prompt_column: str = "prompt"
+    """Column holding the conversational prompt; a plain-string column is wrapped as one user message."""
+    system_prompt: Optional[str] = None
+    """System message prepended to every prompt."""
+    generator: Optional[str] = None
+    """Procedural prompt source instead of a dataset: ``reasoning_gym``."""
+    task: Optional[str] = None
+    """Generator task name, e.g. ``basic_arithmetic`` or ``chain_sum``."""
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the generator task (e.g. operand ranges)."""
+    size: int = 1000
+    """Number of prompts a generator makes (one epoch)."""
+    seed: int = 0
+    """Generator seed."""
+
+
+@dataclass
+class RewardFuncConfig:
+    """One reward function by import path, with optional keyword arguments (bound with functools.partial)."""
+
+    func: str = "asyncgrpo_cli.rewards:accuracy_reward"
+    """``module:function`` or ``module.function``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to the function."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation settings (SPEC §16.3 'Generation')."""
+
+    num_generations: int = 8
+    """Rollouts per prompt (G)."""
+    max_completion_length: int = 2048
+    """Max generated tokens per vLLM request (turn)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus threshold in (0, 1]; < 1 needs ``top_k`` > 0 and vLLM >= 0.28 (SPEC §7)."""
+    top_k: int = 0
+    """Top-k filter; 0 disables it."""
+    min_p: Optional[float] = None
+    """Min-p filter; > 0 needs ``top_k`` > 0."""
+    repetition_penalty: float = 1.0
+    """Passed to the sampler (Appendix B.11)."""
+    num_sampler_logprobs: int = 8
+    """Top log-probs asked per generated token (score centering); capped by the server's --max-logprobs."""
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """Extra keyword arguments for ``apply_chat_template``."""
+    max_tool_calling_iterations: Optional[int] = None
+    """Max tool-calling turns per rollout (None = no limit)."""
+    loop_cls: Optional[str] = None
+    """Import path of an ``AsyncRolloutLoop`` subclass (None = the default loop)."""
+
+
+@dataclass
+class LossConfig:
+    """Objective (SPEC §3.3)."""
+
+    score_centering: bool = True
+    """Score-centering objective (default) instead of the clipped surrogate."""
+    epsilon: float = 0.2
+    """Lower clipping epsilon."""
+    epsilon_high: Optional[float] = None
+    """Upper clipping epsilon (None = ``epsilon``)."""
+    vllm_importance_sampling_clip_min: float = 0.5
+    """C_min of masked importance sampling."""
+    vllm_importance_sampling_clip_max: float = 5.0
+    """C_max of masked importance sampling."""
+
+
+@dataclass
+class StalenessConfig:
+    """The async pipeline's limits (SPEC §4)."""
+
+    max_staleness: int = 4
+    """Max weight updates a sample may lag behind the trained policy."""
+    weight_sync_steps: int = 1
+    """Optimizer steps between weight syncs."""
+    max_concurrent_rollouts: int = 512
+    """Ceiling on rollouts in flight."""
+    rollout_worker_timeout: float = 300.0
+    """Seconds without a worker heartbeat before the trainer aborts."""
+
+
+@dataclass
+class PackingConfig:
+    """Tree packing (SPEC §6)."""
+
+    token_budget: Optional[int] = None
+    """Max forwarded tokens per row (None = the server's max_model_len)."""
+    attention: AttentionBackend = AttentionBackend.auto
+    """Tree-attention backend."""
+
+
+@dataclass
+class SamplerConfig:
+    """The inference server: which one, where, and the flags it is started with (DESIGN.md §4)."""
+
+    backend: SamplerBackend = SamplerBackend.vllm
+    """vllm (start vLLM), embedded (start ours), external (start nothing; use ``url``)."""
+    url: Optional[str] = None
+    """Base URL the worker and trainer talk to; None = http://HOST:PORT of the started server."""
+    timeout: float = 1800.0
+    """``vllm_server_timeout`` in seconds."""
+    host: str = "127.0.0.1"
+    """Address a started server binds to (dev-mode routes take no API key: keep it private)."""
+    port: int = 8000
+    """Port a started server listens on."""
+    max_model_len: Optional[int] = None
+    """``--max-model-len``: the one source of the length limit (token_budget defaults to it)."""
+    api_server_count: int = 8
+    """``--api-server-count`` (forced to 1 with runtime LoRA updating)."""
+    gpu_memory_utilization: Optional[float] = None
+    """``--gpu-memory-utilization`` (None = vLLM's default)."""
+    max_logprobs: Optional[int] = None
+    """``--max-logprobs`` (None = ``rollout.num_sampler_logprobs``)."""
+    kv_cache_tokens: Optional[int] = None
+    """Embedded server only: KV budget in tokens (None = a size derived from max_model_len)."""
+    device: str = "auto"
+    """Embedded server only: cpu, cuda, cuda:N or auto."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra arguments appended to the server command."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server."""
+
+
+@dataclass
+class PeftConfig:
+    """LoRA (SPEC §9)."""
+
+    enabled: bool = False
+    """Train a LoRA adapter instead of the full model."""
+    r: int = 16
+    """LoRA rank (<= 512)."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    lora_dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: Any = "all-linear"
+    """Modules to adapt (a name, or a list of names); ``lm_head`` is not supported."""
+
+
+@dataclass
+class LaunchConfig:
+    """Processes and GPUs (DESIGN.md §2, §7)."""
+
+    server_gpus: Optional[list[int]] = None
+    """CUDA devices of the server (None = the first GPU)."""
+    trainer_gpus: Optional[list[int]] = None
+    """CUDA devices of the trainer, one process each (None = the GPUs after the server's)."""
+    cpu_processes: int = 1
+    """Trainer processes when no GPU is used (gloo)."""
+    num_machines: int = 1
+    """Machines of a multi-node trainer."""
+    machine_rank: int = 0
+    """This machine's rank."""
+    main_process_ip: Optional[str] = None
+    """Address of machine 0 (multi-node)."""
+    main_process_port: Optional[int] = None
+    """Rendezvous port (multi-node)."""
+
+
+@dataclass
+class LoggingConfig:
+    """What the user sees."""
+
+    dashboard: Dashboard = Dashboard.auto
+    """auto (rich on a TTY, plain lines otherwise), rich, plain, off."""
+    log_completions: bool = False
+    """Print sample completions every logging step."""
+    num_completions_to_print: Optional[int] = None
+    """How many completions to print (None = all)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer group: every TrainingArguments field of AsyncGRPOConfig, typed for OmegaConf.
+
+_OMEGACONF_SCALARS = (bool, int, float, str)
+
+
+def _omegaconf_type(tp: Any) -> Any:
+    """Map a TrainingArguments annotation to a type OmegaConf can check (Any where it cannot)."""
+    if tp in _OMEGACONF_SCALARS:
+        return tp
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and args[0] in _OMEGACONF_SCALARS:
+            return Optional[args[0]]
+    return Any
+
+
+def _make_trainer_config() -> type:
+    from ..train.config import ASYNC_GRPO_FIELDS, AsyncGRPOConfig
+
+    specs = []
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    for f in dataclasses.fields(AsyncGRPOConfig):
+        if not f.init or f.name in ASYNC_GRPO_FIELDS or f.name.startswith("_"):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+            if isinstance(default, enum.Enum):
+                default = default.value
+            spec = field(default=default)
+        elif f.default_factory is not dataclasses.MISSING:
+            spec = field(default_factory=f.default_factory)
+        else:
+            spec = field(default=None)
+        tp = _omegaconf_type(hints.get(f.name, Any))
+        if spec.default is None and tp is not Any and typing.get_origin(tp) is not typing.Union:
+            tp = Optional[tp]
+        specs.append((f.name, tp, spec))
+    cls = dataclasses.make_dataclass("TrainerConfig", specs)
+    cls.__doc__ = ("Every other TrainingArguments field, by name, with SPEC §16.4's defaults "
+                   "(see `transformers.TrainingArguments` for each field's meaning).")
+    return cls
+
+
+TrainerConfig = _make_trainer_config()
+
+
+@dataclass
+class AppConfig:
+    """The whole composed config: one field per Hydra group (CONFIG.md)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardFuncConfig] = field(default_factory=list)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

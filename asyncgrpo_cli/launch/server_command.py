@@ -1,0 +1,215 @@
+"""The ONE builder of the inference server's command line and environment (DESIGN.md §4, CONFIG.md).
+
+`asyncgrpo serve` prints or execs it, `asyncgrpo train` launches it, and `asyncgrpo doctor` compares a
+running server against it and prints it as the restart command.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..config.rules import max_lora_rank_for
+
+# vLLM releases this project is written against (VLLM.md); the newest is assumed when none is installed.
+MIN_VLLM = (0, 26)
+NEWEST_SUPPORTED_VLLM = "0.33.0"
+SAMPLING_MASK_MIN_VLLM = (0, 28)  # --return-sampling-mask (VLLM.md)
+SCALE_OUT_MIN_VLLM = (0, 30)      # --enable-scale-out, when the installed sources cannot be read (VLLM.md: ~0.29/0.30+)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"0.26.0rc1+cu130"`` → ``(0, 26, 0)``: the release numbers (PEP 440, via `packaging`)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(text).release
+    except InvalidVersion:
+        return ()
+
+
+def installed_vllm_version() -> str | None:
+    """Version of the installed vLLM distribution, or None when vLLM is not installed."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_has_flag(flag: str, version: str | None) -> bool:
+    """Whether the vLLM in use accepts ``flag`` (e.g. ``--enable-scale-out``).
+
+    Reads the installed vLLM's argument definitions when ``version`` is the installed one; otherwise
+    decides by the release that introduced the flag (VLLM.md).
+    """
+    snake = flag.lstrip("-").replace("-", "_")
+    if version is not None and version == installed_vllm_version():
+        spec = importlib.util.find_spec("vllm")
+        if spec is not None and spec.origin:
+            root = Path(spec.origin).parent
+            for rel in ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "config/model.py",
+                        "entrypoints/openai/api_server.py"):
+                path = root / rel
+                if path.is_file() and snake in path.read_text(errors="ignore"):
+                    return True
+            return False
+    v = parse_version(version or NEWEST_SUPPORTED_VLLM)
+    minimum = {"enable_scale_out": SCALE_OUT_MIN_VLLM, "return_sampling_mask": SAMPLING_MASK_MIN_VLLM}.get(snake, MIN_VLLM)
+    return v >= minimum
+
+
+@dataclass
+class ServerCommand:
+    """A server command: ``argv``, the environment variables it needs on top of the caller's, and notes.
+
+    ``notes`` are human remarks (printed as ``#`` comments by ``serve --dry-run``).
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+    def shell_line(self) -> str:
+        """A copy-pasteable shell line: ``VAR=value ... program args``."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = " ".join(shlex.quote(a) for a in self.argv)
+        return f"{env} {cmd}".strip()
+
+    def flag(self, name: str) -> str | None:
+        """Value of ``--name`` in argv ("" for a bare flag), or None when absent."""
+        if name not in self.argv:
+            return None
+        i = self.argv.index(name)
+        nxt = self.argv[i + 1] if i + 1 < len(self.argv) else ""
+        return "" if nxt.startswith("--") else nxt
+
+
+def compute_dtype(cfg: DictConfig) -> str:
+    """The trainer's compute dtype (CONFIG.md): bfloat16 with ``trainer.bf16`` (None = on unless fp16),
+    float16 with ``trainer.fp16``, else ``model.dtype``."""
+    fp16 = bool(cfg.trainer.fp16)
+    bf16 = cfg.trainer.bf16
+    if bf16 is None:
+        bf16 = not fp16
+    if bf16:
+        return "bfloat16"
+    if fp16:
+        return "float16"
+    dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+    return dtype
+
+
+def uses_candidate_sets(cfg: DictConfig) -> bool:
+    """top-k, top-p or min-p filtering is on (SPEC §7)."""
+    r = cfg.rollout
+    return r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
+
+
+def lora_limits(cfg: DictConfig) -> tuple[int, int]:
+    """(``--max-lora-rank``, ``--max-loras``) for the config (SPEC §9): smallest allowed rank >= r, and
+    ``max_staleness + 2`` adapters."""
+    return max_lora_rank_for(cfg.peft.r), cfg.staleness.max_staleness + 2
+
+
+def api_server_count(cfg: DictConfig) -> int:
+    """``--api-server-count``: the configured count, forced to 1 with runtime LoRA updating (vLLM refuses both)."""
+    return 1 if cfg.peft.enabled else cfg.sampler.api_server_count
+
+
+def max_logprobs(cfg: DictConfig) -> int:
+    """``--max-logprobs``: ``sampler.max_logprobs`` or ``rollout.num_sampler_logprobs``."""
+    return cfg.sampler.max_logprobs if cfg.sampler.max_logprobs is not None else cfg.rollout.num_sampler_logprobs
+
+
+def server_gpus(cfg: DictConfig) -> list[int]:
+    """GPUs of the server: ``launch.server_gpus`` or the first GPU."""
+    return list(cfg.launch.server_gpus) if cfg.launch.server_gpus is not None else [0]
+
+
+def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
+                         use_installed: bool = True) -> ServerCommand:
+    """The server command for a composed config: vLLM's ``vllm serve`` or the embedded sampler's.
+
+    Args:
+        cfg: composed config (`asyncgrpo_cli.config.compose`).
+        vllm_version: vLLM version the flags are for; None = the installed one (when ``use_installed``),
+            else the newest supported release (said in ``notes``).
+
+    Raises:
+        ConfigError: when the config lacks what the server needs (``model.name``) or a LoRA rank is invalid.
+    """
+    from ..config.rules import ConfigError
+
+    if not cfg.model.name:
+        raise ConfigError("model.name=None: the server needs a model. Fix: add +recipe=NAME or model.name=HUB_ID_OR_DIR")
+    if cfg.sampler.backend.value == "embedded":
+        return _embedded_command(cfg)
+    notes: list[str] = []
+    if vllm_version is None and use_installed:
+        vllm_version = installed_vllm_version()
+    if vllm_version is None:
+        notes.append(f"vLLM is not installed here: flags for vLLM {NEWEST_SUPPORTED_VLLM} (newest supported)")
+    elif parse_version(vllm_version) < MIN_VLLM:
+        notes.append(f"vLLM {vllm_version} is older than the supported 0.26: upgrade with pip install 'vllm>=0.26'")
+    version = vllm_version or NEWEST_SUPPORTED_VLLM
+
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in server_gpus(cfg)), "VLLM_SERVER_DEV_MODE": "1"}
+    argv = ["vllm", "serve", str(cfg.model.name), "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
+            "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+            "--logprobs-mode", "processed_logprobs",
+            "--api-server-count", str(api_server_count(cfg))]
+    if cfg.sampler.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
+    argv += ["--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg)]
+    if cfg.sampler.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(cfg.sampler.gpu_memory_utilization)]
+    if cfg.model.trust_remote_code:
+        argv += ["--trust-remote-code"]
+    if uses_candidate_sets(cfg):
+        if vllm_has_flag("--return-sampling-mask", version):
+            argv += ["--return-sampling-mask"]
+            if vllm_has_flag("--enable-scale-out", version):
+                argv += ["--enable-scale-out"]
+        else:
+            notes.append(f"vLLM {version} cannot return sampling masks (needs >= 0.28): the trainer normalises over "
+                         "the full vocabulary and its importance ratios are biased (SPEC §7)")
+    if cfg.peft.enabled:
+        rank, loras = lora_limits(cfg)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
+        if cfg.sampler.api_server_count != 1:
+            notes.append("runtime LoRA updating needs --api-server-count 1 (vLLM refuses more)")
+    env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
+    argv += [str(a) for a in cfg.sampler.extra_args]
+    return ServerCommand(argv, env, notes)
+
+
+def _embedded_command(cfg: DictConfig) -> ServerCommand:
+    """The embedded sampler's command line: the same settings as vLLM's, under our own module."""
+    device = cfg.sampler.device
+    env: dict[str, str] = {}
+    if device.startswith("cuda") or device == "auto":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(cfg))
+    argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(cfg.model.name),
+            "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
+            "--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg),
+            "--device", "cuda" if device.startswith("cuda") else device]
+    if cfg.model.gguf_file:
+        argv += ["--gguf-file", str(cfg.model.gguf_file)]
+    if cfg.sampler.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
+    if cfg.sampler.kv_cache_tokens is not None:
+        argv += ["--kv-cache-tokens", str(cfg.sampler.kv_cache_tokens)]
+    if cfg.peft.enabled:
+        rank, loras = lora_limits(cfg)
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
+    env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
+    argv += [str(a) for a in cfg.sampler.extra_args]
+    return ServerCommand(argv, env, [])

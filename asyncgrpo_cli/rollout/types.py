@@ -1,0 +1,128 @@
+"""Data types that cross the rollout boundary (SPEC §16.6–16.8, Appendix B.24).
+
+`TurnRecord` is one sampling request, `Rollout` one finished conversation, `RolloutGroup` the
+`num_generations` rollouts of one prompt, and `TrainingSequence` one sample: the unit the trainer's
+batcher packs into rows. All are plain dataclasses of Python lists so they pickle cheaply through the
+cross-process rollout queue.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def _new_rollout_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class TurnRecord:
+    """One sampling request: the prompt sent to the sampler and what it produced (SPEC §16.7).
+
+    Attributes:
+        prompt_ids: token ids of the full prompt of this turn (all earlier turns included).
+        output_ids: token ids the sampler generated.
+        output_log_probs: sampler (processed) log-prob of each output token, natural log.
+        output_mask: per output token, 1 = trained, 0 = context only; ``None`` = train all.
+        output_sampling_mask: per output token, the candidate token ids under top-k/top-p/min-p;
+            ``None`` = the full vocabulary.
+        output_sampler_logprobs: per output token, the sampler's top-``num_sampler_logprobs``
+            log-probs keyed by token id (score centering, SPEC §3.3.2).
+        finish_reason: ``"stop"`` (EOS or stop token) or ``"length"`` (hit ``max_tokens``).
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_log_probs: list[float] = field(default_factory=list)
+    output_mask: list[int] | None = None
+    output_sampling_mask: list[list[int]] | None = None
+    output_sampler_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Rollout:
+    """One finished rollout, as returned by ``AsyncRolloutLoop.generate_one`` (SPEC §16.6)."""
+
+    completion: list[dict[str, Any]]
+    completion_ids: list[int]
+    turns: list[TurnRecord]
+    tool_call_count: int = 0
+    tool_failure_count: int = 0
+    reward: float | None = None
+    rollout_id: str = field(default_factory=_new_rollout_id)
+
+
+@dataclass
+class TrainingSequence:
+    """One training sample (SPEC Appendix B.24): what the batcher packs into rows.
+
+    Attributes:
+        input_ids: all token ids of the sample, context and generated, length ``T``.
+        trained_mask: length ``T``; 1 where the token is trained (its log-prob enters the loss).
+            The first token is never trained (nothing predicts it).
+        sampler_logprobs: length ``T``; the sampler log-prob of each trained token, 0.0 elsewhere.
+        sampler_top_ids / sampler_top_logprobs: length ``T`` lists; for trained tokens the ids and
+            log-probs of the sampler's top-``num_sampler_logprobs`` tokens, ``[]`` elsewhere.
+        sampling_mask: length ``T`` or ``None``; for trained tokens the candidate set the token was
+            drawn from (``None`` entries or a ``None`` list mean the full vocabulary).
+        advantage: the rollout's advantage (SPEC §3.2), the same for every token.
+        group_id, row_index, model_version, rollout_id: provenance, for staleness and debugging.
+        queued_at: ``time.monotonic()`` when the sample entered the rollout queue (seconds).
+    """
+
+    input_ids: list[int]
+    trained_mask: list[int]
+    sampler_logprobs: list[float]
+    advantage: float
+    group_id: int
+    row_index: int
+    model_version: int
+    rollout_id: str = ""
+    sampler_top_ids: list[list[int]] | None = None
+    sampler_top_logprobs: list[list[float]] | None = None
+    sampling_mask: list[list[int] | None] | None = None
+    queued_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.trained_mask) != n or len(self.sampler_logprobs) != n:
+            raise ValueError(
+                f"TrainingSequence: input_ids has {n} tokens but trained_mask has "
+                f"{len(self.trained_mask)} and sampler_logprobs {len(self.sampler_logprobs)}; "
+                "all three must have one entry per token"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Forwarded tokens of this sample alone (before any sharing), in tokens."""
+        return len(self.input_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Trained tokens of this sample, in tokens."""
+        return int(sum(self.trained_mask))
+
+
+@dataclass
+class RolloutGroup:
+    """The ``num_generations`` rollouts of one prompt, scored together (SPEC §16.8)."""
+
+    prompts: list[list[dict[str, Any]]]
+    reward_kwargs: dict[str, list[Any]]
+    completions: list[list[dict[str, Any]]]
+    completions_ids: list[list[int]]
+    completions_sequences: list[list[TrainingSequence]]
+    tool_call_counts: list[int]
+    tool_failure_counts: list[int]
+    model_version: int
+    group_id: int
+    row_index: int
+    env_rewards: list[tuple[type, float] | None]
+    rollout_rewards: list[float | None]
+    queued_at: float = 0.0
+    rewards: np.ndarray | None = None

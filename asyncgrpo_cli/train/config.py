@@ -1,0 +1,115 @@
+"""`AsyncGRPOConfig`: `transformers.TrainingArguments` plus the async-GRPO fields (SPEC §16.2–16.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..config.rules import check_fields
+
+# Fields this class adds to TrainingArguments, in SPEC §16.2's signature order.
+ASYNC_GRPO_FIELDS = (
+    "model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef",
+    "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "chat_template_kwargs", "max_tool_calling_iterations",
+    "vllm_server_base_url", "vllm_server_timeout",
+    "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget",
+    "max_concurrent_rollouts", "max_staleness", "weight_sync_steps", "rollout_worker_timeout",
+    "log_completions", "num_completions_to_print",
+)
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    """Training arguments of the asynchronous GRPO trainer (SPEC §16.2; defaults of §16.4).
+
+    Every `TrainingArguments` field is accepted. Changed defaults: ``logging_steps=1``,
+    ``gradient_checkpointing=True`` (transformers 5 spells it ``activation_checkpointing``), ``bf16=True`` unless ``fp16`` (on a machine without CUDA: only with
+    ``use_cpu=True``), ``learning_rate=1e-6``,
+    ``lr_scheduler_type="constant"``, ``ignore_data_skip=True`` (forced), ``remove_unused_columns=False``
+    (must stay so), optimizer ``adamw_torch_fused`` on CUDA and ``adamw_torch`` elsewhere (Appendix B.20).
+
+    Raises:
+        ConfigError (a ValueError): when a value breaks a rule of SPEC §2/§3/§7 (message names the field and fix).
+    """
+
+    # Changed TrainingArguments defaults (SPEC §16.4).
+    logging_steps: float = 1
+    gradient_checkpointing: bool | None = None  # deprecated alias of activation_checkpointing in transformers 5
+    activation_checkpointing: bool | None = None  # None (both unset) resolves to True (SPEC §16.4)
+    bf16: bool | None = None
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"
+    ignore_data_skip: bool = True
+    remove_unused_columns: bool = False
+
+    # Model.
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Keyword arguments for `from_pretrained` when the model is given by name."})
+    dtype: str = field(default="float32", metadata={
+        "help": "dtype the weights are loaded in: auto, bfloat16, float16 or float32 (SPEC §16.3)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models/tokenizers with custom code."})
+    router_aux_loss_coef: float | None = field(default=None, metadata={
+        "help": "MoE load-balancing loss coefficient; None = the model config's, 0.0 disables (SPEC §3.3.5)."})
+    # Generation.
+    num_generations: int = field(default=8, metadata={"help": "Rollouts per prompt (G)."})
+    max_completion_length: int = field(default=2048, metadata={"help": "Max generated tokens per vLLM request (turn)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; the trainer divides logits by it."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus threshold in (0, 1]; < 1 needs top_k (SPEC §7)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k filter; 0 disables it."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p filter in [0, 1]; > 0 needs top_k."})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "Passed to the sampler; != 1.0 warns that log-probs include a penalty the trainer ignores (B.11)."})
+    chat_template_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "Extra keyword arguments for apply_chat_template, e.g. {'enable_thinking': False}."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={
+        "help": "Max tool-calling turns per rollout; None = until a reply calls no tool."})
+    # vLLM server.
+    vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "Base URL of the sampler."})
+    vllm_server_timeout: float = field(default=1800.0, metadata={
+        "help": "Seconds: readiness wait, each generation request (then retried) and each weight-sync call."})
+    # Training.
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping epsilon; None = epsilon."})
+    score_centering: bool = field(default=True, metadata={"help": "Score-centering objective (SPEC §3.3.2)."})
+    vllm_importance_sampling_clip_min: float = field(default=0.5, metadata={"help": "C_min of masked IS."})
+    vllm_importance_sampling_clip_max: float = field(default=5.0, metadata={"help": "C_max of masked IS."})
+    num_sampler_logprobs: int = field(default=8, metadata={"help": "Top log-probs requested per generated token."})
+    token_budget: int | None = field(default=None, metadata={
+        "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (SPEC §6.4)."})
+    # Async pipeline.
+    max_concurrent_rollouts: int = field(default=512, metadata={"help": "Ceiling on rollouts in flight (SPEC §4.3)."})
+    max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (SPEC §4.1, B.6)."})
+    weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
+    rollout_worker_timeout: float = field(default=300.0, metadata={"help": "Seconds without a worker heartbeat."})
+    # Logging.
+    log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if self.bf16 is None:
+            # SPEC §16.4: bf16 unless fp16. Without CUDA, TrainingArguments refuses bf16 unless use_cpu,
+            # so a CPU machine resolves to fp32 unless the user asks for bf16 with use_cpu=True.
+            self.bf16 = not self.fp16 and (torch.cuda.is_available() or self.use_cpu)
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # SPEC §16.4 (gradient_checkpointing=True)
+        if self.optim == "adamw_torch_fused" and not torch.cuda.is_available():
+            self.optim = "adamw_torch"
+        self.ignore_data_skip = True  # SPEC §12: the live rollout queue cannot be skipped and replayed.
+        check_fields({f.name: getattr(self, f.name) for f in fields(self) if f.init})
+        super().__post_init__()
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        """Upper clipping epsilon: ``epsilon_high`` or, when unset, ``epsilon`` (SPEC §3.3.3)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def uses_candidate_sets(self) -> bool:
+        """True when top-k/top-p/min-p filtering is on and log-probs are renormalised over candidate sets (SPEC §7)."""
+        return self.top_k > 0 or self.top_p < 1 or (self.min_p or 0) > 0

@@ -1,0 +1,41 @@
+"""The Typer CLI: recipes, config and errors as a user sees them."""
+
+from typer.testing import CliRunner
+
+from asyncgrpo_cli.cli import app
+
+runner = CliRunner()
+
+
+def test_help_lists_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name in ("train", "serve", "doctor", "config", "recipes"):
+        assert name in result.output
+
+
+def test_recipes_lists_descriptions():
+    result = runner.invoke(app, ["recipes"])
+    assert result.exit_code == 0
+    assert "+recipe=deepmath" in result.output and "+recipe=smoke" in result.output
+    assert "DeepMath" in result.output
+
+
+def test_config_prints_composed_yaml():
+    result = runner.invoke(app, ["config", "+recipe=smoke", "rollout.num_generations=6"])
+    assert result.exit_code == 0, result.output
+    assert "num_generations: 6" in result.output and "backend: embedded" in result.output
+
+
+def test_config_error_exit_code_and_message():
+    result = runner.invoke(app, ["config", "rollout.top_p=0.5"])
+    assert result.exit_code == 2
+    assert "rollout.top_p=0.5" in result.output and "rollout.top_k" in result.output
+
+
+def test_user_recipes_dir(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("# description: tiny test recipe\n# @package _global_\nmodel:\n  name: x/y\n")
+    result = runner.invoke(app, ["recipes", "--recipes-dir", str(tmp_path)])
+    assert "+recipe=tiny" in result.output and "tiny test recipe" in result.output
+    result = runner.invoke(app, ["config", "+recipe=tiny", "--recipes-dir", str(tmp_path)])
+    assert result.exit_code == 0 and "name: x/y" in result.output

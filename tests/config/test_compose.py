@@ -1,0 +1,155 @@
+"""Composition, overrides and compose-time validation (issue: foundation; CONFIG.md, SPEC §16)."""
+
+import pytest
+
+from asyncgrpo_cli.config.compose import compose, list_recipes, to_training_args, to_yaml
+from asyncgrpo_cli.config.rules import ConfigError
+from asyncgrpo_cli.train.config import AsyncGRPOConfig
+
+
+def test_defaults_follow_spec():
+    cfg = compose([])
+    assert cfg.rollout.num_generations == 8 and cfg.rollout.max_completion_length == 2048
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0 and cfg.rollout.top_k == 0
+    assert cfg.rollout.min_p is None and cfg.rollout.repetition_penalty == 1.0
+    assert cfg.rollout.num_sampler_logprobs == 8
+    assert cfg.loss.score_centering is True and cfg.loss.epsilon == 0.2 and cfg.loss.epsilon_high is None
+    assert (cfg.loss.vllm_importance_sampling_clip_min, cfg.loss.vllm_importance_sampling_clip_max) == (0.5, 5.0)
+    assert (cfg.staleness.max_staleness, cfg.staleness.weight_sync_steps) == (4, 1)
+    assert (cfg.staleness.max_concurrent_rollouts, cfg.staleness.rollout_worker_timeout) == (512, 300.0)
+    assert cfg.packing.token_budget is None and cfg.packing.attention.value == "auto"
+    assert cfg.sampler.backend.value == "vllm" and cfg.sampler.api_server_count == 8 and cfg.sampler.timeout == 1800.0
+    assert (cfg.peft.enabled, cfg.peft.r, cfg.peft.lora_alpha, cfg.peft.target_modules) == (False, 16, 32, "all-linear")
+    assert cfg.model.dtype.value == "float32"
+    t = cfg.trainer
+    assert t.logging_steps == 1 and t.learning_rate == 1e-6
+    assert t.lr_scheduler_type == "constant" and t.ignore_data_skip is True and t.remove_unused_columns is False
+    assert t.bf16 is None
+
+
+def test_every_async_field_reaches_training_args():
+    from asyncgrpo_cli.train.config import ASYNC_GRPO_FIELDS
+
+    args = to_training_args(compose(["+recipe=deepmath", "trainer.output_dir=/tmp/agrpo-test"]))
+    assert isinstance(args, AsyncGRPOConfig)
+    defaults = AsyncGRPOConfig(output_dir="/tmp/agrpo-test")
+    for name in ASYNC_GRPO_FIELDS:
+        if name == "vllm_server_base_url":
+            continue
+        assert getattr(args, name) == getattr(defaults, name), name
+    assert args.vllm_server_base_url == "http://127.0.0.1:8000"
+
+
+OVERRIDES = {
+    "model.name": ("some/model", lambda c: c.model.name),
+    "model.dtype": ("bfloat16", lambda c: c.model.dtype.value),
+    "rollout.num_generations": (16, lambda c: c.rollout.num_generations),
+    "rollout.max_completion_length": (512, lambda c: c.rollout.max_completion_length),
+    "rollout.temperature": (0.7, lambda c: c.rollout.temperature),
+    "rollout.top_p": (0.95, lambda c: c.rollout.top_p),
+    "rollout.top_k": (512, lambda c: c.rollout.top_k),
+    "rollout.min_p": (0.05, lambda c: c.rollout.min_p),
+    "rollout.num_sampler_logprobs": (4, lambda c: c.rollout.num_sampler_logprobs),
+    "staleness.max_staleness": (2, lambda c: c.staleness.max_staleness),
+    "staleness.weight_sync_steps": (3, lambda c: c.staleness.weight_sync_steps),
+    "staleness.max_concurrent_rollouts": (64, lambda c: c.staleness.max_concurrent_rollouts),
+    "packing.token_budget": (8192, lambda c: c.packing.token_budget),
+    "sampler.backend": ("embedded", lambda c: c.sampler.backend.value),
+    "sampler.url": ("http://10.0.0.1:9000", lambda c: c.sampler.url),
+    "sampler.max_model_len": (2048, lambda c: c.sampler.max_model_len),
+    "sampler.api_server_count": (4, lambda c: c.sampler.api_server_count),
+    "peft.enabled": (True, lambda c: c.peft.enabled),
+    "peft.r": (64, lambda c: c.peft.r),
+    "peft.lora_alpha": (128, lambda c: c.peft.lora_alpha),
+    "peft.target_modules": ("[q_proj,v_proj]", lambda c: list(c.peft.target_modules)),
+    "trainer.learning_rate": (3e-6, lambda c: c.trainer.learning_rate),
+    "trainer.output_dir": ("/tmp/run", lambda c: c.trainer.output_dir),
+    "trainer.max_steps": (100, lambda c: c.trainer.max_steps),
+    "launch.server_gpus": ("[0]", lambda c: list(c.launch.server_gpus)),
+    "launch.trainer_gpus": ("[1,2]", lambda c: list(c.launch.trainer_gpus)),
+}
+
+
+def test_override_paths():
+    args = [f"{k}={v}" for k, (v, _) in OVERRIDES.items()]
+    cfg = compose(["+recipe=deepmath", *args])
+    expected = {"peft.target_modules": ["q_proj", "v_proj"], "launch.server_gpus": [0], "launch.trainer_gpus": [1, 2]}
+    for key, (value, read) in OVERRIDES.items():
+        assert read(cfg) == expected.get(key, value), key
+    args_obj = to_training_args(cfg)
+    assert args_obj.top_k == 512 and args_obj.max_staleness == 2 and args_obj.vllm_server_base_url == "http://10.0.0.1:9000"
+
+
+def test_recipes_compose_and_override_order():
+    deepmath = compose(["+recipe=deepmath"])
+    assert deepmath.model.name == "Qwen/Qwen3.5-2B"
+    assert deepmath.data.name == "trl-lib/DeepMath-103K" and deepmath.data.split == "train"
+    assert [r.func for r in deepmath.rewards] == ["asyncgrpo_cli.rewards:accuracy_reward"]
+    assert deepmath.sampler.max_model_len == 4096
+    smoke = compose(["+recipe=smoke"])
+    assert smoke.sampler.backend.value == "embedded"
+    # A command-line override wins over the recipe.
+    assert compose(["+recipe=deepmath", "sampler.max_model_len=1024"]).sampler.max_model_len == 1024
+    assert {r.name for r in list_recipes()} >= {"deepmath", "smoke"}
+    assert all(r.description for r in list_recipes())
+
+
+def test_user_recipe_dir(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "# description: my own recipe\n# @package _global_\nmodel:\n  name: me/my-model\nrollout:\n  num_generations: 4\n")
+    cfg = compose(["+recipe=mine"], extra_recipe_dirs=[tmp_path])
+    assert cfg.model.name == "me/my-model" and cfg.rollout.num_generations == 4
+    assert "mine" in {r.name for r in list_recipes([tmp_path])}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.top_p=0.9"], "rollout.top_k"),
+    (["rollout.min_p=0.1"], "rollout.top_k"),
+    (["rollout.top_p=1.5", "rollout.top_k=5"], "rollout.top_p"),
+    (["rollout.num_generations=1"], "rollout.num_generations=1"),
+    (["staleness.max_staleness=-1"], "staleness.max_staleness=-1"),
+    (["peft.enabled=true", "peft.r=600"], "peft.r=600"),
+    (["rollout.num_sampler_logprobs=0"], "rollout.num_sampler_logprobs=0"),
+    (["launch.server_gpus=[0]", "launch.trainer_gpus=[0,1]"], "launch.trainer_gpus"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["sampler.backend=external"], "sampler.url"),
+    (["loss.vllm_importance_sampling_clip_min=6"], "loss.vllm_importance_sampling_clip_min"),
+])
+def test_validation_names_key_value_and_fix(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        compose(["+recipe=deepmath", *overrides])
+    msg = str(info.value)
+    assert needle in msg and "Fix:" in msg
+
+
+def test_clipped_objective_allows_zero_logprobs():
+    cfg = compose(["rollout.num_sampler_logprobs=0", "loss.score_centering=false"])
+    assert cfg.rollout.num_sampler_logprobs == 0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.foo=1"], "foo"),
+    (["rollout.top_k=abc"], "rollout.top_k"),
+    (["sampler.backend=bogus"], "bogus"),
+    (["+recipe=does_not_exist"], "deepmath"),
+    (["trainer.not_a_training_arg=1"], "not_a_training_arg"),
+])
+def test_hydra_errors_are_config_errors(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert needle in str(info.value)
+
+
+def test_config_yaml_round_trips():
+    text = to_yaml(compose(["+recipe=deepmath"]))
+    assert "max_model_len: 4096" in text and "backend: vllm" in text and "name: Qwen/Qwen3.5-2B" in text
+
+
+def test_python_api_validates_too():
+    with pytest.raises(ConfigError, match="top_k"):
+        AsyncGRPOConfig(output_dir="/tmp/x", top_p=0.9)
+    args = AsyncGRPOConfig(output_dir="/tmp/x", remove_unused_columns=False, ignore_data_skip=False)
+    assert args.ignore_data_skip is True  # forced (SPEC §12)
+    assert args.activation_checkpointing is True and args.gradient_checkpointing is True  # SPEC §16.4
+    assert AsyncGRPOConfig(output_dir="/tmp/x", activation_checkpointing=False).gradient_checkpointing is False
+    assert args.learning_rate == 1e-6 and args.logging_steps == 1 and args.lr_scheduler_type == "constant"
