@@ -1,0 +1,385 @@
+"""The trainer's policy loss: score centering or clipped surrogate, masked IS, B.9 normalisation (SPEC §3.3).
+
+Entry point: :func:`loss_and_metrics`, called once per micro-batch row with the trained tokens' hidden
+states (tree packing gathers them). It returns the scalar loss to back-propagate and this micro-batch's
+contributions to the training metrics of SPEC §15.2. The log-prob kernel lives in :mod:`.logprobs`.
+
+Metric contributions (``dict[str, tuple[float, float] | float]``):
+
+- names ending in ``mean`` (``entropy``, ``sampling/*/mean``, ``sampling/masked_mean``,
+  ``sampling/sampler_mass``, ``clip_ratio/*_mean``) map to a ``(sum, count)`` pair over trained tokens:
+  sum the pairs across micro-batches and ranks, then divide;
+- names ending in ``min`` / ``max`` map to a plain float: reduce with ``min`` / ``max``. They are absent
+  when the micro-batch has no trained token.
+
+:func:`merge_metric_contributions` and :func:`finalize_metrics` do exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .logprobs import DEFAULT_TOKEN_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, chunked_token_logprobs
+
+__all__ = [
+    "LossConfig",
+    "loss_and_metrics",
+    "token_losses",
+    "loss_scale",
+    "merge_metric_contributions",
+    "finalize_metrics",
+]
+
+MetricValue = tuple[float, float] | float
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters (SPEC §3.3, §16.2 names in brackets).
+
+    Attributes:
+        score_centering: default objective (§3.3.2) when True, clipped surrogate (§3.3.3) when False.
+        epsilon: ε_low [``epsilon``], fraction (default 0.2).
+        epsilon_high: ε_high [``epsilon_high``]; ``None`` = ``epsilon``.
+        clip_min, clip_max: masked-IS bounds C_min, C_max [``vllm_importance_sampling_clip_min/max``].
+        temperature: sampling temperature; the trainer divides logits by it (B.10).
+        token_chunk_size, vocab_chunk_size: tile of the chunked log-prob kernel (tokens, vocabulary rows).
+
+    Raises:
+        ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0 or
+            ``clip_min`` > ``clip_max``, ``temperature`` ≤ 0, chunk sizes < 1.
+    """
+
+    score_centering: bool = True
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    clip_min: float = 0.5
+    clip_max: float = 5.0
+    temperature: float = 1.0
+    token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon!r}; SPEC default 0.2")
+        if self.epsilon_high is not None and not self.epsilon_high >= 0.0:
+            raise ValueError(f"epsilon_high must be >= 0 or None (= epsilon), got {self.epsilon_high!r}")
+        if not (0.0 <= self.clip_min <= self.clip_max):
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max, got "
+                f"min={self.clip_min!r}, max={self.clip_max!r}; SPEC defaults 0.5 and 5.0"
+            )
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        for name in ("token_chunk_size", "vocab_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def eps_high(self) -> float:
+        """ε_high with the ``None`` default resolved to ε_low."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> LossConfig:
+        """Build from an ``AsyncGRPOConfig`` (SPEC field names), with keyword ``overrides`` winning."""
+        values = dict(
+            score_centering=args.score_centering,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+            temperature=args.temperature,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+def loss_scale(global_num_trained_tokens: float, num_processes: int) -> float:
+    """Factor turning a rank's summed token losses into its micro-batch loss (SPEC Appendix B.9).
+
+    ``rank loss = Σ token losses × num_processes / global_num_trained_tokens``, where the global count is
+    the micro-batch's trained tokens summed over all ranks. With the data-parallel gradient *mean* over
+    ranks, the effective gradient is Σ over all ranks' tokens / global count. Averaging over the
+    ``gradient_accumulation_steps`` micro-batches of a step is the caller's (HF ``Trainer`` divides each
+    micro-batch loss by it).
+
+    Returns 0.0 when ``global_num_trained_tokens`` is 0 (every row empty: nothing to learn).
+
+    Raises:
+        ValueError: ``num_processes`` < 1 or ``global_num_trained_tokens`` < 0.
+    """
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+    if not global_num_trained_tokens >= 0:
+        raise ValueError(f"global_num_trained_tokens must be >= 0, got {global_num_trained_tokens!r}")
+    if global_num_trained_tokens == 0:
+        return 0.0
+    return num_processes / float(global_num_trained_tokens)
+
+
+def token_losses(
+    target_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    config: LossConfig,
+    *,
+    top_logprobs: torch.Tensor | None = None,
+    top_valid: torch.Tensor | None = None,
+    sampler_top_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses of the configured objective, from the policy's (processed) log-probs.
+
+    With ``r_t = exp(log π̃_θ(o_t) − log μ(o_t))`` and ``in(r) = 1[C_min ≤ r ≤ C_max]`` (a constant):
+
+    - score centering (§3.3.2, B.8): ``ℓ_t = −Â_t (in(r_t) r_t − Σ_{v∈top-K_t} in(r_v) π̃_θ(v))`` with
+      ``r_v = π̃_θ(v)/μ(v)``; the sum is over the valid top ids as returned, NOT renormalised. Following the
+      formula, a masked token (``in(r_t) = 0``) keeps its centering term: only ``f(r_t)`` is zeroed;
+    - clipped surrogate (§3.3.3): ``ℓ_t = −in(r_t) min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t)``.
+
+    Args:
+        target_logprobs: ``[N]`` float, differentiable, ``log π̃_θ(o_t)``.
+        advantages: ``[N]`` float, ``Â`` of each token's sample.
+        sampler_logprobs: ``[N]`` float, the sampler's processed ``log μ(o_t)``.
+        config: :class:`LossConfig`.
+        top_logprobs: ``[N, K]`` float, differentiable, ``log π̃_θ(v)`` at the sampler's top ids
+            (score centering only).
+        top_valid: ``[N, K]`` bool, which entries of ``top_logprobs`` are real.
+        sampler_top_logprobs: ``[N, K]`` float, ``log μ(v)``; non-finite entries (``-inf`` for ids outside
+            the sampler's candidate set) are skipped.
+
+    Returns:
+        ``(losses, ratio)``: ``losses`` ``[N]`` in ``target_logprobs``' dtype (differentiable) and the
+        detached ratios ``r_t`` ``[N]`` in float64 (unclamped, may be ``inf``), for metrics.
+
+    Raises:
+        ValueError: score centering without ``top_logprobs``/``top_valid``/``sampler_top_logprobs``.
+    """
+    dt = target_logprobs.dtype
+    adv = advantages.to(dt)
+    log_ratio = target_logprobs - sampler_logprobs.to(dt)
+    ratio_detached = log_ratio.detach().double().exp()
+    in_range = (ratio_detached >= config.clip_min) & (ratio_detached <= config.clip_max)
+    # Clamp only where the token is masked anyway, so exp never overflows into inf·0 = NaN gradients.
+    upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
+    ratio = log_ratio.clamp(max=upper).exp()
+    zero = torch.zeros((), dtype=dt, device=target_logprobs.device)
+    if config.score_centering:
+        if top_logprobs is None or top_valid is None or sampler_top_logprobs is None:
+            raise ValueError(
+                "score_centering=True needs top_logprobs, top_valid and sampler_top_logprobs (the sampler's "
+                "top-num_sampler_logprobs per token); request them from the sampler or set score_centering=False"
+            )
+        mu_top = sampler_top_logprobs.to(dt)
+        valid = top_valid & torch.isfinite(mu_top)
+        ratio_top = torch.where(valid, top_logprobs.detach() - mu_top, zero).exp()
+        in_top = valid & (ratio_top >= config.clip_min) & (ratio_top <= config.clip_max)
+        centering = torch.where(in_top, top_logprobs.exp(), zero).sum(dim=1)
+        losses = -adv * (torch.where(in_range, ratio, zero) - centering)
+    else:
+        clipped = ratio.clamp(1.0 - config.epsilon, 1.0 + config.eps_high)
+        surrogate = torch.minimum(ratio * adv, clipped * adv)
+        losses = torch.where(in_range, -surrogate, zero)
+    return losses, ratio_detached
+
+
+def _check_vector(name: str, t: torch.Tensor, n: int, floating: bool) -> None:
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} must have shape [N]=[{n}] (one entry per trained token), got {tuple(t.shape)}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor, got dtype {t.dtype}")
+    if not floating and t.is_floating_point():
+        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+
+
+def loss_and_metrics(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    sample_index: torch.Tensor,
+    *,
+    global_num_trained_tokens: float,
+    num_processes: int = 1,
+    config: LossConfig | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+    sampler_top_ids: torch.Tensor | None = None,
+    sampler_top_logprobs: torch.Tensor | None = None,
+    candidate_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Loss of one micro-batch row on this rank, and its metric contributions (SPEC §3.3, §15.2, B.8–B.10, B.14).
+
+    Args:
+        hidden: ``[N, H]`` float, requires grad: hidden states at each trained token's prediction index.
+        lm_head_weight: ``[V, H]`` (unsharded) output projection; ``lm_head_bias``: optional ``[V]``.
+        target_ids: ``[N]`` int64 trained tokens.
+        advantages: ``[N]`` float32 advantage of each token's sample.
+        sampler_logprobs: ``[N]`` float32 processed sampler log-probs (must be finite).
+        sample_index: ``[N]`` int64, which sample (completion) each token belongs to; only equality
+            matters (per-completion clip fractions, B.14).
+        global_num_trained_tokens: trained tokens of this micro-batch summed over all ranks (>= N).
+        num_processes: data-parallel world size (B.9).
+        config: :class:`LossConfig` (default: SPEC defaults).
+        sampler_top_ids: ``[N, K]`` int64 sampler top ids, ``-1`` padded (required with score centering).
+        sampler_top_logprobs: ``[N, K]`` float32 their processed log-probs (padding entries ignored).
+        candidate_ids: ``[N, M]`` int64 candidate sets, ``-1`` padded, ids unique per row; an all-padding
+            row (or ``None`` for the whole tensor) means the full vocabulary (SPEC §7).
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` is a float32 (float64 for float64 inputs) scalar,
+        ``Σ_t ℓ_t × num_processes / global_num_trained_tokens``; ``metrics`` maps SPEC §15.2 names to
+        ``(sum, count)`` pairs (``*mean`` names, and ``entropy``) or floats (``*min``/``*max`` names), see
+        the module docstring. ``sampling/sampler_mass`` only with score centering. The ``clip_ratio/*``
+        and ``sampling/importance_sampling_ratio/*`` populations are all trained tokens, before masking.
+
+    Raises:
+        ValueError: mismatched shapes, non-finite sampler log-probs, missing top ids with score
+            centering, ``global_num_trained_tokens`` < N, or any error of :func:`chunked_token_logprobs`.
+    """
+    config = config or LossConfig()
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
+    n = hidden.shape[0]
+    _check_vector("advantages", advantages, n, floating=True)
+    _check_vector("sampler_logprobs", sampler_logprobs, n, floating=True)
+    _check_vector("sample_index", sample_index, n, floating=False)
+    if isinstance(global_num_trained_tokens, torch.Tensor):
+        global_num_trained_tokens = float(global_num_trained_tokens.item())
+    if global_num_trained_tokens < n:
+        raise ValueError(
+            f"global_num_trained_tokens={global_num_trained_tokens} is smaller than this rank's {n} trained "
+            "tokens; pass the micro-batch's trained tokens summed over all ranks"
+        )
+    scale = loss_scale(global_num_trained_tokens, num_processes)
+    if n and not bool(torch.isfinite(sampler_logprobs).all()):
+        bad = int((~torch.isfinite(sampler_logprobs)).nonzero()[0, 0])
+        raise ValueError(
+            f"sampler_logprobs[{bad}]={float(sampler_logprobs[bad])} is not finite; every trained token needs "
+            "the sampler's log-prob of the token it drew"
+        )
+    if config.score_centering:
+        if sampler_top_ids is None or sampler_top_logprobs is None:
+            raise ValueError(
+                "score_centering=True needs sampler_top_ids and sampler_top_logprobs ([N, K], K = "
+                "num_sampler_logprobs); set num_sampler_logprobs > 0 or score_centering=False"
+            )
+    if (sampler_top_ids is None) != (sampler_top_logprobs is None):
+        raise ValueError("give sampler_top_ids and sampler_top_logprobs together (both [N, K]) or neither")
+    if sampler_top_ids is not None and tuple(sampler_top_ids.shape) != tuple(sampler_top_logprobs.shape):
+        raise ValueError(
+            f"sampler_top_ids {tuple(sampler_top_ids.shape)} and sampler_top_logprobs "
+            f"{tuple(sampler_top_logprobs.shape)} must have the same [N, K] shape"
+        )
+
+    lp = chunked_token_logprobs(
+        hidden, lm_head_weight, target_ids,
+        lm_head_bias=lm_head_bias,
+        temperature=config.temperature,
+        top_ids=sampler_top_ids if config.score_centering else None,
+        candidate_ids=candidate_ids,
+        token_chunk_size=config.token_chunk_size,
+        vocab_chunk_size=config.vocab_chunk_size,
+    )
+    losses, ratio = token_losses(
+        lp.target_logprobs, advantages, sampler_logprobs, config,
+        top_logprobs=lp.top_logprobs, top_valid=lp.top_valid, sampler_top_logprobs=sampler_top_logprobs,
+    )
+    loss = losses.sum() * scale
+    metrics = _metrics(lp.target_logprobs.detach(), ratio, lp.entropy, sampler_logprobs, sample_index,
+                       sampler_top_ids, sampler_top_logprobs, config)
+    return loss, metrics
+
+
+@torch.no_grad()
+def _metrics(target_lp, ratio, entropy, sampler_lp, sample_index, top_ids, top_lp, config) -> dict[str, MetricValue]:
+    """Metric contributions of one micro-batch (see the module docstring for the format)."""
+    n = target_lp.shape[0]
+    f64 = torch.float64
+    logp_diff = (target_lp.to(f64) - sampler_lp.to(f64)).abs()
+    masked = (ratio < config.clip_min) | (ratio > config.clip_max)
+    low = ratio < 1.0 - config.epsilon
+    high = ratio > 1.0 + config.eps_high
+    sums = {
+        "entropy": entropy.to(f64).sum(),
+        "sampling/sampling_logp_difference/mean": logp_diff.sum(),
+        "sampling/importance_sampling_ratio/mean": ratio.sum(),
+        "sampling/masked_mean": masked.to(f64).sum(),
+        "clip_ratio/region_mean": (low | high).to(f64).sum(),
+        "clip_ratio/low_mean": low.to(f64).sum(),
+        "clip_ratio/high_mean": high.to(f64).sum(),
+    }
+    if config.score_centering:
+        valid = (top_ids >= 0) & torch.isfinite(top_lp)
+        mass = torch.where(valid, top_lp.to(f64), torch.full((), -math.inf, dtype=f64, device=top_lp.device))
+        sums["sampling/sampler_mass"] = mass.exp().sum()
+    extremes: dict[str, torch.Tensor] = {}
+    if n:
+        _, inverse = torch.unique(sample_index, return_inverse=True)
+        per_sample = torch.bincount(inverse).to(f64)
+        low_frac = torch.bincount(inverse, weights=low.to(f64)) / per_sample
+        high_frac = torch.bincount(inverse, weights=high.to(f64)) / per_sample
+        extremes = {
+            "sampling/sampling_logp_difference/max": logp_diff.max(),
+            "sampling/importance_sampling_ratio/min": ratio.min(),
+            "sampling/importance_sampling_ratio/max": ratio.max(),
+            "clip_ratio/low_min": low_frac.min(),
+            "clip_ratio/high_max": high_frac.max(),
+        }
+    names = list(sums) + list(extremes)
+    values = torch.stack([*sums.values(), *extremes.values()]).tolist()  # one device sync
+    out: dict[str, MetricValue] = {}
+    for name, value in zip(names, values, strict=True):
+        out[name] = (value, float(n)) if name in sums else value
+    return out
+
+
+def _kind(name: str) -> str:
+    last = name.rsplit("/", 1)[-1]
+    if "min" in last:
+        return "min"
+    if "max" in last:
+        return "max"
+    return "mean"
+
+
+def merge_metric_contributions(contributions: Iterable[Mapping[str, MetricValue]]) -> dict[str, MetricValue]:
+    """Combine contributions of several micro-batches / ranks: pairs add, ``*min`` floats min, ``*max`` max.
+
+    Raises:
+        ValueError: a name's value has the wrong form (a pair for a min/max name or vice versa).
+    """
+    merged: dict[str, MetricValue] = {}
+    for contribution in contributions:
+        for name, value in contribution.items():
+            kind = _kind(name)
+            if (kind == "mean") != isinstance(value, tuple):
+                raise ValueError(f"metric {name!r}: expected a {'(sum, count) pair' if kind == 'mean' else 'float'}, got {value!r}")
+            if name not in merged:
+                merged[name] = value
+            elif kind == "mean":
+                s, c = merged[name]
+                merged[name] = (s + value[0], c + value[1])
+            elif kind == "min":
+                merged[name] = min(merged[name], value)
+            else:
+                merged[name] = max(merged[name], value)
+    return merged
+
+
+def finalize_metrics(contribution: Mapping[str, MetricValue]) -> dict[str, float]:
+    """Turn (merged) contributions into logged values: pairs become ``sum / count`` (dropped when count is 0)."""
+    out: dict[str, float] = {}
+    for name, value in contribution.items():
+        if isinstance(value, tuple):
+            if value[1] > 0:
+                out[name] = value[0] / value[1]
+        else:
+            out[name] = float(value)
+    return out
