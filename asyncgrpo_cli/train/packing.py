@@ -1,0 +1,817 @@
+"""Tree packing of samples into rows, the token-budget batcher and the batch metrics (SPEC §6, §15.7).
+
+A **row** is what one process forwards in one micro-batch: the samples placed there by
+:class:`TokenBudgetBatcher`, laid out by :func:`pack_row` as a prefix trie in depth-first order.
+
+Sharing rule (SPEC §6.2, "branching one token early"): a position predicts the token after it, so a
+token may be forwarded once for several samples only if their paths up to it *and its successor* (its
+label) agree. In terms of the plain token trie (one node per distinct prefix), a node ``u`` is forwarded
+``max(1, |children(u)|)`` times: once per distinct next token, and a sample that *ends* at ``u`` (no label,
+so it predicts nothing there) rides along with any copy. Hence
+
+- identical samples cost nothing extra (same row positions, each keeps its own targets, advantage and
+  sampler log-probs);
+- a sample that is a prefix of another costs nothing extra either (it ends inside the other's path, and
+  still gets its own predictions and an end marker, ``PackedRow.sample_end_index``);
+- with nothing shared every sample is its own segment: ordinary padding-free packing, packing ratio 1.0.
+
+Position ids are depths in the trie, so every token gets exactly the rotary position (and the exact set
+of keys, see ``asyncgrpo_cli.train.tree_attention``) that it would get if its sample were forwarded alone.
+
+Attention cost (used for balance and ``batch/row_imbalance``): the number of (query, key) pairs tree
+attention computes, ``Σ_i (position_i + 1)`` over the row's forwarded tokens. Equivalently, summed over
+segments, ``query_len × key_len_along_path`` minus the causal upper triangle of the segment's own block.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncgrpo_cli.rollout.types import TrainingSequence
+
+__all__ = [
+    "MicroBatchPlan",
+    "PackedRow",
+    "RowStats",
+    "TokenBudgetBatcher",
+    "attention_cost",
+    "batch_metrics",
+    "count_forwarded_tokens",
+    "pack_row",
+    "packing_ratio",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def attention_cost(position_ids: Iterable[int]) -> int:
+    """Attention cost of a row: ``Σ_i (position_i + 1)``, the number of attended (query, key) pairs.
+
+    Args:
+        position_ids: the row's position ids (depths in the trie), ints or a 1-D int tensor.
+    """
+    if isinstance(position_ids, torch.Tensor):
+        return int(position_ids.sum().item()) + int(position_ids.numel())
+    return sum(p + 1 for p in position_ids)
+
+
+def _span_cost(start: int, end: int) -> int:
+    """Cost of forwarding depths ``start .. end-1``: ``Σ_{k=start}^{end-1} (k + 1)``."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefix sharing between token lists (pack_row and the batcher)
+# --------------------------------------------------------------------------------------------------
+
+
+_W = 4  # bytes per token in a key
+if array("I").itemsize != _W:  # pragma: no cover - every mainstream platform has a 4-byte unsigned int
+    raise ImportError("asyncgrpo packing needs array('I') to hold 4-byte unsigned ints on this platform")
+
+
+def _key(ids: Sequence[int]) -> bytes:
+    """Fixed-width (4-byte) big-endian bytes of a token list: byte order matches token order, and a
+    common prefix of ``c`` tokens is a common prefix of ``4c`` bytes."""
+    try:
+        a = array("I", ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must lie in [0, 2**32); got one outside ({exc})") from None
+    if sys.byteorder == "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _lcp_tokens(a: bytes, b: bytes) -> int:
+    """Longest common prefix of two token keys, in tokens (one C-speed pass via big-int XOR)."""
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    if x == 0:
+        return n // _W
+    return (n - 1 - (x.bit_length() - 1) // 8) // _W
+
+
+def _deepest_share(keys: list[bytes], key: bytes) -> tuple[int, int, bool, int]:
+    """How deep the sample with ``key`` can share with the samples of sorted ``keys``.
+
+    The longest common prefix with a set of strings is reached at a sorted neighbour, and all strings
+    with that prefix are contiguous around the insertion point, so two comparisons suffice.
+
+    Returns:
+        ``(pos, c, continues, j)``: insertion position of ``key``; ``c``, the longest common prefix in
+        tokens; ``continues``, whether some sample with that prefix goes on past it (then the token at
+        depth ``c - 1`` needs its own copy, branching one token early); ``j``, index in ``keys`` of a
+        neighbour achieving ``c`` (``-1`` when ``c == 0``).
+    """
+    pos = bisect.bisect_left(keys, key)
+    c, continues, best = 0, False, -1
+    for j in (pos - 1, pos):
+        if 0 <= j < len(keys):
+            other_len = len(keys[j]) // _W
+            lcp = _lcp_tokens(key, keys[j])
+            if lcp > c:
+                c, continues, best = lcp, other_len > lcp, j
+            elif lcp == c and lcp > 0 and other_len > lcp:
+                continues = True
+    return pos, c, continues, best
+
+
+class _RowCounter:
+    """Forwarded tokens and attention cost of a growing row, updated per sample in ``O(log n + T)`` C time.
+
+    Keeps the row's samples as sorted keys: the longest common prefix ``c`` of a new sample with the row
+    is reached at a sorted neighbour. Inserting it then forwards depths ``c .. T-1``, plus one extra copy
+    of the token at depth ``c - 1`` if some sample continues past that prefix (branch one token early).
+    """
+
+    __slots__ = ("keys", "tokens", "cost", "sample_tokens")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.tokens = 0
+        self.cost = 0
+        self.sample_tokens = 0
+
+    def delta(self, key: bytes) -> tuple[int, int]:
+        """(new forwarded tokens, new attention cost) if the sample with ``key`` were added."""
+        t = len(key) // _W
+        _, c, extra, _ = _deepest_share(self.keys, key)
+        if c >= t:
+            return 0, 0
+        start = c - 1 if (c > 0 and extra) else c
+        return t - start, _span_cost(start, t)
+
+    def add(self, key: bytes, delta: tuple[int, int]) -> None:
+        bisect.insort(self.keys, key)
+        self.tokens += delta[0]
+        self.cost += delta[1]
+        self.sample_tokens += len(key) // _W
+
+
+def count_forwarded_tokens(token_lists: Iterable[Sequence[int]]) -> int:
+    """Forwarded tokens of a row holding these samples after tree packing (equals
+    ``pack_row(...).num_tokens``), computed without building the row."""
+    row = _RowCounter()
+    for ids in token_lists:
+        key = _key(ids)
+        row.add(key, row.delta(key))
+    return row.tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed row
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RowStats:
+    """Plain-int summary of one row, enough for :func:`batch_metrics` (all counts in tokens).
+
+    Attributes:
+        num_tokens: forwarded (unique) tokens of the row.
+        num_trained_tokens: trained tokens (loss terms), counted per sample.
+        num_trained_positions: distinct row positions holding a trained token of at least one sample.
+        num_samples: samples in the row.
+        sample_tokens: sum of the samples' own token counts (before sharing).
+        attention_cost: ``Σ (position + 1)`` over the row (see module docstring).
+        group_ids: group id of each sample.
+    """
+
+    num_tokens: int = 0
+    num_trained_tokens: int = 0
+    num_trained_positions: int = 0
+    num_samples: int = 0
+    sample_tokens: int = 0
+    attention_cost: int = 0
+    group_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PackedRow:
+    """One tree-packed row (SPEC §6.2). ``L`` forwarded tokens, ``S`` segments, ``N`` trained tokens
+    (over all samples, so shared positions can appear several times), ``n`` samples, ``K`` sampler top ids
+    per trained token, ``M`` candidate ids per trained token. All tensors are on the CPU when built.
+
+    Row layout (depth-first over the trie; a segment is a maximal chain of single-child nodes, so it is a
+    contiguous index range and segments are numbered in order of their first index):
+        input_ids: ``[L]`` int64 token ids.
+        position_ids: ``[L]`` int64 depth in the trie (= position of the token in each of its samples).
+        segment_ids: ``[L]`` int64 segment of each token.
+        dfs_enter: ``[L]`` int64 DFS entry time of each token (equal to its row index).
+        dfs_leave: ``[L]`` int64 index of the last token of each token's subtree. Key ``j`` is an ancestor-or-
+            self of query ``i`` iff ``dfs_enter[j] <= i <= dfs_leave[j]``.
+        trained_position_mask: ``[L]`` bool, True where the token is a trained token of some sample.
+        segment_start, segment_length: ``[S]`` int64 first row index and token count of each segment.
+        segment_parent: ``[S]`` int64 parent segment, ``-1`` for a root segment.
+
+    Trained tokens, ordered by sample then by position in the sample:
+        predict_index: ``[N]`` int64 row index whose hidden state predicts the token (the row index of the
+            preceding token of the same sample).
+        target_ids: ``[N]`` int64 the trained token ids.
+        sample_index: ``[N]`` int64 index of the sample (into the ``samples`` given to :func:`pack_row`).
+        advantages: ``[N]`` float32 the sample's advantage.
+        sampler_logprobs: ``[N]`` float32 sampler log-prob of the token (natural log).
+        sampler_top_ids: ``[N, K]`` int64 sampler's top ids, ``-1`` = padding (``K`` may be 0).
+        sampler_top_logprobs: ``[N, K]`` float32 their log-probs, ``-inf`` = padding.
+        candidate_ids: ``[N, M]`` int64 candidate set of each token (SPEC §7), ``-1`` = padding, a row of
+            padding = full vocabulary; ``None`` when no trained token has a candidate set.
+
+    Per sample:
+        sample_num_tokens: ``[n]`` int64 tokens of each sample alone.
+        sample_end_index: ``[n]`` int64 row index of each sample's last token (its end marker).
+        sample_group_ids, sample_model_versions: ``[n]`` int64 provenance.
+        rollout_ids: ``n`` strings.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    dfs_enter: torch.Tensor
+    dfs_leave: torch.Tensor
+    trained_position_mask: torch.Tensor
+    segment_start: torch.Tensor
+    segment_length: torch.Tensor
+    segment_parent: torch.Tensor
+    predict_index: torch.Tensor
+    target_ids: torch.Tensor
+    sample_index: torch.Tensor
+    advantages: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    sampler_top_ids: torch.Tensor
+    sampler_top_logprobs: torch.Tensor
+    candidate_ids: torch.Tensor | None
+    sample_num_tokens: torch.Tensor
+    sample_end_index: torch.Tensor
+    sample_group_ids: torch.Tensor
+    sample_model_versions: torch.Tensor
+    rollout_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls) -> PackedRow:
+        """A row with no samples (a process idle in this micro-batch); ``L = N = n = 0``."""
+        return pack_row([])
+
+    @property
+    def num_tokens(self) -> int:
+        """Forwarded tokens ``L``."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Trained tokens ``N`` (loss terms), counted per sample."""
+        return int(self.target_ids.numel())
+
+    @property
+    def num_samples(self) -> int:
+        """Samples ``n`` in the row."""
+        return int(self.sample_num_tokens.numel())
+
+    @property
+    def num_segments(self) -> int:
+        """Segments ``S`` in the row."""
+        return int(self.segment_start.numel())
+
+    @property
+    def sample_tokens(self) -> int:
+        """Sum of the samples' own token counts, before sharing (tokens)."""
+        return int(self.sample_num_tokens.sum().item())
+
+    @property
+    def attention_cost(self) -> int:
+        """``Σ (position + 1)``: attended (query, key) pairs of the row (module docstring)."""
+        return attention_cost(self.position_ids)
+
+    @property
+    def packing_ratio(self) -> float:
+        """Sample tokens per forwarded token (Appendix B.13); 1.0 for an empty row."""
+        return self.sample_tokens / self.num_tokens if self.num_tokens else 1.0
+
+    def segment_key_indices(self, segment: int) -> list[int]:
+        """Row indices of the keys/values along ``segment``'s trie path (ancestors first, then its own),
+        as in SPEC §6.2 step 4. Raises IndexError for a segment outside ``[0, S)``."""
+        if not 0 <= segment < self.num_segments:
+            raise IndexError(f"segment={segment} is outside [0, {self.num_segments})")
+        starts, lengths, parents = (t.tolist() for t in (self.segment_start, self.segment_length, self.segment_parent))
+        chain = []
+        s = segment
+        while s >= 0:
+            chain.append(s)
+            s = parents[s]
+        out: list[int] = []
+        for s in reversed(chain):
+            out.extend(range(starts[s], starts[s] + lengths[s]))
+        return out
+
+    def stats(self) -> RowStats:
+        """Plain-int summary for :func:`batch_metrics`."""
+        return RowStats(
+            num_tokens=self.num_tokens,
+            num_trained_tokens=self.num_trained_tokens,
+            num_trained_positions=int(self.trained_position_mask.sum().item()),
+            num_samples=self.num_samples,
+            sample_tokens=self.sample_tokens,
+            attention_cost=self.attention_cost,
+            group_ids=tuple(self.sample_group_ids.tolist()),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
+        """A copy with every tensor moved to ``device``."""
+        kwargs = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            kwargs[name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        return PackedRow(**kwargs)
+
+
+def _check_sample(i: int, s: TrainingSequence) -> None:
+    n = len(s.input_ids)
+    if n == 0:
+        raise ValueError(f"samples[{i}].input_ids is empty; every sample needs at least one token")
+    if s.trained_mask[0]:
+        raise ValueError(
+            f"samples[{i}].trained_mask[0] is {s.trained_mask[0]}; the first token of a sample has no "
+            "preceding token to predict it, so it cannot be trained: set it to 0"
+        )
+    for name in ("sampler_top_ids", "sampler_top_logprobs", "sampling_mask"):
+        value = getattr(s, name)
+        if value is not None and len(value) != n:
+            raise ValueError(
+                f"samples[{i}].{name} has {len(value)} entries but input_ids has {n}; give one entry per "
+                "token (empty/None for untrained tokens) or None"
+            )
+
+
+def pack_row(samples: Sequence[TrainingSequence]) -> PackedRow:
+    """Tree-pack ``samples`` into one row (SPEC §6.2). See :class:`PackedRow` for the layout.
+
+    Children are laid out in order of first appearance, except that a node's older continuation comes
+    before branches added later, so the first sample's path comes first (as in the SPEC example).
+
+    Cost: ``O(Σ T)`` in bulk list/tensor operations plus ``O(n log n)`` Python steps for ``n`` samples.
+    Each sample is a new *chain* of nodes hung below the deepest node it can share (found at a sorted
+    neighbour, as in the batcher's counter); the layout then works chain by chain.
+
+    Raises:
+        ValueError: a sample with no tokens, a trained first token, per-token lists whose length differs
+            from ``input_ids``, or a trained token whose sampler top ids and log-probs differ in length.
+    """
+    tok: list[int] = []  # per node
+    depth: list[int] = []
+    parent_node: list[int] = []
+    node_chain: list[int] = []
+    chain_first: list[int] = []  # per chain: first node, length, branches (offset, chain)
+    chain_len: list[int] = []
+    chain_kids: list[list[tuple[int, int]]] = []
+    roots: list[int] = []
+    paths: list[list[int]] = []
+    keys: list[bytes] = []  # sorted keys of the samples so far, and who owns them
+    owners: list[int] = []
+
+    for i, s in enumerate(samples):
+        _check_sample(i, s)
+        ids = s.input_ids
+        t = len(ids)
+        key = _key(ids)
+        pos, c, extra, j = _deepest_share(keys, key)
+        best = owners[j] if j >= 0 else -1
+        if c >= t:  # ends inside an earlier sample's path (or duplicates it)
+            path = paths[best][:t]
+        else:
+            if c == 0:
+                shared, attach = 0, -1
+            elif extra:  # branch one token early: a new copy of the token at depth c - 1
+                shared = c - 1
+                attach = paths[best][c - 2] if c >= 2 else -1
+            else:  # continue from the leaf where an earlier sample ended
+                shared, attach = c, paths[best][c - 1]
+            first, n = len(tok), t - shared
+            cid = len(chain_first)
+            tok.extend(ids[shared:])
+            depth.extend(range(shared, t))
+            parent_node.append(attach)
+            parent_node.extend(range(first, first + n - 1))
+            node_chain.extend([cid] * n)
+            chain_first.append(first)
+            chain_len.append(n)
+            chain_kids.append([])
+            if attach < 0:
+                roots.append(cid)
+            else:
+                pc = node_chain[attach]
+                chain_kids[pc].append((attach - chain_first[pc], cid))
+            path = paths[best][:shared] + list(range(first, first + n)) if shared else list(range(first, first + n))
+        paths.append(path)
+        keys.insert(pos, key)
+        owners.insert(pos, i)
+
+    # Layout chain by chain: a chain is contiguous in DFS order (its own continuation is each node's
+    # first child); a node's branches follow, deepest attachment first.
+    num_nodes, num_chains = len(tok), len(chain_first)
+    size = chain_len[:]
+    for cid in range(num_chains - 1, -1, -1):  # children have larger ids than their parent
+        for _, kid in chain_kids[cid]:
+            size[cid] += size[kid]
+    kids_sorted = [sorted(k, key=lambda x: -x[0]) for k in chain_kids]
+    start = [0] * num_chains
+    cursor = 0
+    for cid in roots:
+        start[cid] = cursor
+        cursor += size[cid]
+    order = [0] * num_nodes
+    index = [0] * num_nodes
+    leave = [0] * num_nodes
+    seg_flag = [False] * num_nodes
+    for cid in roots:
+        seg_flag[start[cid]] = True
+    for cid in range(num_chains):
+        s0, f, n = start[cid], chain_first[cid], chain_len[cid]
+        order[s0 : s0 + n] = range(f, f + n)
+        index[f : f + n] = range(s0, s0 + n)
+        cur = s0 + n
+        acc, prev = s0 + n - 1, n
+        per_offset: dict[int, int] = {}
+        for off, kid in kids_sorted[cid]:
+            start[kid] = cur
+            cur += size[kid]
+            leave[s0 + off + 1 : s0 + prev] = [acc] * (prev - off - 1)
+            acc += size[kid]
+            prev = off + 1
+            per_offset[off] = per_offset.get(off, 0) + 1
+        leave[s0 : s0 + prev] = [acc] * prev
+        for off, count in per_offset.items():
+            if count + (off < n - 1) >= 2:  # a branch point: every child starts a segment
+                if off < n - 1:
+                    seg_flag[s0 + off + 1] = True
+                for o, kid in kids_sorted[cid]:
+                    if o == off:
+                        seg_flag[start[kid]] = True
+
+    i64 = torch.int64
+    order_t = torch.tensor(order, dtype=i64)
+    index_t = torch.tensor(index, dtype=i64)
+    flags = torch.tensor(seg_flag, dtype=torch.bool)
+    segment_ids = torch.cumsum(flags.to(i64), 0) - 1
+    seg_start = flags.nonzero().flatten()
+    seg_len = torch.diff(seg_start, append=torch.tensor([num_nodes], dtype=i64))
+    # parent node of each segment's first token (-1 for a root), then that node's segment
+    start_parent = torch.tensor(parent_node, dtype=i64)[order_t[seg_start]] if num_nodes else seg_start
+    seg_parent = torch.where(start_parent >= 0, segment_ids[index_t[start_parent.clamp(min=0)]], -1)
+    seg_parent = seg_parent if num_nodes else seg_start
+
+    # Trained tokens, vectorised over the concatenation of all samples.
+    flat_ids: list[int] = []
+    flat_mask: list[int] = []
+    flat_lp: list[float] = []
+    flat_path: list[int] = []
+    for s, path in zip(samples, paths):
+        flat_ids.extend(s.input_ids)
+        flat_mask.extend(s.trained_mask)
+        flat_lp.extend(s.sampler_logprobs)
+        flat_path.extend(path)
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=i64)
+    g = torch.tensor(flat_mask, dtype=torch.bool).nonzero().flatten()  # never a sample's first token
+    path_t = torch.tensor(flat_path, dtype=i64)
+    sample_of = torch.repeat_interleave(torch.arange(len(samples), dtype=i64), lengths)
+    sample_index = sample_of[g]
+    predict_index = index_t[path_t[g - 1]] if g.numel() else g
+    trained_position_mask = torch.zeros(num_nodes, dtype=torch.bool)
+    if g.numel():
+        trained_position_mask[index_t[path_t[g]]] = True
+    advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)[sample_index]
+
+    g_list = g.tolist()
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + len(s.input_ids))
+    n_trained = len(g_list)
+    top_ids_t = torch.full((n_trained, 0), -1, dtype=i64)
+    top_lps_t = torch.full((n_trained, 0), -math.inf, dtype=torch.float32)
+    candidate_ids = None
+    if any(s.sampler_top_ids is not None for s in samples):
+        tid: list = []
+        tlp: list = []
+        for i, s in enumerate(samples):
+            tid.extend(s.sampler_top_ids if s.sampler_top_ids is not None else [None] * len(s.input_ids))
+            tlp.extend(s.sampler_top_logprobs if s.sampler_top_logprobs is not None else [None] * len(s.input_ids))
+        ti = [tid[x] or [] for x in g_list]
+        tl = [tlp[x] or [] for x in g_list]
+        for x, a, b in zip(g_list, ti, tl):
+            if len(a) != len(b):
+                i = bisect.bisect_right(offsets, x) - 1
+                raise ValueError(
+                    f"samples[{i}] token {x - offsets[i]}: sampler_top_ids has {len(a)} ids but "
+                    f"sampler_top_logprobs {len(b)} values; they must pair up"
+                )
+        top_ids_t = _padded(ti, -1, i64)
+        top_lps_t = _padded(tl, -math.inf, torch.float32)
+    if any(s.sampling_mask is not None for s in samples):
+        cm: list = []
+        for s in samples:
+            cm.extend(s.sampling_mask if s.sampling_mask is not None else [None] * len(s.input_ids))
+        cands = [cm[x] or [] for x in g_list]
+        if any(cands):
+            candidate_ids = _padded(cands, -1, i64)
+
+    ids_t = torch.tensor(flat_ids, dtype=i64)
+    return PackedRow(
+        input_ids=torch.tensor(tok, dtype=i64)[order_t] if num_nodes else order_t,
+        position_ids=torch.tensor(depth, dtype=i64)[order_t] if num_nodes else order_t,
+        segment_ids=segment_ids,
+        dfs_enter=torch.arange(num_nodes, dtype=i64),
+        dfs_leave=torch.tensor(leave, dtype=i64),
+        trained_position_mask=trained_position_mask,
+        segment_start=seg_start,
+        segment_length=seg_len,
+        segment_parent=seg_parent,
+        predict_index=predict_index,
+        target_ids=ids_t[g],
+        sample_index=sample_index,
+        advantages=advantages,
+        sampler_logprobs=torch.tensor(flat_lp, dtype=torch.float32)[g],
+        sampler_top_ids=top_ids_t,
+        sampler_top_logprobs=top_lps_t,
+        candidate_ids=candidate_ids,
+        sample_num_tokens=lengths,
+        sample_end_index=torch.tensor([index[p[-1]] for p in paths], dtype=i64),
+        sample_group_ids=torch.tensor([s.group_id for s in samples], dtype=i64),
+        sample_model_versions=torch.tensor([s.model_version for s in samples], dtype=i64),
+        rollout_ids=[s.rollout_id for s in samples],
+    )
+
+
+def _padded(rows: list[list], pad: float, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), max len]`` tensor of ragged lists, right-padded with ``pad``."""
+    width = max((len(r) for r in rows), default=0)
+    if all(len(r) == width for r in rows):
+        return torch.tensor(rows, dtype=dtype).reshape(len(rows), width)
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=dtype).reshape(len(rows), width)
+
+
+def packing_ratio(rows: Iterable[PackedRow | RowStats]) -> float:
+    """Sample tokens per forwarded token over ``rows`` (Appendix B.13); 1.0 when nothing is forwarded."""
+    sample_tokens = forwarded = 0
+    for row in rows:
+        st = row.stats() if isinstance(row, PackedRow) else row
+        sample_tokens += st.sample_tokens
+        forwarded += st.num_tokens
+    return sample_tokens / forwarded if forwarded else 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Token-budget batcher (SPEC §6.3)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatchPlan:
+    """One planned micro-batch: exactly ``num_processes`` rows, some possibly empty.
+
+    Attributes:
+        rows: per process, the samples placed in its row (in placement order).
+        row_sample_indices: the same samples as indices in the order they were given to the batcher.
+        row_tokens: forwarded (unique) tokens per row, ``<= token_budget``.
+        row_costs: attention cost per row (module docstring).
+        row_sample_tokens: sum of the samples' own tokens per row (before sharing).
+    """
+
+    rows: list[list[TrainingSequence]]
+    row_sample_indices: list[list[int]]
+    row_tokens: list[int]
+    row_costs: list[int]
+    row_sample_tokens: list[int]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the micro-batch."""
+        return sum(len(r) for r in self.rows)
+
+
+class _OpenMicroBatch:
+    def __init__(self, num_processes: int) -> None:
+        self.counters = [_RowCounter() for _ in range(num_processes)]
+        self.rows: list[list[TrainingSequence]] = [[] for _ in range(num_processes)]
+        self.indices: list[list[int]] = [[] for _ in range(num_processes)]
+        self.group_rows: dict[int, list[int]] = {}
+        self.num_samples = 0
+
+    def place(self, r: int, sample: TrainingSequence, index: int, key: bytes, delta: tuple[int, int]) -> None:
+        self.counters[r].add(key, delta)
+        self.rows[r].append(sample)
+        self.indices[r].append(index)
+        rows_of_group = self.group_rows.setdefault(sample.group_id, [])
+        if r not in rows_of_group:
+            rows_of_group.append(r)
+        self.num_samples += 1
+
+    def close(self) -> MicroBatchPlan:
+        return MicroBatchPlan(
+            rows=self.rows,
+            row_sample_indices=self.indices,
+            row_tokens=[c.tokens for c in self.counters],
+            row_costs=[c.cost for c in self.counters],
+            row_sample_tokens=[c.sample_tokens for c in self.counters],
+        )
+
+
+class TokenBudgetBatcher:
+    """Plans micro-batches of ``num_processes`` rows, each within ``token_budget`` forwarded tokens
+    (SPEC §6.3, §6.4, Appendix B.12). Pure Python and incremental: feed samples with :meth:`add` as they
+    leave the rollout queue, or plan a whole list with :meth:`plan`.
+
+    Placement of a sample (row load = attention cost, module docstring):
+
+    1. Into a row of the open micro-batch that already holds its group, if it fits the budget there
+       (counting only the tokens it does not share).
+    2. Its group's rows are full: into another row that fits it, if some row is still empty, or if the
+       row's load after adding it does not exceed the current most loaded row; the least loaded such
+       row wins.
+    3. Its group is new to the micro-batch: into the row, among those it fits, with the lowest load after
+       adding it (empty rows first, naturally; a row already holding a common prefix costs less).
+    4. Otherwise the micro-batch is closed and the sample opens the next one.
+
+    A sample with more tokens than ``token_budget`` fits in no row: it is dropped with a warning and
+    counted in :attr:`dropped_oversize_count` (``batch/dropped_oversize_count``).
+
+    Args:
+        token_budget: maximum forwarded (unique) tokens per row, >= 1.
+        num_processes: rows per micro-batch (data-parallel processes), >= 1.
+
+    Raises:
+        ValueError: ``token_budget`` or ``num_processes`` is not a positive int.
+    """
+
+    def __init__(self, token_budget: int, num_processes: int) -> None:
+        for name, value in (("token_budget", token_budget), ("num_processes", num_processes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.token_budget = token_budget
+        self.num_processes = num_processes
+        self.dropped_oversize_count = 0
+        self.dropped: list[TrainingSequence] = []
+        self._next_index = 0
+        self._open = _OpenMicroBatch(num_processes)
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples placed in the open (not yet closed) micro-batch."""
+        return self._open.num_samples
+
+    def add(self, sample: TrainingSequence) -> MicroBatchPlan | None:
+        """Place one sample. Returns the micro-batch it closed (the sample then opens the next one), or
+        ``None``. Oversize samples are dropped (returns ``None``)."""
+        index = self._next_index
+        n = len(sample.input_ids)
+        if n == 0:
+            raise ValueError(
+                f"sample {index} (rollout {sample.rollout_id!r}) has empty input_ids; every sample needs tokens"
+            )
+        self._next_index += 1
+        if n > self.token_budget:
+            self.dropped_oversize_count += 1
+            self.dropped.append(sample)
+            logger.warning(
+                "dropping sample %s of group %s: %d tokens exceed token_budget=%d (raise token_budget to "
+                "train on it)", sample.rollout_id or index, sample.group_id, n, self.token_budget,
+            )
+            return None
+        key = _key(sample.input_ids)
+        r, delta = self._choose(self._open, sample.group_id, key)
+        if r is not None:
+            self._open.place(r, sample, index, key, delta)
+            return None
+        closed = self._open.close()
+        self._open = _OpenMicroBatch(self.num_processes)
+        self._open.place(0, sample, index, key, (n, _span_cost(0, n)))
+        return closed
+
+    def flush(self) -> MicroBatchPlan | None:
+        """Close the open micro-batch and return it, or ``None`` if it holds no sample."""
+        if self._open.num_samples == 0:
+            return None
+        closed = self._open.close()
+        self._open = _OpenMicroBatch(self.num_processes)
+        return closed
+
+    def plan(self, samples: Iterable[TrainingSequence]) -> list[MicroBatchPlan]:
+        """Add every sample, then flush: all micro-batches that hold the samples, in order."""
+        out = []
+        for s in samples:
+            closed = self.add(s)
+            if closed is not None:
+                out.append(closed)
+        last = self.flush()
+        if last is not None:
+            out.append(last)
+        return out
+
+    def _choose(self, mb: _OpenMicroBatch, group_id: int, key: bytes) -> tuple[int | None, tuple[int, int]]:
+        budget = self.token_budget
+        counters = mb.counters
+        group_rows = mb.group_rows.get(group_id, [])
+        for r in group_rows:  # rule 1
+            d = counters[r].delta(key)
+            if counters[r].tokens + d[0] <= budget:
+                return r, d
+        max_load = max(c.cost for c in counters)
+        has_empty = any(c.tokens == 0 for c in counters)
+        best: tuple[int, int] | None = None
+        best_delta = (0, 0)
+        for r, c in enumerate(counters):
+            if r in group_rows:
+                continue
+            d = c.delta(key)
+            if c.tokens + d[0] > budget:
+                continue
+            load = c.cost + d[1]
+            if group_rows and not (has_empty or load <= max_load):  # rule 2
+                continue
+            if best is None or load < best[0]:
+                best, best_delta = (load, r), d
+        if best is None:
+            return None, (0, 0)
+        return best[1], best_delta
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch metrics (SPEC §15.7)
+# --------------------------------------------------------------------------------------------------
+
+
+def batch_metrics(
+    micro_batches: Sequence[Sequence[PackedRow | RowStats]],
+    *,
+    token_budget: int,
+    dropped_oversize_count: int = 0,
+) -> dict[str, float]:
+    """Every ``batch/*`` metric of SPEC §15.7 for one optimizer step.
+
+    Args:
+        micro_batches: the step's micro-batches, each a sequence of its rows (one per process, empty rows
+            included) as :class:`PackedRow` or :class:`RowStats`.
+        token_budget: the token budget in tokens (for ``batch/row_fill_frac``), >= 1.
+        dropped_oversize_count: samples the batcher dropped as oversize during this step.
+
+    Returns:
+        ``batch/forwarded_tokens_per_step``, ``batch/trained_tokens_per_step`` (sums over all rows),
+        ``batch/samples_per_step``, ``batch/groups_per_step`` (distinct group ids),
+        ``batch/microbatches_per_step``, ``batch/masked_token_frac`` (1 − distinct trained positions /
+        forwarded tokens), ``batch/samples_per_row``, ``batch/row_tokens_mean``, ``batch/row_tokens_max``
+        (over all rows, empty ones included), ``batch/row_fill_frac`` (mean row tokens / token_budget),
+        ``batch/row_imbalance`` (per micro-batch max row cost / mean row cost, averaged over micro-batches
+        with any cost; 1.0 if none), ``batch/packing_ratio`` (Appendix B.13), ``batch/pad_frac`` (padding to
+        the longest row of each micro-batch / all tokens after padding), ``batch/dropped_oversize_count``.
+
+    Raises:
+        ValueError: ``token_budget`` is not a positive int.
+    """
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+    forwarded = trained = trained_pos = samples = sample_tokens = 0
+    groups: set[int] = set()
+    row_tokens: list[int] = []
+    imbalances: list[float] = []
+    padded_total = pad = 0
+    for mb in micro_batches:
+        stats = [r.stats() if isinstance(r, PackedRow) else r for r in mb]
+        if not stats:
+            continue
+        costs = [s.attention_cost for s in stats]
+        if sum(costs) > 0:
+            imbalances.append(max(costs) / (sum(costs) / len(costs)))
+        longest = max(s.num_tokens for s in stats)
+        padded_total += longest * len(stats)
+        for s in stats:
+            forwarded += s.num_tokens
+            trained += s.num_trained_tokens
+            trained_pos += s.num_trained_positions
+            samples += s.num_samples
+            sample_tokens += s.sample_tokens
+            groups.update(s.group_ids)
+            row_tokens.append(s.num_tokens)
+            pad += longest - s.num_tokens
+    n_rows = len(row_tokens)
+    mean_tokens = sum(row_tokens) / n_rows if n_rows else 0.0
+    return {
+        "batch/forwarded_tokens_per_step": float(forwarded),
+        "batch/trained_tokens_per_step": float(trained),
+        "batch/samples_per_step": float(samples),
+        "batch/groups_per_step": float(len(groups)),
+        "batch/microbatches_per_step": float(len(micro_batches)),
+        "batch/masked_token_frac": 1.0 - trained_pos / forwarded if forwarded else 0.0,
+        "batch/samples_per_row": samples / n_rows if n_rows else 0.0,
+        "batch/row_tokens_mean": float(mean_tokens),
+        "batch/row_tokens_max": float(max(row_tokens, default=0)),
+        "batch/row_fill_frac": mean_tokens / token_budget,
+        "batch/row_imbalance": sum(imbalances) / len(imbalances) if imbalances else 1.0,
+        "batch/packing_ratio": sample_tokens / forwarded if forwarded else 1.0,
+        "batch/pad_frac": pad / padded_total if padded_total else 0.0,
+        "batch/dropped_oversize_count": float(dropped_oversize_count),
+    }

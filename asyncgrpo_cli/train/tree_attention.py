@@ -1,0 +1,598 @@
+"""Tree attention for tree-packed rows, plugged into transformers' ``AttentionInterface`` (SPEC §6.1–6.2).
+
+A packed row (``asyncgrpo_cli.train.packing.PackedRow``) is a prefix trie laid out depth-first. Query
+``i`` may attend key ``j`` iff ``j`` is an ancestor-or-self of ``i`` in the trie, i.e.
+``j <= i <= dfs_leave[j]``: exactly the keys it would see if its sample were forwarded alone. With
+position ids equal to trie depths, every token's hidden state (hence log-prob) matches the unpacked one.
+
+Backends (``packing.attention`` in the config; ``auto`` = ``flex`` on CUDA, ``sdpa`` elsewhere):
+
+- ``sdpa``: an explicit boolean ancestor mask ``[L, L]`` through ``torch.nn.functional.
+  scaled_dot_product_attention``. The reference, and the CPU default. Memory ``O(L²)`` bits.
+- ``flex``: FlexAttention with a block mask built from the DFS intervals (block-sparse, ``O(L²/128²)``
+  metadata). Compiled on CUDA; on CPU torch 2.13 runs its forward eagerly but has no backward.
+- ``flash``: a flash-attention varlen call where each segment is one "sequence" whose keys/values are
+  gathered along its trie path (ancestors' segments, then its own); causal alignment is bottom-right,
+  so the gathered key index equals the position id. Needs ``flash_attn`` or the ``kernels`` package able
+  to load ``kernels-community/flash-attn2`` (hub access); otherwise :class:`TreeAttentionUnavailable`.
+
+How the row reaches the attention function: :func:`forward_packed` passes a
+:class:`TreeAttentionInputs` as the ``tree_attention`` keyword of the model's forward; transformers
+forwards extra keywords down to every attention call (also through activation checkpointing's
+recomputation, which a context variable would not survive). The metadata (masks, gather indices) is built
+once per forward, on first use, and shared by all layers. To keep transformers from building its own
+``[L, L]`` mask from the non-monotonic position ids, :func:`forward_packed` passes a zero-storage 4-D
+placeholder ``attention_mask``, which transformers' mask creation returns as is. Without a
+``tree_attention`` keyword (generation, evaluation) the registered functions behave like plain ``sdpa``
+with transformers' standard masks, which are registered for the tree names in ``AttentionMaskInterface``.
+
+Not covered: models whose non-attention layers mix tokens (Gated DeltaNet convolutions / recurrent
+states, SPEC §6.5) need their own trie-aware kernels; attention sinks and logit soft-capping are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo_cli.train.packing import PackedRow
+
+__all__ = [
+    "BACKENDS",
+    "IMPLEMENTATION_NAMES",
+    "TreeAttentionInputs",
+    "TreeAttentionUnavailable",
+    "VarlenPlan",
+    "apply_tree_attention",
+    "forward_packed",
+    "load_flash_varlen",
+    "packed_forward_kwargs",
+    "register_tree_attention",
+    "resolve_backend",
+    "tree_attention_backend",
+    "varlen_attention_reference",
+]
+
+BACKENDS = ("sdpa", "flex", "flash")
+IMPLEMENTATION_NAMES = {
+    "sdpa": "asyncgrpo_tree_sdpa",
+    "flex": "asyncgrpo_tree_flex",
+    # no "flash" in the name: transformers switches model code paths on that substring
+    "flash": "asyncgrpo_tree_varlen",
+}
+_BACKEND_OF = {v: k for k, v in IMPLEMENTATION_NAMES.items()}
+FLASH_KERNEL_REPO = "kernels-community/flash-attn2"
+
+
+class TreeAttentionUnavailable(RuntimeError):
+    """The requested tree-attention backend cannot run here (missing kernel or device)."""
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Map a ``packing.attention`` value to a concrete backend.
+
+    Args:
+        backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"flash"``.
+        device: the model's device; ``auto`` gives ``flex`` on CUDA and ``sdpa`` elsewhere (``None``: CUDA
+            if available).
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    if backend == "auto":
+        if device is None:
+            on_cuda = torch.cuda.is_available()
+        else:
+            on_cuda = torch.device(device).type == "cuda"
+        return "flex" if on_cuda else "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"tree attention backend={backend!r} is unknown; use one of 'auto', {', '.join(map(repr, BACKENDS))}"
+        )
+    return backend
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-forward metadata
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VarlenPlan:
+    """Gather plan of the ``flash`` backend: one varlen "sequence" per segment.
+
+    Attributes:
+        cu_seqlens_q: ``[S + 1]`` int32 offsets of each segment's queries in the row.
+        cu_seqlens_k: ``[S + 1]`` int32 offsets of each segment's gathered keys.
+        kv_index: ``[Σ path lengths]`` int64 row index of every gathered key/value.
+        max_seqlen_q, max_seqlen_k: longest segment and longest path, in tokens.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    kv_index: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class TreeAttentionInputs:
+    """What every attention layer needs to know about the packed row, built lazily once per forward.
+
+    Args:
+        position_ids: ``[L]`` int64 depth of each token.
+        dfs_leave: ``[L]`` int64 last row index of each token's subtree.
+        segment_start, segment_length, segment_parent: ``[S]`` int64 segment table (``PackedRow``).
+        device: where masks and indices are built (the model's device).
+        varlen_fn: replacement for ``flash_attn_varlen_func`` in the ``flash`` backend (e.g.
+            :func:`varlen_attention_reference` in tests); ``None`` loads the real kernel.
+    """
+
+    def __init__(
+        self,
+        position_ids: torch.Tensor,
+        dfs_leave: torch.Tensor,
+        segment_start: torch.Tensor,
+        segment_length: torch.Tensor,
+        segment_parent: torch.Tensor,
+        device: torch.device | str,
+        varlen_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        self.varlen_fn = varlen_fn
+        self.device = torch.device(device)
+        self.position_ids = position_ids.to(self.device, dtype=torch.int64)
+        self.dfs_leave = dfs_leave.to(self.device, dtype=torch.int64)
+        self.num_tokens = int(self.position_ids.numel())
+        self._segments = (segment_start.tolist(), segment_length.tolist(), segment_parent.tolist())
+        self._cache: dict[Any, Any] = {}
+
+    @classmethod
+    def from_row(
+        cls, row: PackedRow, device: torch.device | str, varlen_fn: Callable[..., torch.Tensor] | None = None
+    ) -> TreeAttentionInputs:
+        """Metadata of a packed row, on ``device``."""
+        return cls(
+            row.position_ids, row.dfs_leave, row.segment_start, row.segment_length, row.segment_parent, device,
+            varlen_fn=varlen_fn,
+        )
+
+    def sdpa_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """``[1, 1, L, L]`` bool, True where query ``i`` (dim 2) may attend key ``j`` (dim 3)."""
+        key = ("sdpa", sliding_window)
+        if key not in self._cache:
+            idx = torch.arange(self.num_tokens, device=self.device)
+            allowed = _tree_mask_mod(self.dfs_leave, self.position_ids, sliding_window)
+            self._cache[key] = allowed(None, None, idx[:, None], idx[None, :])[None, None]
+        return self._cache[key]
+
+    def block_mask(self, sliding_window: int | None = None):
+        """FlexAttention ``BlockMask`` of the same relation as :meth:`sdpa_mask` (compiled on CUDA, so
+        the ``[L, L]`` mask is never materialised there)."""
+        key = ("flex", sliding_window)
+        if key not in self._cache:
+            mask_mod = _tree_mask_mod(self.dfs_leave, self.position_ids, sliding_window)
+            build = _block_mask_fn(self.device)
+            self._cache[key] = build(mask_mod, None, None, self.num_tokens, self.num_tokens, device=self.device)
+        return self._cache[key]
+
+    def varlen_plan(self) -> VarlenPlan:
+        """Segment-wise gather plan for the ``flash`` backend (see :class:`VarlenPlan`)."""
+        if "varlen" not in self._cache:
+            starts, lengths, parents = self._segments
+            path_ranges: list[list[tuple[int, int]]] = []
+            kv: list[int] = []
+            cu_q, cu_k = [0], [0]
+            max_k = 0
+            for s, (start, length, parent) in enumerate(zip(starts, lengths, parents)):
+                if start != cu_q[-1]:
+                    raise ValueError(
+                        f"segment {s} starts at {start}, expected {cu_q[-1]}: segments must tile the row in order"
+                    )
+                ranges = (path_ranges[parent] if parent >= 0 else []) + [(start, start + length)]
+                path_ranges.append(ranges)
+                for a, b in ranges:
+                    kv.extend(range(a, b))
+                n_k = sum(b - a for a, b in ranges)
+                cu_q.append(start + length)
+                cu_k.append(cu_k[-1] + n_k)
+                max_k = max(max_k, n_k)
+            if cu_q[-1] != self.num_tokens:
+                raise ValueError(f"segments cover {cu_q[-1]} tokens but the row has {self.num_tokens}")
+            self._cache["varlen"] = VarlenPlan(
+                cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
+                kv_index=torch.tensor(kv, dtype=torch.int64, device=self.device),
+                max_seqlen_q=max(lengths, default=0),
+                max_seqlen_k=max_k,
+            )
+        return self._cache["varlen"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Pure-PyTorch stand-in for ``flash_attn_varlen_func`` (same arguments), one SDPA call per sequence.
+
+    ``q`` ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]``; returns ``[Tq, Hq, D]``. Causal masking is
+    bottom-right aligned and ``window_size=(left, right)`` limits key distance as in flash-attention.
+    Slow; for tests and debugging of the ``flash`` gather plan.
+    """
+    out = torch.empty_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cq) - 1):
+        qs, ks = q[cq[s] : cq[s + 1]], k[ck[s] : ck[s + 1]]
+        vs = v[ck[s] : ck[s + 1]]
+        nq, nk = qs.shape[0], ks.shape[0]
+        qi = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        ki = torch.arange(nk, device=q.device)[None, :]
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+        if causal:
+            mask &= ki <= qi
+        left, right = window_size
+        if left >= 0:
+            mask &= ki >= qi - left
+        if right >= 0:
+            mask &= ki <= qi + right
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], attn_mask=mask,
+            dropout_p=dropout_p, scale=softmax_scale, enable_gqa=qs.shape[1] != ks.shape[1],
+        )
+        out[cq[s] : cq[s + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+@functools.cache
+def load_flash_varlen() -> Callable[..., torch.Tensor]:
+    """``flash_attn_varlen_func`` from the ``flash_attn`` package, else from the hub kernel
+    ``kernels-community/flash-attn2`` through the ``kernels`` package.
+
+    Raises:
+        TreeAttentionUnavailable: neither is importable/loadable (no package, no CUDA, no hub access).
+    """
+    errors = []
+    if importlib.util.find_spec("flash_attn") is not None:
+        try:
+            from flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func
+        except Exception as exc:  # noqa: BLE001 - report every reason together below
+            errors.append(f"flash_attn: {exc}")
+    else:
+        errors.append("flash_attn: not installed")
+    if importlib.util.find_spec("kernels") is not None:
+        try:
+            from kernels import get_kernel
+
+            version = None
+            try:
+                from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_VERSIONS
+
+                version = FLASH_ATTN_KERNEL_VERSIONS.get(FLASH_KERNEL_REPO)
+            except ImportError:
+                pass
+            try:
+                if version is None:
+                    kernel = get_kernel(FLASH_KERNEL_REPO)
+                else:
+                    kernel = get_kernel(FLASH_KERNEL_REPO, version=version)
+            except TypeError:
+                kernel = get_kernel(FLASH_KERNEL_REPO)
+            fn = getattr(kernel, "flash_attn_varlen_func", None)
+            if fn is None:
+                raise AttributeError(f"{FLASH_KERNEL_REPO} has no flash_attn_varlen_func")
+            return fn
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"kernels ({FLASH_KERNEL_REPO}): {exc}")
+    else:
+        errors.append("kernels: not installed")
+    raise TreeAttentionUnavailable(
+        "the 'flash' tree attention backend needs flash_attn_varlen_func, and none could be loaded ("
+        + "; ".join(errors)
+        + "). Install asyncgrpo[kernels] on a CUDA machine with Hugging Face hub access, or set "
+        "packing.attention to 'flex' (GPU) or 'sdpa'."
+    )
+
+
+def _tree_mask_mod(leave: torch.Tensor, pos: torch.Tensor, sliding_window: int | None) -> Callable:
+    """FlexAttention ``mask_mod``: key ``j`` visible to query ``i`` iff ``j <= i <= leave[j]`` (ancestor-
+    or-self in DFS order), and within ``sliding_window`` positions when one is given. It closes over
+    tensors only, so compiled callers see new rows as new inputs rather than new code."""
+    if sliding_window is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx <= leave[kv_idx])
+
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx <= leave[kv_idx]) & (pos[q_idx] - pos[kv_idx] < sliding_window)
+
+    return mask_mod
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _block_mask_fn(device: torch.device) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if device.type != "cuda":
+        return create_block_mask
+    if "block_mask" not in _compiled:
+        _compiled["block_mask"] = torch.compile(create_block_mask, dynamic=True)
+    return _compiled["block_mask"]
+
+
+def _flex_fn(device: torch.device) -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager (materialises scores); fine for CPU checks
+    if "flex" not in _compiled:
+        _compiled["flex"] = torch.compile(flex_attention, dynamic=True)
+    return _compiled["flex"]
+
+
+def _tree_attention(
+    backend: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    ctx: TreeAttentionInputs | None = kwargs.get("tree_attention")
+    if ctx is None:  # not a packed forward: behave like plain sdpa with transformers' masks
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"tree attention forwards one packed row at a time; got batch size {query.shape[0]}")
+    if query.shape[2] != ctx.num_tokens or key.shape[2] != ctx.num_tokens:
+        raise ValueError(
+            f"tree attention got {query.shape[2]} queries / {key.shape[2]} keys for a row of {ctx.num_tokens} "
+            "tokens; packed forwards cannot use a KV cache (pass use_cache=False)"
+        )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"tree attention does not support {name} (this model uses it)")
+    sliding_window = kwargs.get("sliding_window")
+    gqa = query.shape[1] != key.shape[1]
+    if backend == "sdpa":
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=ctx.sdpa_mask(sliding_window), dropout_p=dropout, scale=scaling,
+            enable_gqa=gqa,
+        )
+        return out.transpose(1, 2).contiguous(), None
+    if backend == "flex":
+        if dropout:
+            raise NotImplementedError(
+                f"the flex tree attention backend has no attention dropout (got {dropout}); use sdpa"
+            )
+        flex = _flex_fn(query.device)
+        out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if backend == "flash":
+        varlen = ctx.varlen_fn or load_flash_varlen()
+        plan = ctx.varlen_plan()
+        q = query[0].transpose(0, 1).contiguous()  # [L, Hq, D]
+        k = key[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()  # [Σ path, Hkv, D]
+        v = value[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        out = varlen(
+            q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window,
+        )
+        if isinstance(out, tuple):
+            out = out[0]
+        return out.unsqueeze(0), None
+    raise ValueError(f"unknown tree attention backend {backend!r}")
+
+
+def _make_attention_fn(backend: str) -> Callable:
+    def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """Tree attention (asyncgrpo) for one packed row: ``query`` ``[1, Hq, L, D]``, ``key``/``value``
+        ``[1, Hkv, L, D]``; returns ``([1, L, Hq, D], None)``."""
+        return _tree_attention(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    tree_attention_forward.__name__ = f"tree_attention_{backend}"
+    return tree_attention_forward
+
+
+_registered = False
+
+
+def register_tree_attention() -> None:
+    """Register the three tree-attention functions with transformers' ``AttentionInterface`` under
+    :data:`IMPLEMENTATION_NAMES`, and the standard ``sdpa`` mask builder under the same names in
+    ``AttentionMaskInterface`` (used only outside packed forwards). Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    for backend, name in IMPLEMENTATION_NAMES.items():
+        AttentionInterface.register(name, _make_attention_fn(backend))
+        AttentionMaskInterface.register(name, sdpa_mask)
+    _registered = True
+
+
+def _config(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config; tree attention needs a transformers PreTrainedModel")
+    return config
+
+
+def tree_attention_backend(model: torch.nn.Module) -> str | None:
+    """The tree backend ``model`` is switched to, or ``None`` if :func:`apply_tree_attention` was not applied."""
+    return _BACKEND_OF.get(getattr(_config(model), "_attn_implementation", None))
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def apply_tree_attention(model: torch.nn.Module, backend: str = "auto") -> str:
+    """Switch a ``PreTrainedModel`` (or a PEFT wrapper of one) to tree attention; returns the backend.
+
+    Args:
+        model: the policy model; its parameters' device decides ``auto``.
+        backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"flash"`` (module docstring).
+
+    Raises:
+        ValueError: unknown backend, a model without ``config``, or one that refuses the implementation.
+        TreeAttentionUnavailable: ``flash`` on a non-CUDA model or without a loadable kernel.
+
+    ``flex`` is accepted on CPU (its forward runs eagerly) but torch 2.13 has no CPU backward for it.
+    """
+    device = _model_device(model)
+    backend = resolve_backend(backend, device)
+    if backend == "flash":
+        if device.type != "cuda":
+            raise TreeAttentionUnavailable(
+                f"the 'flash' tree attention backend needs a CUDA model, got device {device}"
+            )
+        load_flash_varlen()
+    register_tree_attention()
+    name = IMPLEMENTATION_NAMES[backend]
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:
+        _config(model)._attn_implementation = name
+    if tree_attention_backend(model) != backend:
+        raise ValueError(
+            f"{type(model).__name__} did not accept attn_implementation={name!r}; tree packing needs a model "
+            "that dispatches attention through transformers' AttentionInterface"
+        )
+    return backend
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def packed_forward_kwargs(
+    row: PackedRow, device: torch.device | str, *, varlen_fn: Callable[..., torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for a model's forward over one packed row (the model switched to tree attention).
+
+    Returns ``input_ids`` and ``position_ids`` ``[1, L]`` int64, a zero-storage ``[1, 1, L, L]`` bool
+    placeholder ``attention_mask`` (any 4-D mask makes transformers skip building its own), ``use_cache=False``
+    and ``tree_attention`` (a :class:`TreeAttentionInputs`), all on ``device``. An empty row (``L = 0``)
+    becomes one dummy token (id 0, position 0), so that the forward still reaches every parameter; the
+    caller discards its output.
+    """
+    device = torch.device(device)
+    if row.num_tokens == 0:
+        one = torch.zeros(1, dtype=torch.int64)
+        ctx = TreeAttentionInputs(
+            one, one, one, torch.ones(1, dtype=torch.int64), -torch.ones(1, dtype=torch.int64), device,
+            varlen_fn=varlen_fn,
+        )
+        input_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    else:
+        ctx = TreeAttentionInputs.from_row(row, device, varlen_fn=varlen_fn)
+        input_ids = row.input_ids.to(device)[None]
+    length = input_ids.shape[1]
+    placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(1, 1, length, length)
+    return dict(
+        input_ids=input_ids, position_ids=ctx.position_ids[None], attention_mask=placeholder, use_cache=False,
+        tree_attention=ctx,
+    )
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    row: PackedRow,
+    *,
+    varlen_fn: Callable[..., torch.Tensor] | None = None,
+    **extra: Any,
+) -> torch.Tensor:
+    """Forward one packed row and return the last layer's hidden states (after the final norm).
+
+    The model must have been switched with :func:`apply_tree_attention`. The root model is called (so
+    FSDP2 / PEFT wrappers run their hooks) with ``logits_to_keep=1`` where supported, and the decoder's
+    output is captured by a forward hook; logits are left to the loss, which computes log-probs in
+    vocabulary chunks from these hidden states and the lm_head weight.
+
+    Args:
+        model: a causal LM (or its decoder) switched to tree attention.
+        row: the packed row (CPU or device tensors).
+        varlen_fn: override of ``flash_attn_varlen_func`` for the ``flash`` backend (tests).
+        extra: further keyword arguments for the model's forward.
+
+    Returns:
+        ``[L, H]`` hidden states in the model's dtype, on the model's device. For an empty row
+        (``L = 0``) one dummy token is forwarded and a ``[0, H]`` slice of its output is returned, so every
+        parameter still joins the backward pass (data-parallel collectives stay in step).
+
+    Raises:
+        ValueError: the model was not switched to tree attention.
+    """
+    backend = tree_attention_backend(model)
+    if backend is None:
+        raise ValueError(
+            f"the model's attn_implementation is {getattr(_config(model), '_attn_implementation', None)!r}; "
+            "call apply_tree_attention(model, backend) before forward_packed"
+        )
+    kwargs = packed_forward_kwargs(row, _model_device(model), varlen_fn=varlen_fn)
+    kwargs.update(extra)
+    keep = row.num_tokens
+
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    if decoder is model:
+        out = model(**kwargs)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    else:
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        if _accepts(base.forward, "logits_to_keep"):
+            kwargs.setdefault("logits_to_keep", 1)
+        captured: list[torch.Tensor] = []
+
+        def hook(_module, _args, output):
+            captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+        handle = decoder.register_forward_hook(hook)
+        try:
+            model(**kwargs)
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError(f"{type(decoder).__name__} (the model's decoder) was not called by the forward")
+        hidden = captured[-1]
+    return hidden[0, :keep]
