@@ -1,0 +1,36 @@
+"""The sampler boundary (DESIGN §5): one HTTP client for vLLM and the embedded sampler.
+
+- `SamplerClient` (async; the rollout worker) and `SyncSamplerClient` (CLI, doctor, weight sync);
+- `SamplingParams` in, `TurnResult` out (``to_turn_record()`` gives the shared `TurnRecord`);
+- `ServerLoad` from ``/metrics`` (SPEC §4.2);
+- ``asyncgrpo_cli.sampler.embedded``: the embedded vLLM-protocol server.
+"""
+
+from .client import (
+    SamplerClient,
+    SamplerError,
+    SamplerProtocolError,
+    SamplerRequestError,
+    SamplerRetryError,
+    SamplerUnavailableError,
+    SamplingParams,
+    SeedSequence,
+    SyncSamplerClient,
+    TurnResult,
+)
+from .prometheus import ServerLoad, parse_server_load
+
+__all__ = [
+    "SamplerClient",
+    "SamplerError",
+    "SamplerProtocolError",
+    "SamplerRequestError",
+    "SamplerRetryError",
+    "SamplerUnavailableError",
+    "SamplingParams",
+    "SeedSequence",
+    "ServerLoad",
+    "SyncSamplerClient",
+    "TurnResult",
+    "parse_server_load",
+]

@@ -1,0 +1,1 @@
+"""Tests of the sampler boundary: client, embedded server, conformance suite."""

@@ -1,0 +1,320 @@
+"""The async client against aiohttp servers that misbehave (SPEC Appendix B.17)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from asyncgrpo_cli.sampler import (
+    SamplerClient,
+    SamplerProtocolError,
+    SamplerRequestError,
+    SamplerRetryError,
+    SamplerUnavailableError,
+    SamplingParams,
+    SyncSamplerClient,
+)
+
+from .conftest import run
+
+PARAMS = SamplingParams(max_tokens=2, logprobs=1)
+GOOD = {
+    "choices": [
+        {
+            "token_ids": [7, 8],
+            "finish_reason": "length",
+            "logprobs": {"token_logprobs": [-0.1, -0.2], "top_logprobs": [{"token_id:7": -0.1}, {"token_id:8": -0.2}]},
+        }
+    ]
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def serve(handler, port: int | None = None, route: str = "/v1/completions") -> TestServer:
+    app = web.Application()
+    app.router.add_route("*", route, handler)
+    server = TestServer(app, host="127.0.0.1", port=port)
+    await server.start_server()
+    return server
+
+
+def fast_client(url: str, **kw) -> SamplerClient:
+    kw.setdefault("timeout_s", 5.0)
+    return SamplerClient(url, max_concurrency=4, backoff_base_s=0.01, backoff_max_s=0.05, **kw)
+
+
+def url_of(server: TestServer) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+def test_pool_is_sized_to_the_concurrency_limit():
+    c = SamplerClient("http://127.0.0.1:1/v1", max_concurrency=700)
+    assert c.limits.max_connections == 704 and c.limits.max_keepalive_connections == 704
+    assert c.base_url == "http://127.0.0.1:1"
+    run(c.aclose())
+    with pytest.raises(ValueError, match="base_url"):
+        SamplerClient("localhost:8000")
+
+
+def test_concurrency_never_exceeds_the_limit():
+    limit = 3
+    state = {"inflight": 0, "max": 0}
+    release = asyncio.Event()
+
+    async def handler(request):
+        state["inflight"] += 1
+        state["max"] = max(state["max"], state["inflight"])
+        if state["inflight"] >= limit:
+            release.set()
+        await release.wait()
+        state["inflight"] -= 1
+        return web.json_response(GOOD)
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with SamplerClient(url_of(server), max_concurrency=limit, timeout_s=30) as c:
+                turns = await asyncio.gather(*(c.generate_turn([1], PARAMS) for _ in range(3 * limit)))
+        finally:
+            await server.close()
+        return turns
+
+    turns = run(main())
+    assert len(turns) == 9 and state["max"] == limit
+    assert len({t.seed for t in turns}) == 9
+
+
+def test_5xx_then_ok_is_retried_and_counted():
+    calls = []
+
+    async def handler(request):
+        calls.append(await request.json())
+        if len(calls) <= 2:
+            return web.json_response({"error": {"message": "engine busy"}}, status=503)
+        return web.json_response(GOOD)
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with fast_client(url_of(server)) as c:
+                turn = await c.generate_turn([1, 2], PARAMS)
+                return turn, c.retry_count
+        finally:
+            await server.close()
+
+    turn, retries = run(main())
+    assert turn.output_ids == [7, 8] and retries == 2
+    assert calls[0]["seed"] == calls[2]["seed"]  # a retry resends the same request
+
+
+def test_closed_connection_is_retried():
+    calls = []
+
+    async def handler(request):
+        calls.append(1)
+        if len(calls) == 1:
+            request.transport.close()  # drop the connection without an answer
+            await asyncio.sleep(0)
+            return web.Response()
+        return web.json_response(GOOD)
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with fast_client(url_of(server)) as c:
+                turn = await c.generate_turn([1], PARAMS)
+                return turn, c.retry_count
+        finally:
+            await server.close()
+
+    turn, retries = run(main())
+    assert turn.output_ids == [7, 8] and retries == 1
+
+
+def test_slow_server_times_out_then_gives_up_within_bound():
+    async def handler(request):
+        await asyncio.Event().wait()  # never answers
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with fast_client(url_of(server), timeout_s=0.2, max_retries=2) as c:
+                start = time.monotonic()
+                with pytest.raises(SamplerRetryError) as err:
+                    await c.generate_turn([1], PARAMS)
+                return err.value, c.retry_count, time.monotonic() - start
+        finally:
+            await server.close()
+
+    error, retries, elapsed = run(main())
+    assert retries == 2
+    assert "/v1/completions" in str(error) and "timed out" in str(error) and "after 2 retries" in str(error)
+    assert elapsed < 10  # 3 attempts × 0.2 s + backoff, with a generous margin
+
+
+def test_4xx_is_not_retried_and_carries_message_route_and_request():
+    async def handler(request):
+        body = {"error": {"message": "This model's maximum context length is 64 tokens.", "type": "BadRequestError", "code": 400}}
+        return web.json_response(body, status=400)
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with fast_client(url_of(server)) as c:
+                with pytest.raises(SamplerRequestError) as err:
+                    await c.generate_turn([1, 2, 3], PARAMS)
+                return err.value, c.retry_count
+        finally:
+            await server.close()
+
+    error, retries = run(main())
+    assert retries == 0 and error.status == 400
+    assert error.server_message == "This model's maximum context length is 64 tokens."
+    text = str(error)
+    assert "/v1/completions" in text and "maximum context length" in text and "prompt=<3 items>" in text
+
+
+def test_malformed_json_names_the_route():
+    async def handler(request):
+        return web.Response(text="<html>proxy error</html>", content_type="text/html")
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with fast_client(url_of(server)) as c:
+                with pytest.raises(SamplerProtocolError) as err:
+                    await c.generate_turn([1], PARAMS)
+                return err.value, c.retry_count
+        finally:
+            await server.close()
+
+    error, retries = run(main())
+    assert retries == 0 and error.route == "/v1/completions"
+    assert "not JSON" in str(error) and "proxy error" in str(error)
+
+
+def test_server_down_gives_up_after_timeout_naming_url():
+    port = free_port()
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}", timeout_s=0.5) as c:
+            start = time.monotonic()
+            with pytest.raises(SamplerUnavailableError) as err:
+                await c.generate_turn([1], PARAMS)
+            return err.value, c.retry_count, time.monotonic() - start
+
+    error, retries, elapsed = run(main())
+    assert retries >= 2  # refused connections are retried beyond max_retries' budget until the deadline
+    assert f"127.0.0.1:{port}/v1/completions" in str(error) and "refused" in str(error)
+    assert 0.4 <= elapsed < 10
+
+
+def test_server_coming_back_is_waited_for():
+    port = free_port()
+
+    async def handler(request):
+        return web.json_response(GOOD)
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}", timeout_s=60) as c:
+            task = asyncio.create_task(c.generate_turn([1], PARAMS))
+            deadline = time.monotonic() + 30
+            while c.retry_count < 1:  # the client has been refused at least once
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            server = await serve(handler, port=port)
+            try:
+                turn = await asyncio.wait_for(task, 30)
+            finally:
+                await server.close()
+            return turn
+
+    assert run(main()).output_ids == [7, 8]
+
+
+def test_wait_until_ready_deadline_and_success():
+    port = free_port()
+
+    async def health(request):
+        return web.Response()
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}") as c:
+            with pytest.raises(SamplerUnavailableError) as err:
+                await c.wait_until_ready(0.3, poll_s=0.05)
+            server = await serve(health, port=port, route="/health")
+            try:
+                waited = await c.wait_until_ready(10, poll_s=0.05)
+            finally:
+                await server.close()
+            return err.value, waited
+
+    error, waited = run(main())
+    assert f"http://127.0.0.1:{port}" in str(error) and "not ready after 0.3 s" in str(error)
+    assert waited < 10
+
+
+def test_metrics_absent_and_server_info_absent_give_none():
+    async def other(request):
+        return web.json_response({})
+
+    async def main():
+        server = await serve(other, route="/other")
+        try:
+            async with fast_client(url_of(server)) as c:
+                return await c.read_metrics(), await c.server_info()
+        finally:
+            await server.close()
+
+    assert run(main()) == (None, None)
+
+
+def test_control_routes_fail_fast_with_route_name():
+    async def handler(request):
+        return web.json_response({"error": "weight transfer not initialised"}, status=500)
+
+    async def main():
+        server = await serve(handler, route="/update_weights")
+        try:
+            async with fast_client(url_of(server)) as c:
+                with pytest.raises(SamplerRetryError) as err:
+                    await c.update_weights({"names": []})
+                return err.value, c.retry_count
+        finally:
+            await server.close()
+
+    error, retries = run(main())
+    assert retries == 0 and "/update_weights" in str(error) and "not initialised" in str(error)
+
+
+def test_sync_client_reset_prefix_cache_retries_while_false():
+    answers = iter([False, False, True])
+
+    async def handler(request):
+        return web.json_response({"success": next(answers)})
+
+    async def main():
+        server = await serve(handler, route="/reset_prefix_cache")
+        try:
+            url = url_of(server)
+            loop = asyncio.get_running_loop()
+
+            def blocking():
+                with SyncSamplerClient(url, timeout_s=5) as sync:
+                    return sync.reset_prefix_cache(max_attempts=5, retry_delay_s=0.01)
+
+            return await loop.run_in_executor(None, blocking)
+        finally:
+            await server.close()
+
+    assert run(main()) is True
