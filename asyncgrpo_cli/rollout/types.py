@@ -126,3 +126,26 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
+
+
+@dataclass
+class PromptOutcome:
+    """What the worker puts in the rollout queue for one prompt: its kept samples, or none.
+
+    The trainer reads ``position`` to keep the resume position (SPEC §12): the first prompt position not
+    yet trained. Dropped groups (zero reward spread) and filtered prompts count as consumed (SPEC §3.2,
+    §11), so they travel through the queue too, with no samples.
+
+    Attributes:
+        position: global prompt position, ``epoch × len(dataset) + row_index``.
+        row_index: the prompt's row in the dataset.
+        kind: ``"kept"`` (samples to train), ``"dropped"`` (group dropped) or ``"filtered"``.
+        samples: the kept group's samples (empty otherwise).
+        group_id: the group's id (``None`` for a filtered prompt).
+    """
+
+    position: int
+    row_index: int
+    kind: str
+    samples: list[TrainingSequence] = field(default_factory=list)
+    group_id: int | None = None

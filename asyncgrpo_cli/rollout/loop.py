@@ -1,0 +1,460 @@
+"""`AsyncRolloutLoop`: generates, scores and queues rollouts in the spawned worker (SPEC §3.1, §4, §11, §16.5).
+
+One asyncio event loop runs four kinds of tasks:
+
+- the *producer* walks the prompts (epochs, ``filter_prompt``), waits while the staleness token allowance
+  is used up (``rollout/backpressure_s``), and starts one task per group;
+- each *group task* stamps the model version, runs ``num_generations`` rollouts (each holds a concurrency
+  slot under the adaptive cap while it runs), reconciles turns into samples and hands the group to the
+  bounded score queue (``rollout/score_block_s`` while it is full);
+- the *scorer* runs the reward functions, ``compute_advantages`` and the drop rule, and puts kept samples
+  into the cross-process rollout queue;
+- the *monitor* beats the heartbeat, reads the server's ``/metrics`` every 5 s for the adaptive cap, reads
+  the trainer's consumption counter, and ships metric windows to the trainer.
+
+The hooks (``filter_prompt``, ``generate_one``, ``generate_one_turn``, ``compute_advantages``, ``setup``,
+``close``) are the customisation points of SPEC §11; Appendix B.19 fixes which are coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ..metrics import MetricsWindow
+from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
+from .allowance import TokenAllowance
+from .concurrency import ConcurrencyCap
+from .reward_runner import RewardRunner
+from .sequences import ReconcileStats, rollout_to_sequences
+from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
+
+METRICS_POLL_S = 5.0       # SPEC §4.2: /metrics every 5 seconds
+HEARTBEAT_S = 1.0          # heartbeat and consumption-counter period, seconds
+METRICS_SHIP_S = 1.0       # how often a metrics snapshot goes to the trainer, seconds
+
+
+class EpochExhaustedError(RuntimeError):
+    """Every prompt of an epoch was rejected by ``filter_prompt`` (SPEC §11): no batch could ever form."""
+
+
+class AsyncRolloutLoop:
+    """Generates and scores rollouts for `AsyncGRPOTrainer` in the spawned worker process (SPEC §16.5).
+
+    Subclass it, override a hook, and set the subclass as the trainer's ``loop_cls``. Hooks read
+    ``self.config`` (the `AsyncGRPOConfig`) and ``self.tokenizer``.
+
+    Beyond SPEC §16.5's arguments:
+        consumed_tokens_value: shared counter of sample tokens the trainer has pulled from the rollout
+            queue (monotonic); the worker subtracts it from its queued tokens (Appendix B.4).
+        concurrency_value / cap_value: shared values the worker publishes for the dashboard.
+        client: a ready `SamplerClient` (tests); None = one built from the config in ``run``.
+
+    Raises:
+        NotImplementedError: ``tools`` or ``environment_factory`` given (agent training is not in this
+            version of the worker).
+    """
+
+    metrics_poll_s: float = METRICS_POLL_S
+    """Seconds between ``/metrics`` reads (SPEC §4.2); a class attribute so tests can shorten it."""
+
+    def __init__(self, config, model_name: str, dataset, reward_funcs, processing_class, eos_token_ids: list[int],
+                 rollout_buffer, model_version_value, token_allowance, heartbeat_value, failed_event,
+                 exception_info_queue, metrics_queue, tools=None, environment_factory=None,
+                 score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
+                 consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None) -> None:
+        if tools or environment_factory:
+            raise NotImplementedError("tools and environment_factory are not supported by this version of the "
+                                      "rollout worker; train without them or override generate_one")
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_runner = RewardRunner(list(reward_funcs or []))
+        self.tokenizer = processing_class
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.rollout_buffer = rollout_buffer
+        self.model_version_value = model_version_value
+        self.token_allowance = token_allowance
+        self.heartbeat_value = heartbeat_value
+        self.failed_event = failed_event
+        self.exception_info_queue = exception_info_queue
+        self.metrics_queue = metrics_queue
+        self.tools = tools or []
+        self.score_queue_maxsize = score_queue_maxsize
+        self.lora_name = lora_name
+        self.dataset_start_index = dataset_start_index
+        self.consumed_tokens_value = consumed_tokens_value
+        self.concurrency_value = concurrency_value
+        self.cap_value = cap_value
+        self.client = client
+        self._own_client = client is None
+        self.allowance = TokenAllowance()
+        self.cap: ConcurrencyCap | None = None
+        self.metrics = MetricsWindow()
+        self._in_flight = 0
+        self._slot_changed: asyncio.Condition | None = None
+        self._group_counter = 0
+        self._groups_in_progress: set[asyncio.Task] = set()
+        self._last_preemptions: int | None = None
+        self._generated_tokens = 0
+        self._last_ship = time.monotonic()
+        self._stop = False
+        self.ready_event = None  # set by the worker process; signalled once connected and set up
+        self._group_error: BaseException | None = None
+
+    # ----------------------------------------------------------------------------------- hooks
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Return False to skip this prompt for this epoch (it still counts as consumed). Default: accept all."""
+        return True
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list, group_id: int = 0) -> Rollout:
+        """One rollout of ``prompt``: render it with the chat template and sample one reply (one turn)."""
+        kwargs = dict(self.config.chat_template_kwargs or {})
+        encoded = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
+        prompt_ids = list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
+                       turns=[turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`."""
+        result = await self.client.generate_turn(prompt_ids, self.sampling, model=self.lora_name or self.model_name)
+        return result.to_turn_record()
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: reward standardised within the group, NaN → 0 (SPEC §3.2, B.7)."""
+        return group_advantages(group.rewards)
+
+    async def setup(self) -> None:
+        """Create resources the other hooks need; runs on the loop before the first prompt."""
+
+    async def close(self) -> None:
+        """Release what ``setup`` created; runs when the loop stops, failure included."""
+
+    # ----------------------------------------------------------------------------------- running
+    @property
+    def sampling(self):
+        from ..sampler.client import SamplingParams
+
+        c = self.config
+        return SamplingParams(max_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
+                              top_k=c.top_k, min_p=c.min_p, repetition_penalty=c.repetition_penalty,
+                              logprobs=c.num_sampler_logprobs,
+                              return_sampling_mask=bool(c.top_k > 0 or c.top_p < 1 or (c.min_p or 0) > 0))
+
+    def run(self) -> None:
+        """Run until stopped or failed; a failure sets ``failed_event`` with the traceback queued."""
+        try:
+            asyncio.run(self.run_async())
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                self.report_failure(exc)
+            raise
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Queue the traceback for the trainer and set the failure event."""
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            self.exception_info_queue.put(text)
+        finally:
+            self.failed_event.set()
+
+    async def run_async(self) -> None:
+        """The worker's main coroutine: connect, set up, then produce/score until stopped."""
+        from ..sampler.client import SamplerClient
+
+        self._slot_changed = asyncio.Condition()
+        if self.client is None:
+            self.client = SamplerClient(self.config.vllm_server_base_url,
+                                        max_concurrency=self.config.max_concurrent_rollouts,
+                                        timeout_s=self.config.vllm_server_timeout)
+        score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._running_loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        tasks: list[asyncio.Task] = []
+        try:
+            await self.client.wait_until_ready(self.config.vllm_server_timeout)
+            load = await self.client.read_metrics()
+            self.cap = ConcurrencyCap.from_server_load(self.config.max_concurrent_rollouts, load,
+                                                        await self._server_max_model_len())
+            await self.setup()
+            if self.ready_event is not None:
+                self.ready_event.set()
+            tasks = [asyncio.create_task(self._monitor(), name="monitor"),
+                     asyncio.create_task(self._scorer(score_queue), name="scorer"),
+                     asyncio.create_task(self._producer(score_queue), name="producer")]
+            stopper = asyncio.create_task(self._stop_event.wait(), name="stop")
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            for task in done:
+                if task is not stopper and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            if self._group_error is not None:
+                raise self._group_error
+        finally:
+            self._stop = True
+            for task in [*tasks, *self._groups_in_progress]:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._groups_in_progress, return_exceptions=True)
+            try:
+                await self.close()
+            finally:
+                if self._own_client and self.client is not None:
+                    await self.client.aclose()
+
+    def stop(self) -> None:
+        """Ask a running loop to stop (thread-safe); ``run_async`` then cancels its tasks and calls ``close``."""
+        self._stop = True
+        loop = getattr(self, "_running_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._stop_event.set)
+
+    async def _server_max_model_len(self) -> int | None:
+        """The served model's ``max_model_len`` from ``/v1/models`` (the unit of the initial cap, SPEC §4.2)."""
+        try:
+            return int(await self.client.max_model_len())
+        except Exception:  # noqa: BLE001 - a server without it still works; the cap then starts at the ceiling
+            return None
+
+    # ----------------------------------------------------------------------------------- producer
+    def _prompt_stream(self):
+        """Yields ``(position, row_index, row)`` of accepted prompts from ``dataset_start_index`` on, epoch after
+        epoch; a rejected prompt goes to the rollout queue as a ``filtered`` outcome (it counts as consumed)."""
+        n = len(self.dataset)
+        epoch, index = divmod(self.dataset_start_index, n) if n else (0, 0)
+        accepted_this_epoch = 0
+        while True:
+            if index >= n:
+                if accepted_this_epoch == 0:
+                    raise EpochExhaustedError(f"filter_prompt rejected every one of the {n} prompts of epoch {epoch}; "
+                                              "no batch could ever reach the trainer (SPEC §11)")
+                epoch, index, accepted_this_epoch = epoch + 1, 0, 0
+            row = self.dataset[index]
+            position = epoch * n + index
+            if self.filter_prompt(index, row, epoch):
+                accepted_this_epoch += 1
+                yield position, index, row
+            else:
+                self.rollout_buffer.put(PromptOutcome(position=position, row_index=index, kind="filtered"))
+            index += 1
+
+    async def _producer(self, score_queue: asyncio.Queue) -> None:
+        G = self.config.num_generations
+        for position, row_index, row in self._prompt_stream():
+            waited = None
+            while not self._stop:
+                self._sync_consumed()
+                if self.allowance.can_start_group(float(self.token_allowance.value)):
+                    break
+                waited = waited if waited is not None else time.monotonic()
+                await asyncio.sleep(0.02)
+            if waited is not None:
+                self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
+            if self._stop:
+                return
+            self.allowance.on_group_started(G)
+            group_id = self._group_counter
+            self._group_counter += 1
+            task = asyncio.create_task(self._run_group(group_id, position, row_index, row, score_queue))
+            self._groups_in_progress.add(task)
+            task.add_done_callback(self._groups_in_progress.discard)
+            task.add_done_callback(self._raise_group_error)
+            await asyncio.sleep(0)
+
+    def _raise_group_error(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._group_error is None:
+            self._group_error = task.exception()
+            self._stop_event.set()
+
+    async def _acquire_slot(self) -> None:
+        async with self._slot_changed:
+            await self._slot_changed.wait_for(lambda: self._in_flight < self.cap.value)
+            self._in_flight += 1
+
+    async def _release_slot(self) -> None:
+        async with self._slot_changed:
+            self._in_flight -= 1
+            self._slot_changed.notify_all()
+
+    async def _one_rollout(self, prompt, group_id: int) -> tuple[Rollout, float]:
+        await self._acquire_slot()
+        start = time.monotonic()
+        try:
+            rollout = await self.generate_one(prompt, self.tools, group_id)
+        finally:
+            await self._release_slot()
+        self.cap.on_rollout_completed()
+        return rollout, time.monotonic() - start
+
+    async def _run_group(self, group_id: int, position: int, row_index: int, row: dict[str, Any],
+                         score_queue: asyncio.Queue) -> None:
+        G = self.config.num_generations
+        model_version = int(self.model_version_value.value)  # stamped at the group's first rollout (SPEC §3.1)
+        prompt = row["prompt"]
+        results = await asyncio.gather(*(self._one_rollout(prompt, group_id) for _ in range(G)))
+        sequences, stats = [], []
+        for rollout, duration in results:
+            seqs, st = rollout_to_sequences(rollout, group_id=group_id, row_index=row_index,
+                                            model_version=model_version)
+            sequences.append(seqs)
+            stats.append(st)
+            self.allowance.on_rollout_finished(sum(s.num_tokens for s in seqs))
+            self.metrics.add("rollout/duration_s", duration)
+            self._generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
+        self.allowance.on_group_finished()
+        rollouts = [r for r, _ in results]
+        columns = {k: [v] * G for k, v in row.items() if k != "prompt"}
+        group = RolloutGroup(prompts=[prompt] * G, reward_kwargs=columns, completions=[r.completion for r in rollouts],
+                             completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
+                             tool_call_counts=[r.tool_call_count for r in rollouts],
+                             tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=model_version,
+                             group_id=group_id, row_index=row_index, env_rewards=[None] * G,
+                             rollout_rewards=[r.reward for r in rollouts])
+        self._record_rollout_metrics(rollouts, stats, sequences)
+        blocked = time.monotonic()
+        group.queued_at = blocked
+        await score_queue.put((group, rollouts, position))
+        self.metrics.add("rollout/score_block_s", time.monotonic() - blocked)
+
+    # ----------------------------------------------------------------------------------- scoring
+    async def _scorer(self, score_queue: asyncio.Queue) -> None:
+        while True:
+            group, rollouts, position = await score_queue.get()
+            self.metrics.add("rollout/score_queue_size", score_queue.qsize())
+            start = time.monotonic()
+            self.metrics.add("rollout/score_wait_s", start - group.queued_at)
+            await self._score_group(group, rollouts, position)
+            self.metrics.add("rollout/score_s", time.monotonic() - start)
+
+    async def _score_group(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
+        G = len(rollouts)
+        result = await self.reward_runner.score(group.prompts, group.completions, group.completions_ids,
+                                                group.reward_kwargs)
+        group.rewards = total_rewards(list(result.per_function.values()), None, group.rollout_rewards, G)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (G,):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage "
+                             f"per rollout, shape ({G},)")
+        dropped = should_drop_group(group.rewards)
+        scored = group.rewards[~np.isnan(group.rewards)]
+        m = self.metrics
+        m.add_many("reward", scored.tolist())
+        for name, values in result.per_function.items():
+            m.add_many(f"rewards/{name}/mean", [v for v in values if v is not None])
+        m.add("frac_reward_zero_std", 1.0 if dropped else 0.0)
+        tokens = sum(s.num_tokens for seqs in group.completions_sequences for s in seqs)
+        if dropped:
+            if scored.size:
+                m.add("reward_dropped", float(scored.mean()))
+            self.allowance.on_samples_discarded(tokens)
+            self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
+                                                  group_id=group.group_id))
+            return
+        samples: list[TrainingSequence] = []
+        for seqs, adv in zip(group.completions_sequences, advantages):
+            for s in seqs:
+                s.advantage = 0.0 if math.isnan(adv) else float(adv)
+                samples.append(s)
+        m.add_many("reward_kept", [float(r) for r, seqs in zip(group.rewards, group.completions_sequences)
+                                   for _ in seqs if not math.isnan(r)])
+        std = group_reward_std(group.rewards)
+        m.add_many("reward_group_std", [std] * len(samples))
+        for name, values in result.per_function.items():
+            m.add_many(f"rewards/{name}/group_std", [group_reward_std(values)] * len(samples))
+        now = time.monotonic()
+        for s in samples:
+            s.queued_at = now
+        self.allowance.on_samples_queued(tokens)
+        self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="kept",
+                                              samples=samples, group_id=group.group_id))
+
+    # ----------------------------------------------------------------------------------- metrics
+    def _record_rollout_metrics(self, rollouts: list[Rollout], stats: list[ReconcileStats],
+                                sequences: list[list[TrainingSequence]]) -> None:
+        m = self.metrics
+        lengths = [len(r.completion_ids) for r in rollouts]
+        terminated = [n for r, n in zip(rollouts, lengths) if r.turns and self._ends_with_eos(r.turns[-1])]
+        m.add_many("completions/mean_length", lengths)
+        m.add("completions/min_length", min(lengths))
+        m.add("completions/max_length", max(lengths))
+        if terminated:
+            m.add_many("completions/mean_terminated_length", terminated)
+            m.add("completions/min_terminated_length", min(terminated))
+            m.add("completions/max_terminated_length", max(terminated))
+        m.add_many("completions/clipped_ratio",
+                   [0.0 if r.turns and self._ends_with_eos(r.turns[-1]) else 1.0 for r in rollouts])
+        seen: set[tuple[int, ...]] = set()
+        dup = []
+        for r in rollouts:
+            key = tuple(t for turn in r.turns for t in turn.output_ids)
+            dup.append(1.0 if key in seen else 0.0)
+            seen.add(key)
+        m.add_many("completions/duplicate_frac", dup)
+        m.add_many("rollout/turns_mean", [len(r.turns) for r in rollouts])
+        m.add("rollout/turns_max", max(len(r.turns) for r in rollouts))
+        m.add_many("rollout/samples_per_rollout", [len(s) for s in sequences])
+        transitions = sum(s.transitions for s in stats)
+        if transitions:
+            m.add_many("rollout/fork_frac", [1.0] * sum(s.forks for s in stats) +
+                       [0.0] * (transitions - sum(s.forks for s in stats)))
+            drift = [d for s in stats for d in s.drift_tokens]
+            m.add_many("rollout/drift_tokens_mean", drift)
+            m.add("rollout/drift_tokens_max", max(drift))
+
+    def _ends_with_eos(self, turn: TurnRecord) -> bool:
+        if turn.finish_reason is not None:
+            return turn.finish_reason == "stop"
+        return bool(turn.output_ids) and turn.output_ids[-1] in self.eos_token_ids
+
+    def _sync_consumed(self) -> None:
+        if self.consumed_tokens_value is not None:
+            self.allowance.sync_consumed_total(float(self.consumed_tokens_value.value))
+
+    async def _monitor(self) -> None:
+        last_poll = -math.inf
+        while True:
+            now = time.monotonic()
+            self.heartbeat_value.value = time.time()
+            self._sync_consumed()
+            if now - last_poll >= self.metrics_poll_s:
+                last_poll = now
+                load = await self.client.read_metrics()
+                if load is not None:
+                    async with self._slot_changed:
+                        self.cap.observe_load(load)
+                        self._slot_changed.notify_all()
+                    m = self.metrics
+                    if load.kv_cache_usage_frac is not None:
+                        m.add("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage_frac)
+                    m.add("rollout/vllm_running_requests", load.num_requests_running)
+                    m.add("rollout/vllm_queued_requests", load.num_requests_waiting)
+                    if self._last_preemptions is not None:
+                        m.add("rollout/vllm_preemption_count",
+                              max(0, load.num_preemptions_total - self._last_preemptions))
+                    self._last_preemptions = load.num_preemptions_total
+            self.metrics.add("rollout/concurrency", self._in_flight)
+            self.metrics.add("rollout/concurrency_cap", self.cap.value)
+            if self.concurrency_value is not None:
+                self.concurrency_value.value = self._in_flight
+            if self.cap_value is not None:
+                self.cap_value.value = self.cap.value
+            if now - self._last_ship >= METRICS_SHIP_S:
+                self.ship_metrics(now)
+            await asyncio.sleep(min(HEARTBEAT_S, METRICS_SHIP_S, self.metrics_poll_s))
+
+    def ship_metrics(self, now: float | None = None) -> None:
+        """Send the worker's metrics since the last shipment to the trainer (a mergeable snapshot)."""
+        now = time.monotonic() if now is None else now
+        self.metrics.add_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - self._last_ship)
+        retries = getattr(self.client, "retry_count", 0)
+        self.metrics.add("rollout/vllm_retry_count", retries - getattr(self, "_retries_shipped", 0))
+        self._retries_shipped = retries
+        self._generated_tokens = 0
+        self._last_ship = now
+        self.metrics_queue.put(self.metrics.snapshot(reset=True))

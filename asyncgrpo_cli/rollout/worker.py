@@ -1,0 +1,212 @@
+"""The rollout worker process and the trainer's handle on it (SPEC §1.1, §2.11–12, §10.2, Appendix B.18).
+
+Trainer rank 0 builds a `RolloutWorker`, which test-pickles everything the child needs, then spawns
+(start method ``spawn``) one process with ``CUDA_VISIBLE_DEVICES=""`` and the distributed environment
+variables removed. The child runs the configured `AsyncRolloutLoop` subclass. The handle exposes the
+shared values (model version, token allowance, consumed tokens, heartbeat), the rollout queue, and
+failure detection: the child's traceback, a dead process, or a heartbeat older than
+``rollout_worker_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .loop import AsyncRolloutLoop
+from .reward_runner import check_picklable
+from .types import PromptOutcome
+
+# Variables of torchrun / accelerate / SLURM that must not reach the worker (it is not a rank).
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                   "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_MIXED_PRECISION")
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed, died, or stopped beating. The message carries the child's traceback."""
+
+
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """Within the block, ``os.environ`` is what the spawned worker must inherit: no GPU, no rank variables."""
+    saved = dict(os.environ)
+    try:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        for key in DISTRIBUTED_ENV:
+            os.environ.pop(key, None)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event) -> None:
+    """Entry point of the spawned process: build the loop and run it until stopped or failed."""
+    loop = loop_cls(**kwargs)
+    loop.ready_event = ready_event
+    try:
+        loop.run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    except BaseException:  # noqa: BLE001 - already reported through failed_event by loop.run
+        pass
+
+
+class RolloutWorker:
+    """Trainer-side handle of the spawned rollout worker.
+
+    Args:
+        config: the `AsyncGRPOConfig` (picklable).
+        model_name: model (or LoRA adapter) name on the server.
+        dataset: prompt dataset with a conversational ``prompt`` column.
+        reward_funcs: reward callables (module-level functions, partials or callable instances).
+        processing_class: the tokenizer (pickled into the child).
+        eos_token_ids: ids that end a completion.
+        loop_cls: `AsyncRolloutLoop` or a subclass defined at module level.
+        dataset_start_index: prompt index to resume from (SPEC §12).
+
+    Raises:
+        TypeError: a reward function, tool, environment factory or the loop class cannot be pickled
+            (lambda, closure, local class); the message names it and says what to use instead.
+    """
+
+    def __init__(self, config, model_name: str, dataset, reward_funcs, processing_class, eos_token_ids,
+                 loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop, tools=None, environment_factory=None,
+                 lora_name: str | None = None, dataset_start_index: int = 0, score_queue_maxsize: int = 16,
+                 initial_allowance: float = 0.0) -> None:
+        for func in reward_funcs or []:
+            check_picklable(func, "reward function")
+        for tool in tools or []:
+            check_picklable(tool, "tool")
+        if environment_factory is not None:
+            check_picklable(environment_factory, "environment_factory")
+        check_picklable(loop_cls, "loop_cls")
+        self.config = config
+        self.timeout_s = float(config.rollout_worker_timeout)
+        ctx = mp.get_context("spawn")
+        self._ctx = ctx
+        self.rollout_buffer = ctx.Queue()
+        self.model_version_value = ctx.Value("q", 0)
+        self.token_allowance = ctx.Value("d", float(initial_allowance))
+        self.consumed_tokens_value = ctx.Value("d", 0.0)
+        self.heartbeat_value = ctx.Value("d", 0.0)
+        self.concurrency_value = ctx.Value("q", 0)
+        self.cap_value = ctx.Value("q", 0)
+        self.failed_event = ctx.Event()
+        self.ready_event = ctx.Event()
+        self.exception_info_queue = ctx.Queue()
+        self.metrics_queue = ctx.Queue()
+        self._loop_cls = loop_cls
+        self._kwargs = dict(
+            config=config, model_name=model_name, dataset=dataset, reward_funcs=list(reward_funcs or []),
+            processing_class=processing_class, eos_token_ids=list(eos_token_ids),
+            rollout_buffer=self.rollout_buffer, model_version_value=self.model_version_value,
+            token_allowance=self.token_allowance, heartbeat_value=self.heartbeat_value,
+            failed_event=self.failed_event, exception_info_queue=self.exception_info_queue,
+            metrics_queue=self.metrics_queue, tools=tools, environment_factory=environment_factory,
+            score_queue_maxsize=score_queue_maxsize, lora_name=lora_name, dataset_start_index=dataset_start_index,
+            consumed_tokens_value=self.consumed_tokens_value, concurrency_value=self.concurrency_value,
+            cap_value=self.cap_value)
+        self.process: mp.process.BaseProcess | None = None
+        self._consumed = 0.0
+
+    # ------------------------------------------------------------------------------------ lifetime
+    def start(self, ready_timeout_s: float | None = None) -> None:
+        """Spawn the worker and wait until it is connected to the server and set up.
+
+        Raises:
+            RolloutWorkerError: the child failed, died, or was not ready within ``ready_timeout_s``
+                (default: ``vllm_server_timeout`` + 60 s).
+        """
+        if ready_timeout_s is None:
+            ready_timeout_s = float(self.config.vllm_server_timeout) + 60.0
+        # Not a daemon: the accuracy reward runs math-verify in its own process pool (daemons cannot fork).
+        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event),
+                                         name="asyncgrpo-rollout-worker", daemon=False)
+        with worker_environment():
+            self.process.start()
+        self.heartbeat_value.value = time.time()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self.ready_event.wait(0.2):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout_s:.0f} s "
+                                         f"(is the server at {self.config.vllm_server_base_url} up?)")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker: terminate, wait ``timeout_s`` seconds, then kill. Safe to call twice."""
+        proc = self.process
+        if proc is None:
+            return
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        for q in (self.rollout_buffer, self.metrics_queue, self.exception_info_queue):
+            q.cancel_join_thread()
+        self.process = None
+
+    # ------------------------------------------------------------------------------------ health
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the worker's last heartbeat."""
+        return max(0.0, time.time() - float(self.heartbeat_value.value))
+
+    def check_alive(self) -> None:
+        """Raise if the worker failed, died, or has not beaten for ``rollout_worker_timeout`` seconds.
+
+        Raises:
+            RolloutWorkerError: with the child's traceback when it reported one.
+        """
+        if self.failed_event.is_set():
+            try:
+                text = self.exception_info_queue.get(timeout=5.0)
+            except queue.Empty:
+                text = "(no traceback was received)"
+            raise RolloutWorkerError(f"the rollout worker failed:\n{text}")
+        if self.process is not None and not self.process.is_alive():
+            raise RolloutWorkerError(f"the rollout worker exited with code {self.process.exitcode} "
+                                     "without reporting an error")
+        age = self.heartbeat_age_s()
+        if self.ready_event.is_set() and age > self.timeout_s:
+            raise RolloutWorkerError(f"the rollout worker has not sent a heartbeat for {age:.0f} s "
+                                     f"(rollout_worker_timeout={self.timeout_s:.0f}); it is hung")
+
+    # ------------------------------------------------------------------------------------ data
+    def get_outcome(self, timeout_s: float) -> PromptOutcome | None:
+        """The next prompt outcome (kept samples, or a dropped/filtered marker), or None after ``timeout_s`` s."""
+        try:
+            return self.rollout_buffer.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def mark_consumed(self, sample_tokens: float) -> None:
+        """Tell the worker the trainer pulled ``sample_tokens`` sample tokens (trained or dropped stale)."""
+        self._consumed += float(sample_tokens)
+        self.consumed_tokens_value.value = self._consumed
+
+    def publish_allowance(self, tokens: float) -> None:
+        """Publish the staleness token allowance (SPEC §4.1)."""
+        self.token_allowance.value = float(tokens)
+
+    def set_model_version(self, version: int) -> None:
+        """Publish the policy version the server now samples with."""
+        self.model_version_value.value = int(version)
+
+    def drain_metrics(self) -> list[dict[str, tuple]]:
+        """All metric snapshots the worker shipped since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self.metrics_queue.get_nowait())
+            except queue.Empty:
+                return out
