@@ -42,6 +42,15 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
         raise typer.Exit(2) from None
 
 
+def _resolve_model(cfg) -> None:
+    """Point ``model.name`` at the folder the server and trainer load (exports a packaged GGUF once)."""
+    from .models import resolve_model_path
+
+    if cfg.model.name:
+        cfg.model.name = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
+        cfg.model.gguf_file = None
+
+
 @app.command("config")
 def config_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
@@ -83,6 +92,8 @@ def serve_cmd(
 
     cfg = _compose(overrides, recipes_dir)
     try:
+        if not dry_run:
+            _resolve_model(cfg)
         command = build_server_command(cfg)
     except ConfigError as exc:
         err.print(f"[bold red]config error:[/] {exc}", highlight=False)

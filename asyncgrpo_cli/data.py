@@ -1,0 +1,86 @@
+"""Prompt datasets from the `data` group: a `datasets` dataset or a procedural generator (reasoning-gym).
+
+Every row comes out conversational (SPEC §2): a ``prompt`` list of ``{"role", "content"}`` messages plus
+the other columns, which reach the reward functions by name (SPEC §10.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config.rules import ConfigError
+
+
+def _as_messages(value: Any, system_prompt: str | None) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    else:
+        raise ConfigError(f"data.prompt_column: a prompt must be a string or a list of {{role, content}} messages, "
+                          f"got {type(value).__name__}. Fix: point data.prompt_column at the prompt column")
+    if system_prompt and not (messages and messages[0]["role"] == "system"):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int, task_kwargs: dict[str, Any] | None = None,
+                       system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """``size`` rows of a reasoning-gym task: ``prompt`` (messages), ``answer`` (str), ``task``.
+
+    Raises:
+        ConfigError: when the task name is unknown or its keyword arguments are refused.
+    """
+    try:
+        import reasoning_gym
+    except ImportError as exc:  # pragma: no cover - a core dependency
+        raise ConfigError("data.generator=reasoning_gym needs the reasoning-gym package. "
+                          "Fix: pip install reasoning-gym") from exc
+    try:
+        generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_kwargs or {}))
+    except Exception as exc:
+        raise ConfigError(f"data.task={task!r} with data.task_kwargs={task_kwargs}: reasoning-gym refused it "
+                          f"({type(exc).__name__}: {exc}). Fix: use a registered task such as basic_arithmetic "
+                          "or chain_sum, with that task's own keyword arguments") from exc
+    return [{"prompt": _as_messages(item["question"], system_prompt), "answer": str(item["answer"]), "task": task}
+            for item in generated]
+
+
+def load_prompts(cfg: DictConfig):
+    """The prompt dataset of a composed config, as a `datasets.Dataset` (or IterableDataset when streaming).
+
+    Raises:
+        ConfigError: when neither ``data.name`` nor ``data.generator`` is set, the generator is unknown,
+            or the prompt column is missing.
+    """
+    import datasets
+
+    data = cfg.data
+    if data.generator:
+        if data.generator != "reasoning_gym":
+            raise ConfigError(f"data.generator={data.generator!r}: unknown generator. Fix: use reasoning_gym, "
+                              "or set data.name to a dataset")
+        kwargs = OmegaConf.to_container(data.task_kwargs, resolve=True) if data.task_kwargs else {}
+        rows = reasoning_gym_rows(str(data.task), int(data.size), int(data.seed), kwargs, data.system_prompt)
+        return datasets.Dataset.from_list(rows)
+    if not data.name:
+        raise ConfigError("data.name=None and data.generator=None: there are no prompts. Fix: add +recipe=NAME, "
+                          "data.name=HUB_ID_OR_PATH, or data.generator=reasoning_gym data.task=basic_arithmetic")
+    ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
+    column = str(data.prompt_column)
+    names = ds.column_names or []
+    if names and column not in names:
+        raise ConfigError(f"data.prompt_column={column!r}: the dataset has columns {names}. "
+                          "Fix: set data.prompt_column to the column that holds the prompt")
+
+    def convert(row: dict[str, Any]) -> dict[str, Any]:
+        prompt = _as_messages(row[column], data.system_prompt)
+        return {"prompt": prompt}
+
+    if column != "prompt":
+        ds = ds.map(convert, remove_columns=[column])
+    elif data.system_prompt or (names and not isinstance(next(iter(ds))["prompt"], list)):
+        ds = ds.map(convert)
+    return ds

@@ -1,0 +1,325 @@
+"""`asyncgrpo doctor`: compare a running server with what the config needs (DESIGN.md §4, SPEC §7–§9).
+
+`evaluate(cfg, facts)` is pure: it turns what was read from the server (`ServerFacts`) into a list of
+`Check`s, each pass / warn / fail with a message and a fix. `run_doctor` reads the facts over HTTP,
+prints the table (or JSON) and, on failure, the complete restart command from the one builder that
+`asyncgrpo serve` uses.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ..config.compose import server_url
+from ..config.rules import ALLOWED_LORA_RANKS
+from ..launch.server_command import (
+    MIN_VLLM,
+    api_server_count,
+    build_server_command,
+    compute_dtype,
+    lora_limits,
+    parse_version,
+    uses_candidate_sets,
+)
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+NEWEST_TESTED_VLLM = (0, 33)
+TOP_LOGPROBS_CHEAP_VLLM = (0, 32)  # SPEC §8.2: top log-probs cost <= 3% with --api-server-count 8 from 0.32
+MIN_TRANSFORMERS = (5, 2)
+
+
+@dataclass
+class Check:
+    """One doctor check: ``status`` is pass / warn / fail; ``fix`` says what to change (empty on pass)."""
+
+    name: str
+    status: str
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class ServerFacts:
+    """What was read from the server. ``None`` means the route did not answer (or is absent)."""
+
+    url: str
+    reachable: bool
+    error: str | None = None
+    version: dict[str, Any] | None = None
+    models: dict[str, Any] | None = None
+    server_info: dict[str, Any] | None = None
+    metrics_ok: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def embedded(self) -> bool:
+        return (self.version or {}).get("server") == "asyncgrpo-embedded"
+
+    @property
+    def vllm_version(self) -> tuple[int, ...] | None:
+        if self.embedded or not self.version or "version" not in self.version:
+            return None
+        return parse_version(str(self.version["version"]))
+
+
+def _dig(data: dict[str, Any] | None, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def evaluate(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
+    """All checks for ``cfg`` against ``facts`` (no I/O). See the module docstring."""
+    checks: list[Check] = []
+    add = checks.append
+    if not facts.reachable:
+        add(Check("server reachable", FAIL, f"no answer from {facts.url}: {facts.error}",
+                  "start it with `asyncgrpo serve` (same overrides), or set sampler.url to where it runs"))
+        checks.extend(_local_checks(cfg))
+        return checks
+    kind = "asyncgrpo embedded sampler" if facts.embedded else f"vLLM {(facts.version or {}).get('version', '?')}"
+    add(Check("server reachable", PASS, f"{kind} at {facts.url}"))
+
+    # Model name and length limit (/v1/models).
+    models = (facts.models or {}).get("data") or []
+    names = {m.get("id") for m in models} | {m.get("root") for m in models}
+    want = str(cfg.model.name) if cfg.model.name else None
+    if want is None:
+        add(Check("model", WARN, "model.name is not set; cannot compare", "add +recipe=NAME or model.name=..."))
+    elif want in names:
+        add(Check("model", PASS, f"serves {want}"))
+    else:
+        add(Check("model", FAIL, f"serves {sorted(n for n in names if n)} but the config trains {want}",
+                  "restart the server with the config's model"))
+    server_len = next((m.get("max_model_len") for m in models if m.get("id") in (want, None) or m.get("root") == want),
+                      None) or _dig(facts.server_info, "model_config", "max_model_len")
+    completion = cfg.rollout.max_completion_length
+    if server_len is None:
+        add(Check("max_model_len", WARN, "the server does not report max_model_len", ""))
+    elif completion >= server_len:
+        add(Check("max_model_len", FAIL, f"server max_model_len {server_len} leaves no room for a prompt with "
+                  f"rollout.max_completion_length={completion}",
+                  f"restart with a larger sampler.max_model_len (prompt + {completion}), or lower "
+                  "rollout.max_completion_length"))
+    elif cfg.sampler.max_model_len is not None and server_len != cfg.sampler.max_model_len:
+        add(Check("max_model_len", FAIL, f"server max_model_len {server_len} != sampler.max_model_len "
+                  f"{cfg.sampler.max_model_len} (it is also the default token budget and the cap's unit)",
+                  "restart the server with the config's --max-model-len"))
+    else:
+        add(Check("max_model_len", PASS, f"{server_len} tokens: prompts up to {server_len - completion} tokens "
+                  f"with rollout.max_completion_length={completion}"))
+
+    info = facts.server_info
+    if info is None:
+        add(Check("dev mode", FAIL, "/server_info is not served: the weight-transfer routes are off",
+                  "restart with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config)"))
+    else:
+        add(Check("dev mode", PASS, "development routes are on (keep the server on a private address)"))
+        _server_info_checks(cfg, facts, info, add)
+    if not facts.metrics_ok:
+        add(Check("/metrics", WARN, "no Prometheus metrics: the adaptive concurrency cap falls back to "
+                  f"staleness.max_concurrent_rollouts={cfg.staleness.max_concurrent_rollouts}", ""))
+    else:
+        add(Check("/metrics", PASS, "KV-cache usage and queue depth readable"))
+    checks.extend(_version_checks(cfg, facts))
+    checks.extend(_local_checks(cfg))
+    return checks
+
+
+def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], add) -> None:
+    mode = _dig(info, "model_config", "logprobs_mode")
+    if mode == "processed_logprobs":
+        add(Check("logprobs mode", PASS, "processed_logprobs (after temperature and filtering)"))
+    else:
+        add(Check("logprobs mode", FAIL, f"logprobs mode is {mode!r}: importance ratios would compare different "
+                  "distributions (SPEC §3.3.1)", "restart with --logprobs-mode processed_logprobs"))
+    max_lp = _dig(info, "model_config", "max_logprobs")
+    need = cfg.rollout.num_sampler_logprobs
+    if max_lp is None:
+        add(Check("max logprobs", WARN, "server does not report max_logprobs", ""))
+    elif max_lp != -1 and max_lp < need:
+        add(Check("max logprobs", FAIL, f"--max-logprobs {max_lp} < rollout.num_sampler_logprobs={need}: every "
+                  "request would be refused", f"restart with --max-logprobs {need}"))
+    else:
+        add(Check("max logprobs", PASS, f"{max_lp} >= {need}"))
+    backend = _dig(info, "weight_transfer_config", "backend")
+    if facts.embedded:
+        add(Check("weight transfer", PASS, "embedded safetensors-path updates"))
+    elif backend in ("nccl", "sparse_nccl"):
+        add(Check("weight transfer", PASS, f"backend {backend}"))
+    else:
+        add(Check("weight transfer", FAIL, f"weight transfer backend is {backend!r}",
+                  "restart with --weight-transfer-config '{\"backend\": \"nccl\"}'"))
+    if uses_candidate_sets(cfg):
+        has_mask = bool(_dig(info, "model_config", "return_sampling_mask"))
+        version = facts.vllm_version
+        if has_mask or facts.embedded:
+            add(Check("sampling mask", PASS, "candidate sets are returned for top-k/top-p/min-p"))
+        elif version is not None and version < (0, 28):
+            add(Check("sampling mask", WARN, f"vLLM {'.'.join(map(str, version))} cannot return candidate sets "
+                      "(needs >= 0.28): the trainer normalises over the full vocabulary and its ratios are biased "
+                      "(SPEC §7)", "upgrade to vLLM >= 0.28 and restart with --return-sampling-mask"))
+        else:
+            add(Check("sampling mask", FAIL, "top-k/top-p/min-p is on but the server does not return sampling masks",
+                      "restart with --return-sampling-mask (and --enable-scale-out where the vLLM has it)"))
+    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg)
+    dtype = dtype.replace("torch.", "")
+    if not dtype:
+        add(Check("dtype", WARN, "server does not report its dtype", ""))
+    elif dtype != want:
+        add(Check("dtype", WARN, f"server runs {dtype}, the trainer computes in {want}: a training/inference "
+                  "mismatch shows in sampling/sampling_logp_difference", f"restart with --dtype {want}"))
+    else:
+        add(Check("dtype", PASS, f"{dtype} on both sides"))
+    count = _dig(info, "parallel_config", "_api_process_count") or info.get("api_server_count")
+    if cfg.peft.enabled:
+        _lora_checks(cfg, facts, info, count, add)
+    elif count is not None and need > 0 and not facts.embedded:
+        version = facts.vllm_version
+        if count < 8 or (version is not None and version < TOP_LOGPROBS_CHEAP_VLLM):
+            add(Check("api servers", WARN, f"{count} API server(s) on vLLM {(facts.version or {}).get('version')}: "
+                      f"top-{need} log-probs are serialised on the CPU of the API servers and can cost 50–90% of "
+                      "generation throughput before vLLM 0.32 (SPEC §8.2, device/README.md)",
+                      "use --api-server-count 8 and vLLM >= 0.32 where you can"))
+        else:
+            add(Check("api servers", PASS, f"{count} API servers"))
+
+
+def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], count: Any, add) -> None:
+    rank_needed, loras_needed = lora_limits(cfg)
+    lora = info.get("lora_config")
+    if not lora:
+        add(Check("lora", FAIL, f"peft.enabled=true (r={cfg.peft.r}) but the server was started without LoRA",
+                  f"restart with --enable-lora --max-lora-rank {rank_needed} --max-loras {loras_needed} and "
+                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or use merged sync: peft stays on, the server serves merged "
+                  "weights)"))
+        return
+    env = info.get("vllm_env") or {}
+    runtime = str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() in ("1", "true")
+    if not runtime and not facts.embedded:
+        add(Check("lora runtime updating", FAIL, "VLLM_ALLOW_RUNTIME_LORA_UPDATING is off: adapters cannot be loaded",
+                  "restart with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"))
+    else:
+        add(Check("lora runtime updating", PASS, "on"))
+    rank = lora.get("max_lora_rank")
+    if rank not in ALLOWED_LORA_RANKS or rank < cfg.peft.r:
+        add(Check("lora rank", FAIL, f"--max-lora-rank {rank} cannot serve peft.r={cfg.peft.r}",
+                  f"restart with --max-lora-rank {rank_needed}"))
+    else:
+        add(Check("lora rank", PASS, f"max {rank} >= r {cfg.peft.r}"))
+    loras = lora.get("max_loras") or 0
+    if loras < loras_needed:
+        add(Check("lora slots", FAIL, f"--max-loras {loras} < staleness.max_staleness + 2 = {loras_needed} "
+                  "(max_staleness + 1 versions stay loaded, and the next loads before the oldest unloads, SPEC §9)",
+                  f"restart with --max-loras {loras_needed}"))
+    else:
+        add(Check("lora slots", PASS, f"{loras} >= {loras_needed}"))
+    if count is not None and count != 1 and not facts.embedded:
+        add(Check("lora api servers", FAIL, f"--api-server-count {count}: vLLM refuses runtime LoRA updates with "
+                  "more than one API server", "restart with --api-server-count 1"))
+
+
+def _version_checks(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
+    version = facts.vllm_version
+    if version is None:
+        return []
+    text = ".".join(map(str, version))
+    if version < MIN_VLLM:
+        return [Check("vLLM version", FAIL, f"vLLM {text} is older than the supported 0.26",
+                      "pip install 'vllm>=0.26' on the server machine")]
+    if version[:2] > NEWEST_TESTED_VLLM:
+        return [Check("vLLM version", WARN, f"vLLM {text} is newer than the newest tested (0.33)", "")]
+    return [Check("vLLM version", PASS, f"{text} (supported 0.26–0.33)")]
+
+
+def _local_checks(cfg: DictConfig) -> list[Check]:
+    checks = []
+    try:
+        tv = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        tv = "0"
+    if parse_version(tv) < MIN_TRANSFORMERS:
+        checks.append(Check("transformers", FAIL, f"transformers {tv} < 5.2", "pip install 'transformers>=5.2'"))
+    else:
+        checks.append(Check("transformers", PASS, tv))
+    server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
+    if server is not None and trainer is not None and set(server) & set(trainer):
+        status = WARN if cfg.sampler.backend.value == "embedded" else FAIL
+        checks.append(Check("GPU split", status, f"server GPUs {list(server)} and trainer GPUs {list(trainer)} overlap",
+                            "give the server and the trainer different GPUs (launch.server_gpus / launch.trainer_gpus)"))
+    else:
+        checks.append(Check("GPU split", PASS, "server and trainer GPUs are disjoint (or unset: first GPU for the "
+                            "server, the rest for the trainer)"))
+    return checks
+
+
+def read_facts(url: str, timeout: float) -> ServerFacts:
+    """Read health, version, models, server info and metrics from ``url`` (each route once, ``timeout`` s)."""
+    import httpx
+
+    from ..sampler.prometheus import parse_server_load
+
+    facts = ServerFacts(url=url, reachable=False)
+    try:
+        with httpx.Client(base_url=url, timeout=timeout) as http:
+            health = http.get("/health")
+            health.raise_for_status()
+            facts.reachable = True
+
+            def get_json(route: str) -> dict[str, Any] | None:
+                resp = http.get(route)
+                if resp.status_code >= 400:
+                    return None
+                try:
+                    return resp.json()
+                except ValueError:
+                    return None
+
+            facts.version = get_json("/version")
+            facts.models = get_json("/v1/models")
+            facts.server_info = get_json("/server_info?config_format=json")
+            metrics = http.get("/metrics")
+            facts.metrics_ok = metrics.status_code == 200 and parse_server_load(metrics.text) is not None
+    except httpx.HTTPError as exc:
+        facts.error = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None = None) -> int:
+    """Run every check, print them, and return the exit status (0 = no failure, 1 = a failure)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if facts is None:
+        facts = read_facts(server_url(cfg), timeout=min(float(cfg.sampler.timeout), 10.0))
+    checks = evaluate(cfg, facts)
+    failed = any(c.status == FAIL for c in checks)
+    restart = None
+    if failed and cfg.model.name:
+        restart = build_server_command(cfg, vllm_version=(facts.version or {}).get("version")
+                                       if not facts.embedded else None)
+    if as_json:
+        payload = {"url": facts.url, "ok": not failed, "checks": [asdict(c) for c in checks],
+                   "restart_command": restart.shell_line() if restart else None}
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        return 1 if failed else 0
+    console = Console()
+    table = Table("check", "status", "detail", "fix", title=f"asyncgrpo doctor: {facts.url}", show_lines=False)
+    style = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
+    for c in checks:
+        table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.message, c.fix)
+    console.print(table)
+    if restart is not None:
+        console.print("[bold]Restart the server with:[/]")
+        sys.stdout.write(restart.shell_line() + "\n")
+    elif not failed:
+        console.print("[green]The server matches the config.[/]")
+    return 1 if failed else 0

