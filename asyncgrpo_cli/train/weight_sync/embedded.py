@@ -1,0 +1,81 @@
+"""Full-weight sync to the embedded sampler through safetensors files (DESIGN §5 item 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import SyncTimings, WeightSyncBackend, drain_quietly, now
+from .names import dtype_name
+from .params import FullWeightSource
+
+
+def _owned_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its whole storage (safetensors refuses shared storage)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.clone()
+    return tensor
+
+
+class EmbeddedPathSync(WeightSyncBackend):
+    """Merged/full-weight sync to the embedded sampler (``"server": "asyncgrpo-embedded"``).
+
+    Per sync: ``/pause?mode=keep`` → ``/start_weight_update`` → for each bucket, write
+    ``<weights_dir>/v{version}-{i}.safetensors`` and ``POST /update_weights`` with
+    ``{"names", "dtype_names", "shapes", "path"}``, deleting the file once the server has
+    copied it → ``/finish_weight_update`` (``weight_version = str(version)``) →
+    ``/reset_prefix_cache`` → ``/resume``. Disk use is one bucket at a time.
+
+    Args:
+        client: `SyncSamplerClient` of the embedded server.
+        weights_dir: folder both processes can read (``<output_dir>/.weights/``); created.
+    """
+
+    mode = "full"
+
+    def __init__(self, client: Any, weights_dir: str | Path) -> None:
+        super().__init__(client)
+        self.weights_dir = Path(weights_dir)
+
+    def sync(self, source: FullWeightSource, version: int) -> SyncTimings:
+        """Publish ``source`` as model ``version`` (see the class doc).
+
+        Raises:
+            WeightSyncError: a route failed (named); the server was resumed and the remaining
+                buckets were still gathered so the other ranks are not left waiting.
+        """
+        from safetensors.torch import save_file
+
+        timings = SyncTimings()
+        start = now()
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        buckets = source.buckets()
+        try:
+            with self.paused(version, timings):
+                t0 = now()
+                self.call("/start_weight_update", version, self.client.start_weight_update)
+                for index, bucket in enumerate(buckets):
+                    path = self.weights_dir / f"v{version}-{index:05d}.safetensors"
+                    tensors = {name: _owned_cpu(t) for name, t in bucket}
+                    try:
+                        save_file(tensors, str(path))
+                        info = {
+                            "names": list(tensors),
+                            "dtype_names": [dtype_name(t.dtype) for t in tensors.values()],
+                            "shapes": [list(t.shape) for t in tensors.values()],
+                            "path": str(path.resolve()),
+                        }
+                        self.call("/update_weights", version, self.client.update_weights, info)
+                    finally:
+                        path.unlink(missing_ok=True)
+                    del tensors, bucket
+                self.call("/finish_weight_update", version, self.client.finish_weight_update, str(version))
+                timings.transfer_s = now() - t0
+        except BaseException:
+            drain_quietly(buckets)
+            raise
+        timings.total_s = now() - start
+        return timings
