@@ -34,6 +34,7 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"staleness.{n}" for n in (
         "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
     "token_budget": "packing.token_budget",
+    "tree_attention": "packing.attention",
     "vllm_server_base_url": "sampler.url",
     "vllm_server_timeout": "sampler.timeout",
     "log_completions": "logging.log_completions",

@@ -97,6 +97,7 @@ class AsyncRolloutLoop:
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
         self._in_flight = 0
+        self._waiting_rollouts = 0  # rollouts of started groups still waiting for a concurrency slot
         self._slot_changed: asyncio.Condition | None = None
         self._group_counter = 0
         self._groups_in_progress: set[asyncio.Task] = set()
@@ -124,8 +125,16 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`."""
-        result = await self.client.generate_turn(prompt_ids, self.sampling, model=self.lora_name or self.model_name)
+        result = await self.client.generate_turn(prompt_ids, self.sampling, model=self.served_model())
         return result.to_turn_record()
+
+    def served_model(self) -> str:
+        """The ``model`` a request names: the current adapter (``lora_name`` formatted with the model version,
+        adapter sync, SPEC §9) once one exists, else the base model."""
+        version = int(self.model_version_value.value)
+        if self.lora_name and version > 0:
+            return self.lora_name.format(version=version)
+        return self.model_name
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: reward standardised within the group, NaN → 0 (SPEC §3.2, B.7)."""
@@ -256,9 +265,15 @@ class AsyncRolloutLoop:
                 await asyncio.sleep(0.02)
             if waited is not None:
                 self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
+            # A group starts only when its first rollout can: no rollout of an earlier group still waits for a
+            # slot under the concurrency cap (otherwise groups would pile up with stale version stamps).
+            async with self._slot_changed:
+                await self._slot_changed.wait_for(
+                    lambda: self._stop or (self._waiting_rollouts == 0 and self._in_flight < self.cap.value))
             if self._stop:
                 return
             self.allowance.on_group_started(G)
+            self._waiting_rollouts += G
             group_id = self._group_counter
             self._group_counter += 1
             task = asyncio.create_task(self._run_group(group_id, position, row_index, row, score_queue))
@@ -276,14 +291,18 @@ class AsyncRolloutLoop:
         async with self._slot_changed:
             await self._slot_changed.wait_for(lambda: self._in_flight < self.cap.value)
             self._in_flight += 1
+            self._waiting_rollouts -= 1
+            self._slot_changed.notify_all()
 
     async def _release_slot(self) -> None:
         async with self._slot_changed:
             self._in_flight -= 1
             self._slot_changed.notify_all()
 
-    async def _one_rollout(self, prompt, group_id: int) -> tuple[Rollout, float]:
+    async def _one_rollout(self, prompt, group_id: int, stamp: list[int]) -> tuple[Rollout, float]:
         await self._acquire_slot()
+        if not stamp:  # the group's model version: the policy when its first rollout starts (SPEC §3.1)
+            stamp.append(int(self.model_version_value.value))
         start = time.monotonic()
         try:
             rollout = await self.generate_one(prompt, self.tools, group_id)
@@ -295,9 +314,10 @@ class AsyncRolloutLoop:
     async def _run_group(self, group_id: int, position: int, row_index: int, row: dict[str, Any],
                          score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations
-        model_version = int(self.model_version_value.value)  # stamped at the group's first rollout (SPEC §3.1)
         prompt = row["prompt"]
-        results = await asyncio.gather(*(self._one_rollout(prompt, group_id) for _ in range(G)))
+        stamp: list[int] = []
+        results = await asyncio.gather(*(self._one_rollout(prompt, group_id, stamp) for _ in range(G)))
+        model_version = stamp[0]
         sequences, stats = [], []
         for rollout, duration in results:
             seqs, st = rollout_to_sequences(rollout, group_id=group_id, row_index=row_index,
@@ -353,6 +373,7 @@ class AsyncRolloutLoop:
             if scored.size:
                 m.add("reward_dropped", float(scored.mean()))
             self.allowance.on_samples_discarded(tokens)
+            self.ship_metrics()
             self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
                                                   group_id=group.group_id))
             return
@@ -371,6 +392,7 @@ class AsyncRolloutLoop:
         for s in samples:
             s.queued_at = now
         self.allowance.on_samples_queued(tokens)
+        self.ship_metrics()  # before the samples, so the trainer's window holds their group's metrics
         self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="kept",
                                               samples=samples, group_id=group.group_id))
 

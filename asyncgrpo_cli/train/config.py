@@ -19,6 +19,8 @@ ASYNC_GRPO_FIELDS = (
     "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget",
     "max_concurrent_rollouts", "max_staleness", "weight_sync_steps", "rollout_worker_timeout",
     "log_completions", "num_completions_to_print",
+    # Extensions of this project (not in SPEC §16.2's signature):
+    "tree_attention",
 )
 
 
@@ -88,6 +90,9 @@ class AsyncGRPOConfig(TrainingArguments):
     # Logging.
     log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})
+    # Extension: tree-attention backend of packed rows (CONFIG.md `packing.attention`).
+    tree_attention: str = field(default="auto", metadata={
+        "help": "Tree-attention backend: auto (flex on CUDA, sdpa elsewhere), sdpa, flex or flash (SPEC §6)."})
 
     def __post_init__(self) -> None:
         import torch

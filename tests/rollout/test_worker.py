@@ -30,6 +30,11 @@ def length_parity_reward(completion_ids, **kwargs):
     return [float(bool(ids) and ids[0] % 2 == ids[-1] % 2) for ids in completion_ids]
 
 
+def alternating_reward(completions, **kwargs):
+    """Always spread inside a group, so no group is dropped."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
 def answer_seen_reward(completions, answer, **kwargs):
     """Checks that dataset columns arrive by name (None for rows without an answer)."""
     return [None if a is None else 0.0 for a in answer]
@@ -171,7 +176,7 @@ class _Loop(AsyncRolloutLoop):
 def _in_process_loop(server_url, tokenizer, tmp_path, allowance, **kw):
     cfg = config(tmp_path, server_url, **kw)
     buf, metrics, errors = queue.Queue(), queue.Queue(), queue.Queue()
-    loop = _Loop(cfg, "tiny", prompts(), [length_parity_reward], tokenizer, [tokenizer.eos_token_id], buf,
+    loop = _Loop(cfg, "tiny", prompts(), [alternating_reward], tokenizer, [tokenizer.eos_token_id], buf,
                  _Value(0), _Value(float(allowance)), _Value(0.0), threading.Event(), errors, metrics,
                  consumed_tokens_value=_Value(0.0))
     thread = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)

@@ -1,0 +1,228 @@
+"""The live dashboard of `asyncgrpo train` (DESIGN.md §2): it follows the trainer's files in the run's
+output folder and shows them as rich panels, plain log lines, or nothing.
+
+- ``status.json`` (rewritten atomically about once a second by trainer rank 0): live state;
+- ``metrics.jsonl`` (one line per logging step, SPEC §15 names): the windows behind the panels, the
+  diagnosis (`diagnosis.diagnose`), the plain lines and the end-of-run summary and curves;
+- ``completions.jsonl`` (with ``logging.log_completions``): completion tables.
+
+Only what the trainer writes after the dashboard starts is read, so a reused output folder does not
+mix runs. `Dashboard.poll` does one round of reading and drawing; the supervisor calls it from its
+loop (at least once a second).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from .diagnosis import Diagnosis, MetricsHistory, RunSettings, diagnose, num
+from .panels import DashboardView, ProcessInfo, completions_table, plain_line, render_dashboard
+
+__all__ = ["Dashboard", "JsonlTail", "ProcessInfo", "read_status", "resolve_mode", "STATUS_FILE", "METRICS_FILE",
+           "COMPLETIONS_FILE"]
+
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+MODES = ("auto", "rich", "plain", "off")
+
+
+class JsonlTail:
+    """Follows a JSONL file: each `read_new` returns the objects of the complete lines appended since
+    the previous call (a partly written last line waits for its newline).
+
+    Args:
+        path: the file (it may not exist yet).
+        offset: byte offset to start from. A file that shrinks below it is read again from 0.
+    """
+
+    def __init__(self, path: str | Path, offset: int = 0) -> None:
+        self.path = Path(path)
+        self.offset = offset
+
+    @classmethod
+    def at_end(cls, path: str | Path) -> JsonlTail:
+        """A tail starting at the current end of ``path`` (0 when it does not exist)."""
+        p = Path(path)
+        return cls(p, p.stat().st_size if p.is_file() else 0)
+
+    def read_new(self) -> list[dict[str, Any]]:
+        """New complete lines as dicts (blank lines, non-objects and broken JSON are skipped)."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if size < self.offset:
+            self.offset = 0
+        if size == self.offset:
+            return []
+        with self.path.open("rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read(size - self.offset)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        out = []
+        for line in data[: end + 1].decode("utf-8", errors="replace").splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+
+def read_status(path: str | Path, not_before: float | None = None) -> dict[str, Any] | None:
+    """The trainer's ``status.json`` as a dict; None when missing, unreadable, or last written before
+    ``not_before`` (unix seconds: a file left by an earlier run)."""
+    p = Path(path)
+    try:
+        if not_before is not None and p.stat().st_mtime < not_before:
+            return None
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def resolve_mode(mode: str, console: Console) -> str:
+    """``auto`` → ``rich`` on a terminal, else ``plain``; other modes unchanged.
+
+    Raises:
+        ValueError: for a mode other than auto, rich, plain, off.
+    """
+    mode = getattr(mode, "value", mode)
+    if mode not in MODES:
+        raise ValueError(f"logging.dashboard={mode!r}: unknown mode. Fix: one of {', '.join(MODES)}")
+    if mode == "auto":
+        return "rich" if console.is_terminal else "plain"
+    return mode
+
+
+class Dashboard:
+    """Reads the trainer's files and shows them.
+
+    Args:
+        output_dir: the run folder holding ``status.json``, ``metrics.jsonl``, ``completions.jsonl``.
+        mode: ``auto``, ``rich`` (a `rich.live.Live` panel), ``plain`` (one line per logging step) or ``off``.
+        console: where to draw (default: stdout).
+        settings: config values for the panels and the diagnosis.
+        log_completions: print tables of new ``completions.jsonl`` lines.
+        num_completions_to_print: at most this many completions per logging step (None = all).
+        started_at: run start (unix s) for the elapsed time; files older than it are ignored.
+        title: the panel title.
+        refresh_per_second: redraw rate of the rich panel (the caller polls at least this often).
+    """
+
+    def __init__(self, output_dir: str | Path, *, mode: str = "auto", console: Console | None = None,
+                 settings: RunSettings | None = None, log_completions: bool = False,
+                 num_completions_to_print: int | None = None, started_at: float | None = None,
+                 title: str | None = None, refresh_per_second: float = 2.0) -> None:
+        self.console = console or Console()
+        self.mode = resolve_mode(mode, self.console)
+        self.output_dir = Path(output_dir)
+        self.settings = settings or RunSettings()
+        self.log_completions = log_completions
+        self.num_completions_to_print = num_completions_to_print
+        self.started_at = time.time() if started_at is None else started_at
+        self.title = title or f"asyncgrpo train: {self.output_dir}"
+        self.refresh_per_second = refresh_per_second
+        self.history = MetricsHistory()
+        self.rows: list[dict[str, Any]] = []
+        self.status: dict[str, Any] | None = None
+        self.diagnosis = diagnose(self.history, self.settings)
+        self._metrics = JsonlTail.at_end(self.output_dir / METRICS_FILE)
+        self._completions = JsonlTail.at_end(self.output_dir / COMPLETIONS_FILE)
+        self._live: Live | None = None
+        self._processes: list[ProcessInfo] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the rich live panel (rich mode); nothing for the other modes."""
+        if self.mode == "rich" and self._live is None:
+            self._live = Live(self.renderable(), console=self.console, auto_refresh=False,
+                              refresh_per_second=self.refresh_per_second, redirect_stdout=True,
+                              redirect_stderr=True)
+            self._live.start(refresh=True)
+
+    def stop(self) -> None:
+        """Draw the last frame and stop the live panel."""
+        if self._live is not None:
+            self._live.update(self.renderable(), refresh=True)
+            self._live.stop()
+            self._live = None
+
+    def __enter__(self) -> Dashboard:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ reading and drawing
+    def view(self) -> DashboardView:
+        """The current frame's data."""
+        return DashboardView(status=self.status, history=self.history, diagnosis=self.diagnosis,
+                             processes=list(self._processes), settings=self.settings, started_at=self.started_at,
+                             now=time.time(), title=self.title)
+
+    def renderable(self):
+        """The rich renderable of the current frame."""
+        return render_dashboard(self.view())
+
+    def poll(self, processes: Sequence[ProcessInfo] | None = None) -> list[dict[str, Any]]:
+        """Read what the trainer wrote since the last call and draw it.
+
+        Args:
+            processes: the supervisor's process table (kept from the previous call when None).
+
+        Returns:
+            The new metrics windows (oldest first).
+        """
+        if processes is not None:
+            self._processes = list(processes)
+        status = read_status(self.output_dir / STATUS_FILE, not_before=self.started_at - 1.0)
+        if status is not None:
+            self.status = status
+        new = self._metrics.read_new()
+        for row in new:
+            self.history.push(row)
+            self.rows.append(row)
+            self.diagnosis = diagnose(self.history, self.settings)
+            if self.mode == "plain":
+                self.console.print(plain_line(row, self.diagnosis, num(self.status, "max_steps")),
+                                   markup=False, highlight=False, soft_wrap=True)
+        if self.log_completions:
+            self._print_completions(self._completions.read_new())
+        if self._live is not None:
+            self._live.update(self.renderable(), refresh=True)
+        return new
+
+    def _print_completions(self, records: list[dict[str, Any]]) -> None:
+        by_step: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        for rec in records:
+            by_step[rec.get("step")].append(rec)
+        for _, recs in by_step.items():
+            self.console.print(completions_table(recs, self.num_completions_to_print))
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Print a message above the live panel (or plainly)."""
+        self.console.print(*objects, **kwargs)
+
+    @property
+    def last_diagnosis(self) -> Diagnosis:
+        """The diagnosis of the newest window."""
+        return self.diagnosis

@@ -1,0 +1,389 @@
+"""Diagnosis rules of the live panels: SPEC §4.4 (which concurrency limit is active), §5.1 (where the
+bottleneck is), §5.2 (saturation) and §5.3 (duplicates), as pure functions of logged metrics.
+
+Inputs are metrics windows as logged (one dict per logging step, SPEC §15 names) kept in a small
+`MetricsHistory`, plus a few config values (`RunSettings`). Every function returns a `Diagnosis`
+(a stable ``rule`` id, a short ``text`` and a ``severity``: ok < info < warn < alert) or None when the
+metrics it needs are absent. `diagnose` picks the ONE line the dashboard shows.
+
+Thresholds (`Thresholds`; every one can be changed):
+
+- "High" wait: ``perf/rollout_wait_s`` (or ``rollout/backpressure_s``) above 20% of ``perf/step_s``;
+  "≈ 0": below 5% of it. Without ``perf/step_s``: above 1.0 s / below 0.05 s. ``rollout/backpressure_s``
+  is a mean over the waits of the window (SPEC §4.1), compared with the step time all the same.
+- Staleness limit active (§4.4): ``rollout/backpressure_s`` > 0.01 s.
+- A concurrency "equals" a limit when it is at least 95% of it; the KV cache is "low" below 50% usage.
+- Queue "nearly empty": fewer samples than half a step (``batch/samples_per_step``; 1 sample when
+  unknown); "about ``max_staleness`` steps' worth": at least half of ``max_staleness`` steps of samples.
+- ``frac_reward_zero_std`` is "low" below 0.3 and "high" from 0.5. Trends compare the mean of the newest
+  3 windows with the mean of the 3 before (so they need 6 windows): ``frac_reward_zero_std`` is "rising"
+  when it grew by more than 0.05; ``reward`` / ``reward_dropped`` rise or fall when they moved by more than
+  2% of the reward range. Without enough history a trend counts as flat.
+- Reward range: ``RunSettings.reward_range`` when given, else [min(0, lowest seen), max(1, highest seen)]
+  over ``reward``, ``reward_kept`` and ``reward_dropped``. "Near the top": in the upper 20% of the range;
+  "near the bottom": in the lower 20%; "mid-range": in between.
+- Duplicates: "near 0" below 0.1; "jumps toward (G-1)/G" from 80% of ``(num_generations - 1) /
+  num_generations``; "creeps up": the trend of ``completions/duplicate_frac`` above +0.02 while the trend of
+  ``entropy`` is negative by more than 2% of its earlier mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+OK, INFO, WARN, ALERT = "ok", "info", "warn", "alert"
+SEVERITY_RANK = {OK: 0, INFO: 1, WARN: 2, ALERT: 3}
+REWARD_NAMES = ("reward", "reward_kept", "reward_dropped")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One finding: ``rule`` (stable id, e.g. ``generation_bound``), ``text`` (one short line) and
+    ``severity`` (``ok``, ``info``, ``warn``, ``alert``)."""
+
+    rule: str
+    text: str
+    severity: str = OK
+
+    @property
+    def rank(self) -> int:
+        """0 (ok) … 3 (alert)."""
+        return SEVERITY_RANK[self.severity]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Numbers behind the words of SPEC's tables (see the module docstring)."""
+
+    high_wait_frac: float = 0.20
+    zero_wait_frac: float = 0.05
+    high_wait_s: float = 1.0
+    zero_wait_s: float = 0.05
+    backpressure_active_s: float = 0.01
+    at_limit_frac: float = 0.95
+    low_kv_frac: float = 0.5
+    queue_empty_steps: float = 0.5
+    queue_full_frac: float = 0.5
+    zero_std_low: float = 0.3
+    zero_std_high: float = 0.5
+    trend_windows: int = 3
+    zero_std_rising: float = 0.05
+    reward_trend_frac: float = 0.02
+    top_frac: float = 0.8
+    bottom_frac: float = 0.2
+    dup_near_zero: float = 0.1
+    dup_jump_frac: float = 0.8
+    dup_creep: float = 0.02
+    entropy_fall_frac: float = 0.02
+
+
+DEFAULT_THRESHOLDS = Thresholds()
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Config values the rules compare against.
+
+    Attributes:
+        max_staleness: ``staleness.max_staleness`` (weight updates).
+        max_concurrent_rollouts: ``staleness.max_concurrent_rollouts``.
+        num_generations: ``rollout.num_generations`` (G).
+        reward_range: (lowest, highest) total reward; None = inferred from the metrics seen.
+        rollout_worker_timeout: ``staleness.rollout_worker_timeout`` in seconds (heartbeat display).
+    """
+
+    max_staleness: int = 4
+    max_concurrent_rollouts: int = 512
+    num_generations: int = 8
+    reward_range: tuple[float, float] | None = None
+    rollout_worker_timeout: float = 300.0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RunSettings:
+        """Read the settings from a composed config (`asyncgrpo_cli.config.compose`)."""
+        return cls(max_staleness=int(cfg.staleness.max_staleness),
+                   max_concurrent_rollouts=int(cfg.staleness.max_concurrent_rollouts),
+                   num_generations=int(cfg.rollout.num_generations),
+                   rollout_worker_timeout=float(cfg.staleness.rollout_worker_timeout))
+
+
+def num(metrics: Mapping[str, Any] | None, name: str) -> float | None:
+    """``metrics[name]`` as a finite float, or None when absent, null, NaN or not a number."""
+    if not metrics:
+        return None
+    value = metrics.get(name)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class MetricsHistory:
+    """The last ``maxlen`` metrics windows (oldest first), for trends and the ETA.
+
+    Args:
+        maxlen: windows kept (older ones are forgotten).
+    """
+
+    def __init__(self, maxlen: int = 50) -> None:
+        self._rows: deque[dict[str, Any]] = deque(maxlen=maxlen)
+
+    def push(self, metrics: Mapping[str, Any]) -> None:
+        """Add one logged window (a dict of SPEC §15 names plus ``step``/``epoch``/``time``)."""
+        self._rows.append(dict(metrics))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The kept windows, oldest first."""
+        return list(self._rows)
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The newest window, or None."""
+        return self._rows[-1] if self._rows else None
+
+    def values(self, name: str) -> list[float]:
+        """The finite values of ``name`` over the kept windows, oldest first."""
+        return [v for v in (num(r, name) for r in self._rows) if v is not None]
+
+    def trend(self, name: str, k: int = 3) -> float | None:
+        """Mean of the newest ``k`` values of ``name`` minus the mean of the ``k`` before; None with fewer
+        than ``2k`` values."""
+        vals = self.values(name)
+        if k < 1 or len(vals) < 2 * k:
+            return None
+        return sum(vals[-k:]) / k - sum(vals[-2 * k:-k]) / k
+
+    def earlier_mean(self, name: str, k: int = 3) -> float | None:
+        """Mean of the ``k`` values before the newest ``k`` (the base of `trend`), or None."""
+        vals = self.values(name)
+        if len(vals) < 2 * k:
+            return None
+        return sum(vals[-2 * k:-k]) / k
+
+    def observed_range(self, names: Iterable[str]) -> tuple[float, float] | None:
+        """(min, max) over every value of ``names`` seen, or None when none was seen."""
+        vals = [v for n in names for v in self.values(n)]
+        return (min(vals), max(vals)) if vals else None
+
+
+def _level(value: float | None, step_s: float | None, th: Thresholds) -> str | None:
+    """'high', 'zero' or 'some' for a waiting time (see the module docstring), None when unknown."""
+    if value is None:
+        return None
+    if step_s is not None and step_s > 0:
+        frac = value / step_s
+        return "high" if frac > th.high_wait_frac else "zero" if frac < th.zero_wait_frac else "some"
+    return "high" if value > th.high_wait_s else "zero" if value < th.zero_wait_s else "some"
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0%}"
+
+
+def _wait_text(wait: float | None, step_s: float | None) -> str:
+    if wait is None:
+        return "?"
+    if step_s:
+        return f"{wait:.2f} s ({wait / step_s:.0%} of the step)"
+    return f"{wait:.2f} s"
+
+
+def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
+               th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """SPEC §5.1: generation-bound, trainer-bound, ``max_staleness`` too tight, or balanced.
+
+    Reads ``perf/rollout_wait_s``, ``rollout/backpressure_s``, ``perf/step_s``, ``rollout/queue_size``,
+    ``batch/samples_per_step`` and ``sample/staleness_mean``. Returns None when neither wait is logged.
+    """
+    wait, bp = num(m, "perf/rollout_wait_s"), num(m, "rollout/backpressure_s")
+    if wait is None and bp is None:
+        return None
+    step_s = num(m, "perf/step_s")
+    wl, bl = _level(wait, step_s, th), _level(bp, step_s, th)
+    queue = num(m, "rollout/queue_size")
+    per_step = num(m, "batch/samples_per_step")
+    if wl == "high" and bl == "high":
+        return Diagnosis("staleness_too_tight",
+                         f"max_staleness too tight: the trainer waits {_wait_text(wait, step_s)} while generation "
+                         f"is throttled ({bp:.2f} s): raise staleness.max_staleness (now {settings.max_staleness})",
+                         WARN)
+    if wl == "high":
+        empty = queue is not None and queue < max(1.0, th.queue_empty_steps * (per_step or 0.0))
+        q = "queue nearly empty" if empty else f"queue {queue:.0f}" if queue is not None else "queue ?"
+        return Diagnosis("generation_bound",
+                         f"generation-bound: the trainer waits {_wait_text(wait, step_s)} for samples ({q}); "
+                         "check rollout/generated_tokens_per_s, rollout/concurrency, rollout/score_queue_size",
+                         WARN)
+    if bl == "high":
+        stale = num(m, "sample/staleness_mean")
+        full = queue is not None and per_step is not None \
+            and queue >= th.queue_full_frac * settings.max_staleness * per_step
+        extra = f", staleness {stale:.1f}/{settings.max_staleness}" if stale is not None else ""
+        extra += ", queue holds ~max_staleness steps" if full else ""
+        return Diagnosis("trainer_bound",
+                         f"trainer-bound: generation waits {bp:.2f} s for the staleness limit{extra} (expected when "
+                         "inference is faster than training)", INFO)
+    if wl in ("zero", None) and bl in ("zero", None):
+        return Diagnosis("balanced", "balanced (no waits)", OK)
+    return Diagnosis("balanced",
+                     f"balanced (small waits: trainer {_wait_text(wait, step_s)}, generation "
+                     f"{'?' if bp is None else f'{bp:.2f} s'})", OK)
+
+
+def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
+                 th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """SPEC §4.4: which limit holds the number of in-flight rollouts: the staleness limit, the vLLM
+    load cap, the ``max_concurrent_rollouts`` ceiling, or none.
+
+    Reads ``rollout/backpressure_s``, ``rollout/concurrency``, ``rollout/concurrency_cap``,
+    ``rollout/vllm_kv_cache_usage_frac``, ``perf/rollout_wait_s`` and ``perf/step_s``. None when neither
+    the concurrency nor the backpressure is logged.
+    """
+    bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
+    cap, kv = num(m, "rollout/concurrency_cap"), num(m, "rollout/vllm_kv_cache_usage_frac")
+    ceiling = settings.max_concurrent_rollouts
+    if bp is None and conc is None:
+        return None
+    if bp is not None and bp > th.backpressure_active_s:
+        return Diagnosis("limit_staleness", f"active limit: staleness (generation waits {bp:.2f} s; it is ahead "
+                         "of training)", INFO)
+    if conc is None:
+        return None
+    if cap is not None and cap < ceiling and conc >= th.at_limit_frac * cap:
+        return Diagnosis("limit_server_load", f"active limit: vLLM load cap ({conc:.0f} in flight = cap {cap:.0f} "
+                         f"< max_concurrent_rollouts {ceiling})", INFO)
+    if conc >= th.at_limit_frac * ceiling:
+        wl = _level(num(m, "perf/rollout_wait_s"), num(m, "perf/step_s"), th)
+        if kv is not None and kv < th.low_kv_frac and wl == "high":
+            return Diagnosis("limit_resource", f"active limit: max_concurrent_rollouts={ceiling} with the KV cache "
+                             f"at {kv:.0%} while the trainer waits: raise staleness.max_concurrent_rollouts if "
+                             "environments and tools allow", WARN)
+        return Diagnosis("limit_resource", f"active limit: max_concurrent_rollouts={ceiling} reached", INFO)
+    return Diagnosis("limit_none", f"no concurrency limit active ({conc:.0f} in flight"
+                     + (f", cap {cap:.0f}" if cap is not None else "") + ")", OK)
+
+
+def reward_range(history: MetricsHistory, settings: RunSettings = RunSettings()) -> tuple[float, float]:
+    """(lowest, highest) total reward: ``settings.reward_range`` or [min(0, seen), max(1, seen)]."""
+    if settings.reward_range is not None:
+        lo, hi = settings.reward_range
+    else:
+        seen = history.observed_range(REWARD_NAMES)
+        lo, hi = (min(0.0, seen[0]), max(1.0, seen[1])) if seen else (0.0, 1.0)
+    return (float(lo), float(hi)) if hi > lo else (float(lo), float(lo) + 1.0)
+
+
+def saturation(history: MetricsHistory, settings: RunSettings = RunSettings(),
+               th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """SPEC §5.2 (with Appendix B.15): healthy, saturating at the top, stuck at the bottom, regression,
+    or a mix, from ``frac_reward_zero_std``, ``reward_dropped`` and ``reward`` and their trends.
+
+    Rows are tried in this order: regression, healthy (low zero-std fraction), saturating at the top,
+    stuck at the bottom, mix, then a plain "N% of groups carry no signal". None without
+    ``frac_reward_zero_std`` in the newest window.
+    """
+    m = history.latest
+    zero = num(m, "frac_reward_zero_std")
+    if zero is None:
+        return None
+    lo, hi = reward_range(history, settings)
+    span = hi - lo
+    reward, dropped = num(m, "reward"), num(m, "reward_dropped")
+    k = th.trend_windows
+    z_trend = history.trend("frac_reward_zero_std", k)
+    r_trend, d_trend = history.trend("reward", k), history.trend("reward_dropped", k)
+    z_rising = z_trend is not None and z_trend > th.zero_std_rising
+    r_rising = r_trend is not None and r_trend > th.reward_trend_frac * span
+    r_falling = r_trend is not None and r_trend < -th.reward_trend_frac * span
+    d_falling = d_trend is not None and d_trend < -th.reward_trend_frac * span
+
+    def pos(x: float | None) -> float | None:
+        return None if x is None else (x - lo) / span
+
+    dpos, rpos = pos(dropped), pos(reward)
+    rtxt = "?" if reward is None else f"{reward:.3g}"
+    dtxt = "?" if dropped is None else f"{dropped:.3g}"
+    if z_rising and d_falling and r_falling:
+        return Diagnosis("regression", f"regression: groups that used to succeed now fail together (reward {rtxt} "
+                         f"falling, {zero:.0%} of groups without signal); check completions/duplicate_frac and "
+                         "entropy for collapse", ALERT)
+    if zero < th.zero_std_low:
+        return Diagnosis("healthy_groups", f"{1 - zero:.0%} of groups carry a gradient", OK)
+    high = zero >= th.zero_std_high
+    if (z_rising or high) and dpos is not None and dpos >= th.top_frac and not r_falling:
+        return Diagnosis("saturating_top", f"saturating at the top: {zero:.0%} of groups all equal, dropped groups "
+                         f"at reward {dtxt} (reward {rtxt}): prompts got too easy; stop or use harder prompts", WARN)
+    if high and dpos is not None and dpos <= th.bottom_frac and rpos is not None and rpos <= th.bottom_frac \
+            and not r_rising:
+        clipped = num(m, "completions/clipped_ratio")
+        ctxt = f" (now {clipped:.0%})" if clipped is not None else ""
+        return Diagnosis("stuck_bottom", f"stuck at the bottom: {zero:.0%} of groups get no credit (reward {rtxt}); "
+                         f"check completions/clipped_ratio{ctxt}, then read completions to verify the reward parses "
+                         "them", ALERT)
+    if high and dpos is not None and th.bottom_frac < dpos < th.top_frac:
+        return Diagnosis("mix", f"mix: {zero:.0%} of groups all equal at mid-range reward {dtxt} (some prompts too "
+                         "easy, others too hard, or a shared partial score): read the rollouts", WARN)
+    return Diagnosis("zero_std", f"{zero:.0%} of groups carry no signal (reward {rtxt})", INFO if high else OK)
+
+
+def duplicates(history: MetricsHistory, settings: RunSettings = RunSettings(),
+               th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """SPEC §5.3: healthy, sampler no longer random, or collapse, from ``completions/duplicate_frac``
+    (and the trend of ``entropy``). None without ``completions/duplicate_frac`` in the newest window."""
+    m = history.latest
+    dup = num(m, "completions/duplicate_frac")
+    if dup is None:
+        return None
+    g = settings.num_generations
+    top = (g - 1) / g if g >= 2 else 0.0
+    if top > 0 and dup >= th.dup_jump_frac * top:
+        return Diagnosis("sampler_not_random", f"sampler not random: {dup:.0%} of rollouts copy an earlier one of "
+                         f"their group (all copies = {top:.0%}); check temperature > 0 and per-request seeds", ALERT)
+    k = th.trend_windows
+    d_trend, e_trend = history.trend("completions/duplicate_frac", k), history.trend("entropy", k)
+    e_base = history.earlier_mean("entropy", k)
+    falling = e_trend is not None and e_base is not None and e_trend < -th.entropy_fall_frac * abs(e_base)
+    if d_trend is not None and d_trend > th.dup_creep and falling:
+        ent = num(m, "entropy")
+        return Diagnosis("collapse", f"collapse: duplicates creep up ({dup:.0%}) while entropy falls"
+                         + (f" ({ent:.3g})" if ent is not None else "")
+                         + ": the policy converges to one answer per prompt", ALERT)
+    if dup < th.dup_near_zero:
+        return Diagnosis("healthy_duplicates", f"duplicates {dup:.0%}", OK)
+    return Diagnosis("duplicates", f"duplicates at {dup:.0%} (short completions can repeat by chance)", INFO)
+
+
+def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
+             th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
+    """The ONE diagnosis line of the dashboard for the newest window of ``history``.
+
+    The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, in that
+    order). A generation-bound diagnosis gets the active concurrency limit appended (SPEC §4.4 says
+    what holds generation back). When everything is ok the line starts with ``healthy:`` and lists the
+    findings.
+    """
+    m = history.latest
+    if not m:
+        return Diagnosis("waiting", "waiting for the first logged step", OK)
+    limit = active_limit(m, settings, th)
+    found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th),
+                         bottleneck(m, settings, th), limit) if d is not None]
+    if not found:
+        return Diagnosis("no_data", "no diagnosable metrics in this step", OK)
+    best = max(found, key=lambda d: d.rank)  # max keeps the first of equal ranks
+    if best.severity == OK:
+        return Diagnosis("healthy", "healthy: " + "; ".join(d.text for d in found if d.rule != "limit_none"), OK)
+    if best.rule == "generation_bound" and limit is not None and limit.rule != "limit_staleness":
+        return Diagnosis(best.rule, f"{best.text}; {limit.text}", best.severity)
+    return best

@@ -1,0 +1,430 @@
+"""What the live dashboard shows: rich panels, the plain log line, completion tables and the end-of-run
+summary (DESIGN.md §2; SPEC §4.4, §5, §15).
+
+Everything here is a pure function of a `DashboardView` (the trainer's ``status.json``, the kept
+metrics windows of ``metrics.jsonl``, the process table and the diagnosis) or of metrics rows: no file
+or process is touched, so tests render into ``Console(record=True)``.
+
+Live values (queue size, concurrency, KV usage, running/waiting requests) come from ``status.json``
+(rewritten about once a second) and fall back to the newest metrics window.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num
+
+SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
+DASH = "—"
+
+
+@dataclass
+class ProcessInfo:
+    """One row of the process table: ``alive`` None = not started by us (e.g. an external server)."""
+
+    name: str
+    pid: int | None
+    alive: bool | None
+    detail: str = ""
+
+
+@dataclass
+class DashboardView:
+    """Everything one frame of the dashboard shows.
+
+    Attributes:
+        status: the trainer's ``status.json`` (None before it is written).
+        history: the metrics windows of this run (newest last).
+        diagnosis: the one diagnosis line.
+        processes: the process table of the supervisor.
+        settings: config values (max_staleness, max_concurrent_rollouts, ...).
+        started_at: when the supervisor started the run (unix seconds).
+        now: the frame's time (unix seconds).
+        title: panel title (run name / output dir).
+    """
+
+    status: Mapping[str, Any] | None
+    history: MetricsHistory
+    diagnosis: Diagnosis
+    processes: list[ProcessInfo] = field(default_factory=list)
+    settings: RunSettings = field(default_factory=RunSettings)
+    started_at: float = field(default_factory=time.time)
+    now: float = field(default_factory=time.time)
+    title: str = "asyncgrpo"
+
+    @property
+    def metrics(self) -> dict[str, Any] | None:
+        """The newest metrics window."""
+        return self.history.latest
+
+    def live(self, status_key: str, metric: str | None = None) -> float | None:
+        """``status[status_key]`` when set, else the newest window's ``metric``."""
+        value = num(self.status, status_key)
+        if value is None and metric is not None:
+            value = num(self.metrics, metric)
+        return value
+
+
+# ----------------------------------------------------------------------------------------------- format
+def fmt(value: float | None, spec: str = ".3g") -> str:
+    """A number with ``spec``, or ``—`` when unknown."""
+    return DASH if value is None else format(value, spec)
+
+
+def fmt_s(value: float | None, spec: str = ".2f") -> str:
+    """Seconds with a unit (``1.50 s``), or ``—``."""
+    return DASH if value is None else f"{format(value, spec)} s"
+
+
+def fmt_pct(value: float | None) -> str:
+    """A fraction as a percentage (``0.25`` → ``25%``), or ``—``."""
+    return DASH if value is None else f"{value:.0%}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``1h02m``; ``—`` when unknown or negative."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return DASH
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def fmt_rate(value: float | None) -> str:
+    """Tokens per second with a k/M suffix (``1234.5`` → ``1.23k``), or ``—``."""
+    if value is None:
+        return DASH
+    for div, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+# ------------------------------------------------------------------------------------------ run timing
+def step_rate(rows: Sequence[Mapping[str, Any]], key: str = "step") -> float | None:
+    """``key`` units per second between the first and the newest row that carry ``time`` and ``key``."""
+    pts = [(num(r, "time"), num(r, key)) for r in rows]
+    pts = [(t, s) for t, s in pts if t is not None and s is not None]
+    if len(pts) < 2 or pts[-1][0] <= pts[0][0] or pts[-1][1] <= pts[0][1]:
+        return None
+    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+
+
+def eta_seconds(view: DashboardView) -> float | None:
+    """Seconds to the end from the step rate (``max_steps``) or else the epoch rate (``num_train_epochs``).
+
+    With one window only, the rate is counted from the run's start.
+    """
+    rows = view.history.rows
+    start = num(view.status, "started_at") or view.started_at
+    for key, total_key in (("step", "max_steps"), ("epoch", "num_train_epochs")):
+        total = num(view.status, total_key)
+        done = view.live(key, key)
+        if total is None or total <= 0 or done is None:
+            continue
+        rate = step_rate(rows, key)
+        if rate is None and done > 0 and view.now > start:
+            rate = done / (view.now - start)
+        if rate:
+            return max(0.0, (total - done) / rate)
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- panels
+def _kv_table(rows: Sequence[tuple[str, Any]]) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column()
+    for label, value in rows:
+        table.add_row(label, value if isinstance(value, Text) else str(value))
+    return table
+
+
+def run_panel(view: DashboardView) -> Panel:
+    """State, step/max, epoch, elapsed, ETA, model version and trainer processes."""
+    s = view.status or {}
+    step = view.live("step", "step")
+    max_steps = num(s, "max_steps")
+    epoch = view.live("epoch", "epoch")
+    epochs = num(s, "num_train_epochs")
+    step_txt = fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")
+    epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs else "")
+    state = str(s.get("state") or "starting")
+    state_style = {"running": "green", "saving": "cyan", "done": "bold green", "failed": "bold red"}.get(state, "yellow")
+    rows = [
+        ("state", Text(state, style=state_style)),
+        ("step", step_txt),
+        ("epoch", epoch_txt),
+        ("elapsed", fmt_duration(view.now - view.started_at)),
+        ("ETA", fmt_duration(eta_seconds(view))),
+        ("model version", fmt(num(s, "model_version"), ".0f")),
+        ("trainer processes", fmt(num(s, "num_processes"), ".0f")),
+    ]
+    return Panel(_kv_table(rows), title="run", border_style="blue")
+
+
+def queue_panel(view: DashboardView) -> Panel:
+    """Rollout queue and backpressure (SPEC §4, §5.1): queue size, both waits, in-flight rollouts against
+    the adaptive cap and ``max_concurrent_rollouts``, KV usage, and where the in-flight rollouts are
+    (running / waiting in the engine; elsewhere = in tools, between turns or in the API server, B.22)."""
+    m = view.metrics
+    conc = view.live("concurrency", "rollout/concurrency")
+    cap = view.live("concurrency_cap", "rollout/concurrency_cap")
+    ceiling = view.live("max_concurrent_rollouts") or view.settings.max_concurrent_rollouts
+    kv = view.live("kv_cache_usage_frac", "rollout/vllm_kv_cache_usage_frac")
+    running = view.live("requests_running", "rollout/vllm_running_requests")
+    waiting = view.live("requests_waiting", "rollout/vllm_queued_requests")
+    elsewhere = None
+    if conc is not None and running is not None:
+        elsewhere = max(0.0, conc - running - (waiting or 0.0))
+    kv_style = "red" if kv is not None and kv > 0.8 else "green" if kv is not None and kv < 0.6 else "yellow"
+    rows = [
+        ("queue (samples)", fmt(view.live("queue_size", "rollout/queue_size"), ".0f")),
+        ("trainer waits", fmt_s(num(m, "perf/rollout_wait_s"))),
+        ("generation waits", fmt_s(num(m, "rollout/backpressure_s"))),
+        ("in flight / cap / max", f"{fmt(conc, '.0f')} / {fmt(cap, '.0f')} / {ceiling:.0f}"),
+        ("KV cache", Text(fmt_pct(kv), style=kv_style if kv is not None else "")),
+        ("engine running / waiting", f"{fmt(running, '.0f')} / {fmt(waiting, '.0f')}"),
+        ("elsewhere (tools, API server)", fmt(elsewhere, ".0f")),
+        ("score queue", fmt(num(m, "rollout/score_queue_size"), ".0f")),
+    ]
+    return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
+
+
+def staleness_panel(view: DashboardView) -> Panel:
+    """Staleness of trained samples against ``max_staleness`` and the samples dropped for it (SPEC §4.1)."""
+    m = view.metrics
+    limit = view.settings.max_staleness
+    smax = num(m, "sample/staleness_max")
+    rows = [
+        ("staleness mean", fmt(num(m, "sample/staleness_mean"), ".2f") + f" / {limit}"),
+        ("staleness max", Text(fmt(smax, ".0f") + f" / {limit}",
+                               style="yellow" if smax is not None and smax >= limit else "")),
+        ("dropped stale (step)", fmt(num(m, "sample/dropped_stale_count"), ".0f")),
+        ("time in queue", fmt_s(num(m, "sample/time_in_queue_s"))),
+    ]
+    return Panel(_kv_table(rows), title="staleness", border_style="blue")
+
+
+def reward_names(metrics: Mapping[str, Any] | None) -> list[str]:
+    """The ``rewards/<func>/mean`` names in ``metrics``, sorted."""
+    return sorted(k for k in (metrics or {}) if re.fullmatch(r"rewards/.+/mean", k))
+
+
+def rewards_panel(view: DashboardView) -> Panel:
+    """Reward, kept/dropped, zero-std fraction, duplicates and every reward function's mean (SPEC §5.2)."""
+    m = view.metrics
+    rows: list[tuple[str, Any]] = [
+        ("reward", fmt(num(m, "reward"), ".4g")),
+        ("reward kept / dropped", f"{fmt(num(m, 'reward_kept'), '.3g')} / {fmt(num(m, 'reward_dropped'), '.3g')}"),
+        ("groups without signal", fmt_pct(num(m, "frac_reward_zero_std"))),
+        ("duplicates", fmt_pct(num(m, "completions/duplicate_frac"))),
+        ("clipped completions", fmt_pct(num(m, "completions/clipped_ratio"))),
+        ("entropy", fmt(num(m, "entropy"), ".3g")),
+    ]
+    rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    return Panel(_kv_table(rows), title="rewards", border_style="blue")
+
+
+def throughput_panel(view: DashboardView) -> Panel:
+    """Generation and training throughput, step time and MFU when logged (SPEC §15.3, §15.8)."""
+    m = view.metrics
+    rows: list[tuple[str, Any]] = [
+        ("generated tok/s", fmt_rate(num(m, "rollout/generated_tokens_per_s"))),
+        ("fwd+bwd forwarded tok/s", fmt_rate(num(m, "perf/fwd_bwd_forwarded_tokens_per_s"))),
+        ("wall-clock trained tok/s", fmt_rate(num(m, "perf/wall_clock_trained_tokens_per_s"))),
+        ("step time", fmt_s(num(m, "perf/step_s"))),
+    ]
+    mfu = num(m, "perf/fwd_bwd_mfu")
+    if mfu is not None:
+        rows.append(("fwd+bwd MFU", fmt_pct(mfu)))
+    return Panel(_kv_table(rows), title="throughput", border_style="blue")
+
+
+def processes_panel(view: DashboardView) -> Panel:
+    """The process table, the rollout worker's heartbeat age and the trainer's last error."""
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column()
+    for p in view.processes:
+        if p.alive is None:
+            state = Text("external", style="cyan")
+        else:
+            state = Text("alive", style="green") if p.alive else Text("exited", style="red")
+        table.add_row(p.name, Text(f"pid {p.pid}" if p.pid else DASH), Text.assemble(state, " ", p.detail))
+    age = num(view.status, "worker_heartbeat_age_s")
+    timeout = view.settings.rollout_worker_timeout
+    style = "green" if age is not None and age < 10 else "red" if age is not None and age > timeout / 2 else "yellow"
+    table.add_row("rollout worker", "", Text(f"heartbeat {fmt(age, '.1f')} s ago" if age is not None else
+                                            "heartbeat —", style=style if age is not None else "dim"))
+    updated = num(view.status, "updated_at")
+    if updated is not None and view.now - updated > 10:
+        table.add_row("status.json", "", Text(f"not updated for {fmt_duration(view.now - updated)}", style="yellow"))
+    error = (view.status or {}).get("last_error")
+    if error:
+        table.add_row("last error", "", Text(str(error)[-300:], style="red"))
+    return Panel(table, title="processes", border_style="blue")
+
+
+def diagnosis_text(diagnosis: Diagnosis) -> Text:
+    """The diagnosis as one styled line."""
+    return Text.assemble(("diagnosis: ", "bold"), (diagnosis.text, SEVERITY_STYLE.get(diagnosis.severity, "")))
+
+
+def render_dashboard(view: DashboardView) -> RenderableType:
+    """The whole frame: run | processes, queue | staleness, rewards | throughput, then the diagnosis line."""
+    grid = Table.grid(expand=True, padding=(0, 1))
+    grid.add_column(ratio=1)
+    grid.add_column(ratio=1)
+    grid.add_row(run_panel(view), processes_panel(view))
+    grid.add_row(queue_panel(view), staleness_panel(view))
+    grid.add_row(rewards_panel(view), throughput_panel(view))
+    return Panel(Group(grid, diagnosis_text(view.diagnosis)), title=f"[bold]{view.title}[/]", border_style="cyan")
+
+
+def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, max_steps: float | None = None) -> str:
+    """One log line per logging step: step, reward, key throughput numbers, and the diagnosis.
+
+    Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | queue 5 | healthy: ...``
+    """
+    step = num(metrics, "step")
+    parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
+             f"reward {fmt(num(metrics, 'reward'), '.4g')}",
+             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
+             f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
+             f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
+             f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
+             f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]
+    if diagnosis is not None:
+        parts.append(diagnosis.text)
+    return " | ".join(parts)
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt as text: the last user message of a conversation, or the string itself."""
+    if isinstance(prompt, list):
+        users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
+        msg = users[-1] if users else (prompt[-1] if prompt else {})
+        content = msg.get("content", "") if isinstance(msg, Mapping) else msg
+        if isinstance(content, list):  # multimodal parts
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return str(content)
+    return "" if prompt is None else str(prompt)
+
+
+def _clip(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def completions_table(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> Table:
+    """A table of completion records (``completions.jsonl`` lines: step, prompt, completion, reward),
+    at most ``limit`` rows (None = all)."""
+    shown = list(rows)[: limit] if limit is not None else list(rows)
+    steps = sorted({r.get("step") for r in shown if r.get("step") is not None})
+    title = "completions" + (f" (step {', '.join(map(str, steps))})" if steps else "")
+    table = Table("step", "prompt", "completion", "reward", title=title, show_lines=True, expand=True)
+    for r in shown:
+        completion = r.get("completion")
+        if isinstance(completion, list):
+            completion = "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in completion)
+        table.add_row(str(r.get("step", "")), _clip(_prompt_text(r.get("prompt"))), _clip(str(completion or "")),
+                      fmt(num(r, "reward"), ".3g"))
+    return table
+
+
+# --------------------------------------------------------------------------------------------- summary
+@dataclass
+class RunSummary:
+    """End-of-run numbers.
+
+    Attributes:
+        outcome: ``finished``, ``failed`` or ``interrupted``.
+        steps: the last logged step (None without metrics).
+        elapsed_s: wall time of the run (seconds).
+        final_reward: ``reward`` of the last window.
+        mean_generated_tokens_per_s: mean of ``rollout/generated_tokens_per_s`` over the windows.
+        mean_trained_tokens_per_s: mean of ``perf/wall_clock_trained_tokens_per_s``.
+        mean_step_s: mean of ``perf/step_s``.
+        output_dir: the run folder; checkpoints: its ``checkpoint-*`` folders (oldest first).
+        plot_path: the training-curves PNG, when written.
+    """
+
+    outcome: str
+    steps: int | None
+    elapsed_s: float
+    final_reward: float | None
+    mean_generated_tokens_per_s: float | None
+    mean_trained_tokens_per_s: float | None
+    mean_step_s: float | None
+    output_dir: str
+    checkpoints: list[str] = field(default_factory=list)
+    plot_path: str | None = None
+
+
+def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
+    vals = [v for v in (num(r, name) for r in rows) if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def list_checkpoints(output_dir: str | Path) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir``, by N."""
+    out = Path(output_dir)
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir()]
+
+    def key(p: Path) -> tuple[int, str]:
+        tail = p.name.split("-", 1)[-1]
+        return (int(tail) if tail.isdigit() else -1, p.name)
+
+    return [str(p) for p in sorted(found, key=key)]
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
+              plot_path: str | Path | None = None) -> RunSummary:
+    """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first)."""
+    last = rows[-1] if rows else {}
+    step = num(last, "step")
+    return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
+                      final_reward=num(last, "reward"),
+                      mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
+                      mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
+                      mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
+                      checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None)
+
+
+def summary_panel(summary: RunSummary) -> Panel:
+    """The end-of-run panel: steps, time, final reward, mean throughput, checkpoints, curves."""
+    style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
+    ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
+    if len(summary.checkpoints) > 3:
+        ckpts = f"… {ckpts}"
+    rows: list[tuple[str, Any]] = [
+        ("outcome", Text(summary.outcome, style=style)),
+        ("steps", DASH if summary.steps is None else str(summary.steps)),
+        ("time", fmt_duration(summary.elapsed_s)),
+        ("final reward", fmt(summary.final_reward, ".4g")),
+        ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
+        ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
+        ("mean step time", fmt_s(summary.mean_step_s)),
+        ("output", summary.output_dir),
+        ("checkpoints", ckpts),
+    ]
+    if summary.plot_path:
+        rows.append(("training curves", summary.plot_path))
+    return Panel(_kv_table(rows), title="[bold]asyncgrpo train: summary[/]", border_style=style or "blue")

@@ -1,0 +1,364 @@
+"""The launch plan of `asyncgrpo train`: which GPUs go to the server and the trainer, and the trainer's
+``accelerate launch`` command and config (DESIGN.md §2, §7; SPEC §8.4).
+
+Everything here is pure (no process, no file write): `plan_gpus` takes the GPU count as an argument
+(`visible_gpu_count` reads it), `accelerate_config` returns a dict the supervisor writes as YAML, and
+`build_launch_plan` gathers the commands the supervisor prints and starts.
+
+GPU rules (DESIGN.md §2):
+
+- the server gets ``launch.server_gpus`` (default: GPU 0) when it runs on a GPU: always for vLLM, for
+  the embedded sampler when ``sampler.device`` is ``cuda*`` (or ``auto`` with a GPU visible);
+- the trainer gets ``launch.trainer_gpus`` (default: every visible GPU the server does not hold, whether
+  the supervisor starts the server or it already runs there, e.g. from `asyncgrpo serve`; on every
+  machine of a multi-node job alike, so all machines run the same number of processes), one process
+  per GPU; no GPU → the trainer runs on CPU with ``launch.cpu_processes`` processes (gloo);
+- vLLM and the trainer never share a GPU (NCCL weight transfer, SPEC §8.4); the embedded sampler may:
+  with one GPU it shares it with the trainer.
+
+Accelerate config (accelerate 1.15 keys): ``distributed_type: FSDP`` with ``fsdp_config.fsdp_version: 2``,
+transformer-layer auto wrap (the model's ``_no_split_modules``) and ``SHARDED_STATE_DICT`` when more
+than one process runs in total; ``NO`` for a single process. ``mixed_precision`` follows the trainer's
+compute dtype (``bf16`` / ``fp16`` / ``no``). CPU runs set ``use_cpu: true`` and the environment variable
+``ACCELERATE_USE_CPU=true`` (accelerate's torchrun path does not pass ``use_cpu`` on to the ranks, and
+without it 2 CPU ranks would each run alone instead of forming a gloo group).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .server_command import ServerCommand, build_server_command, compute_dtype
+
+TRAINER_MODULE = "asyncgrpo_cli.train.main"
+CONFIG_NAME = "asyncgrpo_config.yaml"
+ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
+DEFAULT_OUTPUT_DIR = "outputs/run"
+
+
+def visible_gpu_count() -> int:
+    """Number of CUDA GPUs this process sees (``torch.cuda.device_count()``; 0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver reads as "no GPU" rather than crashing the plan
+        return 0
+
+
+def _backend(cfg: DictConfig) -> str:
+    b = cfg.sampler.backend
+    return b.value if hasattr(b, "value") else str(b)
+
+
+def server_uses_gpu(cfg: DictConfig, gpu_count: int) -> bool:
+    """Whether a server started by `asyncgrpo train` runs on a GPU: vLLM always; the embedded sampler with
+    ``sampler.device`` ``cuda*``, or ``auto`` when ``gpu_count`` > 0; an external server never (locally)."""
+    backend = _backend(cfg)
+    if backend == "vllm":
+        return True
+    if backend == "embedded":
+        device = str(cfg.sampler.device)
+        return device.startswith("cuda") or (device == "auto" and gpu_count > 0)
+    return False
+
+
+@dataclass
+class GpuPlan:
+    """Who gets which GPU on this machine.
+
+    Attributes:
+        gpu_count: CUDA GPUs visible here.
+        server_gpus: GPUs of the server started here ([] = no server here, or a CPU server).
+        trainer_gpus: GPUs of the trainer, one process each ([] = the trainer runs on CPU).
+        processes_per_machine: trainer processes on this machine.
+        num_machines: machines of the trainer (``launch.num_machines``).
+        machine_rank: this machine's rank (``launch.machine_rank``).
+        notes: remarks printed with the plan.
+        problems: reasons the plan cannot run here (each names the setting and the fix); empty = runnable.
+    """
+
+    gpu_count: int
+    server_gpus: list[int]
+    trainer_gpus: list[int]
+    processes_per_machine: int
+    num_machines: int = 1
+    machine_rank: int = 0
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def use_cpu(self) -> bool:
+        """The trainer runs on CPU (no trainer GPU)."""
+        return not self.trainer_gpus
+
+    @property
+    def num_processes(self) -> int:
+        """Trainer processes over all machines (accelerate's ``num_processes``)."""
+        return self.processes_per_machine * self.num_machines
+
+    def describe(self) -> str:
+        """One line: ``server: GPU 0 | trainer: GPUs 1,2 (2 processes, FSDP2)``."""
+        def gpus(ids: list[int]) -> str:
+            return ("GPU " if len(ids) == 1 else "GPUs ") + ",".join(map(str, ids))
+
+        server = gpus(self.server_gpus) if self.server_gpus else "no GPU"
+        if self.use_cpu:
+            trainer = f"CPU ({self.processes_per_machine} process{'es' if self.processes_per_machine > 1 else ''})"
+        else:
+            trainer = f"{gpus(self.trainer_gpus)} ({self.processes_per_machine} process" \
+                      f"{'es' if self.processes_per_machine > 1 else ''})"
+        if self.num_machines > 1:
+            trainer += f" x {self.num_machines} machines (this is machine {self.machine_rank})"
+        kind = "FSDP2" if self.num_processes > 1 else "single process"
+        return f"{self.gpu_count} GPU(s) visible | server: {server} | trainer: {trainer}, {kind}"
+
+
+def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bool = True) -> GpuPlan:
+    """Split this machine's GPUs between the server and the trainer (rules in the module docstring).
+
+    Args:
+        cfg: composed config (``launch.*``, ``sampler.backend``, ``sampler.device``).
+        gpu_count: visible GPUs; None = `visible_gpu_count()`.
+        start_server: whether `asyncgrpo train` starts a server on this machine (False for an external
+            server, a server already running, or a machine of rank > 0).
+
+    Returns:
+        A `GpuPlan`; problems are collected in ``plan.problems`` rather than raised, so that
+        ``--dry-run`` can print them next to the plan.
+    """
+    n = visible_gpu_count() if gpu_count is None else int(gpu_count)
+    launch = cfg.launch
+    backend = _backend(cfg)
+    notes: list[str] = []
+    problems: list[str] = []
+    explicit_server = list(launch.server_gpus) if launch.server_gpus is not None else None
+    explicit_trainer = list(launch.trainer_gpus) if launch.trainer_gpus is not None else None
+
+    # GPUs the server holds on this machine, whether we start it or it already runs (started by
+    # `asyncgrpo serve`, or on each machine of a multi-node job): the trainer's default split avoids them.
+    server_on_gpu = server_uses_gpu(cfg, n)
+    if n == 0:
+        held: list[int] = []
+    elif server_on_gpu:
+        held = explicit_server or [0]
+    else:
+        held = explicit_server or []
+    server = held if start_server and server_on_gpu else []
+    if start_server and server_on_gpu and n == 0:
+        what = "sampler.backend=vllm" if backend == "vllm" else f"sampler.device={cfg.sampler.device}"
+        problems.append(f"{what} needs a CUDA GPU but none is visible (torch.cuda.device_count() == 0). Fix: run "
+                        "the sampler on CPU with sampler.backend=embedded sampler.device=cpu, or use a running "
+                        "server with sampler.backend=external sampler.url=http://HOST:PORT")
+    reserved = set(held)
+    if held and not start_server and int(launch.num_machines) > 1:
+        notes.append(f"multi-node: GPU(s) {held} stay out of the trainer here too, so that every machine runs the "
+                     "same number of trainer processes (set launch.trainer_gpus to change it on every machine)")
+
+    if explicit_trainer is not None:
+        trainer = explicit_trainer
+        if not trainer and n > 0:
+            notes.append("launch.trainer_gpus=[]: the trainer runs on CPU although GPUs are visible")
+    else:
+        trainer = [g for g in range(n) if g not in reserved]
+        if not trainer and held and n > 0:
+            if backend != "vllm":
+                trainer = list(held)
+                notes.append(f"the sampler shares GPU(s) {','.join(map(str, held))} with the trainer")
+            else:
+                problems.append(f"vLLM and the trainer need different GPUs (NCCL weight transfer, SPEC §8.4) but "
+                                f"all {n} visible GPU(s) go to the server (GPUs {held}). Fix: use a machine with "
+                                f"at least {len(held) + 1} GPUs, or share one GPU with sampler.backend=embedded")
+    if backend == "vllm" and set(held) & set(trainer):
+        problems.append(f"launch.trainer_gpus={trainer} overlaps the vLLM server's GPUs {held} (SPEC §8.4). Fix: "
+                        f"launch.trainer_gpus={[g for g in trainer if g not in set(held)] or [max(held) + 1]}")
+    if trainer and n == 0:
+        problems.append(f"launch.trainer_gpus={trainer}: no CUDA GPU is visible here. Fix: leave launch.trainer_gpus "
+                        "unset (the trainer then runs on CPU with launch.cpu_processes processes)")
+    for key, ids in (("launch.server_gpus", held), ("launch.trainer_gpus", trainer if n else [])):
+        missing = [g for g in ids if g >= n]
+        if missing:
+            problems.append(f"{key}={ids}: GPU(s) {missing} do not exist, {n} visible (CUDA_VISIBLE_DEVICES "
+                            f"applies). Fix: use indices 0..{n - 1}, or leave {key} unset")
+
+    if trainer:
+        per_machine = len(trainer)
+    else:
+        per_machine = int(launch.cpu_processes)
+        if per_machine < 1:
+            problems.append(f"launch.cpu_processes={per_machine}: must be >= 1. Fix: launch.cpu_processes=1")
+            per_machine = 1
+    machines, rank = int(launch.num_machines), int(launch.machine_rank)
+    if machines < 1:
+        problems.append(f"launch.num_machines={machines}: must be >= 1. Fix: launch.num_machines=1")
+        machines = 1
+    if not 0 <= rank < machines:
+        problems.append(f"launch.machine_rank={rank}: must be in 0..{machines - 1} for launch.num_machines="
+                        f"{machines}. Fix: set it to this machine's index")
+    if machines > 1 and not launch.main_process_ip:
+        problems.append(f"launch.num_machines={machines} needs launch.main_process_ip (the address of machine 0). "
+                        "Fix: add launch.main_process_ip=10.0.0.1 launch.main_process_port=29500")
+    return GpuPlan(gpu_count=n, server_gpus=server, trainer_gpus=trainer, processes_per_machine=per_machine,
+                   num_machines=machines, machine_rank=rank, notes=notes, problems=problems)
+
+
+def mixed_precision(cfg: DictConfig) -> str:
+    """accelerate's ``mixed_precision`` from the trainer's compute dtype: ``bf16``, ``fp16`` or ``no``."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg), "no")
+
+
+def accelerate_config(cfg: DictConfig, gpus: GpuPlan, main_process_port: int | None = None) -> dict[str, Any]:
+    """The accelerate config file (as a dict) for the trainer.
+
+    Args:
+        cfg: composed config (``launch.*``, ``trainer.bf16``/``fp16``, ``model.dtype``).
+        gpus: the `GpuPlan` from `plan_gpus`.
+        main_process_port: rendezvous port; None = ``launch.main_process_port`` (accelerate's default
+            29500 when that is unset too).
+
+    Returns:
+        Keys of accelerate 1.15's ``ClusterConfig``; ``fsdp_config`` only when more than one process runs.
+    """
+    port = main_process_port if main_process_port is not None else cfg.launch.main_process_port
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": "FSDP" if gpus.num_processes > 1 else "NO",
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "gpu_ids": "all",  # CUDA_VISIBLE_DEVICES already holds the trainer's GPUs
+        "machine_rank": gpus.machine_rank,
+        "main_training_function": "main",
+        "mixed_precision": mixed_precision(cfg),
+        "num_machines": gpus.num_machines,
+        "num_processes": gpus.num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": gpus.use_cpu,
+    }
+    if cfg.launch.main_process_ip:
+        out["main_process_ip"] = str(cfg.launch.main_process_ip)
+    if port is not None:
+        out["main_process_port"] = int(port)
+    if gpus.num_processes > 1:
+        out["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # wraps the model's _no_split_modules layers
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_reshard_after_forward": True,
+            "fsdp_offload_params": False,
+            # Every rank loads the checkpoint itself: the trainer may read weights before `prepare`.
+            "fsdp_cpu_ram_efficient_loading": False,
+            # The `trainer.activation_checkpointing` argument does it; transformers refuses both at once.
+            "fsdp_activation_checkpointing": False,
+        }
+    return out
+
+
+def accelerate_config_yaml(config: dict[str, Any]) -> str:
+    """The accelerate config dict as YAML (the file ``accelerate launch --config_file`` reads)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(config))
+
+
+def trainer_argv(accelerate_config_path: str | Path, config_path: str | Path,
+                 python: str | None = None) -> list[str]:
+    """``python -m accelerate.commands.launch --config_file A -m asyncgrpo_cli.train.main --config C``."""
+    return [python or sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_path),
+            "-m", TRAINER_MODULE, "--config", str(config_path)]
+
+
+def trainer_env(gpus: GpuPlan) -> dict[str, str]:
+    """Environment of the trainer on top of the caller's: its GPUs (``""`` on CPU), the CPU flag, and
+    unbuffered output so its log streams."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus.trainer_gpus)), "PYTHONUNBUFFERED": "1"}
+    if gpus.use_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def output_dir_of(cfg: DictConfig) -> Path:
+    """The run's output folder (``trainer.output_dir``, default ``outputs/run``), absolute."""
+    return Path(str(cfg.trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve()
+
+
+@dataclass
+class LaunchPlan:
+    """Everything `asyncgrpo train` prints before it starts and then runs.
+
+    Attributes:
+        gpus: the GPU split.
+        url: base URL of the sampler the trainer uses.
+        server: the server command to start, or None when nothing is started (reason in ``server_reason``).
+        server_reason: why no server is started ('' when one is).
+        accelerate: the accelerate config (dict, written to ``accelerate_config_path``).
+        trainer_argv: the trainer's command.
+        trainer_env: environment added for the trainer.
+        output_dir, config_path, accelerate_config_path, logs_dir: where things go.
+    """
+
+    gpus: GpuPlan
+    url: str
+    server: ServerCommand | None
+    server_reason: str
+    accelerate: dict[str, Any]
+    trainer_argv: list[str]
+    trainer_env: dict[str, str]
+    output_dir: Path
+    config_path: Path
+    accelerate_config_path: Path
+    logs_dir: Path
+
+    @property
+    def problems(self) -> list[str]:
+        """Reasons the plan cannot run on this machine (empty = runnable)."""
+        return self.gpus.problems
+
+    def trainer_shell_line(self) -> str:
+        """The trainer command as a copy-pasteable shell line with its environment."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.trainer_env.items() if k != "PYTHONUNBUFFERED")
+        return f"{env} {' '.join(shlex.quote(a) for a in self.trainer_argv)}".strip()
+
+
+def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_running: bool = False,
+                      main_process_port: int | None = None) -> LaunchPlan:
+    """The whole launch plan for a composed config.
+
+    Args:
+        cfg: composed config; ``model.name`` as it will be served (the supervisor passes the resolved path).
+        gpu_count: visible GPUs (None = `visible_gpu_count()`).
+        server_running: a server already answers at the configured URL (nothing is started then).
+        main_process_port: rendezvous port for the accelerate config (see `accelerate_config`).
+
+    Raises:
+        ConfigError: from the server command builder (e.g. ``model.name`` unset).
+    """
+    from ..config.compose import server_url
+
+    backend = _backend(cfg)
+    url = server_url(cfg)
+    if backend == "external":
+        reason = f"sampler.backend=external: using the server at {url}"
+    elif server_running:
+        reason = f"a server already answers at {url}/health: using it (nothing started)"
+    elif int(cfg.launch.machine_rank) > 0:
+        reason = f"launch.machine_rank={cfg.launch.machine_rank}: the server runs with machine 0 at {url}"
+    else:
+        reason = ""
+    gpus = plan_gpus(cfg, gpu_count, start_server=not reason)
+    server = None if reason else build_server_command(cfg)
+    out = output_dir_of(cfg)
+    acc_path, cfg_path = out / ACCELERATE_CONFIG_NAME, out / CONFIG_NAME
+    return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,
+                      accelerate=accelerate_config(cfg, gpus, main_process_port),
+                      trainer_argv=trainer_argv(acc_path, cfg_path), trainer_env=trainer_env(gpus),
+                      output_dir=out, config_path=cfg_path, accelerate_config_path=acc_path, logs_dir=out / "logs")

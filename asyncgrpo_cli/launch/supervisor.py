@@ -1,0 +1,674 @@
+"""`asyncgrpo train`: the supervisor of the main job (DESIGN.md §1–2).
+
+It prints the launch plan, then starts, in order:
+
+1. the sampler: vLLM or the embedded server with the ONE builder's command
+   (`launch.server_command.build_server_command`); nothing for ``sampler.backend=external`` or when a
+   server already answers ``/health`` at the configured URL;
+2. waits until ``/health`` answers (deadline ``sampler.timeout``; a server that dies meanwhile stops
+   the run with its last log lines);
+3. runs the doctor checks (`doctor.checks.read_facts` + `evaluate`): any failure prints the table and
+   the restart command and stops everything;
+4. launches the trainer with ``accelerate launch`` (`launch.plan`), which spawns the rollout worker;
+5. shows the live dashboard (`asyncgrpo_cli.dashboard`) until the trainer exits, then prints a summary
+   and writes ``<output_dir>/training_curves.png``.
+
+Children run in their own sessions (``start_new_session=True``), so each is the leader of a process
+group holding what it spawns (accelerate's single-process trainer, the rollout worker). torchrun puts
+each rank in a session of its own (and forwards signals to them itself), so the supervisor also keeps
+track of every descendant it sees (psutil, polled every loop and before each signal). Stopping a child
+signals its whole group; a final sweep SIGKILLs every group and every tracked descendant still there,
+so no orphan survives. Logs go to ``<output_dir>/logs/{server,trainer}.log``.
+
+SIGINT / SIGTERM: SIGINT goes to the trainer's group first (the trainer saves a checkpoint); the
+supervisor waits up to ``Timeouts.trainer_grace_s`` for the launcher and its direct children (the
+ranks: accelerate's single-process launcher dies at once while its trainer saves), then sends SIGTERM,
+then SIGKILL; the server is stopped afterwards. A second signal skips the waits. Note: torchrun
+(2+ processes) itself kills ranks that have not exited 30 s after its SIGINT. Exit status: 0 when the trainer finished, 1 on a failure (with the
+failing component's last log lines), 2 on a config error, 130 / 143 after SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..config.compose import server_url, to_yaml
+from ..config.rules import ConfigError
+from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
+from .server_command import ServerCommand
+
+LOG_TAIL_LINES = 30
+PLOT_NAME = "training_curves.png"
+
+#: ``_commands`` hook: (component name "server" / "trainer", argv) -> the argv actually started.
+CommandHook = Callable[[str, list[str]], list[str]]
+
+
+@dataclass
+class Timeouts:
+    """Seconds the supervisor waits at each stage.
+
+    Attributes:
+        trainer_grace_s: after SIGINT, for the trainer to save a checkpoint and exit.
+        trainer_term_s: after SIGTERM, before SIGKILL (trainer).
+        server_term_s: after SIGTERM, before SIGKILL (server).
+        group_term_s: for the rest of a process group after its leader exited, before SIGKILL.
+        poll_s: main-loop period (the dashboard redraws at every poll: at least once a second).
+        health_probe_s: timeout of one ``/health`` request.
+        doctor_s: timeout of each doctor request.
+    """
+
+    trainer_grace_s: float = 120.0
+    trainer_term_s: float = 30.0
+    server_term_s: float = 30.0
+    group_term_s: float = 5.0
+    poll_s: float = 0.5
+    health_probe_s: float = 2.0
+    doctor_s: float = 10.0
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``n`` lines of a text file ([] when it does not exist); reads at most the last 256 KiB."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as fh:
+            fh.seek(max(0, size - 262144))
+            data = fh.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+def probe_health(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET {url}/health`` answers 200 within ``timeout`` seconds."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now (for the single-machine rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
+    """The config the trainer gets: ``model.name`` = the resolved path (``model.gguf_file`` cleared),
+    ``sampler.url`` = the server URL, ``trainer.output_dir`` = the absolute output folder."""
+    out = copy.deepcopy(cfg)
+    out.model.name = model_path
+    out.model.gguf_file = None
+    out.sampler.url = server_url(cfg)
+    out.trainer.output_dir = str(output_dir)
+    return out
+
+
+def server_exec_argv(command: ServerCommand) -> list[str]:
+    """The argv to start: ``vllm`` becomes ``python -m vllm.entrypoints.cli.main`` when the ``vllm``
+    script is not on PATH but the package is importable.
+
+    Raises:
+        ConfigError: vLLM is needed and not installed (the message says how to install it or avoid it).
+    """
+    argv = list(command.argv)
+    if argv and argv[0] == "vllm" and shutil.which("vllm") is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("sampler.backend=vllm: vLLM is not installed. Fix: pip install 'asyncgrpo[vllm]' on a "
+                              "CUDA machine, or use sampler.backend=embedded (CPU or one GPU)")
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
+    return argv
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+class Child:
+    """A child process started in its own session, its output appended to ``log_path``.
+
+    Args:
+        name: component name (``server``, ``trainer``) used in messages.
+        argv: the command.
+        env: variables added to the supervisor's environment.
+        log_path: log file (stdout and stderr).
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.argv, self.env, self.log_path = name, list(argv), dict(env), log_path
+        self.popen: subprocess.Popen | None = None
+        self._seen: dict[int, float] = {}  # descendant pid -> create time (psutil)
+        self._direct: dict[int, float] = {}  # direct children of the leader -> create time
+
+    def start(self) -> Child:
+        """Start the process (its own session / process group)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"\n$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **self.env}, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The leader's pid (= its process group id)."""
+        return self.popen.pid if self.popen else None
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return self.popen.poll() if self.popen else None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole process group (ignored when the group is gone)."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self) -> bool:
+        """Whether any process of the child's group is still there."""
+        if self.popen is None:
+            return False
+        self.poll()
+        try:
+            os.killpg(self.popen.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def track(self) -> None:
+        """Remember the current descendants (psutil; no-op without it) for the final sweep, and the
+        leader's direct children (the trainer ranks under accelerate) for `main_alive`."""
+        if self.popen is None or self.poll() is not None:
+            return
+        try:
+            import psutil
+
+            leader = psutil.Process(self.popen.pid)
+            for p in leader.children(recursive=False):
+                self._direct.setdefault(p.pid, p.create_time())
+            for p in leader.children(recursive=True):
+                self._seen.setdefault(p.pid, p.create_time())
+        except Exception:  # psutil missing or the process just exited
+            return
+
+    def main_alive(self) -> bool:
+        """Whether the leader or one of its direct children runs. accelerate's single-process launcher
+        dies at once on SIGINT while the trainer it started goes on saving a checkpoint: that trainer
+        is a direct child, so waiting on this waits for the save (the rollout worker, a grandchild, is
+        not waited for)."""
+        if self.poll() is None and self.popen is not None:
+            return True
+        try:
+            import psutil
+        except ImportError:
+            return False
+        for pid, created in self._direct.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except Exception:
+                continue
+        return False
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL the group and every tracked descendant still running (same pid and start time)."""
+        self.signal_group(signal.SIGKILL)
+        if not self._seen:
+            return
+        try:
+            import psutil
+        except ImportError:
+            return
+        for pid, created in self._seen.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3:
+                    p.kill()
+            except Exception:
+                continue
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> list[str]:
+        """The last ``n`` lines of its log."""
+        return tail_lines(self.log_path, n)
+
+
+# ------------------------------------------------------------------------------------------ printing
+def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool) -> None:
+    """Print the launch plan: output folder, GPU split, model, sampler, both commands, accelerate setup,
+    notes and problems. One line per item, never wrapped by rich, so commands stay copy-pasteable."""
+    rows: list[tuple[str, str, str]] = [("output dir", f"{plan.output_dir}  (logs: {plan.logs_dir})", ""),
+                                        ("GPUs", plan.gpus.describe(), "")]
+    model = str(cfg.model.name)
+    if not resolved and cfg.model.gguf_file:
+        model += f"  (GGUF {cfg.model.gguf_file}: exported once to a safetensors folder at start; server and " \
+                 "trainer load that folder)"
+    rows.append(("model", model, ""))
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    rows.append(("sampler", f"{backend} at {plan.url}", ""))
+    rows.append(("server", f"$ {plan.server.shell_line()}" if plan.server else plan.server_reason, ""))
+    rows += [("", f"# {note}", "dim") for note in (plan.server.notes if plan.server else [])]
+    rows.append(("trainer", f"$ {plan.trainer_shell_line()}", ""))
+    acc = plan.accelerate
+    kind = "FSDP2" if acc.get("distributed_type") == "FSDP" else "single process"
+    rows.append(("accelerate", f"{kind}, {acc['num_processes']} process(es) on {acc['num_machines']} machine(s), "
+                 f"mixed_precision={acc['mixed_precision']}, {'CPU' if acc.get('use_cpu') else 'GPU'}; config: "
+                 f"{plan.accelerate_config_path}", ""))
+    rows += [("note", note, "yellow") for note in plan.gpus.notes]
+    rows += [("problem", problem, "bold red") for problem in plan.problems]
+    console.print(Text("asyncgrpo train: launch plan", style="bold cyan"))
+    for label, value, style in rows:
+        console.print(Text.assemble((f"{label:<11}", "bold"), (value, style)), soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------------------- supervisor
+class Supervisor:
+    """Runs one `asyncgrpo train` job for a resolved config and its launch plan (see the module docstring).
+
+    Args:
+        cfg: the resolved config (`resolved_config`).
+        plan: its `LaunchPlan`.
+        console: where messages, the dashboard and the summary go.
+        timeouts: waiting times.
+        commands: optional hook rewriting each started argv (tests put stand-in programs there).
+    """
+
+    def __init__(self, cfg: DictConfig, plan: LaunchPlan, console: Console, timeouts: Timeouts | None = None,
+                 commands: CommandHook | None = None) -> None:
+        self.cfg, self.plan, self.console = cfg, plan, console
+        self.timeouts = timeouts or Timeouts()
+        self.commands = commands
+        self.server: Child | None = None
+        self.trainer: Child | None = None
+        self.dashboard = None
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._escalate = threading.Event()
+        self._signals: list[int] = []
+        self._failures: list[tuple[str, list[str], str]] = []  # (message, log lines, log path)
+        self._monitoring = False
+
+    # -------------------------------------------------------------- signals
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals.append(signum)
+        if len(self._signals) > 1:
+            self._escalate.set()
+        self._stop.set()
+
+    def _install_signals(self) -> dict[int, Any]:
+        old: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return old
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, self._on_signal)
+        return old
+
+    def _interrupted_rc(self) -> int:
+        return 143 if self._signals and self._signals[0] == signal.SIGTERM else 130
+
+    # -------------------------------------------------------------- failures
+    def _fail(self, message: str, child: Child | None = None) -> int:
+        lines = child.tail() if child is not None else []
+        self._failures.append((message, lines, str(child.log_path) if child else ""))
+        return 1
+
+    def _print_failures(self) -> None:
+        for message, lines, path in self._failures:
+            self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+            if lines:
+                self.console.print(Text(f"last {len(lines)} lines of {path}:", style="red"))
+                self.console.print(Text("\n".join(lines)), soft_wrap=True, markup=False, highlight=False)
+
+    # -------------------------------------------------------------- stages
+    def run(self) -> int:
+        """Run the job; returns the exit status. Every child is gone when it returns."""
+        old = self._install_signals()
+        try:
+            rc = self._run()
+        except KeyboardInterrupt:
+            rc = 130
+        finally:
+            # Normally everything is stopped already; after an early failure the server still runs.
+            self._stop_child(self.trainer, signal.SIGTERM, self.timeouts.trainer_term_s)
+            self._stop_child(self.server, signal.SIGTERM, self.timeouts.server_term_s)
+            self._stop_all()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        self._print_failures()
+        return rc
+
+    def _argv(self, name: str, argv: list[str]) -> list[str]:
+        return list(self.commands(name, list(argv))) if self.commands else list(argv)
+
+    def _run(self) -> int:
+        plan, cfg = self.plan, self.cfg
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        plan.logs_dir.mkdir(parents=True, exist_ok=True)
+        plan.config_path.write_text(to_yaml(cfg))
+        plan.accelerate_config_path.write_text(accelerate_config_yaml(plan.accelerate))
+        self._make_dashboard()
+
+        if plan.server is not None:
+            try:
+                argv = self._argv("server", server_exec_argv(plan.server))
+            except ConfigError as exc:
+                return self._fail(str(exc))
+            self.server = Child("server", argv, {**plan.server.env, "PYTHONUNBUFFERED": "1"},
+                                plan.logs_dir / "server.log").start()
+            self.console.print(f"started the server (pid {self.server.pid}); log: {self.server.log_path}",
+                               markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.console.print(plan.server_reason, markup=False, highlight=False, soft_wrap=True)
+        if plan.server is not None or plan.gpus.machine_rank == 0:
+            rc = self._wait_ready()
+            if rc is not None:
+                return rc
+            rc = self._doctor()
+            if rc is not None:
+                return rc
+        if self._stop.is_set():
+            return self._interrupted_rc()
+        self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv), plan.trainer_env,
+                             plan.logs_dir / "trainer.log").start()
+        self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
+                           markup=False, highlight=False, soft_wrap=True)
+        outcome, rc = self._monitor()
+        self._stop_child(self.trainer, signal.SIGTERM, self.timeouts.group_term_s)  # leftovers of its group
+        self._stop_child(self.server, signal.SIGTERM, self.timeouts.server_term_s)
+        self._finish(outcome)
+        return rc
+
+    def _make_dashboard(self) -> None:
+        from ..dashboard import Dashboard
+        from ..dashboard.diagnosis import RunSettings
+
+        log = self.cfg.logging
+        self.dashboard = Dashboard(self.plan.output_dir, mode=log.dashboard, console=self.console,
+                                   settings=RunSettings.from_config(self.cfg),
+                                   log_completions=bool(log.log_completions),
+                                   num_completions_to_print=log.num_completions_to_print, started_at=self.started,
+                                   refresh_per_second=max(1.0, 1.0 / self.timeouts.poll_s))
+
+    def _wait_ready(self) -> int | None:
+        url, timeout = self.plan.url, float(self.cfg.sampler.timeout)
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        self.console.print(f"waiting for the sampler at {url}/health (sampler.timeout={timeout:g} s)",
+                           markup=False, highlight=False, soft_wrap=True)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console,
+                      transient=True) as progress:
+            progress.add_task(f"waiting for the sampler at {url}", total=None)
+            while True:
+                if self._stop.is_set():
+                    return self._interrupted_rc()
+                if self.server is not None and self.server.poll() is not None:
+                    return self._fail(f"the server exited with code {self.server.poll()} before it was ready",
+                                      self.server)
+                remaining = deadline - time.monotonic()
+                if probe_health(url, max(0.1, min(self.timeouts.health_probe_s, remaining))):
+                    break
+                if time.monotonic() >= deadline:
+                    hint = ("check the server log below" if self.server is not None else
+                            "start it (asyncgrpo serve with the same overrides) or fix sampler.url")
+                    return self._fail(f"no answer from {url}/health after {timeout:g} s (sampler.timeout). Fix: "
+                                      f"{hint}, or raise sampler.timeout", self.server)
+                self._stop.wait(min(self.timeouts.poll_s, max(0.0, deadline - time.monotonic())))
+        self.console.print(Text(f"sampler ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
+        return None
+
+    def _doctor(self) -> int | None:
+        from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts
+        from .server_command import build_server_command
+
+        try:
+            facts = read_facts(self.plan.url, timeout=min(self.timeouts.doctor_s, float(self.cfg.sampler.timeout)))
+        except Exception as exc:  # e.g. a /metrics page that is not Prometheus text
+            return self._fail(f"doctor could not read the server at {self.plan.url}: {exc}", self.server)
+        checks = evaluate(self.cfg, facts)
+        failed = [c for c in checks if c.status == FAIL]
+        if failed:
+            table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")
+            style = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
+            for c in checks:
+                table.add_row(c.name, Text(c.status, style=style.get(c.status, "")), c.message, c.fix)
+            self.console.print(table)
+            version = None if facts.embedded else (facts.version or {}).get("version")
+            restart = build_server_command(self.cfg, vllm_version=version)
+            self.console.print(Text("The server does not match the config. Restart it with:", style="bold"))
+            self.console.print(Text(restart.shell_line()), soft_wrap=True)
+            return self._fail(f"doctor: {len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
+        for c in checks:
+            if c.status == WARN:
+                self.console.print(Text.assemble(("doctor warning ", "yellow"), f"{c.name}: {c.message}",
+                                                 f" (fix: {c.fix})" if c.fix else ""), soft_wrap=True)
+        self.console.print(Text(f"doctor: {sum(c.status == PASS for c in checks)} checks passed, "
+                                f"{sum(c.status == WARN for c in checks)} warning(s)", style="green"))
+        return None
+
+    def _processes(self):
+        from ..dashboard import ProcessInfo
+
+        table = []
+        if self.server is not None:
+            table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
+                                     f"{self.plan.url}  log: logs/server.log"))
+        else:
+            table.append(ProcessInfo("server", None, None, self.plan.url))
+        if self.trainer is not None:
+            n = self.plan.accelerate.get("num_processes", 1)
+            rc = self.trainer.poll()
+            table.append(ProcessInfo("trainer", self.trainer.pid, rc is None,
+                                     f"{n} process(es)" + (f", exit code {rc}" if rc is not None else "")
+                                     + "  log: logs/trainer.log"))
+        return table
+
+    def _monitor(self) -> tuple[str, int]:
+        """Follow the run until the trainer exits, a signal arrives or the server dies."""
+        dash = self.dashboard
+        trainer = self.trainer
+        assert trainer is not None and dash is not None
+        dash.start()
+        self._monitoring = True
+        try:
+            while True:
+                rc = trainer.poll()
+                if rc is not None:
+                    if rc == 0:
+                        outcome, status = "finished", 0
+                    else:
+                        outcome, status = "failed", self._fail(f"the trainer exited with code {rc}", trainer)
+                    break
+                if self._stop.is_set():
+                    sig = signal.Signals(self._signals[0]).name if self._signals else "signal"
+                    dash.print(Text(f"{sig}: asking the trainer to save a checkpoint and stop (up to "
+                                    f"{self.timeouts.trainer_grace_s:g} s; send it again to stop now)",
+                                    style="yellow"))
+                    self._stop_child(trainer, signal.SIGINT, self.timeouts.trainer_grace_s)
+                    outcome, status = "interrupted", self._interrupted_rc()
+                    break
+                if self.server is not None and self.server.poll() is not None:
+                    code = self.server.poll()
+                    dash.print(Text(f"the server exited with code {code}: stopping the trainer (it saves a "
+                                    "checkpoint)", style="red"))
+                    self._stop_child(trainer, signal.SIGINT, self.timeouts.trainer_grace_s)
+                    outcome, status = "failed", self._fail(f"the server exited with code {code} during training",
+                                                           self.server)
+                    break
+                trainer.track()
+                if self.server is not None:
+                    self.server.track()
+                dash.poll(self._processes())
+                self._stop.wait(self.timeouts.poll_s)
+            dash.poll(self._processes())
+        finally:
+            self._monitoring = False
+            dash.stop()
+        return outcome, status
+
+    def _wait_exit(self, child: Child, timeout: float, *, interruptible: bool) -> bool:
+        """Wait up to ``timeout`` s until neither the child's leader nor its direct children run (redrawing
+        the dashboard); True if they all exited."""
+        deadline = time.monotonic() + timeout
+        while child.main_alive():
+            child.track()
+            if time.monotonic() >= deadline or (interruptible and self._escalate.is_set()):
+                return False
+            if self._monitoring and self.dashboard is not None:
+                self.dashboard.poll(self._processes())
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def _stop_child(self, child: Child | None, first: int, grace: float) -> None:
+        """Stop a child's whole group: ``first`` signal, ``grace`` s, SIGTERM, then SIGKILL."""
+        if child is None or child.popen is None:
+            return
+        if child.main_alive():
+            child.track()  # before any signal: once a parent dies its orphans leave the tree
+            child.signal_group(first)
+            if not self._wait_exit(child, grace, interruptible=True):
+                if first != signal.SIGTERM:
+                    child.signal_group(signal.SIGTERM)
+                    term = self.timeouts.trainer_term_s if child is self.trainer else self.timeouts.server_term_s
+                    self._wait_exit(child, 0.0 if self._escalate.is_set() else term, interruptible=True)
+                if child.main_alive():
+                    child.kill_leftovers()
+                    try:
+                        child.popen.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+        # The leader and the ranks are gone: give the rest of the group a moment, then kill it.
+        if child.group_alive():
+            child.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + self.timeouts.group_term_s
+            while child.group_alive() and time.monotonic() < deadline and not self._escalate.is_set():
+                time.sleep(0.05)
+        child.kill_leftovers()
+
+    def _stop_all(self) -> None:
+        """Final sweep: nothing we started may survive (SIGKILL to every group and tracked descendant)."""
+        for child in (self.trainer, self.server):
+            if child is None or child.popen is None:
+                continue
+            if child.poll() is None:
+                child.track()
+                child.signal_group(signal.SIGKILL)
+            try:
+                child.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            child.kill_leftovers()
+
+    def _finish(self, outcome: str) -> None:
+        """Summary panel and training curves (from this run's metrics.jsonl lines)."""
+        from ..dashboard.panels import summarize, summary_panel
+        from ..dashboard.plot import plot_training_curves
+
+        rows = self.dashboard.rows if self.dashboard is not None else []
+        plot = None
+        try:
+            plot = plot_training_curves(rows, self.plan.output_dir / PLOT_NAME)
+        except Exception as exc:  # a plotting problem must not hide the run's outcome
+            self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
+        summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)
+        self.console.print(summary_panel(summary))
+        if outcome == "interrupted" and summary.checkpoints:
+            self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={summary.checkpoints[-1]}",
+                                    style="cyan"), soft_wrap=True)
+
+
+def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,
+              gpu_count: int | None = None, timeouts: Timeouts | None = None,
+              _commands: CommandHook | None = None) -> int:
+    """`asyncgrpo train`: print the launch plan, then run the sampler, the doctor checks and the trainer
+    with the live dashboard (module docstring).
+
+    Args:
+        cfg: composed config (`asyncgrpo_cli.config.compose.compose`).
+        dry_run: print the plan only: no model export, no file, no process.
+        console: where to print (default: stdout).
+        gpu_count: visible GPUs (None = ``torch.cuda.device_count()``).
+        timeouts: waiting times (`Timeouts`).
+        _commands: test hook ``(name, argv) -> argv`` applied to the server and trainer commands.
+
+    Returns:
+        The exit status: 0 success (or a clean dry run), 1 failure (or a plan that cannot run here),
+        2 config error, 130 / 143 after SIGINT / SIGTERM.
+    """
+    console = console or Console()
+    if not cfg.model.name:
+        console.print(Text("config error: model.name=None: the trainer needs a model. Fix: add +recipe=NAME or "
+                           "model.name=HUB_ID_OR_DIR", style="bold red"), soft_wrap=True)
+        return 2
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    url = server_url(cfg)
+    running = backend != "external" and probe_health(url, timeout=1.0)
+    try:
+        plan = build_launch_plan(cfg, gpu_count, server_running=running)
+    except ConfigError as exc:
+        console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
+        return 2
+    if dry_run or plan.problems:
+        print_plan(console, cfg, plan, resolved=False)
+        if plan.problems:
+            console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run on this machine.",
+                               style="bold red"))
+            return 1
+        console.print(Text("dry run: nothing started.", style="dim"))
+        return 0
+
+    from ..models import resolve_model_path
+
+    output_dir = output_dir_of(cfg)
+    try:
+        model_path = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
+        rcfg = resolved_config(cfg, model_path, output_dir)
+        port = free_port() if plan.gpus.num_machines == 1 and cfg.launch.main_process_port is None \
+            and plan.gpus.num_processes > 1 else None
+        plan = build_launch_plan(rcfg, plan.gpus.gpu_count, server_running=running, main_process_port=port)
+    except ConfigError as exc:
+        console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        console.print(Text("interrupted before anything started", style="yellow"))
+        return 130
+    print_plan(console, rcfg, plan, resolved=True)
+    return Supervisor(rcfg, plan, console, timeouts, _commands).run()

@@ -1,0 +1,68 @@
+"""Trainer process entry point, one per rank under ``accelerate launch``:
+
+    accelerate launch --config_file OUT/accelerate_config.yaml -m asyncgrpo_cli.train.main --config OUT/asyncgrpo_config.yaml
+
+The YAML is the composed config written by ``asyncgrpo train`` (model path already resolved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_trainer(cfg):
+    """An `AsyncGRPOTrainer` for a composed config (also used by tests and scripts)."""
+    from omegaconf import OmegaConf
+
+    from ..config.compose import to_training_args
+    from ..data import load_prompts
+    from ..imports import import_object, reward_functions
+    from ..models import resolve_model_path
+    from .trainer import AsyncGRPOTrainer
+
+    args = to_training_args(cfg)
+    peft_config = None
+    if cfg.peft.enabled:
+        from peft import LoraConfig
+
+        targets = OmegaConf.to_container(cfg.peft.target_modules) if not isinstance(cfg.peft.target_modules, str) \
+            else cfg.peft.target_modules
+        peft_config = LoraConfig(r=cfg.peft.r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
+                                 target_modules=targets, task_type="CAUSAL_LM")
+    trainer_cls = AsyncGRPOTrainer
+    if cfg.rollout.loop_cls:
+        loop_cls = import_object(str(cfg.rollout.loop_cls), "rollout.loop_cls")
+        trainer_cls = type("ConfiguredAsyncGRPOTrainer", (AsyncGRPOTrainer,), {"loop_cls": loop_cls})
+    model = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    return trainer_cls(model=model, reward_funcs=reward_functions(list(cfg.rewards)), args=args,
+                       train_dataset=load_prompts(cfg), peft_config=peft_config)
+
+
+def load_config(path: str):
+    """The structured config saved at ``path`` (types checked again on load)."""
+    from omegaconf import OmegaConf
+
+    from ..config.compose import validate_config
+    from ..config.schema import AppConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(path))
+    validate_config(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``--config``, build the trainer and train; exit status 0 on success, 130 when interrupted."""
+    parser = argparse.ArgumentParser(prog="asyncgrpo-trainer", description=__doc__)
+    parser.add_argument("--config", required=True, help="composed config YAML written by `asyncgrpo train`")
+    parser.add_argument("--resume", default=None, help="checkpoint folder, or 'last'")
+    ns = parser.parse_args(argv)
+    cfg = load_config(ns.config)
+    trainer = build_trainer(cfg)
+    resume = True if ns.resume == "last" else ns.resume
+    trainer.train(resume_from_checkpoint=resume)
+    return 130 if trainer._stop_requested else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The loss of one packed row, computed inside the model's own forward (SPEC §3.3, §6).
+
+The policy's output-embedding module (``lm_head``) gets a forward that, while a `LossRequest` is active,
+takes the row's final hidden states ``[1, L, H]``, gathers the trained tokens' prediction positions, and
+runs the chunked loss (`asyncgrpo_cli.train.loss.loss_and_metrics`) with its own weight. Doing this inside
+the root forward means the weight is the gathered one under FSDP2 and no ``[L, V]`` logits ever exist.
+Outside a request the head behaves as before (generation, evaluation).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .loss import LossConfig, loss_and_metrics
+from .packing import PackedRow
+from .tree_attention import packed_forward_kwargs
+
+_ACTIVE: contextvars.ContextVar[LossRequest | None] = contextvars.ContextVar("asyncgrpo_loss_request", default=None)
+
+
+@dataclass
+class LossRequest:
+    """One row's loss inputs and, after the forward, its outputs.
+
+    Attributes:
+        row: the packed row on the model's device.
+        config: loss hyper-parameters.
+        global_trained_tokens: trained tokens of this micro-batch summed over all ranks (B.9 normaliser).
+        num_processes: data-parallel processes.
+        loss: scalar loss (set by the head), already scaled per B.9.
+        metrics: metric contributions (``loss.py`` format).
+    """
+
+    row: PackedRow
+    config: LossConfig
+    global_trained_tokens: int
+    num_processes: int
+    loss: torch.Tensor | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    request = _ACTIVE.get()
+    if request is None:
+        return F.linear(hidden, self.weight, getattr(self, "bias", None))
+    row = request.row
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    h = flat.index_select(0, row.predict_index)
+    centering = request.config.score_centering
+    top_ids = row.sampler_top_ids if centering else None
+    top_lp = row.sampler_top_logprobs if centering else None
+    loss, metrics = loss_and_metrics(
+        h, self.weight, row.target_ids, row.advantages, row.sampler_logprobs, row.sample_index,
+        global_num_trained_tokens=max(request.global_trained_tokens, 1), num_processes=request.num_processes,
+        config=request.config, lm_head_bias=getattr(self, "bias", None), sampler_top_ids=top_ids,
+        sampler_top_logprobs=top_lp, candidate_ids=row.candidate_ids)
+    # Every parameter joins the graph even for an empty row, so data-parallel reductions stay in step.
+    loss = loss + 0.0 * flat.sum() + 0.0 * self.weight.sum()
+    request.loss = loss
+    request.metrics = metrics
+    return hidden.new_zeros((hidden.shape[0], 1, 1))
+
+
+def install_loss_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Give the model's output-embedding module the request-aware forward; returns that module.
+
+    Raises:
+        ValueError: the model has no output embeddings (``get_output_embeddings()`` is None).
+    """
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); a causal LM is required")
+    head.forward = types.MethodType(_head_forward, head)
+    return head
+
+
+def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_trained_tokens: int,
+             num_processes: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Forward one packed row through ``model`` (tree attention + loss head) and return ``(loss, metrics)``.
+
+    The model must have been switched with ``apply_tree_attention`` and ``install_loss_head``. For an
+    empty row (an idle rank in this micro-batch) one dummy token is forwarded and the loss is a zero that
+    still reaches every parameter.
+
+    Returns:
+        ``loss``: 0-dim float32 tensor (per B.9: this rank's token-loss sum / global trained tokens ×
+        num_processes; the caller divides by ``gradient_accumulation_steps``); ``metrics``: contributions.
+    """
+    device = next(model.parameters()).device
+    row = row.to(device)
+    kwargs = packed_forward_kwargs(row, device)
+    request = LossRequest(row=row, config=config, global_trained_tokens=global_trained_tokens,
+                          num_processes=num_processes)
+    token = _ACTIVE.set(request)
+    try:
+        model(**kwargs, logits_to_keep=0)
+    finally:
+        _ACTIVE.reset(token)
+    if request.loss is None:
+        raise RuntimeError(f"{type(model).__name__}'s forward did not call its output embeddings; "
+                           "install_loss_head(model) must run before row_loss")
+    return request.loss, request.metrics

@@ -1,0 +1,480 @@
+"""`AsyncGRPOTrainer`: the training half of asynchronous GRPO (SPEC §1.1, §3, §6, §12, §15, §16.1).
+
+Rank 0 owns the rollout worker. Each optimizer step it pulls prompt outcomes from the rollout queue, drops
+stale samples, plans tree-packed rows for every rank with the token-budget batcher, and sends each rank its
+rows; every rank forwards its rows (tree attention; the loss runs inside the forward, chunked over the
+vocabulary), back-propagates, and steps. Every ``weight_sync_steps`` steps the weights go to the sampler and
+the model version the worker stamps on new groups advances. Checkpoints, callbacks, ``report_to`` and
+resumption come from `transformers.Trainer`; the rollout position is saved beside each checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+
+from ..metrics import MetricsWindow
+from ..rollout.allowance import allowance_after_step, initial_allowance
+from ..rollout.loop import AsyncRolloutLoop
+from ..rollout.types import PromptOutcome, TrainingSequence
+from .config import AsyncGRPOConfig
+from .loss import LossConfig, finalize_metrics, merge_metric_contributions
+from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
+from .packed_loss import install_loss_head, row_loss
+from .packing import MicroBatchPlan, TokenBudgetBatcher, batch_metrics, pack_row
+from .perf import PeakFlops, step_flops
+from .run_state import LiveFiles, TrainedPosition, load_rollout_state, save_rollout_state
+from .tree_attention import apply_tree_attention
+
+POLL_S = 0.25  # rollout-queue poll while waiting, seconds
+
+
+@dataclass
+class StepPlan:
+    """What rank 0 decided for one optimizer step, sent to every rank.
+
+    ``rows[m][r]`` are the samples of rank ``r`` in micro-batch ``m``; ``global_trained[m]`` the trained
+    tokens of micro-batch ``m`` over all ranks; ``stop`` ends training after this step.
+    """
+
+    rows: list[list[list[TrainingSequence]]] = field(default_factory=list)
+    global_trained: list[int] = field(default_factory=list)
+    stop: bool = False
+    stop_reason: str = ""
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO trainer (SPEC §16.1). Generation runs on an external server (vLLM, or the embedded
+    sampler) at ``args.vllm_server_base_url``, driven by a spawned rollout worker.
+
+    Args:
+        model: Hub id or local folder (loaded per SPEC §16.3), or a `PreTrainedModel`.
+        reward_funcs: one reward callable or a list (sync or async; module-level, partial or callable instance).
+        args: `AsyncGRPOConfig` (None = defaults with ``output_dir="outputs/asyncgrpo"``).
+        train_dataset: `datasets.Dataset` with a conversational ``prompt`` column; other columns reach rewards.
+        processing_class: the tokenizer (None = loaded from ``model``); padding is set to the left.
+        callbacks, optimizers: as in `transformers.Trainer`.
+        peft_config: a `peft.PeftConfig` to wrap the model (merged weight sync).
+        tools, environment_factory: agent training (not supported by this version's worker).
+
+    Class attribute ``loop_cls``: the `AsyncRolloutLoop` subclass the worker runs.
+
+    Raises:
+        ValueError: no dataset, no reward source, or a bad model/config combination (message names it).
+    """
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
+                 environment_factory=None) -> None:
+        args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
+        if train_dataset is None:
+            raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
+                             "column). Fix: pass train_dataset=...")
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
+        if not funcs and environment_factory is None:
+            raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
+        if "prompt" not in (train_dataset.column_names or []):
+            raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
+                             "conversational messages (SPEC §2). Fix: add a 'prompt' column")
+        if isinstance(model, str):
+            model_id = model
+            model = load_policy(model_id, args)
+        else:
+            model_id = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        tokenizer = prepare_tokenizer(processing_class) if processing_class is not None else load_tokenizer(model_id, args)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            targets = peft_config.target_modules
+            if targets == "lm_head" or (isinstance(targets, (list, set, tuple)) and "lm_head" in targets):
+                raise ValueError("peft_config targets lm_head, which is not supported (SPEC §2.7)")
+            model = get_peft_model(model, peft_config)
+        model.config.use_cache = False
+        self.model_id = model_id
+        self.reward_funcs = list(funcs)
+        self.tools = tools
+        self.environment_factory = environment_factory
+        self.tree_backend = apply_tree_attention(model, args.tree_attention)
+        install_loss_head(model)
+        super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
+                         callbacks=callbacks, optimizers=optimizers, data_collator=lambda rows: rows)
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.loss_config = LossConfig.from_args(args)
+        self.worker = None
+        self.model_version = 0
+        self.window = MetricsWindow()
+        self._stop_requested = False
+        self._num_tokens = 0
+
+    # ------------------------------------------------------------------------------------ entry point
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs: Any) -> TrainOutput:
+        """Train until ``max_steps`` optimizer steps (when > 0) or ``num_train_epochs`` passes over the prompts.
+
+        ``resume_from_checkpoint``: a checkpoint folder, or True for the last one in ``output_dir``; model,
+        optimizer, scheduler and the rollout position (``rollout_state.json``) are restored and the worker
+        fast-forwards to the first prompt not yet trained (SPEC §12).
+
+        Raises:
+            RolloutWorkerError: the worker failed or hung (its traceback is in the message).
+            ValueError: ``resume_from_checkpoint=True`` with no checkpoint in ``output_dir``.
+        """
+        args = self.args
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        if resume_from_checkpoint is None and args.resume_from_checkpoint:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint-N folder")
+        start_position = load_rollout_state(resume_from_checkpoint) if resume_from_checkpoint else 0
+        self.is_in_train = True
+        if args.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "enable_input_require_grads"):
+                self.model.enable_input_require_grads()
+        state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
+        self._init_training_state(state_max_steps, 1, max(1, math.ceil(args.num_train_epochs)),
+                                  resume_from_checkpoint, trial)
+        model, _ = self._prepare_for_training(state_max_steps, None, resume_from_checkpoint)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self.model_version = int(self.state.global_step // args.weight_sync_steps)
+        self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
+        previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._on_sigint)
+        start = time.time()
+        try:
+            self._setup_rollouts(start_position)
+            self._loop(model, trial)
+        except BaseException as exc:
+            if self.live is not None:
+                self.live.update(force=True, state="failed", last_error=f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self._teardown_rollouts()
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.live is not None:
+            self.live.update(force=True, state="done" if not self._stop_requested else "interrupted")
+        self.is_in_train = False
+        runtime = time.time() - start
+        return TrainOutput(self.state.global_step, float(self._last_loss),
+                           {"train_runtime": runtime, "total_steps": self.state.global_step,
+                            "dataset_start_index": self.position.value if self.position else start_position})
+
+    def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self._stop_requested:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._stop_requested = True
+
+    # ------------------------------------------------------------------------------------ rollouts (rank 0)
+    def _setup_rollouts(self, start_position: int) -> None:
+        from ..rollout.worker import RolloutWorker
+        from ..sampler.client import SyncSamplerClient
+
+        args = self.args
+        self.position = None
+        budget = args.token_budget
+        if self.is_world_process_zero():
+            self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+            self.sampler.wait_until_ready(args.vllm_server_timeout)
+            if budget is None:
+                budget = int(self.sampler.max_model_len())
+            self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
+                             num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
+                             max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version)
+        self.token_budget = int(self._broadcast(budget))
+        self.weight_sync = self._make_weight_sync()
+        if not self.is_world_process_zero():
+            return
+        self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes)
+        self.position = TrainedPosition(start_position)
+        self.num_prompts = len(self.train_dataset)
+        self.sample_position: dict[int, int] = {}
+        adapter = self.weight_sync.mode == "adapter"
+        self.worker = RolloutWorker(
+            args, self.model_id, self.train_dataset, self.reward_funcs,
+            self.processing_class, self.eos_token_ids, loop_cls=self.loop_cls, tools=self.tools,
+            environment_factory=self.environment_factory, dataset_start_index=start_position,
+            lora_name="policy-v{version}" if adapter else None,
+            initial_allowance=initial_allowance(args.max_staleness, args.weight_sync_steps, self.token_budget,
+                                                args.gradient_accumulation_steps, self.accelerator.num_processes))
+        self.worker.set_model_version(self.model_version)
+        self.worker.start()
+        self.live.update(force=True, state="running")
+
+    def _make_weight_sync(self):
+        """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
+        from .weight_sync import WeightSync, dist_barrier, make_weight_sync, read_server_dtype
+
+        args = self.args
+        backend, mode, dtype = None, None, None
+        if self.is_world_process_zero():
+            peft_config = getattr(self.model, "peft_config", None)
+            rank = next(iter(peft_config.values())).r if peft_config else None
+            backend = make_weight_sync(self.sampler, output_dir=args.output_dir, lora_rank=rank,
+                                       max_staleness=args.max_staleness, device=self.accelerator.device)
+            dtype = read_server_dtype(self.sampler)
+            mode = backend.mode
+        mode, dtype = self._broadcast((mode, dtype))
+        sync = WeightSync(self.model, backend, mode=mode, dtype=dtype, barrier=dist_barrier())
+        sync.init()
+        return sync
+
+    def _teardown_rollouts(self) -> None:
+        weight_sync = getattr(self, "weight_sync", None)
+        if weight_sync is not None:
+            weight_sync.close()
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        sampler = getattr(self, "sampler", None)
+        if sampler is not None:
+            sampler.close()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.accelerator.num_processes == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _target_positions(self) -> int | None:
+        if self.args.max_steps > 0:
+            return None
+        return math.ceil(self.args.num_train_epochs * self.num_prompts)
+
+    def _next_step_plan(self) -> StepPlan:
+        """Rank 0: pull outcomes until ``gradient_accumulation_steps`` micro-batches are full (SPEC §6.3)."""
+        args = self.args
+        plans: list[MicroBatchPlan] = []
+        waited = 0.0
+        dropped_before = self.batcher.dropped_oversize_count
+        stop, reason = False, ""
+        target = self._target_positions()
+        while len(plans) < args.gradient_accumulation_steps:
+            if self._stop_requested:
+                stop, reason = True, "interrupted"
+                break
+            if target is not None and self.position.value >= target and not self._pending_positions():
+                stop, reason = True, "epochs done"
+                break
+            t0 = time.monotonic()
+            outcome = self.worker.get_outcome(POLL_S)
+            if outcome is None:
+                waited += time.monotonic() - t0
+                self.worker.check_alive()
+                self._update_status()
+                continue
+            closed = self._take(outcome)
+            plans.extend(closed)
+        if stop:
+            last = self.batcher.flush()
+            if last is not None:
+                plans.append(last)
+        for s in self.batcher.dropped[:]:
+            self._sample_finished(s)
+        self.batcher.dropped.clear()
+        self.window.add("perf/rollout_wait_s", waited)
+        self._step_oversize = self.batcher.dropped_oversize_count - dropped_before
+        return StepPlan(rows=[p.rows for p in plans],
+                        global_trained=[sum(s.num_trained_tokens for row in p.rows for s in row) for p in plans],
+                        stop=stop, stop_reason=reason)
+
+    def _pending_positions(self) -> bool:
+        return bool(self.sample_position) or self.batcher.pending_samples > 0
+
+    def _take(self, outcome: PromptOutcome) -> list[MicroBatchPlan]:
+        """Account one outcome; returns micro-batches it closed."""
+        if outcome.kind != "kept":
+            self.position.finish(outcome.position)
+            return []
+        now = time.monotonic()
+        closed = []
+        self.position.add_samples(outcome.position, len(outcome.samples))
+        self.worker.mark_consumed(sum(s.num_tokens for s in outcome.samples))
+        for s in outcome.samples:
+            self.sample_position[id(s)] = outcome.position
+            self.window.add("sample/time_in_queue_s", now - s.queued_at)
+            if self.model_version - s.model_version > self.args.max_staleness:
+                self.window.add("sample/dropped_stale_count", 1)
+                self._sample_finished(s)
+                continue
+            plan = self.batcher.add(s)
+            if plan is not None:
+                closed.append(plan)
+        return closed
+
+    def _sample_finished(self, sample: TrainingSequence) -> None:
+        position = self.sample_position.pop(id(sample), None)
+        if position is not None:
+            self.position.sample_done(position)
+
+    # ------------------------------------------------------------------------------------ the loop
+    def _loop(self, model, trial) -> None:
+        args = self.args
+        rank = self.accelerator.process_index
+        nproc = self.accelerator.num_processes
+        ga = args.gradient_accumulation_steps
+        self._last_loss = 0.0
+        peak = PeakFlops.detect(self.accelerator.device, args)
+        while True:
+            step_start = time.monotonic()
+            plan = self._next_step_plan() if self.is_world_process_zero() else None
+            plan = self._broadcast(plan)
+            if not plan.rows:
+                break
+            fwd_bwd_start = time.monotonic()
+            contributions, my_rows, loss_sum = [], [], 0.0
+            for m, rows in enumerate(plan.rows):
+                row = pack_row(rows[rank] if rank < len(rows) else [])
+                my_rows.append(row)
+                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc)
+                self.accelerator.backward(loss / ga)
+                loss_sum += float(loss.detach()) / ga
+                contributions.append(metrics)
+            fwd_bwd_s = time.monotonic() - fwd_bwd_start
+            opt_start = time.monotonic()
+            grad_norm = None
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            model.zero_grad(set_to_none=True)
+            optimizer_s = time.monotonic() - opt_start
+            self.state.global_step += 1
+            sync = {}
+            trained_version = self.model_version
+            if self.state.global_step % args.weight_sync_steps == 0:
+                sync = self.weight_sync.sync(self.model_version + 1)
+                self.model_version += 1
+            self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
+                              fwd_bwd_s, optimizer_s, sync, peak, trained_version)
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
+                self._log_window()
+            if plan.stop or (args.max_steps > 0 and self.state.global_step >= args.max_steps):
+                self.control.should_save = args.save_strategy != "no" or plan.stop_reason == "interrupted"
+                self.control.should_training_stop = True
+            if self.control.should_save:
+                self._save_checkpoint_with_position(model, trial)
+                self.control.should_save = False
+            if self.control.should_training_stop:
+                break
+
+    def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_bwd_s,
+                     optimizer_s, sync, peak, trained_version: int) -> None:
+        args = self.args
+        merged = merge_metric_contributions(contributions)
+        stats = [r.stats() for r in my_rows]
+        if self.accelerator.num_processes > 1:
+            gathered = [None] * self.accelerator.num_processes
+            torch.distributed.all_gather_object(gathered, (merged, stats, loss_sum))
+            merged = merge_metric_contributions(g[0] for g in gathered)
+            loss_sum = sum(g[2] for g in gathered)
+            stats_by_rank = [g[1] for g in gathered]
+            micro_batches = [[stats_by_rank[r][m] for r in range(len(stats_by_rank))] for m in range(len(my_rows))]
+        else:
+            micro_batches = [[s] for s in stats]
+        self._last_loss = loss_sum
+        w = self.window
+        for name, value in finalize_metrics(merged).items():
+            w.add(name, value)
+        w.add("loss", loss_sum)
+        if grad_norm is not None:
+            w.add("grad_norm", float(grad_norm))
+        w.add("learning_rate", self._get_learning_rate())
+        if not self.is_world_process_zero():
+            return
+        bm = batch_metrics(micro_batches, token_budget=self.token_budget,
+                           dropped_oversize_count=getattr(self, "_step_oversize", 0))
+        for name, value in bm.items():
+            w.add(name, value)
+        forwarded = int(bm.get("batch/forwarded_tokens_per_step", 0))
+        trained = int(bm.get("batch/trained_tokens_per_step", 0))
+        self._num_tokens += forwarded
+        w.add("num_tokens", self._num_tokens)
+        trained_samples = [s for rows in plan.rows for row in rows for s in row]
+        for s in trained_samples:
+            w.add("sample/forwarded_tokens_mean", s.num_tokens)
+            w.add("sample/forwarded_tokens_max", s.num_tokens)
+            w.add("sample/trained_tokens_mean", s.num_trained_tokens)
+            staleness = trained_version - s.model_version
+            w.add("sample/staleness_mean", staleness)
+            w.add("sample/staleness_max", staleness)
+            self._sample_finished(s)
+        w.add("perf/step_s", step_s)
+        w.add("perf/fwd_bwd_s", fwd_bwd_s)
+        w.add("perf/optimizer_s", optimizer_s)
+        w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
+        w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        w.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        for name, value in sync.items():
+            w.add(name, value)
+        if peak is not None:
+            flops = sum(step_flops(self.model, r) for mb in micro_batches for r in mb)
+            w.add("perf/fwd_bwd_mfu", flops / fwd_bwd_s / peak.total(self.accelerator.num_processes))
+            w.add("perf/wall_clock_mfu", flops / step_s / peak.total(self.accelerator.num_processes))
+        self.worker.publish_allowance(allowance_after_step(args.max_staleness, args.weight_sync_steps,
+                                                           sum(s.num_tokens for s in trained_samples)))
+        self.worker.set_model_version(self.model_version)
+        self.state.epoch = self.position.value / max(1, self.num_prompts)
+        self._update_status(force=True)
+
+    def _update_status(self, force: bool = False) -> None:
+        if self.live is None or self.worker is None:
+            return
+        self.live.update(force=force, step=self.state.global_step, epoch=self.state.epoch,
+                         model_version=self.model_version, queue_size=self._queue_size(),
+                         concurrency=int(self.worker.concurrency_value.value),
+                         concurrency_cap=int(self.worker.cap_value.value),
+                         worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
+                         dataset_start_index=self.position.value)
+
+    def _queue_size(self) -> int | None:
+        try:
+            return int(self.worker.rollout_buffer.qsize())
+        except (NotImplementedError, AttributeError):
+            return None
+
+    def _log_window(self) -> None:
+        if self.worker is not None:
+            for snapshot in self.worker.drain_metrics():
+                self.window.merge(snapshot)
+            qs = self._queue_size()
+            if qs is not None:
+                self.window.add("rollout/queue_size", qs)
+        logs = {k: v for k, v in self.window.flush().items() if v is not None}
+        if not self.is_world_process_zero():
+            return
+        kv = logs.get("rollout/vllm_kv_cache_usage_frac")
+        self.live.update(kv_cache_usage_frac=kv, requests_running=logs.get("rollout/vllm_running_requests"),
+                         requests_waiting=logs.get("rollout/vllm_queued_requests"))
+        self.log(dict(logs))
+        self.live.append_metrics({"step": self.state.global_step, "epoch": self.state.epoch, "time": time.time(),
+                                  **logs})
+
+    def _save_checkpoint_with_position(self, model, trial) -> None:
+        import os
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if self.live is not None:
+            self.live.update(force=True, state="saving")
+        self._save_checkpoint(model, trial)
+        if self.is_world_process_zero():
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            save_rollout_state(folder, self.position.value, self.num_prompts)
+            self.live.update(force=True, state="running", last_checkpoint=folder)

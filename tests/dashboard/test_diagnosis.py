@@ -1,0 +1,210 @@
+"""The diagnosis rules on scripted metric windows: every row of SPEC §4.4, §5.1, §5.2 and §5.3."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncgrpo_cli.dashboard.diagnosis import (
+    ALERT,
+    INFO,
+    OK,
+    WARN,
+    MetricsHistory,
+    RunSettings,
+    active_limit,
+    bottleneck,
+    diagnose,
+    duplicates,
+    num,
+    reward_range,
+    saturation,
+)
+
+SETTINGS = RunSettings(max_staleness=4, max_concurrent_rollouts=64, num_generations=8)
+
+
+def history_of(*windows: dict) -> MetricsHistory:
+    h = MetricsHistory()
+    for i, w in enumerate(windows):
+        h.push({"step": i + 1, **w})
+    return h
+
+
+def ramp(name: str, start: float, stop: float, n: int = 6, **fixed) -> list[dict]:
+    """``n`` windows with ``name`` moving linearly from start to stop, plus fixed values."""
+    return [{name: start + (stop - start) * i / (n - 1), **fixed} for i in range(n)]
+
+
+def merge(*series: list[dict]) -> list[dict]:
+    return [dict(kv for w in ws for kv in w.items()) for ws in zip(*series)]
+
+
+# ----------------------------------------------------------------------------- helpers
+def test_num_and_trend():
+    assert num({"a": "1.5"}, "a") == 1.5 and num({"a": None}, "a") is None and num({"a": math.nan}, "a") is None
+    assert num({"a": True}, "a") is None and num(None, "a") is None
+    h = history_of(*ramp("x", 0.0, 1.0))
+    assert h.trend("x", 3) == pytest.approx(0.6)
+    assert history_of(*ramp("x", 0, 1, n=5)).trend("x", 3) is None  # needs 2k windows
+    assert h.observed_range(["x"]) == (0.0, 1.0)
+
+
+def test_reward_range_inferred_or_given():
+    assert reward_range(history_of({"reward": 0.3})) == (0.0, 1.0)
+    assert reward_range(history_of({"reward": 1.7, "reward_dropped": -0.5})) == (-0.5, 1.7)
+    assert reward_range(history_of({"reward": 0.3}), RunSettings(reward_range=(0.0, 2.0))) == (0.0, 2.0)
+
+
+# ----------------------------------------------------------------------------- §5.1 queue table
+def test_generation_bound():
+    d = bottleneck({"rollout/queue_size": 0, "perf/rollout_wait_s": 0.5, "perf/step_s": 1.0,
+                    "rollout/backpressure_s": 0.0, "batch/samples_per_step": 16}, SETTINGS)
+    assert d.rule == "generation_bound" and d.severity == WARN
+    assert "50% of the step" in d.text and "queue nearly empty" in d.text
+    assert "rollout/generated_tokens_per_s" in d.text and "rollout/score_queue_size" in d.text
+
+
+def test_trainer_bound():
+    d = bottleneck({"rollout/queue_size": 40, "perf/rollout_wait_s": 0.0, "perf/step_s": 2.0,
+                    "rollout/backpressure_s": 0.9, "batch/samples_per_step": 16, "sample/staleness_mean": 3.6},
+                   SETTINGS)
+    assert d.rule == "trainer_bound" and d.severity == INFO
+    assert "staleness 3.6/4" in d.text and "max_staleness steps" in d.text
+
+
+def test_staleness_too_tight():
+    d = bottleneck({"perf/rollout_wait_s": 0.4, "rollout/backpressure_s": 0.5, "perf/step_s": 1.0}, SETTINGS)
+    assert d.rule == "staleness_too_tight" and d.severity == WARN and "raise staleness.max_staleness (now 4)" in d.text
+
+
+def test_balanced():
+    d = bottleneck({"perf/rollout_wait_s": 0.01, "rollout/backpressure_s": 0.0, "perf/step_s": 1.0}, SETTINGS)
+    assert d.rule == "balanced" and d.severity == OK
+    # between "≈ 0" and "high": still balanced, with the small waits shown
+    d = bottleneck({"perf/rollout_wait_s": 0.1, "rollout/backpressure_s": 0.0, "perf/step_s": 1.0}, SETTINGS)
+    assert d.rule == "balanced" and "small waits" in d.text
+
+
+def test_absolute_thresholds_without_step_time():
+    assert bottleneck({"perf/rollout_wait_s": 2.0, "rollout/backpressure_s": 0.0}).rule == "generation_bound"
+    assert bottleneck({"perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 0.01}).rule == "balanced"
+    assert bottleneck({"reward": 1.0}) is None
+
+
+# ----------------------------------------------------------------------------- §4.4 active limit
+def test_limit_staleness():
+    d = active_limit({"rollout/backpressure_s": 0.3, "rollout/concurrency": 10, "rollout/concurrency_cap": 10},
+                     SETTINGS)
+    assert d.rule == "limit_staleness"
+
+
+def test_limit_server_load():
+    d = active_limit({"rollout/backpressure_s": 0.0, "rollout/concurrency": 24, "rollout/concurrency_cap": 24},
+                     SETTINGS)
+    assert d.rule == "limit_server_load" and "cap 24 < max_concurrent_rollouts 64" in d.text
+
+
+def test_limit_resource_ceiling():
+    m = {"rollout/backpressure_s": 0.0, "rollout/concurrency": 64, "rollout/concurrency_cap": 64,
+         "rollout/vllm_kv_cache_usage_frac": 0.2, "perf/rollout_wait_s": 0.6, "perf/step_s": 1.0}
+    d = active_limit(m, SETTINGS)
+    assert d.rule == "limit_resource" and d.severity == WARN
+    assert "raise staleness.max_concurrent_rollouts" in d.text and "20%" in d.text
+    # at the ceiling with a busy KV cache: reported, but no advice to raise it
+    d = active_limit({**m, "rollout/vllm_kv_cache_usage_frac": 0.9}, SETTINGS)
+    assert d.rule == "limit_resource" and d.severity == INFO
+
+
+def test_no_limit_active():
+    d = active_limit({"rollout/backpressure_s": 0.0, "rollout/concurrency": 5, "rollout/concurrency_cap": 30},
+                     SETTINGS)
+    assert d.rule == "limit_none" and d.severity == OK
+    assert active_limit({"reward": 1}, SETTINGS) is None
+
+
+def test_generation_bound_line_names_the_active_limit():
+    h = history_of({"perf/rollout_wait_s": 0.8, "perf/step_s": 1.0, "rollout/backpressure_s": 0.0,
+                    "rollout/queue_size": 0, "rollout/concurrency": 24, "rollout/concurrency_cap": 24})
+    d = diagnose(h, SETTINGS)
+    assert d.rule == "generation_bound" and "vLLM load cap" in d.text
+
+
+# ----------------------------------------------------------------------------- §5.2 saturation
+def test_saturation_healthy():
+    d = saturation(history_of({"frac_reward_zero_std": 0.1, "reward": 0.4, "reward_dropped": 0.5}), SETTINGS)
+    assert d.rule == "healthy_groups" and d.severity == OK and "90% of groups" in d.text
+
+
+def test_saturating_at_the_top():
+    windows = merge(ramp("frac_reward_zero_std", 0.2, 0.6), ramp("reward", 0.5, 0.85), ramp("reward_dropped", 0.9, 0.95))
+    d = saturation(history_of(*windows), SETTINGS)
+    assert d.rule == "saturating_top" and d.severity == WARN and "harder prompts" in d.text
+
+
+def test_stuck_at_the_bottom():
+    windows = [{"frac_reward_zero_std": 0.9, "reward": 0.02, "reward_dropped": 0.0,
+                "completions/clipped_ratio": 0.7}] * 6
+    d = saturation(history_of(*windows), SETTINGS)
+    assert d.rule == "stuck_bottom" and d.severity == ALERT
+    assert "completions/clipped_ratio (now 70%)" in d.text and "reward parses" in d.text
+    # already at the first window (no trend yet): flat counts as flat
+    assert saturation(history_of(windows[0]), SETTINGS).rule == "stuck_bottom"
+
+
+def test_regression():
+    windows = merge(ramp("frac_reward_zero_std", 0.3, 0.6), ramp("reward_dropped", 0.9, 0.4), ramp("reward", 0.7, 0.35))
+    d = saturation(history_of(*windows), SETTINGS)
+    assert d.rule == "regression" and d.severity == ALERT and "entropy" in d.text
+
+
+def test_mix():
+    d = saturation(history_of({"frac_reward_zero_std": 0.7, "reward": 0.5, "reward_dropped": 0.5}), SETTINGS)
+    assert d.rule == "mix" and d.severity == WARN and "read the rollouts" in d.text
+
+
+def test_saturation_uses_the_given_reward_range():
+    settings = RunSettings(reward_range=(0.0, 2.0))
+    m = {"frac_reward_zero_std": 0.7, "reward": 1.0, "reward_dropped": 0.95}
+    assert saturation(history_of(m), settings).rule == "mix"  # 0.95 is mid-range of [0, 2]
+    assert saturation(history_of(m), SETTINGS).rule == "saturating_top"  # but near the top of [0, 1]
+    assert saturation(history_of({"reward": 1.0}), SETTINGS) is None
+
+
+# ----------------------------------------------------------------------------- §5.3 duplicates
+def test_duplicates_healthy():
+    d = duplicates(history_of({"completions/duplicate_frac": 0.03}), SETTINGS)
+    assert d.rule == "healthy_duplicates" and d.severity == OK
+
+
+def test_duplicates_jump_toward_all_copies():
+    d = duplicates(history_of({"completions/duplicate_frac": 0.85}), SETTINGS)  # (8-1)/8 = 0.875
+    assert d.rule == "sampler_not_random" and d.severity == ALERT and "temperature" in d.text and "seeds" in d.text
+    # with G = 2 the ceiling is 0.5
+    assert duplicates(history_of({"completions/duplicate_frac": 0.45}), RunSettings(num_generations=2)).rule \
+        == "sampler_not_random"
+
+
+def test_collapse_duplicates_creep_while_entropy_falls():
+    windows = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.2, 0.6))
+    d = duplicates(history_of(*windows), SETTINGS)
+    assert d.rule == "collapse" and d.severity == ALERT and "one answer per prompt" in d.text
+    # the same creep with a steady entropy is not collapse
+    steady = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.0, 1.0))
+    d = duplicates(history_of(*steady), SETTINGS)
+    assert d.rule == "duplicates" and d.severity == INFO
+
+
+# ----------------------------------------------------------------------------- the one line
+def test_diagnose_picks_the_most_severe():
+    assert diagnose(MetricsHistory(), SETTINGS).rule == "waiting"
+    healthy = {"perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 0.0, "perf/step_s": 1.0,
+               "frac_reward_zero_std": 0.1, "completions/duplicate_frac": 0.0, "rollout/concurrency": 4,
+               "rollout/concurrency_cap": 16}
+    d = diagnose(history_of(healthy), SETTINGS)
+    assert d.severity == OK and d.text.startswith("healthy:") and "balanced" in d.text and "90%" in d.text
+    bad = {**healthy, "completions/duplicate_frac": 0.86, "perf/rollout_wait_s": 0.9}
+    d = diagnose(history_of(bad), SETTINGS)
+    assert d.rule == "sampler_not_random"  # alert beats the generation-bound warning
+    assert diagnose(history_of({"step": 1}), SETTINGS).rule == "no_data"

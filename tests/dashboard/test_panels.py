@@ -1,0 +1,231 @@
+"""Panels, plain lines, file following, summary and curves of the dashboard."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from asyncgrpo_cli.dashboard import Dashboard, JsonlTail, ProcessInfo, read_status, resolve_mode
+from asyncgrpo_cli.dashboard.diagnosis import MetricsHistory, RunSettings, diagnose
+from asyncgrpo_cli.dashboard.panels import (
+    DashboardView,
+    completions_table,
+    eta_seconds,
+    fmt_duration,
+    fmt_rate,
+    plain_line,
+    render_dashboard,
+    summarize,
+    summary_panel,
+)
+from asyncgrpo_cli.dashboard.plot import load_metrics, plot_training_curves
+
+T0 = 1_700_000_000.0
+
+
+def window(step: int) -> dict:
+    return {"step": step, "epoch": step / 4, "time": T0 + 10 * step, "reward": 0.1 * step, "reward_kept": 0.2,
+            "reward_dropped": 0.0, "frac_reward_zero_std": 0.25, "completions/duplicate_frac": 0.01,
+            "completions/clipped_ratio": 0.05, "entropy": 0.9, "rewards/accuracy_reward/mean": 0.1 * step,
+            "rewards/format_reward/mean": 0.5, "rollout/queue_size": 6, "perf/rollout_wait_s": 0.02,
+            "rollout/backpressure_s": 0.0, "rollout/concurrency": 12, "rollout/concurrency_cap": 32,
+            "rollout/vllm_kv_cache_usage_frac": 0.45, "rollout/vllm_running_requests": 9,
+            "rollout/vllm_queued_requests": 1, "sample/staleness_mean": 1.25, "sample/staleness_max": 3,
+            "sample/dropped_stale_count": 2, "rollout/generated_tokens_per_s": 12345.0,
+            "perf/fwd_bwd_forwarded_tokens_per_s": 54321.0, "perf/wall_clock_trained_tokens_per_s": 4321.0,
+            "perf/step_s": 10.0, "perf/fwd_bwd_mfu": 0.31}
+
+
+STATUS = {"state": "running", "step": 3, "max_steps": 10, "epoch": 0.75, "num_train_epochs": 3, "model_version": 3,
+          "queue_size": 7, "concurrency": 14, "concurrency_cap": 32, "max_concurrent_rollouts": 64,
+          "kv_cache_usage_frac": 0.5, "requests_running": 10, "requests_waiting": 2, "worker_heartbeat_age_s": 0.4,
+          "num_processes": 2, "last_error": None, "started_at": T0, "updated_at": T0 + 30, "pid": 123}
+
+
+def write_run(out: Path, steps: int = 3) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "status.json").write_text(json.dumps(STATUS))
+    with (out / "metrics.jsonl").open("a") as fh:
+        for s in range(1, steps + 1):
+            fh.write(json.dumps(window(s)) + "\n")
+
+
+def record_console(width: int = 160) -> Console:
+    return Console(record=True, width=width, force_terminal=False)
+
+
+def view_of(steps: int = 3, status=STATUS) -> DashboardView:
+    h = MetricsHistory()
+    for s in range(1, steps + 1):
+        h.push(window(s))
+    settings = RunSettings(max_staleness=4, max_concurrent_rollouts=64)
+    procs = [ProcessInfo("server", 11, True, "http://127.0.0.1:8000"), ProcessInfo("trainer", 12, False, "exit 1")]
+    return DashboardView(status=status, history=h, diagnosis=diagnose(h, settings), processes=procs,
+                         settings=settings, started_at=T0, now=T0 + 30)
+
+
+def test_render_dashboard_shows_every_panel():
+    console = record_console()
+    console.print(render_dashboard(view_of()))
+    text = console.export_text()
+    for label in ("run", "processes", "rollout queue & concurrency", "staleness", "rewards", "throughput",
+                  "diagnosis:"):
+        assert label in text, label
+    assert "3 / 10" in text and "0.75 / 3" in text  # step / max_steps, epoch / epochs
+    assert "ETA" in text and "1m10s" in text  # 7 steps left at one step per 10 s
+    assert "14 / 32 / 64" in text  # in flight / cap / max_concurrent_rollouts from status.json
+    assert "50%" in text and "10 / 2" in text and "elsewhere" in text  # KV, running / waiting; 14-10-2 = 2
+    assert "1.25 / 4" in text and "3 / 4" in text  # staleness mean / max vs max_staleness
+    assert "accuracy_reward" in text and "format_reward" in text
+    assert "12.3k" in text and "54.3k" in text and "4.32k" in text and "31%" in text  # throughput and MFU
+    assert "pid 11" in text and "alive" in text and "exited" in text and "heartbeat 0.4 s ago" in text
+    assert "healthy" in text
+
+
+def test_render_without_any_data_does_not_fail():
+    h = MetricsHistory()
+    view = DashboardView(status=None, history=h, diagnosis=diagnose(h), now=T0, started_at=T0)
+    console = record_console()
+    console.print(render_dashboard(view))
+    text = console.export_text()
+    assert "starting" in text and "waiting for the first logged step" in text
+
+
+def test_status_error_and_stale_status_are_shown():
+    status = {**STATUS, "last_error": "RuntimeError: boom", "updated_at": T0 + 5}
+    console = record_console()
+    console.print(render_dashboard(view_of(status=status)))
+    text = console.export_text()
+    assert "RuntimeError: boom" in text and "not updated for 25s" in text
+
+
+def test_eta_from_epochs_when_max_steps_is_unset():
+    status = {**STATUS, "max_steps": None, "epoch": 0.75, "num_train_epochs": 3}
+    # epochs advance 0.25 per 10 s: (3 - 0.75) / 0.025 = 90 s
+    assert eta_seconds(view_of(status=status)) == pytest.approx(90.0)
+    assert eta_seconds(view_of(steps=3)) == pytest.approx(70.0)
+
+
+def test_plain_line_and_formats():
+    line = plain_line(window(2), None, max_steps=10)
+    assert line.startswith("step 2/10 | reward 0.2 | gen 12.3k tok/s | train 4.32k tok/s | step 10.00 s")
+    assert fmt_duration(3725) == "1h02m" and fmt_duration(65) == "1m05s" and fmt_duration(None) == "—"
+    assert fmt_rate(2_500_000) == "2.5M" and fmt_rate(None) == "—"
+
+
+def test_dashboard_plain_prints_one_line_per_step(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps(window(99)) + "\n")  # an earlier run's line: ignored
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time())
+    dash.poll()
+    assert console.export_text(clear=False).strip() == ""
+    write_run(out, steps=3)
+    new = dash.poll()
+    assert [r["step"] for r in new] == [1, 2, 3]
+    lines = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert [ln.split(" |")[0] for ln in lines] == ["step 1/10", "step 2/10", "step 3/10"]
+    assert all("healthy" in ln for ln in lines)
+    assert dash.poll() == [] and dash.rows[-1]["step"] == 3
+
+
+def test_dashboard_rich_mode_runs_a_live_panel(tmp_path):
+    out = tmp_path / "run"
+    write_run(out)
+    console = Console(record=True, width=160, force_terminal=True)
+    dash = Dashboard(out, mode="rich", console=console, started_at=T0 - 1)
+    dash._metrics.offset = 0  # read the lines written before it started
+    with dash:
+        dash.poll([ProcessInfo("trainer", 5, True)])
+    text = console.export_text()
+    assert "rollout queue & concurrency" in text and "diagnosis:" in text and "pid 5" in text
+
+
+def test_resolve_mode():
+    assert resolve_mode("auto", Console(force_terminal=False)) == "plain"
+    assert resolve_mode("auto", Console(force_terminal=True)) == "rich"
+    assert resolve_mode("off", Console()) == "off"
+    with pytest.raises(ValueError, match="logging.dashboard='fancy'"):
+        resolve_mode("fancy", Console())
+
+
+def test_completions_tables_at_most_n_per_step(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    console = record_console()
+    dash = Dashboard(out, mode="off", console=console, log_completions=True, num_completions_to_print=2)
+    with (out / "completions.jsonl").open("w") as fh:
+        for step in (1, 2):
+            for i in range(3):
+                fh.write(json.dumps({"step": step, "prompt": [{"role": "system", "content": "sys"},
+                                                              {"role": "user", "content": f"q{step}-{i}"}],
+                                     "completion": f"answer {step}-{i}", "reward": 1.0}) + "\n")
+    dash.poll()
+    text = console.export_text()
+    assert "completions (step 1)" in text and "completions (step 2)" in text
+    assert "q1-0" in text and "q1-1" in text and "q1-2" not in text and "answer 2-1" in text
+    assert "sys" not in text.replace("system", "")  # the last user message is shown, not the system prompt
+
+
+def test_completions_table_plain_prompt():
+    console = record_console()
+    console.print(completions_table([{"step": 4, "prompt": "2+2?", "completion": "4", "reward": 1}], None))
+    assert "2+2?" in console.export_text()
+
+
+def test_jsonl_tail_partial_lines_and_truncation(tmp_path):
+    path = tmp_path / "m.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read_new() == []
+    path.write_text('{"step": 1}\n{"step": 2')
+    assert tail.read_new() == [{"step": 1}]
+    with path.open("a") as fh:
+        fh.write('}\nnot json\n[1, 2]\n')
+    assert tail.read_new() == [{"step": 2}]
+    path.write_text('{"step": 7}\n')  # rewritten shorter: read from the start
+    assert tail.read_new() == [{"step": 7}]
+    assert JsonlTail.at_end(path).read_new() == []
+
+
+def test_read_status(tmp_path):
+    path = tmp_path / "status.json"
+    assert read_status(path) is None
+    path.write_text("{broken")
+    assert read_status(path) is None
+    path.write_text(json.dumps(STATUS))
+    assert read_status(path)["step"] == 3
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    assert read_status(path, not_before=time.time() - 60) is None
+
+
+def test_summary_and_checkpoints(tmp_path):
+    rows = [window(s) for s in (1, 2, 3)]
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-final-notes"):
+        (tmp_path / name).mkdir()
+    s = summarize(rows, 125.0, tmp_path, "finished", tmp_path / "training_curves.png")
+    assert s.steps == 3 and s.final_reward == pytest.approx(0.3)
+    assert s.mean_generated_tokens_per_s == pytest.approx(12345.0) and s.mean_step_s == pytest.approx(10.0)
+    assert [Path(c).name for c in s.checkpoints] == ["checkpoint-final-notes", "checkpoint-2", "checkpoint-10"]
+    console = record_console()
+    console.print(summary_panel(s))
+    text = console.export_text()
+    assert "finished" in text and "2m05s" in text and "checkpoint-10" in text and "training_curves.png" in text
+    empty = summarize([], 1.0, tmp_path / "none", "failed")
+    assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
+
+
+def test_training_curves_png(tmp_path):
+    write_run(tmp_path, steps=4)
+    rows = load_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 4
+    png = plot_training_curves(rows, tmp_path / "training_curves.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+    assert plot_training_curves([{"step": 1, "loss": 0.3}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

@@ -1,0 +1,133 @@
+"""The GPU plan and the generated accelerate config / command (launch/plan.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo_cli.config.compose import compose
+from asyncgrpo_cli.launch.plan import (
+    TRAINER_MODULE,
+    accelerate_config,
+    accelerate_config_yaml,
+    build_launch_plan,
+    mixed_precision,
+    plan_gpus,
+)
+
+
+def cfg_of(*overrides):
+    return compose(["model.name=org/model", "trainer.output_dir=/tmp/asyncgrpo-plan-test", *overrides])
+
+
+def test_one_gpu_embedded_shares_it_single_process():
+    cfg = cfg_of("sampler.backend=embedded", "sampler.device=auto")
+    plan = build_launch_plan(cfg, gpu_count=1)
+    assert plan.gpus.server_gpus == [0] and plan.gpus.trainer_gpus == [0]
+    assert not plan.problems and any("shares" in n for n in plan.gpus.notes)
+    acc = plan.accelerate
+    assert acc["distributed_type"] == "NO" and acc["num_processes"] == 1 and "fsdp_config" not in acc
+    assert acc["use_cpu"] is False and acc["mixed_precision"] == "bf16"  # trainer.bf16 defaults on
+    assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "0" and "ACCELERATE_USE_CPU" not in plan.trainer_env
+
+
+def test_one_gpu_vllm_is_a_problem():
+    plan = build_launch_plan(cfg_of(), gpu_count=1)
+    assert plan.problems and "different GPUs" in plan.problems[0] and "sampler.backend=embedded" in plan.problems[0]
+
+
+def test_vllm_needs_a_gpu():
+    plan = build_launch_plan(cfg_of(), gpu_count=0)
+    assert any("needs a CUDA GPU" in p for p in plan.problems)
+    # A server that already runs (or an external one) needs no local GPU.
+    assert not build_launch_plan(cfg_of(), gpu_count=0, server_running=True).problems
+    assert not build_launch_plan(cfg_of("sampler.backend=external", "sampler.url=http://h:1"), gpu_count=0).problems
+
+
+def test_three_gpus_vllm_fsdp2_on_two():
+    cfg = cfg_of()
+    plan = build_launch_plan(cfg, gpu_count=3, main_process_port=29555)
+    assert plan.gpus.server_gpus == [0] and plan.gpus.trainer_gpus == [1, 2]
+    assert plan.server is not None and plan.server.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "1,2"
+    acc = plan.accelerate
+    assert acc["distributed_type"] == "FSDP" and acc["num_processes"] == 2 and acc["gpu_ids"] == "all"
+    assert acc["main_process_port"] == 29555 and acc["num_machines"] == 1 and acc["use_cpu"] is False
+    fsdp = acc["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and fsdp["fsdp_reshard_after_forward"] is True
+    assert "fsdp_version: 2" in accelerate_config_yaml(acc)
+
+
+def test_two_gpus_external_server_fsdp2():
+    plan = build_launch_plan(cfg_of("sampler.backend=external", "sampler.url=http://10.0.0.5:8000",
+                                    "trainer.fp16=true", "trainer.bf16=false"), gpu_count=2)
+    assert plan.server is None and "external" in plan.server_reason and plan.url == "http://10.0.0.5:8000"
+    assert plan.gpus.trainer_gpus == [0, 1] and plan.accelerate["distributed_type"] == "FSDP"
+    assert plan.accelerate["mixed_precision"] == "fp16"
+
+
+def test_running_server_keeps_its_gpu():
+    """A vLLM started by `asyncgrpo serve` holds GPU 0: the trainer avoids it even though we start nothing."""
+    plan = build_launch_plan(cfg_of(), gpu_count=2, server_running=True)
+    assert plan.server is None and "already answers" in plan.server_reason
+    assert plan.gpus.server_gpus == [] and plan.gpus.trainer_gpus == [1]
+
+
+def test_explicit_gpu_lists_are_checked():
+    plan = build_launch_plan(cfg_of("launch.server_gpus=[0]", "launch.trainer_gpus=[1,5]"), gpu_count=4)
+    assert any("GPU(s) [5] do not exist" in p for p in plan.problems)
+    plan = build_launch_plan(cfg_of("launch.trainer_gpus=[0,1]"), gpu_count=4)
+    assert any("overlaps the vLLM server" in p and "launch.trainer_gpus=[1]" in p for p in plan.problems)
+    plan = build_launch_plan(cfg_of("launch.server_gpus=[0,1]", "launch.trainer_gpus=[2,3]"), gpu_count=4)
+    assert not plan.problems and plan.server.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert plan.accelerate["num_processes"] == 2
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cpu_trainer(processes):
+    cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", f"launch.cpu_processes={processes}",
+                 "trainer.bf16=false")
+    plan = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
+    assert not plan.problems and plan.gpus.use_cpu and plan.gpus.server_gpus == []
+    acc = plan.accelerate
+    assert acc["use_cpu"] is True and acc["num_processes"] == processes and acc["mixed_precision"] == "no"
+    assert acc["distributed_type"] == ("FSDP" if processes > 1 else "NO")
+    assert ("fsdp_config" in acc) == (processes > 1)
+    assert plan.trainer_env["ACCELERATE_USE_CPU"] == "true" and plan.trainer_env["CUDA_VISIBLE_DEVICES"] == ""
+    argv = plan.trainer_argv
+    assert argv[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert argv[4] == str(plan.accelerate_config_path) and argv[5:7] == ["-m", TRAINER_MODULE]
+    assert argv[7:] == ["--config", str(plan.config_path)]
+    assert plan.config_path.name == "asyncgrpo_config.yaml"
+    assert plan.accelerate_config_path.name == "accelerate_config.yaml"
+    assert "ACCELERATE_USE_CPU=true" in plan.trainer_shell_line()
+
+
+def test_multi_node():
+    cfg = cfg_of("launch.num_machines=2", "launch.machine_rank=1", "launch.main_process_ip=10.0.0.1",
+                 "launch.main_process_port=29500")
+    plan = build_launch_plan(cfg, gpu_count=4)
+    assert plan.server is None and "machine 0" in plan.server_reason
+    assert plan.gpus.trainer_gpus == [1, 2, 3]  # same split as machine 0, whose GPU 0 runs vLLM
+    acc = plan.accelerate
+    assert acc["num_machines"] == 2 and acc["machine_rank"] == 1 and acc["num_processes"] == 6
+    assert acc["main_process_ip"] == "10.0.0.1" and acc["main_process_port"] == 29500
+    assert acc["distributed_type"] == "FSDP" and acc["same_network"] is True and acc["rdzv_backend"] == "static"
+    rank0 = build_launch_plan(cfg_of("launch.num_machines=2", "launch.main_process_ip=10.0.0.1"), gpu_count=4)
+    assert rank0.server is not None and rank0.accelerate["num_processes"] == 6
+    # One GPU per machine and two machines: still FSDP2 across nodes.
+    one = plan_gpus(cfg_of("sampler.backend=external", "sampler.url=http://h:1", "launch.num_machines=2",
+                           "launch.main_process_ip=h"), gpu_count=1, start_server=False)
+    assert accelerate_config(cfg_of(), one)["distributed_type"] == "FSDP"
+
+
+def test_multi_node_needs_main_ip_and_valid_rank():
+    plan = build_launch_plan(cfg_of("launch.num_machines=2", "launch.machine_rank=2"), gpu_count=2)
+    assert any("main_process_ip" in p for p in plan.problems)
+    assert any("launch.machine_rank=2" in p for p in plan.problems)
+
+
+def test_mixed_precision_follows_compute_dtype():
+    assert mixed_precision(cfg_of()) == "bf16"
+    assert mixed_precision(cfg_of("trainer.bf16=false", "trainer.fp16=true")) == "fp16"
+    assert mixed_precision(cfg_of("trainer.bf16=false", "model.dtype=float32")) == "no"

@@ -1,0 +1,220 @@
+"""`asyncgrpo train` end to end with stand-in children (fake_server.py, fake_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from asyncgrpo_cli.cli import app
+from asyncgrpo_cli.launch.supervisor import Timeouts, run_train, tail_lines
+
+from .conftest import HERE, alive, free_port, hook
+
+FAST = Timeouts(trainer_grace_s=30.0, trainer_term_s=5.0, server_term_s=5.0, group_term_s=1.0, poll_s=0.1)
+
+
+def record_console() -> Console:
+    return Console(record=True, width=160, force_terminal=False)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true (generous deadline, never a fixed sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def read_pid(path: Path) -> int:
+    return int(path.read_text())
+
+
+# ------------------------------------------------------------------------------------------ dry run
+def test_dry_run_prints_the_plan_and_starts_nothing(make_cfg):
+    cfg, out = make_cfg("launch.cpu_processes=2")
+    console = record_console()
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 0
+    text = console.export_text()
+    assert "launch plan" in text and str(out) in text
+    assert "0 GPU(s) visible" in text and "trainer: CPU (2 processes), FSDP2" in text
+    assert "-m asyncgrpo_cli.sampler.embedded --model fake-org/tiny-model" in text
+    assert "-m accelerate.commands.launch --config_file" in text and "-m asyncgrpo_cli.train.main --config" in text
+    assert "ACCELERATE_USE_CPU=true" in text and "mixed_precision=no" in text
+    assert "dry run: nothing started" in text
+    assert not out.exists()
+
+
+def test_dry_run_reports_problems(make_cfg):
+    cfg, out = make_cfg("sampler.backend=vllm")
+    console = record_console()
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    text = console.export_text()
+    assert "needs a CUDA GPU" in text and "cannot run on this machine" in text
+    assert "vllm serve fake-org/tiny-model" in text
+    assert not out.exists()
+
+
+def test_cli_train_dry_run(tmp_path):
+    out = tmp_path / "smoke"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "+recipe=smoke", f"sampler.port={free_port()}",
+                                      f"trainer.output_dir={out}"])
+    assert result.exit_code == 0, result.output
+    assert "asyncgrpo_cli.sampler.embedded" in result.output and "accelerate.commands.launch" in result.output
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.output  # the GGUF is not exported in a dry run
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------- runs
+def test_normal_completion(make_cfg, tmp_path):
+    cfg, out = make_cfg("logging.log_completions=true", "logging.num_completions_to_print=1")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids))
+    text = console.export_text()
+    assert rc == 0, text
+    # one plain line per logging step, with the diagnosis
+    step_lines = [ln for ln in text.splitlines() if ln.startswith("step ") and "| reward" in ln]
+    assert [ln.split(" |")[0] for ln in step_lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all("healthy" in ln or "balanced" in ln for ln in step_lines)
+    assert "completions (step 1)" in text and "What is 1+1?" in text
+    assert "sampler ready" in text and "doctor:" in text and "checks passed" in text
+    assert "summary" in text and "finished" in text and "0.75" in text  # final reward
+    png = out / "training_curves.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the trainer got the composed, resolved config
+    written = (out / "asyncgrpo_config.yaml").read_text()
+    assert "name: fake-org/tiny-model" in written and "gguf_file: null" in written
+    assert f"url: {cfg.sampler.url or 'http://127.0.0.1:' + str(cfg.sampler.port)}" in written
+    assert "distributed_type: 'NO'" in (out / "accelerate_config.yaml").read_text() or \
+        "distributed_type: NO" in (out / "accelerate_config.yaml").read_text()
+    assert any("fake trainer: model fake-org/tiny-model gguf None" in ln for ln in tail_lines(out / "logs/trainer.log"))
+    assert any("listening" in ln for ln in tail_lines(out / "logs/server.log"))
+    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+def test_rich_dashboard_run(make_cfg):
+    cfg, out = make_cfg("logging.dashboard=rich")
+    console = Console(record=True, width=160, force_terminal=True)
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok"))
+    text = console.export_text()
+    assert rc == 0, text
+    assert "rollout queue & concurrency" in text and "3 / 3" in text and "diagnosis:" in text
+    assert "step 1/3 |" not in text  # no plain lines in rich mode
+    assert (out / "training_curves.png").is_file()
+
+
+def test_dashboard_off_prints_no_step_lines(make_cfg):
+    cfg, out = make_cfg("logging.dashboard=off")
+    console = record_console()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok")) == 0
+    text = console.export_text()
+    assert "step 1/3 |" not in text and "rollout queue" not in text and "summary" in text
+
+
+def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path):
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids))
+    text = console.export_text()
+    assert rc == 1
+    assert "the trainer exited with code 3" in text
+    assert "RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "failed" in text  # summary outcome
+    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
+    cfg, out = make_cfg("sampler.timeout=1.5")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("never_ready", "ok", pids))
+    text = console.export_text()
+    assert rc == 1
+    assert "/health after 1.5 s (sampler.timeout)" in text
+    assert "fake server: mode never_ready" in text  # the server's last log lines
+    assert not (out / "logs" / "trainer.log").exists()
+    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+def test_server_dying_before_ready(make_cfg):
+    cfg, out = make_cfg()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("die", "ok"))
+    text = console.export_text()
+    assert rc == 1
+    assert "exited with code 3 before it was ready" in text and "CUDA out of memory (pretend)" in text
+
+
+def test_doctor_failure_stops_with_restart_command(make_cfg, tmp_path):
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("bad_logprobs", "ok", pids))
+    text = console.export_text()
+    assert rc == 1
+    assert "logprobs mode" in text and "Restart it with" in text
+    assert "-m asyncgrpo_cli.sampler.embedded --model fake-org/tiny-model" in text
+    assert not (out / "logs" / "trainer.log").exists()
+    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigint_leaves_no_child_alive(tmp_path, processes):
+    """SIGINT to the supervisor: the trainer (real ``accelerate launch``: its single-process launcher, or
+    torchrun with 2 CPU ranks) gets SIGINT first and finishes saving a checkpoint; the rollout worker that
+    ignores SIGINT/SIGTERM is killed with its group; the server stops; nothing survives."""
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    driver = subprocess.Popen([sys.executable, str(HERE / "drive_supervisor.py"), str(out), str(free_port()),
+                               str(pids), "hang", str(processes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    names = ("server", "worker", *(f"rank{r}" for r in range(processes)))
+    try:
+        def ready() -> bool:
+            if driver.poll() is not None:
+                raise AssertionError(f"supervisor exited early:\n{driver.stdout.read().decode()}")
+            status = out / "status.json"
+            if not all((pids / f"{n}.pid").is_file() for n in names) or not status.is_file():
+                return False
+            try:
+                return json.loads(status.read_text()).get("state") == "running"
+            except ValueError:
+                return False
+
+        wait_until(ready, 120, "the fake trainer to run")
+        procs = {n: read_pid(pids / f"{n}.pid") for n in names}
+        assert all(alive(p) for p in procs.values())
+        os.kill(driver.pid, signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+        text = output.decode()
+        assert driver.returncode == 130, text
+        assert "SIGINT: asking the trainer to save a checkpoint" in text
+        assert "interrupted" in text and "checkpoint-1" in text
+        log = tail_lines(out / "logs" / "trainer.log", 400)
+        assert any("got SIGINT, saving" in ln for ln in log) and any("saved checkpoint-1" in ln for ln in log)
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30,
+                   f"every child to be gone: {[n for n, p in procs.items() if alive(p)]}")
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        for f in pids.glob("*.pid"):
+            try:
+                os.kill(read_pid(f), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass

@@ -1,0 +1,107 @@
+"""AsyncGRPOTrainer end to end on CPU against the embedded sampler: tree-packed steps, weight sync into the
+server, metrics files, checkpoints with the rollout position, and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncgrpo_cli import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
+from asyncgrpo_cli.testing import make_tiny_model
+from asyncgrpo_cli.train.run_state import load_rollout_state
+
+
+def token_parity_reward(completion_ids, **kwargs):
+    """Picklable reward with spread inside groups (random for a random model)."""
+    return [float(bool(ids) and ids[0] % 2 == ids[-1] % 2) for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture()
+def server(model_dir):
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
+                                       max_model_len=96, max_logprobs=8)).start()
+    yield handle
+    handle.stop()
+
+
+def prompts(n=12):
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}],
+                                        "answer": str(i + 3)} for i in range(n)])
+
+
+def args_for(out: Path, url: str, **kw) -> AsyncGRPOConfig:
+    base = dict(output_dir=str(out), max_steps=3, num_generations=4, max_completion_length=8, num_sampler_logprobs=3,
+                vllm_server_base_url=url, learning_rate=1e-2, save_steps=2, logging_steps=1, report_to="none",
+                max_staleness=2, vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0,
+                optim="sgd", max_grad_norm=0.0)
+    base.update(kw)
+    return AsyncGRPOConfig(**base)
+
+
+def server_sample(url: str, model: str, prompt_ids) -> tuple[list[int], list[float]]:
+    """Sample 6 tokens at temperature 1: their ids and the server's (processed) log-probs."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 6, "logprobs": 0, "temperature": 1.0, "seed": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+
+
+def model_logprobs(model, prompt_ids, continuation) -> list[float]:
+    ids = torch.tensor([prompt_ids + continuation])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    start = len(prompt_ids) - 1
+    return [float(lp[start + i, t]) for i, t in enumerate(continuation)]
+
+
+def test_train_syncs_checkpoints_and_resumes(model_dir, server, tmp_path):
+    out = tmp_path / "run"
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                               args=args_for(out, server.url), train_dataset=prompts())
+    result = trainer.train()
+    assert result.global_step == 3 and trainer.model_version == 3
+
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2, 3]
+    for key in ("loss", "reward", "entropy", "batch/packing_ratio", "batch/samples_per_row", "perf/weight_sync_s",
+                "perf/step_s", "perf/fwd_bwd_forwarded_tokens_per_s", "sample/staleness_mean",
+                "sampling/sampling_logp_difference/mean", "rollout/generated_tokens_per_s", "num_tokens"):
+        assert any(key in l for l in lines), key
+    assert all(l["batch/packing_ratio"] > 1.0 for l in lines)  # the prompt is shared inside each group
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "done" and status["step"] == 3 and status["model_version"] == 3
+
+    # The server samples with the trained weights: its log-probs equal the trainer's model's.
+    first = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt_ids = [1, 10, 20, 30, 40]
+    continuation, served = server_sample(server.url, str(model_dir), prompt_ids)
+    trained = model_logprobs(trainer.model, prompt_ids, continuation)
+    initial = model_logprobs(first, prompt_ids, continuation)
+    assert max(abs(a - b) for a, b in zip(served, trained)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(trained, initial)) > 1e-3
+
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "rollout_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+    position = load_rollout_state(checkpoint)
+    assert position >= 1
+
+    resumed = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                               args=args_for(out, server.url, max_steps=4), train_dataset=prompts())
+    result = resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert result.global_step == 4
+    assert resumed.position.value >= position  # fast-forwarded, never restarted at 0
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines][-2:] == [3, 4]
