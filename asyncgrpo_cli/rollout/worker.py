@@ -47,10 +47,20 @@ def worker_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event) -> None:
+def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
     """Entry point of the spawned process: build the loop and run it until stopped or failed."""
+    import threading
+
     loop = loop_cls(**kwargs)
     loop.ready_event = ready_event
+
+    def watch_stop() -> None:
+        # A polled flag, not an mp.Event: setting an Event whose waiter died can block the setter forever.
+        while not stop_flag.value:
+            time.sleep(0.2)
+        loop.stop()
+
+    threading.Thread(target=watch_stop, name="stop-watch", daemon=True).start()
     try:
         loop.run()
     except (KeyboardInterrupt, SystemExit):
@@ -101,6 +111,7 @@ class RolloutWorker:
         self.cap_value = ctx.Value("q", 0)
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
+        self.stop_flag = ctx.Value("b", 0)
         self.exception_info_queue = ctx.Queue()
         self.metrics_queue = ctx.Queue()
         self._loop_cls = loop_cls
@@ -128,7 +139,7 @@ class RolloutWorker:
         if ready_timeout_s is None:
             ready_timeout_s = float(self.config.vllm_server_timeout) + 60.0
         # Not a daemon: the accuracy reward runs math-verify in its own process pool (daemons cannot fork).
-        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event),
+        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event, self.stop_flag),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         with worker_environment():
             self.process.start()
@@ -142,10 +153,13 @@ class RolloutWorker:
                                          f"(is the server at {self.config.vllm_server_base_url} up?)")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker: terminate, wait ``timeout_s`` seconds, then kill. Safe to call twice."""
+        """Stop the worker: ask its loop to stop (it runs ``close``), wait ``timeout_s`` seconds, then
+        terminate, then kill. Safe to call twice."""
         proc = self.process
         if proc is None:
             return
+        self.stop_flag.value = 1
+        proc.join(timeout_s)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout_s)

@@ -286,6 +286,8 @@ class AsyncGRPOTrainer(Trainer):
         for s in self.batcher.dropped[:]:
             self._sample_finished(s)
         self.batcher.dropped.clear()
+        for p in plans:  # samples that went stale while waiting in the batcher are not trained either
+            p.rows = [[s for s in row if not self._drop_if_stale(s)] for row in p.rows]
         self.window.add("perf/rollout_wait_s", waited)
         self._step_oversize = self.batcher.dropped_oversize_count - dropped_before
         return StepPlan(rows=[p.rows for p in plans],
@@ -307,14 +309,21 @@ class AsyncGRPOTrainer(Trainer):
         for s in outcome.samples:
             self.sample_position[id(s)] = outcome.position
             self.window.add("sample/time_in_queue_s", now - s.queued_at)
-            if self.model_version - s.model_version > self.args.max_staleness:
-                self.window.add("sample/dropped_stale_count", 1)
-                self._sample_finished(s)
+            if self._drop_if_stale(s):
                 continue
             plan = self.batcher.add(s)
             if plan is not None:
                 closed.append(plan)
         return closed
+
+    def _drop_if_stale(self, sample: TrainingSequence) -> bool:
+        """Drop (and count) a sample more than ``max_staleness`` weight updates behind the policy it would
+        train (SPEC §3.1, B.6); returns whether it was dropped."""
+        if self.model_version - sample.model_version <= self.args.max_staleness:
+            return False
+        self.window.add("sample/dropped_stale_count", 1)
+        self._sample_finished(sample)
+        return True
 
     def _sample_finished(self, sample: TrainingSequence) -> None:
         position = self.sample_position.pop(id(sample), None)
