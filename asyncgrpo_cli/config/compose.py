@@ -136,6 +136,11 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, overrides)) from exc
+    except (TypeError, ValueError, KeyError) as exc:  # Hydra fails this way on some malformed group overrides
+        raise ConfigError(f"the overrides {' '.join(overrides)} could not be composed ({type(exc).__name__}: {exc}). "
+                          "Fix: a group (model, data, rewards, rollout, ...) is selected with group=option; to set "
+                          "a list such as the reward functions, put it in a recipe (+recipe=NAME, --recipes-dir DIR)"
+                          ) from exc
     if validate:
         validate_config(cfg)
     return cfg

@@ -153,3 +153,8 @@ def test_python_api_validates_too():
     assert args.activation_checkpointing is True and args.gradient_checkpointing is True  # SPEC §16.4
     assert AsyncGRPOConfig(output_dir="/tmp/x", activation_checkpointing=False).gradient_checkpointing is False
     assert args.learning_rate == 1e-6 and args.logging_steps == 1 and args.lr_scheduler_type == "constant"
+
+
+def test_list_override_of_a_group_is_a_config_error():
+    with pytest.raises(ConfigError, match="recipe"):
+        compose(["rewards=[{func: 'x:y'}]"])
