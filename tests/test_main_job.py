@@ -127,3 +127,16 @@ def test_smoke_recipe_runs(tmp_path):
     assert proc.returncode == 0, stdout
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all("reward" in l for l in lines)
+
+
+def test_two_cpu_processes_train_together(tiny, tmp_path):
+    out = tmp_path / "run"
+    proc = asyncgrpo(*tiny_args(tiny, out, "trainer.max_steps=3", "launch.cpu_processes=2"),
+                     cwd=Path(__file__).resolve().parents[1])
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2, 3]
+    # Rank 0 planned one row per process in every micro-batch.
+    assert all(l["batch/microbatches_per_step"] >= 1 for l in lines)
+    assert json.loads((out / "status.json").read_text())["num_processes"] == 2

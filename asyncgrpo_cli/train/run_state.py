@@ -8,6 +8,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -100,15 +101,39 @@ class LiveFiles:
         self.status: dict[str, Any] = {"state": "starting", "started_at": time.time(), "pid": os.getpid()}
         self.min_interval_s = min_interval_s
         self._last = 0.0
+        self._lock = threading.Lock()
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def update(self, force: bool = False, **fields: Any) -> None:
-        """Merge ``fields`` into the status and rewrite ``status.json`` if due (or ``force``)."""
-        self.status.update(fields)
-        now = time.monotonic()
-        if force or now - self._last >= self.min_interval_s:
-            self._last = now
-            self.status["updated_at"] = time.time()
-            write_json_atomic(self.dir / "status.json", self.status)
+        """Merge ``fields`` into the status and rewrite ``status.json`` if due (or ``force``). Thread-safe."""
+        with self._lock:
+            self.status.update(fields)
+            now = time.monotonic()
+            if force or now - self._last >= self.min_interval_s:
+                self._last = now
+                self.status["updated_at"] = time.time()
+                write_json_atomic(self.dir / "status.json", self.status)
+
+    def start_ticker(self, refresh) -> None:
+        """Call ``refresh()`` (which should call `update`) about once per ``min_interval_s`` on a daemon thread,
+        so ``status.json`` stays fresh while a long step runs."""
+        def tick() -> None:
+            while not self._stop.wait(self.min_interval_s):
+                try:
+                    refresh()
+                except Exception:  # noqa: BLE001 - the live view must never break training
+                    pass
+
+        self._ticker = threading.Thread(target=tick, name="status-ticker", daemon=True)
+        self._ticker.start()
+
+    def stop_ticker(self) -> None:
+        """Stop the ticker thread (idempotent)."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+            self._ticker = None
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         """Append one JSON line to ``metrics.jsonl`` (NaN written as null)."""

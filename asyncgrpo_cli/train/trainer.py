@@ -213,6 +213,7 @@ class AsyncGRPOTrainer(Trainer):
         self.worker.set_model_version(self.model_version)
         self.worker.start()
         self.live.update(force=True, state="running")
+        self.live.start_ticker(self._update_status)
 
     def _make_weight_sync(self):
         """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
@@ -233,6 +234,8 @@ class AsyncGRPOTrainer(Trainer):
         return sync
 
     def _teardown_rollouts(self) -> None:
+        if getattr(self, "live", None) is not None:
+            self.live.stop_ticker()
         weight_sync = getattr(self, "weight_sync", None)
         if weight_sync is not None:
             weight_sync.close()
