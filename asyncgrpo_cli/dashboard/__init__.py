@@ -13,6 +13,8 @@ loop (at least once a second).
 
 from __future__ import annotations
 
+from .jsonl import parse_json_lines
+
 import json
 import time
 from collections import defaultdict
@@ -71,18 +73,7 @@ class JsonlTail:
         if end < 0:
             return []
         self.offset += end + 1
-        out = []
-        for line in data[: end + 1].decode("utf-8", errors="replace").splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                out.append(obj)
-        return out
+        return parse_json_lines(data[: end + 1])
 
 
 def read_status(path: str | Path, not_before: float | None = None) -> dict[str, Any] | None:

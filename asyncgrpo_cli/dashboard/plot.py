@@ -3,13 +3,13 @@ with matplotlib's Agg backend (no display needed)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .diagnosis import num
+from .jsonl import parse_json_lines
 from .panels import reward_names
 
 REWARD_CURVES = ("reward", "reward_kept")
@@ -25,19 +25,7 @@ def load_metrics(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
         return []
     with p.open("rb") as fh:
         fh.seek(offset)
-        data = fh.read()
-    rows = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            rows.append(obj)
-    return rows
+        return parse_json_lines(fh.read())
 
 
 def _series(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[list[float], list[float]]:

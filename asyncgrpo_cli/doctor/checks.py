@@ -20,7 +20,6 @@ from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..launch.server_command import (
     MIN_VLLM,
-    api_server_count,
     build_server_command,
     compute_dtype,
     lora_limits,

@@ -144,21 +144,6 @@ def server_exec_argv(command: ServerCommand) -> list[str]:
     return argv
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
-
-
 class Child:
     """A child process started in its own session, its output appended to ``log_path``.
 

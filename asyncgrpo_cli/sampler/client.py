@@ -409,6 +409,23 @@ def _base_max_model_len(route: str, models: list[dict]) -> int:
     raise _fail(route, "no base model with 'max_model_len'")
 
 
+def _server_load(base_url: str, response: httpx.Response) -> ServerLoad | None:
+    """The `ServerLoad` of a ``/metrics`` answer; None for 404 or no vLLM load metrics.
+
+    Raises:
+        SamplerError: an HTTP error status; SamplerProtocolError: text that is not Prometheus exposition.
+    """
+    route = "/metrics"
+    if response.status_code == 404:
+        return None
+    if response.status_code >= 400:
+        raise SamplerError(f"{base_url}{route}: HTTP {response.status_code}", route)
+    try:
+        return parse_server_load(response.text)
+    except ValueError as exc:
+        raise SamplerProtocolError(f"{base_url}{route}: {exc}", route) from exc
+
+
 def _normalise_url(url: str) -> str:
     url = url.rstrip("/")
     if url.endswith("/v1"):
@@ -670,19 +687,11 @@ class SamplerClient:
         Raises:
             SamplerError: unreachable, or text that is not Prometheus exposition.
         """
-        route = "/metrics"
         try:
-            response = await self._http.get(route, timeout=self.metrics_timeout_s)
+            response = await self._http.get("/metrics", timeout=self.metrics_timeout_s)
         except httpx.HTTPError as exc:
-            raise SamplerUnavailableError(f"{self.base_url}{route}: {type(exc).__name__}: {exc}", route) from exc
-        if response.status_code == 404:
-            return None
-        if response.status_code >= 400:
-            raise SamplerError(f"{self.base_url}{route}: HTTP {response.status_code}", route)
-        try:
-            return parse_server_load(response.text)
-        except ValueError as exc:
-            raise SamplerProtocolError(f"{self.base_url}{route}: {exc}", route) from exc
+            raise SamplerUnavailableError(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}", "/metrics") from exc
+        return _server_load(self.base_url, response)
 
     async def is_paused(self) -> bool:
         """``GET /is_paused``."""
@@ -927,19 +936,11 @@ class SyncSamplerClient:
 
     def read_metrics(self) -> ServerLoad | None:
         """``GET /metrics`` → `ServerLoad`; ``None`` without a metrics route or vLLM's load metrics."""
-        route = "/metrics"
         try:
-            response = self._http.get(route, timeout=self.metrics_timeout_s)
+            response = self._http.get("/metrics", timeout=self.metrics_timeout_s)
         except httpx.HTTPError as exc:
-            raise SamplerUnavailableError(f"{self.base_url}{route}: {type(exc).__name__}: {exc}", route) from exc
-        if response.status_code == 404:
-            return None
-        if response.status_code >= 400:
-            raise SamplerError(f"{self.base_url}{route}: HTTP {response.status_code}", route)
-        try:
-            return parse_server_load(response.text)
-        except ValueError as exc:
-            raise SamplerProtocolError(f"{self.base_url}{route}: {exc}", route) from exc
+            raise SamplerUnavailableError(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}", "/metrics") from exc
+        return _server_load(self.base_url, response)
 
     def is_paused(self) -> bool:
         """``GET /is_paused``."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -4,13 +4,11 @@ when the staleness allowance is used up, the cap follows KV usage, and failures 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import queue
 import threading
 import time
 
 import datasets
-import numpy as np
 import pytest
 
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
