@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import json
 import random
 import statistics
@@ -72,7 +73,9 @@ def make_samples(num_groups: int, group: int, completion: int, prompt: int, shar
             n = len(ids)
             trained = [0] * prompt + [1] * completion
             out.append(TrainingSequence(
-                input_ids=ids, trained_mask=trained, sampler_logprobs=[-2.0 if t else 0.0 for t in trained],
+                # uniform sampler log-probs: random weights give ratios near 1, so no token is masked and the
+                # loss-equality check before timing is not vacuous
+                input_ids=ids, trained_mask=trained, sampler_logprobs=[-math.log(VOCAB) if t else 0.0 for t in trained],
                 advantage=rng.choice([-1.0, 1.0]), group_id=g, row_index=g, model_version=0,
                 sampler_top_ids=[[rng.randrange(VOCAB) for _ in range(8)] if t else [] for t in trained],
                 sampler_top_logprobs=[[-3.0] * 8 if t else [] for t in trained]))
@@ -175,7 +178,7 @@ def padded_step(model, samples, batch: int):
                 adv[j, :n] = s.advantage
             logits = model.plain_forward(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-            ratio = torch.exp(lp - (-2.0))
+            ratio = torch.exp(lp + math.log(VOCAB))
             loss = -(ratio * adv[:, 1:])[trained[:, 1:]].sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
@@ -254,10 +257,16 @@ def main() -> int:
             results["P4"] = dict(meta, padded_s=t_pad, tree_s=t_tree, ratio=t_pad / t_tree,
                                  padded_trained_tokens_per_s=trained / t_pad, tree_trained_tokens_per_s=trained / t_tree,
                                  loss_padded=l_pad, loss_tree=l_tree, target=">= 4")
-    # M1: peak memory of one 16K-token row, tree vs plain (nothing shared vs shared groups of the same row).
-    samples = make_samples(2, 8, ns.completion, prompt, True, seed=2)
-    row = pack_row(TokenBudgetBatcher(ns.budget, 1).plan(samples)[0].rows[0])
-    plain = concat_rows([pack_row([s]) for s in make_samples(64, 1, ns.completion, prompt, False, seed=3)][:16])
+    # M1: peak memory of one row of ~budget forwarded tokens, tree-packed groups vs plain packing.
+    groups = make_samples(64, 8, ns.completion, prompt, True, seed=2)
+    row = pack_row(TokenBudgetBatcher(ns.budget, 1).plan(groups)[0].rows[0])
+    singles, tokens = [], 0
+    for s in make_samples(256, 1, ns.completion, prompt, False, seed=3):
+        if tokens + s.num_tokens > row.num_tokens:
+            break
+        singles.append(s)
+        tokens += s.num_tokens
+    plain = concat_rows([pack_row([s]) for s in singles])
     peaks = {}
     for name, r in (("tree", row), ("plain", plain)):
         if DEVICE == "cuda":
