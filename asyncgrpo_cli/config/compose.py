@@ -155,10 +155,38 @@ def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
         names = ", ".join(r.name for r in list_recipes())
         return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
     if "Key" in msg and "not in" in msg:
-        return f"{msg}\nFix: check the spelling against `asyncgrpo config` (every key is listed there)"
+        return _unknown_key_message(msg)
     if "Could not override" in msg or "Could not append" in msg:
         return f"{msg}\nFix: an existing key is changed with key=value; a new group option is added with +group=option"
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
+
+
+_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+)")
+
+
+def _unknown_key_message(msg: str) -> str:
+    """An unknown key: name it and suggest the closest valid keys of its group (difflib)."""
+    import dataclasses
+    import difflib
+
+    from .schema import AppConfig
+
+    match = _UNKNOWN_KEY.search(msg)
+    full_key = match.group(1) if match else ""
+    group, _, key = full_key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(AppConfig)}
+    if group and not key:
+        close = difflib.get_close_matches(group, list(fields), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else f"the groups are {', '.join(fields)}"
+        return f"unknown group {group!r}. Fix: {hint}"
+    if group in fields and key:
+        node = fields[group].default_factory()
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = difflib.get_close_matches(key.split(".")[0], names, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(f'{group}.{c}' for c in close)}?" if close else \
+            f"`asyncgrpo config` lists every key of the {group} group"
+        return f"unknown key {full_key!r}: the {group} group has no such field. Fix: {hint}"
+    return f"{msg}\nFix: check the spelling against `asyncgrpo config` (every key is listed there)"
 
 
 def _flat_fields(cfg: DictConfig) -> dict[str, Any]:

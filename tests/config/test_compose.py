@@ -158,3 +158,10 @@ def test_python_api_validates_too():
 def test_list_override_of_a_group_is_a_config_error():
     with pytest.raises(ConfigError, match="recipe"):
         compose(["rewards=[{func: 'x:y'}]"])
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean rollout.num_generations"):
+        compose(["rollout.num_generation=4"])
+    with pytest.raises(ConfigError, match="did you mean rollout"):
+        compose(["rollot.top_k=4"])
