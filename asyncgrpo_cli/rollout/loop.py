@@ -19,6 +19,8 @@ The hooks (``filter_prompt``, ``generate_one``, ``generate_one_turn``, ``compute
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import math
 import time
 import traceback
@@ -107,6 +109,7 @@ class AsyncRolloutLoop:
         self._stop = False
         self.ready_event = None  # set by the worker process; signalled once connected and set up
         self._group_error: BaseException | None = None
+        self._rendered: dict[str, list[int]] = {}  # prompt rendering cache (render_prompt)
 
     # ----------------------------------------------------------------------------------- hooks
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
@@ -115,13 +118,24 @@ class AsyncRolloutLoop:
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list, group_id: int = 0) -> Rollout:
         """One rollout of ``prompt``: render it with the chat template and sample one reply (one turn)."""
-        kwargs = dict(self.config.chat_template_kwargs or {})
-        encoded = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
-        prompt_ids = list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
-        turn = await self.generate_one_turn(prompt_ids)
+        turn = await self.generate_one_turn(self.render_prompt(prompt))
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
         return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
                        turns=[turn])
+
+    def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``prompt`` through the chat template with a generation prompt. The last few renderings
+        are cached: the ``num_generations`` rollouts of a group render the same prompt."""
+        key = json.dumps(prompt, sort_keys=True, default=str)
+        ids = self._rendered.get(key)
+        if ids is None:
+            kwargs = dict(self.config.chat_template_kwargs or {})
+            encoded = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
+            ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            if len(self._rendered) >= 256:
+                self._rendered.pop(next(iter(self._rendered)))
+            self._rendered[key] = ids
+        return list(ids)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`."""
@@ -147,8 +161,9 @@ class AsyncRolloutLoop:
         """Release what ``setup`` created; runs when the loop stops, failure included."""
 
     # ----------------------------------------------------------------------------------- running
-    @property
+    @functools.cached_property
     def sampling(self):
+        """The config's sampling settings as `SamplingParams` (built once)."""
         from ..sampler.client import SamplingParams
 
         c = self.config

@@ -262,10 +262,17 @@ def _completion_style_logprobs(route: str, lp: dict, n: int, num_tokens: int) ->
         if not isinstance(raw, list) or len(raw) != num_tokens:
             raise _fail(route, f"logprobs.top_logprobs must list one entry per output token ({num_tokens})")
         tops = []
+        prefix = len("token_id:")
         for pos in raw:
             if not isinstance(pos, dict):
                 raise _fail(route, "logprobs.top_logprobs entries must be objects")
-            tops.append(keep_top_n({token_id_from_key(k, route): float(v) for k, v in pos.items()}, n))
+            try:  # the common case, "token_id:N" keys: one int() per key (this loop is the worker's hot path)
+                entries = {int(k[prefix:]): float(v) for k, v in pos.items() if k[:prefix] == "token_id:"}
+            except (TypeError, ValueError):
+                entries = {}
+            if len(entries) != len(pos):
+                entries = {token_id_from_key(k, route): float(v) for k, v in pos.items()}
+            tops.append(entries if len(entries) <= n else keep_top_n(entries, n))
     return [float(v) for v in token_logprobs], tops
 
 

@@ -116,7 +116,22 @@ def main() -> int:
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    runner = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)
+    profile = None
+    if os.environ.get("P6_PROFILE"):
+        import cProfile
+
+        profile = cProfile.Profile()
+
+    def run_loop():
+        if profile is not None:
+            profile.enable()
+        try:
+            asyncio.run(loop.run_async())
+        finally:
+            if profile is not None:
+                profile.disable()
+
+    runner = threading.Thread(target=run_loop, daemon=True)
     runner.start()
     deadline = time.perf_counter() + 120
     while counted["start"] is None and time.perf_counter() < deadline:
@@ -129,6 +144,10 @@ def main() -> int:
     buf.put(None)
     server.terminate()
     tps = generated / elapsed
+    if profile is not None:
+        import pstats
+
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     result = {"target": ">= 50000", "generated_tokens_per_s": tps, "ratio": tps / 50000, "seconds": elapsed,
               "samples": counted["samples"], "completion_tokens": ns.completion, "concurrency": ns.concurrency,
               "num_generations": 8, "top_logprobs": 8, "cpus": os.cpu_count(), "python": sys.version.split()[0],
