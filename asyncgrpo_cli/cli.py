@@ -134,6 +134,11 @@ def doctor_cmd(
         err.print("asyncgrpo doctor: not yet available in this version.")
         raise typer.Exit(1) from None
     cfg = _compose(overrides, recipes_dir)
+    try:
+        _resolve_model(cfg)  # compare against the folder `serve` and `train` give the server
+    except ConfigError as exc:
+        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     raise typer.Exit(run_doctor(cfg, as_json=as_json))
 
 

@@ -156,3 +156,20 @@ def test_serve_starts_the_embedded_server_and_doctor_passes(model_dir):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_doctor_resolves_a_packaged_model_like_serve(tmp_path, monkeypatch, model_dir, server):
+    """`doctor` compares against the folder `serve` gives the server, not the raw model.name."""
+    import asyncgrpo_cli.cli as cli
+
+    seen = {}
+
+    def fake_resolve(name, gguf_file=None):
+        seen["args"] = (name, gguf_file)
+        return str(model_dir)
+
+    monkeypatch.setattr("asyncgrpo_cli.models.resolve_model_path", fake_resolve)
+    args = overrides("some_package", server.url, "model.gguf_file=model.gguf")
+    result = runner.invoke(cli.app, ["doctor", *args, "--json"])
+    assert seen["args"] == ("some_package", "model.gguf")
+    assert result.exit_code == 0, result.stdout
