@@ -199,6 +199,7 @@ class AsyncGRPOTrainer(Trainer):
             return
         self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes)
         self.position = TrainedPosition(start_position)
+        self.pulled = TrainedPosition(start_position)  # every position whose outcome has left the queue
         self.num_prompts = len(self.train_dataset)
         self.sample_position: dict[int, int] = {}
         adapter = self.weight_sync.mode == "adapter"
@@ -269,8 +270,8 @@ class AsyncGRPOTrainer(Trainer):
             if self._stop_requested:
                 stop, reason = True, "interrupted"
                 break
-            if target is not None and self.position.value >= target and not self._pending_positions():
-                stop, reason = True, "epochs done"
+            if target is not None and self.pulled.value >= target:
+                stop, reason = True, "epochs done"  # every prompt of the last epoch is pulled: train the rest
                 break
             t0 = time.monotonic()
             outcome = self.worker.get_outcome(POLL_S)
@@ -296,11 +297,13 @@ class AsyncGRPOTrainer(Trainer):
                         global_trained=[sum(s.num_trained_tokens for row in p.rows for s in row) for p in plans],
                         stop=stop, stop_reason=reason)
 
-    def _pending_positions(self) -> bool:
-        return bool(self.sample_position) or self.batcher.pending_samples > 0
-
     def _take(self, outcome: PromptOutcome) -> list[MicroBatchPlan]:
         """Account one outcome; returns micro-batches it closed."""
+        target = self._target_positions()
+        if target is not None and outcome.position >= target:  # past the last epoch: not trained
+            self.worker.mark_consumed(sum(s.num_tokens for s in outcome.samples))
+            return []
+        self.pulled.finish(outcome.position)
         if outcome.kind != "kept":
             self.position.finish(outcome.position)
             return []

@@ -105,3 +105,16 @@ def test_train_syncs_checkpoints_and_resumes(model_dir, server, tmp_path):
     assert resumed.position.value >= position  # fast-forwarded, never restarted at 0
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines][-2:] == [3, 4]
+
+
+def test_epoch_based_stop(model_dir, server, tmp_path):
+    """With max_steps unset, training ends after num_train_epochs passes over the prompts (SPEC §16.4)."""
+    out = tmp_path / "epochs"
+    args = args_for(out, server.url, max_steps=-1, num_train_epochs=1, save_strategy="no")
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward], args=args,
+                               train_dataset=prompts(6))
+    result = trainer.train()
+    assert result.global_step >= 1
+    assert trainer.position.value == 6  # exactly one pass: every prompt of epoch 0 trained or dropped
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "done"
