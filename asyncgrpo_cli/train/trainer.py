@@ -28,7 +28,8 @@ from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
 from .packed_loss import install_loss_head, row_loss
-from .packing import MicroBatchPlan, TokenBudgetBatcher, batch_metrics, pack_row
+from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
+from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition, load_rollout_state, save_rollout_state
 from .tree_attention import apply_tree_attention
