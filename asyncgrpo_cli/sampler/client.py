@@ -118,6 +118,28 @@ class _RetryState:
         self.retries += 1
         return delay
 
+    def on_error(self, exc: Exception, body: Any, retry: bool) -> float:
+        """A transport error: the delay before the next try, or raise (SamplerUnavailableError when a
+        single-attempt request cannot connect; the errors of `on_refused` / `on_failure` otherwise)."""
+        if isinstance(exc, httpx.ConnectError):
+            if not retry:
+                raise SamplerUnavailableError(f"{self.url}{self.route}: cannot connect: {exc!r}", self.route) from exc
+            return self.on_refused(exc, body)
+        return self.on_failure(_classify(exc, self.timeout_s), body)
+
+    def on_response(self, response: httpx.Response, body: Any, allow_404: bool) -> tuple[bool, float]:
+        """An HTTP answer: ``(True, 0)`` when it is the result (2xx/3xx, or 404 with ``allow_404``),
+        ``(False, delay)`` to retry a 5xx; a 4xx raises `SamplerRequestError` (never retried, B.17)."""
+        status = response.status_code
+        if status < 400 or (status == 404 and allow_404):
+            return True, 0.0
+        if status < 500:
+            _raise_for_4xx(self.url, self.route, response, body)
+        return False, self.on_failure(f"HTTP {status}: {server_error_message(response)}", body)
+
+
+_TRANSPORT_ERRORS = (httpx.TimeoutException, httpx.TransportError, asyncio.TimeoutError)
+
 
 def _classify(exc: Exception, timeout_s: float) -> str:
     if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
@@ -233,20 +255,12 @@ class SamplerClient:
                 response = await asyncio.wait_for(
                     self._http.request(method, route, json=body, params=params, timeout=timeout_s), timeout_s
                 )
-            except httpx.ConnectError as exc:
-                if not retry:
-                    raise SamplerUnavailableError(f"{self.base_url}{route}: cannot connect: {exc!r}", route) from exc
-                delay = state.on_refused(exc, body)
-            except (httpx.TimeoutException, httpx.TransportError, asyncio.TimeoutError) as exc:
-                delay = state.on_failure(_classify(exc, timeout_s), body)
+            except _TRANSPORT_ERRORS as exc:
+                delay = state.on_error(exc, body, retry)
             else:
-                if response.status_code < 400:
-                    return response
-                if response.status_code == 404 and allow_404:
-                    return None
-                if response.status_code < 500:
-                    _raise_for_4xx(self.base_url, route, response, body)
-                delay = state.on_failure(f"HTTP {response.status_code}: {server_error_message(response)}", body)
+                done, delay = state.on_response(response, body, allow_404)
+                if done:
+                    return response if response.status_code != 404 else None
             self.retry_count += 1
             log.warning("sampler %s%s: retrying in %.1f s (retry %d)", self.base_url, route, delay, self.retry_count)
             await asyncio.sleep(delay)
@@ -494,20 +508,12 @@ class SyncSamplerClient:
         while True:
             try:
                 response = self._http.request(method, route, json=body, params=params)
-            except httpx.ConnectError as exc:
-                if not retry:
-                    raise SamplerUnavailableError(f"{self.base_url}{route}: cannot connect: {exc!r}", route) from exc
-                delay = state.on_refused(exc, body)
-            except (httpx.TimeoutException, httpx.TransportError) as exc:
-                delay = state.on_failure(_classify(exc, self.timeout_s), body)
+            except _TRANSPORT_ERRORS as exc:
+                delay = state.on_error(exc, body, retry)
             else:
-                if response.status_code < 400:
-                    return response
-                if response.status_code == 404 and allow_404:
-                    return None
-                if response.status_code < 500:
-                    _raise_for_4xx(self.base_url, route, response, body)
-                delay = state.on_failure(f"HTTP {response.status_code}: {server_error_message(response)}", body)
+                done, delay = state.on_response(response, body, allow_404)
+                if done:
+                    return response if response.status_code != 404 else None
             self.retry_count += 1
             time.sleep(delay)
 
