@@ -199,7 +199,6 @@ def test_generation_holds_when_allowance_is_used_up(server, tokenizer, tmp_path)
         loop.consumed_tokens_value.value = float(sum(s.num_tokens for o in queued for s in o.samples))
         loop.token_allowance.value = 10**9
         buf.get(timeout=120)
-        assert loop.metrics.snapshot() is not None
     finally:
         loop.stop()
         thread.join(timeout=30)
