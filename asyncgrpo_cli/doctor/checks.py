@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
+from ..sampler.protocol import vllm_config_of
 from ..launch.server_command import (
     MIN_VLLM,
     build_server_command,
@@ -52,7 +53,8 @@ class ServerFacts:
     error: str | None = None
     version: dict[str, Any] | None = None
     models: dict[str, Any] | None = None
-    server_info: dict[str, Any] | None = None
+    server_info: dict[str, Any] | None = None  # /server_info's engine config (vLLM's ``vllm_config``)
+    server_env: dict[str, Any] | None = None   # /server_info's ``vllm_env`` (the server's VLLM_* variables)
     metrics_ok: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -181,14 +183,16 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     count = _dig(info, "parallel_config", "_api_process_count") or info.get("api_server_count")
     if cfg.peft.enabled:
         _lora_checks(cfg, facts, info, count, add)
-    elif count is not None and need > 0 and not facts.embedded:
+    elif need > 0 and not facts.embedded:
         version = facts.vllm_version
-        if count < 8 or (version is not None and version < TOP_LOGPROBS_CHEAP_VLLM):
-            add(Check("api servers", WARN, f"{count} API server(s) on vLLM {(facts.version or {}).get('version')}: "
+        old = version is not None and version < TOP_LOGPROBS_CHEAP_VLLM
+        if old or (count is not None and count < 8):
+            servers = f"{count} API server(s)" if count is not None else "API servers"
+            add(Check("api servers", WARN, f"{servers} on vLLM {(facts.version or {}).get('version')}: "
                       f"top-{need} log-probs are serialised on the CPU of the API servers and can cost 50–90% of "
                       "generation throughput before vLLM 0.32 (SPEC §8.2, device/README.md)",
                       "use --api-server-count 8 and vLLM >= 0.32 where you can"))
-        else:
+        elif count is not None:
             add(Check("api servers", PASS, f"{count} API servers"))
 
 
@@ -201,7 +205,7 @@ def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], coun
                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or use merged sync: peft stays on, the server serves merged "
                   "weights)"))
         return
-    env = info.get("vllm_env") or {}
+    env = facts.server_env or {}
     runtime = str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() in ("1", "true")
     if not runtime and not facts.embedded:
         add(Check("lora runtime updating", FAIL, "VLLM_ALLOW_RUNTIME_LORA_UPDATING is off: adapters cannot be loaded",
@@ -284,7 +288,9 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
 
             facts.version = get_json("/version")
             facts.models = get_json("/v1/models")
-            facts.server_info = get_json("/server_info?config_format=json")
+            answer = get_json("/server_info?config_format=json")
+            facts.server_info = vllm_config_of(answer)
+            facts.server_env = answer.get("vllm_env") if isinstance(answer, dict) else None
             metrics = http.get("/metrics")
             facts.metrics_ok = metrics.status_code == 200 and parse_server_load(metrics.text) is not None
     except httpx.HTTPError as exc:

@@ -54,6 +54,7 @@ from .protocol import (  # noqa: F401 - re-exported: the client's public protoco
     SeedSequence,
     completion_body,
     generate_body,
+    vllm_config_of,
     _optional_sampling,
     token_id_from_key,
     keep_top_n,
@@ -318,8 +319,11 @@ class SamplerClient:
         return await self._get_json("/version")
 
     async def server_info(self) -> dict | None:
-        """``GET /server_info?config_format=json`` (vLLM dev mode); ``None`` when the route is absent."""
-        return await self._get_json("/server_info", params={"config_format": "json"}, allow_404=True)
+        """``GET /server_info?config_format=json`` (vLLM dev mode) → the engine config (vLLM's
+        ``vllm_config``: ``model_config``, ``weight_transfer_config``, ...; `vllm_config_of`);
+        ``None`` when the route is absent."""
+        return vllm_config_of(await self._get_json("/server_info", params={"config_format": "json"},
+                                                   allow_404=True))
 
     async def read_metrics(self) -> ServerLoad | None:
         """Read ``/metrics`` once (no retries, ``metrics_timeout_s``) into a `ServerLoad` (SPEC §4.2).
@@ -567,8 +571,9 @@ class SyncSamplerClient:
         return self._get_json("/version")
 
     def server_info(self) -> dict | None:
-        """``GET /server_info?config_format=json``; ``None`` when absent (vLLM without dev mode)."""
-        return self._get_json("/server_info", params={"config_format": "json"}, allow_404=True)
+        """``GET /server_info?config_format=json`` → the engine config (vLLM's ``vllm_config``);
+        ``None`` when absent (vLLM without dev mode)."""
+        return vllm_config_of(self._get_json("/server_info", params={"config_format": "json"}, allow_404=True))
 
     def read_metrics(self) -> ServerLoad | None:
         """``GET /metrics`` → `ServerLoad`; ``None`` without a metrics route or vLLM's load metrics."""

@@ -333,6 +333,28 @@ def parse_turn(route: str, data: Any, prompt_ids: list[int], sampling: SamplingP
     )
 
 
+def vllm_config_of(info: Any) -> dict | None:
+    """The engine config inside a ``GET /server_info?config_format=json`` answer.
+
+    vLLM (0.26 and later) answers ``{"vllm_config": {...}, "vllm_env": {...}, "system_env": {...}}``
+    with ``model_config``, ``weight_transfer_config``, ``lora_config``, ... inside ``vllm_config``
+    (a JSON-encoded string is accepted too); the embedded server answers the same shape.
+
+    Returns:
+        the ``vllm_config`` dict; ``None`` when ``info`` is ``None`` (no dev-mode route), and ``{}``
+        when the answer holds no JSON config (e.g. ``config_format=text``).
+    """
+    if info is None:
+        return None
+    config = info.get("vllm_config") if isinstance(info, dict) else None
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return {}
+    return config if isinstance(config, dict) else {}
+
+
 def server_error_message(response: httpx.Response) -> str:
     """The server's error text: vLLM's ``error.message`` (or ``message``/``detail``), else the raw body."""
     try:

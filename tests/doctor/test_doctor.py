@@ -78,7 +78,7 @@ def vllm_facts(models_len=4096, **info):
             server_info[section] = value
     return ServerFacts(url="http://x", reachable=True, version={"version": "0.33.0"},
                        models={"data": [{"id": "Qwen/Qwen3.5-2B", "max_model_len": models_len}]},
-                       server_info=server_info, metrics_ok=True)
+                       server_info=server_info, server_env=server_info.pop("vllm_env"), metrics_ok=True)
 
 
 def statuses(checks):
@@ -121,6 +121,15 @@ def test_old_vllm_warns_about_top_logprob_cost_and_version():
     assert st["api servers"] == WARN and st["vLLM version"] == PASS
     facts.version = {"version": "0.20.1"}
     assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["vLLM version"] == FAIL
+
+
+def test_api_server_count_unknown_still_warns_on_old_vllm():
+    # vLLM's JSON config leaves out the private _api_process_count: the version alone decides then.
+    facts = vllm_facts(parallel_config={})
+    facts.version = {"version": "0.26.0"}
+    assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["api servers"] == WARN
+    facts.version = {"version": "0.33.0"}
+    assert "api servers" not in statuses(evaluate(compose(["+recipe=deepmath"]), facts))
 
 
 def test_serve_starts_the_embedded_server_and_doctor_passes(model_dir):

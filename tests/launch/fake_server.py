@@ -36,10 +36,10 @@ def main() -> None:
 
     model_info = {"object": "list", "data": [{"id": args.model, "root": args.model,
                                               "max_model_len": args.max_model_len}]}
-    server_info = {"model_config": {"logprobs_mode": "raw_logprobs" if args.fake_mode == "bad_logprobs"
-                                    else "processed_logprobs", "max_logprobs": args.max_logprobs,
-                                    "dtype": args.dtype, "max_model_len": args.max_model_len},
-                   "weight_transfer_config": {"backend": "nccl"}}
+    server_info = {"vllm_config": {  # vLLM's /server_info?config_format=json shape
+        "model_config": {"logprobs_mode": "raw_logprobs" if args.fake_mode == "bad_logprobs" else "processed_logprobs",
+                         "max_logprobs": args.max_logprobs, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        "weight_transfer_config": {"backend": "nccl"}}, "vllm_env": {}, "system_env": {}}
     routes = {"/version": {"version": "0.1.0", "server": "asyncgrpo-embedded"}, "/v1/models": model_info,
               "/server_info": server_info}
 

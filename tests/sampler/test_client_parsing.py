@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from asyncgrpo_cli.sampler import SamplerProtocolError, SamplingParams, SeedSequence, parse_server_load
@@ -14,6 +16,7 @@ from asyncgrpo_cli.sampler.client import (
     parse_turn,
     request_summary,
     token_id_from_key,
+    vllm_config_of,
 )
 
 
@@ -218,3 +221,22 @@ def test_parse_server_load_without_type_lines_and_with_token_label():
     assert parse_server_load("# nothing here\nother_metric 1\n") is None
     with pytest.raises(ValueError, match="Prometheus"):
         parse_server_load("this is { not prometheus")
+
+
+def test_vllm_top_logprobs_sampled_token_first_and_n_plus_one():
+    # vLLM 0.26 puts the sampled token first, then the top-N; outside the top-N it makes N + 1 entries.
+    choice = {"token_ids": [7, 5], "finish_reason": "length", "logprobs": {
+        "tokens": ["token_id:7", "token_id:5"], "token_logprobs": [-3.0, -0.5],
+        "top_logprobs": [{"token_id:7": -3.0, "token_id:1": -0.2, "token_id:2": -1.9},
+                         {"token_id:5": -0.5, "token_id:9": -1.5}]}}
+    turn = parse_turn("/v1/completions", {"choices": [choice]}, [1], SamplingParams(max_tokens=2, logprobs=2), 3)
+    assert turn.top_logprobs == [{1: -0.2, 2: -1.9}, {5: -0.5, 9: -1.5}]
+    assert turn.output_log_probs == [-3.0, -0.5]
+
+
+def test_vllm_config_of_server_info_shapes():
+    config = {"model_config": {"logprobs_mode": "processed_logprobs"}, "weight_transfer_config": {"backend": "nccl"}}
+    assert vllm_config_of({"vllm_config": config, "vllm_env": {}, "system_env": {}}) == config
+    assert vllm_config_of({"vllm_config": json.dumps(config)}) == config
+    assert vllm_config_of({"vllm_config": "VllmConfig(model='x', ...)"}) == {}  # config_format=text
+    assert vllm_config_of(None) is None

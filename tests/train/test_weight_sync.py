@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from asyncgrpo_cli.sampler.protocol import vllm_config_of
 import torch
 from safetensors import safe_open
 
@@ -674,8 +676,8 @@ class VersionClient:
     def version(self) -> dict:
         return self._version
 
-    def server_info(self) -> dict | None:
-        return self._info
+    def server_info(self) -> dict | None:  # what SyncSamplerClient.server_info returns for such an answer
+        return vllm_config_of(self._info)
 
 
 @pytest.mark.parametrize(("version", "expected"), [

@@ -285,7 +285,7 @@ class EmbeddedServer:
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.config
         env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and not _secret(k)}
-        info = {
+        config = {  # vLLM's answer shape: {"vllm_config": {...}, "vllm_env": {...}, "system_env": {...}}
             "server": SERVER_NAME,
             "version": package_version(),
             "model_config": {
@@ -313,11 +313,10 @@ class EmbeddedServer:
             },
             "device_config": {"device": self.runner.device},
             "weight_transfer_config": {"backend": "file"},
-            "vllm_env": env,
             "api_server_count": 1,
             "embedded": {"batched": self.runner.batched, "config": asdict(c)},
         }
-        return web.json_response(info)
+        return web.json_response({"vllm_config": config, "vllm_env": env, "system_env": {}})
 
     async def is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.engine.paused})

@@ -8,7 +8,6 @@ turned off), after checking ``--max-loras`` and ``--max-lora-rank`` against the 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -37,15 +36,8 @@ def parse_vllm_version(text: str) -> tuple[int, int]:
 
 
 def _server_config(client: Any) -> dict:
-    info = client.server_info()
-    if not isinstance(info, dict):
-        return {}
-    config = info.get("vllm_config", info)
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError:
-            return {}
+    """The server's engine config (``client.server_info()``, vLLM's ``vllm_config``), ``{}`` if absent."""
+    config = client.server_info()
     return config if isinstance(config, dict) else {}
 
 
