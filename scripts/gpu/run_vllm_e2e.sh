@@ -7,7 +7,9 @@
 #   call 8:    carry [".stage/install_on_device.sh", ".stage/p08", ".whl"]    command: bash .stage/install_on_device.sh; bash scripts/gpu/stage.sh
 #   call 9:    carry [".gguf/p0"]                                             command: bash scripts/gpu/stage.sh
 #   call 10:   carry [".gguf/p1"]                                             command: bash scripts/gpu/run_vllm_e2e.sh
-# Results go to $OUT (vllm_e2e.json, logs, metrics.jsonl, training_curves.png). Extra arguments are Hydra overrides.
+# Results go to $OUT: vllm_e2e.json, train.txt, metrics.jsonl, training_curves.png, and extras.tgz (conformance and
+# doctor outputs, logs, the server-load samples: the device returns only a handful of files per call).
+# Extra arguments are Hydra overrides; E2E_SKIP_CHECKS=1 trains only; TRAIN_TIMEOUT_S bounds the training.
 set -uo pipefail
 SITE="${ASYNCGRPO_SITE:-/tmp/asyncgrpo_site}"
 VSITE="${VSITE:-/tmp/vsite}"
@@ -24,3 +26,6 @@ export PYTHONPATH="$SITE:$VSITE:$VSITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYT
 export ASYNCGRPO_CACHE=/tmp/asyncgrpo_cache PYTHONUNBUFFERED=1 OUT
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpus.txt" 2>&1
 python3 scripts/gpu/vllm_e2e.py "$@"
+status=$?
+(cd "$OUT" && tar czf extras.tgz --remove-files $(ls | grep -vE '^(vllm_e2e.json|train.txt|metrics.jsonl|training_curves.png)$'))
+exit $status

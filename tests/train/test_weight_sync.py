@@ -517,6 +517,17 @@ def test_vllm_026_call_sequence(model_dir):
     assert all(torch.equal(t, params[n].detach().bfloat16()) for n, t in engine.sent)
 
 
+def test_nccl_bare_cuda_device_becomes_the_current_one(monkeypatch):
+    # A single-process trainer's accelerator.device is a bare "cuda": torch.cuda.set_device refuses that
+    # (seen on the H200s), so the current device is used instead.
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(device))
+    backend = VllmNccl026Sync(FakeClient(), master_port=29563, device="cuda")
+    backend._select_device()
+    assert chosen == [torch.device("cuda", 0)] and backend.device == torch.device("cuda", 0)
+
+
 @pytest.mark.parametrize("fail", ["/update_weights", "broadcast", "/reset_prefix_cache?reset_running_requests=True"])
 def test_vllm_026_failure_resumes(model_dir, fail):
     client = FakeClient(fail=fail if fail != "broadcast" else None)

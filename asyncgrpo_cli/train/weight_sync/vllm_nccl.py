@@ -118,7 +118,10 @@ class _NcclBase(WeightSyncBackend):
         self.world_size: int | None = None
 
     def _select_device(self) -> None:
+        """Make ``device`` current for vLLM's communicator (a bare ``cuda`` means the current one)."""
         if self.device is not None and self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
 
     def _synchronize(self) -> None:
