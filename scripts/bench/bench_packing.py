@@ -13,17 +13,36 @@ fwd+bwd (tree-packed rows: tree attention, the loss inside the forward, chunked 
 
 Method: the same samples for every variant, losses checked equal (to bf16 tolerance) before timing, warm-up,
 CUDA-event timing, median of ``--steps`` steps. Writes one JSON per target id and prints a table.
+
+``--profile DIR`` also runs ``torch.profiler`` (CPU + CUDA activities) over ``--profile-steps`` steps of the
+tree-packed, plain-packed and padded variants of P1/P4 and writes, per variant, ``DIR/<shape>_<id>_<variant>.txt``
+and ``.json``: the top 40 ops/kernels by self device time, and the device time split into coarse buckets
+(attention kernel, matmul/GEMM, log-prob/loss kernel, elementwise/other) by phase (forward, checkpoint
+recomputation, backward); see :func:`summarize_profile`. ``--trace`` adds a chrome trace (large).
+
+Check the script on a CPU (minutes → seconds with the tiny defaults)::
+
+    python scripts/bench/bench_packing.py --device cpu --shape tiny --steps 2 --out /tmp/benchout --profile /tmp/benchprof
+
+Imports: torch, transformers and ``asyncgrpo_cli.train`` / ``asyncgrpo_cli.rollout.types`` only (no hydra, omegaconf
+or datasets: the lent GPU machine has none of them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import math
+import functools
 import json
+import math
+import platform
 import random
+import re
 import statistics
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,11 +50,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from asyncgrpo_cli.rollout.types import TrainingSequence  # noqa: E402
-from asyncgrpo_cli.train.loss import LossConfig  # noqa: E402
-from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss  # noqa: E402
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row  # noqa: E402
-from asyncgrpo_cli.train.tree_attention import apply_tree_attention  # noqa: E402
+from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.train.loss import LossConfig
+from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
+from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
 SHAPES = {  # Qwen3 shapes (random weights are fine for speed); "tiny" checks the script on a CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -46,9 +65,43 @@ SHAPES = {  # Qwen3 shapes (random weights are fine for speed); "tiny" checks th
                        num_key_value_heads=8, head_dim=128),
 }
 VOCAB = 151936
+TINY_VOCAB = 512
+# Workload defaults per shape: (completion, prompt_ratio, groups, token_budget); tiny keeps a CPU check to seconds.
+WORKLOAD_DEFAULTS = {"tiny": (16, 4.0, 3, 512)}
+FULL_WORKLOAD = (256, 4.0, 6, 16384)
 
 
 DEVICE = "cuda"
+
+
+def configure(device: str, shape: str) -> None:
+    """Set the module's device and vocabulary for ``shape`` (the tiny shape uses a 512-token vocabulary).
+
+    Raises:
+        ValueError: unknown ``shape``, or ``device`` is neither ``cuda`` nor ``cpu``.
+    """
+    global DEVICE, VOCAB
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r} is unknown; use one of {sorted(SHAPES)}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--device {device!r} is not supported; use cuda, or cpu to check the script")
+    DEVICE = device
+    VOCAB = TINY_VOCAB if shape == "tiny" else 151936
+
+
+def sync() -> None:
+    """Wait for queued device work (no-op on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_meta(shape: str) -> dict:
+    """Device, versions and date recorded in every result JSON."""
+    import transformers
+
+    return {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "shape": shape, "date": datetime.date.today().isoformat()}
 
 
 def build_model(shape: str):
@@ -146,12 +199,16 @@ def time_fn(fn, steps: int, warmup: int = 2) -> tuple[float, float]:
 
 
 def packed_step(model, rows, cfg):
+    """One optimizer step's fwd+bwd through the product's path: ``row_loss`` (tree attention, the loss inside
+    the forward) and ``backward`` per row, gradients dropped at the end. Returns a callable giving the loss sum."""
     def run():
         total = sum(r.num_trained_tokens for r in rows)
         loss_sum = 0.0
         for row in rows:
-            loss, _ = row_loss(model, row, cfg, total, 1)
-            loss.backward()
+            with mark(FORWARD_MARK):
+                loss, _ = row_loss(model, row, cfg, total, 1)
+            with mark(BACKWARD_MARK):
+                loss.backward()
             loss_sum += float(loss.detach())
         model.zero_grad(set_to_none=True)
         return loss_sum
@@ -176,63 +233,354 @@ def padded_step(model, samples, batch: int):
                 mask[j, :n] = 1
                 trained[j, :n] = torch.tensor(s.trained_mask, device=DEVICE, dtype=torch.bool)
                 adv[j, :n] = s.advantage
-            logits = model.plain_forward(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-            ratio = torch.exp(lp + math.log(VOCAB))
-            loss = -(ratio * adv[:, 1:])[trained[:, 1:]].sum() / total
-            loss.backward()
+            with mark(FORWARD_MARK):
+                logits = model.plain_forward(input_ids=ids, attention_mask=mask).logits
+                with mark(LOSS_MARK):
+                    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+                    ratio = torch.exp(lp + math.log(VOCAB))
+                    loss = -(ratio * adv[:, 1:])[trained[:, 1:]].sum() / total
+            with mark(BACKWARD_MARK):
+                loss.backward()
             loss_sum += float(loss.detach())
         model.zero_grad(set_to_none=True)
         return loss_sum
     return run
 
 
+# --------------------------------------------------------------------------------------------------
+# Profiling (--profile DIR): markers, torch.profiler run, bucketed summary
+# --------------------------------------------------------------------------------------------------
+
+FORWARD_MARK = "bench::forward"
+BACKWARD_MARK = "bench::backward"
+ATTENTION_MARK = "bench::attention"  # around the attention function (tree flex/sdpa/flash, or stock sdpa)
+LOSS_MARK = "bench::loss"  # around the lm_head forward (the product's chunked log-prob loss) / padded loss
+MODULE_MARK = "bench::layer."  # + child name: around each decoder layer's children (self_attn, mlp, norms)
+EVAL_PREFIX = "autograd::engine::evaluate_function: "
+_MARKERS_ON = False
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_scaled_mm",
+            "aten::_grouped_mm", "aten::matmul", "aten::linear"}
+GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|hmma|_mma_|s16816|s1688", re.IGNORECASE)
+ATTENTION_KERNEL = re.compile(r"flash|fmha|flex|attention|attn|sdpa|scaled_dot_product", re.IGNORECASE)
+TEMPLATE_KERNEL = re.compile(r"triton_tem", re.IGNORECASE)  # inductor templates: here only compiled flex attention
+LOSS_NODE = re.compile(r"ChunkedLogProbs", re.IGNORECASE)
+ATTENTION_NODE = re.compile(r"flex|attention|ScaledDotProduct|Flash|Efficient|Cudnn", re.IGNORECASE)
+BUCKETS = ("attention", "matmul_gemm", "logprob_loss", "elementwise_other")
+PHASES = ("forward", "recompute", "backward")
+
+
+def mark(name: str):
+    """``torch.profiler.record_function(name)`` while profiling, else a no-op context (timed runs stay clean)."""
+    return torch.profiler.record_function(name) if _MARKERS_ON else contextlib.nullcontext()
+
+
+def _marked(fn, name: str):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with mark(name):
+            return fn(*args, **kwargs)
+    wrapper._bench_marked = True
+    return wrapper
+
+
+def install_markers(model) -> None:
+    """Wrap, in this process only, the attention functions (transformers' ``AttentionInterface``: the tree
+    backends and stock ``sdpa``), the model's lm_head forward (where the product computes the loss) and every
+    decoder layer's child modules in ``record_function`` ranges (active only inside :func:`profile_variant`).
+    Child modules are wrapped rather than the layers, so the ranges reappear in activation checkpointing's
+    recomputation whichever transformers version decides what is re-run. Product code is not touched.
+    Idempotent."""
+    from transformers import AttentionInterface
+
+    from asyncgrpo_cli.train.tree_attention import (
+        IMPLEMENTATION_NAMES,
+        register_tree_attention,
+    )
+
+    register_tree_attention()
+    for name in (*IMPLEMENTATION_NAMES.values(), "sdpa"):
+        fn = AttentionInterface._global_mapping.get(name)
+        if fn is not None and not getattr(fn, "_bench_marked", False):
+            AttentionInterface.register(name, _marked(fn, ATTENTION_MARK))
+    if getattr(model, "_bench_markers", False):
+        return
+    head = model.get_output_embeddings()
+    head.forward = _marked(head.forward, LOSS_MARK)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model.model
+    for layer in decoder.layers:
+        for child_name, child in layer.named_children():
+            child.forward = _marked(child.forward, MODULE_MARK + child_name)
+    model._bench_markers = True
+
+
+def _kind(op_name: str, kernel_name: str | None) -> str:
+    """``gemm``, ``attention`` or ``other`` from a kernel's name (CUDA) or the op's name (CPU)."""
+    if kernel_name is not None:
+        if ATTENTION_KERNEL.search(kernel_name):
+            return "attention"
+        if GEMM_KERNEL.search(kernel_name):
+            return "gemm"
+        if TEMPLATE_KERNEL.search(kernel_name):
+            return "attention"
+    if op_name in GEMM_OPS and kernel_name is None:
+        return "gemm"
+    if "scaled_dot_product" in op_name or "flex_attention" in op_name:
+        return "attention"
+    return "other"
+
+
+def _context(evt, fwd_scope: dict) -> tuple[str, str, str]:
+    """``(scope, phase, module)`` of a CPU event from its ancestors.
+
+    scope: ``attention`` / ``loss`` / ``model`` from the nearest marker, or for backward ops from the forward op
+    that made their autograd node (matched by forward thread and sequence number). phase: ``forward`` (no
+    autograd-engine ancestor), ``recompute`` (under the engine but inside a forward marker: activation
+    checkpointing re-running a layer) or ``backward``. module: the decoder-layer child (``self_attn``, ``mlp``...)
+    or ``-``.
+    """
+    scope = module = None
+    in_forward_marker = False
+    p = evt
+    while p is not None:
+        name = p.name
+        if name.startswith(EVAL_PREFIX):
+            if scope is None:
+                scope = fwd_scope.get((p.fwd_thread, p.sequence_nr))
+                if scope is None:
+                    node = name[len(EVAL_PREFIX):]
+                    scope = "loss" if LOSS_NODE.search(node) else "attention" if ATTENTION_NODE.search(node) else "model"
+            return scope, ("recompute" if in_forward_marker else "backward"), module or "-"
+        if name == ATTENTION_MARK:
+            scope = scope or "attention"
+            in_forward_marker = True
+        elif name == LOSS_MARK:
+            scope = scope or "loss"
+            in_forward_marker = True
+        elif name.startswith(MODULE_MARK):
+            module = module or name[len(MODULE_MARK):]
+            in_forward_marker = True
+        p = p.cpu_parent
+    return scope or "model", "forward", module or "-"
+
+
+def _bucket(scope: str, kind: str) -> str:
+    if scope == "loss":
+        return "logprob_loss"
+    if scope == "attention" or kind == "attention":
+        return "attention"
+    return "matmul_gemm" if kind == "gemm" else "elementwise_other"
+
+
+def summarize_profile(events, steps: int, wall_s: float, on_cuda: bool) -> dict:
+    """Split the profiled time into coarse buckets.
+
+    Time basis: on CUDA the duration of every GPU kernel/memcpy (µs), charged to the CPU op that launched it;
+    on the CPU each op's self CPU time. Each item gets a scope (:func:`_context`), a kind (``gemm`` /
+    ``attention`` / ``other`` from the kernel or op name) and a phase; the bucket is ``logprob_loss`` for the
+    loss scope (the product's chunked log-prob kernel, its GEMMs included), ``attention`` for the attention
+    scope, else ``matmul_gemm`` or ``elementwise_other`` by kind.
+
+    Args:
+        events: ``prof.events()`` of a ``torch.profiler.profile`` run over ``steps`` steps.
+        steps: profiled steps (results are per step).
+        wall_s: wall-clock seconds of the profiled steps (profiler overhead included).
+        on_cuda: whether kernel times exist.
+
+    Returns:
+        dict with ``wall_ms_per_step``, ``busy_ms_per_step`` (summed device time, or CPU self time),
+        ``busy_fraction`` (= busy / wall; low on CUDA means the GPU waits for the host), ``unattributed_ms_per_step``,
+        ``buckets`` {bucket: {ms_per_step, fraction, forward_ms, recompute_ms, backward_ms}}, ``detail`` rows
+        (scope, module, kind, phase, ms_per_step) and ``top_by_bucket`` {bucket: [(name, ms_per_step, calls_per_step)]}.
+    """
+    from torch.autograd import DeviceType
+
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    fwd_scope = {}
+    for e in cpu_events:
+        if e.sequence_nr >= 0:
+            scope, phase, _ = _context(e, {})
+            if phase == "forward":
+                fwd_scope.setdefault((e.thread, e.sequence_nr), scope)
+    by_bucket = defaultdict(lambda: defaultdict(float))
+    detail = defaultdict(float)
+    top = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    attributed = 0.0
+    for e in cpu_events:
+        if on_cuda:
+            items = [(k.name, k.duration) for k in e.kernels]
+        else:
+            items = [(None, e.self_cpu_time_total)]
+        if not items or not any(t > 0 for _, t in items):
+            continue
+        scope, phase, module = _context(e, fwd_scope)
+        for kname, us in items:
+            kind = _kind(e.name, kname)
+            bucket = _bucket(scope, kind)
+            by_bucket[bucket][phase] += us
+            detail[(scope, module, kind, phase)] += us
+            entry = top[bucket][kname or e.name]
+            entry[0] += us
+            entry[1] += 1
+            attributed += us
+    if on_cuda:
+        busy = sum(e.device_time_total for e in events if e.device_type != DeviceType.CPU)
+    else:
+        busy = attributed
+    ms = 1e-3 / steps
+    total = max(attributed, 1e-9)
+    buckets = {}
+    for b in BUCKETS:
+        t = sum(by_bucket[b].values())
+        buckets[b] = {"ms_per_step": t * ms, "fraction": t / total,
+                      **{f"{ph}_ms": by_bucket[b][ph] * ms for ph in PHASES}}
+    return {
+        "time_basis": "GPU kernel time" if on_cuda else "CPU self time",
+        "steps": steps, "wall_ms_per_step": wall_s * 1e3 / steps, "busy_ms_per_step": busy * ms,
+        "busy_fraction": busy * 1e-6 / wall_s if wall_s > 0 else None,
+        "attributed_ms_per_step": attributed * ms, "unattributed_ms_per_step": max(busy - attributed, 0.0) * ms,
+        "buckets": buckets,
+        "detail": [{"scope": k[0], "module": k[1], "kind": k[2], "phase": k[3], "ms_per_step": v * ms}
+                   for k, v in sorted(detail.items(), key=lambda kv: -kv[1])],
+        "top_by_bucket": {b: [(n, v[0] * ms, v[1] / steps) for n, v in
+                              sorted(top[b].items(), key=lambda kv: -kv[1][0])[:10]] for b in BUCKETS},
+    }
+
+
+def _summary_text(tag: str, s: dict, table: str) -> str:
+    lines = [f"# {tag}: {s['time_basis']}, per step over {s['steps']} profiled steps",
+             (f"wall {s['wall_ms_per_step']:.2f} ms/step (profiler on), busy {s['busy_ms_per_step']:.2f} ms/step "
+              f"({(s['busy_fraction'] or 0) * 100:.1f}% of wall), unattributed {s['unattributed_ms_per_step']:.2f} ms"),
+             "", f"{'bucket':20} {'ms/step':>10} {'share':>7} {'fwd ms':>9} {'recomp ms':>10} {'bwd ms':>9}"]
+    for b, v in s["buckets"].items():
+        lines.append(f"{b:20} {v['ms_per_step']:10.2f} {v['fraction'] * 100:6.1f}% {v['forward_ms']:9.2f} "
+                     f"{v['recompute_ms']:10.2f} {v['backward_ms']:9.2f}")
+    lines += ["", f"{'scope':10} {'module':18} {'kind':10} {'phase':10} {'ms/step':>10}"]
+    for d in s["detail"][:30]:
+        lines.append(f"{d['scope']:10} {d['module']:18} {d['kind']:10} {d['phase']:10} {d['ms_per_step']:10.3f}")
+    for b, rows in s["top_by_bucket"].items():
+        lines += ["", f"top of {b}: ms/step, calls/step"]
+        lines += [f"  {ms:9.3f} {calls:8.1f}  {name[:110]}" for name, ms, calls in rows]
+    lines += ["", "key_averages, top 40 by self device time (self CPU time on a CPU run):", table]
+    return "\n".join(lines) + "\n"
+
+
+def profile_variant(fn, tag: str, out_dir: Path, steps: int, trace: bool = False) -> dict:
+    """Run ``fn`` (one step) once to warm up, then ``steps`` times under ``torch.profiler`` with the bench
+    markers on; write ``out_dir/<tag>.txt`` and ``<tag>.json`` (and ``<tag>.trace.json`` with ``trace``).
+
+    Returns:
+        :func:`summarize_profile`'s dict (also in the JSON with the top-40 ``key_averages`` rows).
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    global _MARKERS_ON
+    from torch.profiler import ProfilerActivity, profile
+
+    if steps < 1:
+        raise ValueError(f"--profile-steps must be >= 1, got {steps}")
+    on_cuda = DEVICE == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    fn()
+    sync()
+    _MARKERS_ON = True
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync()
+            wall = time.perf_counter() - start
+    finally:
+        _MARKERS_ON = False
+    summary = summarize_profile(prof.events(), steps, wall, on_cuda)
+    sort_key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort_key, row_limit=40, max_name_column_width=80)
+    top40 = sorted(averages, key=lambda a: getattr(a, sort_key), reverse=True)[:40]
+    summary["key_averages_top40"] = [
+        {"name": a.key, "count": a.count, "self_device_us": getattr(a, "self_device_time_total", 0.0),
+         "device_us": getattr(a, "device_time_total", 0.0), "self_cpu_us": a.self_cpu_time_total,
+         "cpu_us": a.cpu_time_total} for a in top40]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{tag}.txt").write_text(_summary_text(tag, summary, table))
+    (out_dir / f"{tag}.json").write_text(json.dumps(summary, indent=1))
+    if trace:
+        prof.export_chrome_trace(str(out_dir / f"{tag}.trace.json"))
+    b = summary["buckets"]
+    print(f"profile {tag}: " + ", ".join(f"{k} {v['ms_per_step']:.1f} ms" for k, v in b.items())
+          + f"; busy {summary['busy_ms_per_step']:.1f} of {summary['wall_ms_per_step']:.1f} ms wall -> {out_dir / tag}.txt")
+    return summary
+
+
+def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True):
+    """Build the shape with random weights and switch it to the product's training path, as the trainer does:
+    activation checkpointing (non-reentrant; SPEC §16.4 default on), tree attention (``auto``: flex on CUDA,
+    sdpa on the CPU), the loss head. ``model.plain_forward`` keeps the stock forward (P4's padded baseline).
+
+    Returns:
+        ``(model, backend)``.
+    """
+    model = build_model(shape)
+    model.plain_forward = model.forward
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backend = apply_tree_attention(model, ("flex" if DEVICE == "cuda" else "sdpa") if backend == "auto" else backend)
+    install_loss_head(model)
+    return model, backend
+
+
+def add_profile_args(ap: argparse.ArgumentParser) -> None:
+    """``--profile DIR``, ``--profile-steps N``, ``--trace`` (shared with bench_mfu.py)."""
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="also profile the variants with torch.profiler and write tables (.txt, .json) into DIR")
+    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per variant (after one warm-up)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also write chrome traces (large)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
-    ap.add_argument("--completion", type=int, default=256)
-    ap.add_argument("--prompt-ratio", type=float, default=4.0)
-    ap.add_argument("--groups", type=int, default=6)
-    ap.add_argument("--budget", type=int, default=16384)
+    ap.add_argument("--completion", type=int, default=None, help="completion tokens (default 256; tiny 16)")
+    ap.add_argument("--prompt-ratio", type=float, default=None, help="prompt = ratio x completion (default 4)")
+    ap.add_argument("--groups", type=int, default=None, help="GRPO groups of G=8 (default 6; tiny 3)")
+    ap.add_argument("--budget", type=int, default=None, help="token budget per row (default 16384; tiny 512)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--padded-batch", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "bench" / "results"))
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (tiny shape)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script (tiny shape)")
+    add_profile_args(ap)
     ns = ap.parse_args()
-    global DEVICE, VOCAB
-    DEVICE = ns.device
-    if ns.shape == "tiny":
-        VOCAB = 512
+    configure(ns.device, ns.shape)
+    completion, prompt_ratio, groups, budget = WORKLOAD_DEFAULTS.get(ns.shape, FULL_WORKLOAD)
+    completion = ns.completion if ns.completion is not None else completion
+    prompt_ratio = ns.prompt_ratio if ns.prompt_ratio is not None else prompt_ratio
+    groups = ns.groups if ns.groups is not None else groups
+    budget = ns.budget if ns.budget is not None else budget
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(ns.shape)
-    plain_forward = model.forward
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    backend = "flex" if DEVICE == "cuda" else "sdpa"
-    apply_tree_attention(model, backend)
-    install_loss_head(model)
+    prof_dir = Path(ns.profile) if ns.profile else None
+    model, backend = setup_model(ns.shape)
+    if prof_dir is not None:
+        install_markers(model)
     cfg = LossConfig(score_centering=False)
-    prompt = int(ns.completion * ns.prompt_ratio)
+    prompt = int(completion * prompt_ratio)
     results = {}
-    meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "shape": ns.shape,
-            "date": datetime.date.today().isoformat(), "G": 8, "completion": ns.completion, "prompt": prompt,
-            "token_budget": ns.budget, "steps": ns.steps}
+    meta = dict(run_meta(ns.shape), attention=backend, G=8, completion=completion, prompt=prompt, groups=groups,
+                token_budget=budget, steps=ns.steps)
     for target, shared in (("P1", True), ("P2", False)):
-        samples = make_samples(ns.groups, 8, ns.completion, prompt, shared, seed=1)
-        plans = TokenBudgetBatcher(ns.budget, 1).plan(samples)
+        samples = make_samples(groups, 8, completion, prompt, shared, seed=1)
+        plans = TokenBudgetBatcher(budget, 1).plan(samples)
         tree_rows = [pack_row(p.rows[0]) for p in plans]
-        plain_plans = TokenBudgetBatcher(ns.budget, 1).plan(samples)  # same samples...
-        plain_rows = []
-        for p in plain_plans:  # ...laid out with nothing shared
-            plain_rows.append(concat_rows([pack_row([s]) for s in p.rows[0]]))
-        # plain packing needs more tokens per row: split plain rows to respect the budget
         ratio = sum(s.num_tokens for s in samples) / sum(r.num_tokens for r in tree_rows)
         l_tree = packed_step(model, tree_rows, cfg)()
         t_tree, _ = time_fn(packed_step(model, tree_rows, cfg), ns.steps)
+        # plain packing of the same samples (nothing shared) needs more tokens: split its rows at the budget
         plain_split = []
         cur, cur_tokens = [], 0
         for s in samples:
-            if cur and cur_tokens + s.num_tokens > ns.budget:
+            if cur and cur_tokens + s.num_tokens > budget:
                 plain_split.append(concat_rows([pack_row([x]) for x in cur]))
                 cur, cur_tokens = [], 0
             cur.append(s)
@@ -244,24 +592,32 @@ def main() -> int:
         t_plain, _ = time_fn(packed_step(model, plain_split, cfg), ns.steps)
         trained = sum(s.num_trained_tokens for s in samples)
         results[target] = dict(meta, packing_ratio=ratio, tree_s=t_tree, plain_s=t_plain,
+                               tree_rows=len(tree_rows), plain_rows=len(plain_split),
+                               tree_forwarded_tokens=sum(r.num_tokens for r in tree_rows),
+                               plain_forwarded_tokens=sum(r.num_tokens for r in plain_split),
                                tree_trained_tokens_per_s=trained / t_tree, plain_trained_tokens_per_s=trained / t_plain,
                                ratio=t_plain / t_tree, loss_tree=l_tree, loss_plain=l_plain_split,
                                target=">= 3.2" if shared else ">= 0.97")
+        if shared and prof_dir is not None:
+            for variant, rows in (("tree", tree_rows), ("plain", plain_split)):
+                profile_variant(packed_step(model, rows, cfg), f"{ns.shape}_P1_{variant}", prof_dir,
+                                ns.profile_steps, ns.trace)
         if shared:
-            model.plain_forward = plain_forward
-            model.config._attn_implementation_backup = model.config._attn_implementation
             model.set_attn_implementation("sdpa")
             l_pad = padded_step(model, samples, ns.padded_batch)()
             t_pad, _ = time_fn(padded_step(model, samples, ns.padded_batch), max(3, ns.steps // 2))
+            if prof_dir is not None:
+                profile_variant(padded_step(model, samples, ns.padded_batch), f"{ns.shape}_P4_padded", prof_dir,
+                                ns.profile_steps, ns.trace)
             apply_tree_attention(model, backend)
             results["P4"] = dict(meta, padded_s=t_pad, tree_s=t_tree, ratio=t_pad / t_tree,
                                  padded_trained_tokens_per_s=trained / t_pad, tree_trained_tokens_per_s=trained / t_tree,
                                  loss_padded=l_pad, loss_tree=l_tree, target=">= 4")
     # M1: peak memory of one row of ~budget forwarded tokens, tree-packed groups vs plain packing.
-    groups = make_samples(64, 8, ns.completion, prompt, True, seed=2)
-    row = pack_row(TokenBudgetBatcher(ns.budget, 1).plan(groups)[0].rows[0])
+    m1_groups = make_samples(64, 8, completion, prompt, True, seed=2)
+    row = pack_row(TokenBudgetBatcher(budget, 1).plan(m1_groups)[0].rows[0])
     singles, tokens = [], 0
-    for s in make_samples(256, 1, ns.completion, prompt, False, seed=3):
+    for s in make_samples(256, 1, completion, prompt, False, seed=3):
         if tokens + s.num_tokens > row.num_tokens:
             break
         singles.append(s)
@@ -285,7 +641,6 @@ def main() -> int:
         detail = {k: round(v, 1) for k, v in r.items() if k.endswith("tokens_per_s")}
         print(f"{target:4} {json.dumps(detail):>40} {r['ratio']:8.2f} {r['target']:>8}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
