@@ -161,7 +161,7 @@ def _num_workers() -> int:
         if value < 1:
             raise ValueError(f"{_WORKERS_ENV} must be an integer >= 1, got {raw!r}")
         return value
-    return max(1, min(4, os.cpu_count() or 1))
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _get_pool() -> ProcessPoolExecutor:

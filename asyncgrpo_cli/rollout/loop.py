@@ -39,6 +39,7 @@ from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnR
 METRICS_POLL_S = 5.0       # SPEC §4.2: /metrics every 5 seconds
 HEARTBEAT_S = 1.0          # heartbeat and consumption-counter period, seconds
 METRICS_SHIP_S = 1.0       # how often a metrics snapshot goes to the trainer, seconds
+SCORERS = 4                # groups scored at once: one at a time left generation blocked on a full score queue
 
 
 class EpochExhaustedError(RuntimeError):
@@ -56,6 +57,8 @@ class AsyncRolloutLoop:
             queue (monotonic); the worker subtracts it from its queued tokens (Appendix B.4).
         concurrency_value / cap_value: shared values the worker publishes for the dashboard.
         client: a ready `SamplerClient` (tests); None = one built from the config in ``run``.
+        scorers: groups scored at the same time (default `SCORERS`). Synchronous reward functions run
+            in threads, so one function may be called for two groups at once: keep it thread-safe.
 
     Raises:
         NotImplementedError: ``tools`` or ``environment_factory`` given (agent training is not in this
@@ -69,7 +72,8 @@ class AsyncRolloutLoop:
                  rollout_buffer, model_version_value, token_allowance, heartbeat_value, failed_event,
                  exception_info_queue, metrics_queue, tools=None, environment_factory=None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
-                 consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None) -> None:
+                 consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
+                 scorers: int = SCORERS) -> None:
         if tools or environment_factory:
             raise NotImplementedError("tools and environment_factory are not supported by this version of the "
                                       "rollout worker; train without them or override generate_one")
@@ -88,6 +92,9 @@ class AsyncRolloutLoop:
         self.metrics_queue = metrics_queue
         self.tools = tools or []
         self.score_queue_maxsize = score_queue_maxsize
+        if int(scorers) < 1:
+            raise ValueError(f"scorers={scorers!r}: at least one group must be scored at a time; use 1 or more")
+        self.scorers = int(scorers)
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         self.consumed_tokens_value = consumed_tokens_value
@@ -211,7 +218,7 @@ class AsyncRolloutLoop:
             if self.ready_event is not None:
                 self.ready_event.set()
             tasks = [asyncio.create_task(self._monitor(), name="monitor"),
-                     asyncio.create_task(self._scorer(score_queue), name="scorer"),
+                     *(asyncio.create_task(self._scorer(score_queue), name=f"scorer-{i}") for i in range(self.scorers)),
                      asyncio.create_task(self._producer(score_queue), name="producer")]
             stopper = asyncio.create_task(self._stop_event.wait(), name="stop")
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)

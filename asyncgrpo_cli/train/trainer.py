@@ -14,6 +14,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,29 @@ class StepPlan:
     global_trained: list[int] = field(default_factory=list)
     stop: bool = False
     stop_reason: str = ""
+
+
+def pull_outcome(get: Callable[[float], Any], poll_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> tuple[Any, float]:
+    """Take the next prompt outcome from the rollout queue, and how long training waited for it.
+
+    An outcome already queued costs no wait; otherwise all the time blocked in ``get(poll_s)`` counts,
+    whether an outcome arrives during it or not (SPEC §15 ``perf/rollout_wait_s``: time training
+    waited because the queue was empty).
+
+    Args:
+        get: ``timeout_s -> outcome or None`` (`RolloutWorker.get_outcome`).
+        poll_s: longest single block, seconds.
+
+    Returns:
+        (the outcome or None, seconds waited).
+    """
+    outcome = get(0.0)
+    if outcome is not None:
+        return outcome, 0.0
+    start = clock()
+    outcome = get(poll_s)
+    return outcome, clock() - start
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -274,10 +298,9 @@ class AsyncGRPOTrainer(Trainer):
             if target is not None and self.pulled.value >= target:
                 stop, reason = True, "epochs done"  # every prompt of the last epoch is pulled: train the rest
                 break
-            t0 = time.monotonic()
-            outcome = self.worker.get_outcome(POLL_S)
+            outcome, blocked_s = pull_outcome(self.worker.get_outcome, POLL_S)
+            waited += blocked_s
             if outcome is None:
-                waited += time.monotonic() - t0
                 self.worker.check_alive()
                 self._update_status()
                 continue

@@ -238,3 +238,31 @@ def test_cap_shrinks_when_kv_usage_passes_80_percent(model_dir, tokenizer, tmp_p
         loop.stop()
         thread.join(timeout=30)
         handle.stop()
+
+
+_two_groups = threading.Barrier(2, timeout=60)
+
+
+def two_groups_at_once_reward(completions, **kwargs):
+    """Passes only when a second group is being scored at the same time (else the barrier breaks)."""
+    _two_groups.wait()
+    return [1.0 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+def test_groups_are_scored_concurrently(server, tokenizer, tmp_path):
+    cfg = config(tmp_path, server.url)
+    buf, metrics, errors = queue.Queue(), queue.Queue(), queue.Queue()
+    loop = _Loop(cfg, "tiny", prompts(), [two_groups_at_once_reward], tokenizer, [tokenizer.eos_token_id], buf,
+                 _Value(0), _Value(10.0**9), _Value(0.0), threading.Event(), errors, metrics,
+                 consumed_tokens_value=_Value(0.0), scorers=2)
+    thread = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)
+    thread.start()
+    try:
+        outcomes = [buf.get(timeout=120) for _ in range(2)]
+        assert all(o.kind == "kept" for o in outcomes) and not _two_groups.broken
+    finally:
+        loop.stop()
+        thread.join(timeout=30)
+    with pytest.raises(ValueError, match="scorers=0"):
+        _Loop(cfg, "tiny", prompts(), [alternating_reward], tokenizer, [tokenizer.eos_token_id], buf, _Value(0),
+              _Value(1.0), _Value(0.0), threading.Event(), errors, metrics, scorers=0)
