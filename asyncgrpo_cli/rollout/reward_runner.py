@@ -2,7 +2,8 @@
 
 :class:`RewardRunner` calls every reward function on the completions of one group, all in parallel:
 ``async def`` functions are awaited concurrently on the event loop, synchronous ones run in threads,
-so their latencies overlap. Each function gets ``prompts``, ``completions``, ``completion_ids`` and
+so their latencies overlap. ``score_many`` does the same for several groups at once, each function
+taking the groups in order (one thread hop per function and batch). Each function gets ``prompts``, ``completions``, ``completion_ids`` and
 every dataset column except ``prompt`` as keyword arguments, and must return one reward (float, int
 or ``None``) per completion.
 
@@ -30,6 +31,7 @@ from asyncgrpo_cli.rollout.advantages import sum_rewards
 __all__ = [
     "RESERVED_REWARD_KWARGS",
     "RewardFunctionError",
+    "RewardInputs",
     "RewardResult",
     "RewardRunner",
     "check_picklable",
@@ -212,16 +214,30 @@ class RewardRunner:
         for func in self.funcs:
             check_picklable(func, "reward function")
 
-    async def _call(self, index: int, kwargs: dict[str, Any]) -> Any:
+    async def _call_many(self, index: int, kwargs_list: list[dict[str, Any]]) -> list[Any]:
+        """Function ``index`` on each group in turn: one result or raised Exception per group.
+
+        A sync function runs the whole batch in one job on the executor (one thread hop per batch, and
+        never two calls of the same function at once, as when groups were scored one by one).
+        """
         func = self.funcs[index]
         if self._is_async[index]:
-            result = await func(**kwargs)
-        else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, functools.partial(func, **kwargs))
+            outcomes: list[Any] = []
+            for kwargs in kwargs_list:
+                try:
+                    outcomes.append(await func(**kwargs))
+                except Exception as exc:  # noqa: BLE001 - reported per group by score_many
+                    outcomes.append(exc)
+            return outcomes
+        loop = asyncio.get_running_loop()
+        outcomes = await loop.run_in_executor(self._executor, _call_each, func, kwargs_list)
+        for i, result in enumerate(outcomes):
             if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
-                result = await result
-        return result
+                try:
+                    outcomes[i] = await result
+                except Exception as exc:  # noqa: BLE001
+                    outcomes[i] = exc
+        return outcomes
 
     async def score(
         self,
@@ -249,41 +265,116 @@ class RewardRunner:
             Exception: whatever a reward function raised, re-raised after all functions finished,
                 with a note naming the function.
         """
-        n = len(completions)
-        if len(prompts) != n or len(completion_ids) != n:
-            raise ValueError(
-                f"score: got {len(prompts)} prompts, {n} completions and {len(completion_ids)} "
-                "completion_ids; give one of each per completion"
-            )
-        kwargs: dict[str, Any] = {
-            "prompts": list(prompts),
-            "completions": list(completions),
-            "completion_ids": list(completion_ids),
-        }
-        for column, values in (columns or {}).items():
-            if column == "prompt":
-                continue
-            if column in RESERVED_REWARD_KWARGS:
-                raise ValueError(
-                    f"dataset column {column!r} clashes with the reward-function argument of the same "
-                    "name; rename the column"
-                )
-            if not isinstance(values, (list, tuple)) or len(values) != n:
-                got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-                raise ValueError(
-                    f"dataset column {column!r} must hold one value per completion ({n}), got {got}"
-                )
-            kwargs[column] = list(values)
+        (result,) = await self.score_many([RewardInputs(prompts, completions, completion_ids, columns)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-        outcomes = await asyncio.gather(
-            *(self._call(i, kwargs) for i in range(len(self.funcs))), return_exceptions=True
+    async def score_many(self, groups: Sequence[RewardInputs]) -> list[RewardResult | Exception]:
+        """Score several groups: the functions run in parallel as in `score`, each one on the groups in order.
+
+        The rollout worker's scorer takes every group waiting in its queue at once: a sync function then
+        costs one thread hop per batch instead of one per group (the hop waits for the event loop, which
+        is busy parsing sampler answers). Each function is still called once per group, never twice at
+        the same time; an async function is awaited group after group.
+
+        Args:
+            groups: the groups' inputs, as `score` takes them.
+
+        Returns:
+            One entry per group, in order: its `RewardResult`, or the Exception `score` would have
+            raised for it (bad lengths or columns, a function's error with a note naming it, or
+            `RewardFunctionError`). The functions are not called for a group with bad inputs.
+
+        Raises:
+            BaseException: a non-Exception (e.g. KeyboardInterrupt) raised by a reward function.
+        """
+        outcomes: list[RewardResult | Exception | None] = [None] * len(groups)
+        valid: list[int] = []
+        kwargs_list: list[dict[str, Any]] = []
+        for j, group in enumerate(groups):
+            try:
+                kwargs_list.append(_reward_kwargs(group))
+            except ValueError as exc:
+                outcomes[j] = exc
+                continue
+            valid.append(j)
+        per_func: list[Any] = []
+        if valid:
+            per_func = await asyncio.gather(
+                *(self._call_many(i, kwargs_list) for i in range(len(self.funcs))), return_exceptions=True
+            )
+        noted: set[int] = set()
+        for k, j in enumerate(valid):
+            n = len(groups[j].completions)
+            per_function: dict[str, list[float | None]] = {}
+            try:
+                for name, outcome in zip(self.names, per_func):
+                    result = outcome if isinstance(outcome, BaseException) else outcome[k]
+                    if isinstance(result, BaseException):
+                        if isinstance(result, Exception) and id(result) not in noted:
+                            noted.add(id(result))
+                            result.add_note(f"raised by reward function {name!r}")
+                        raise result
+                    per_function[name] = _validate(name, result, n)
+            except Exception as exc:  # noqa: BLE001 - returned for this group
+                outcomes[j] = exc
+                continue
+            outcomes[j] = RewardResult(per_function=per_function, totals=sum_rewards(per_function.values(), n))
+        return outcomes  # type: ignore[return-value]
+
+
+@dataclass
+class RewardInputs:
+    """What `RewardRunner.score` takes for one group (see there)."""
+
+    prompts: Sequence[Any]
+    completions: Sequence[Any]
+    completion_ids: Sequence[Sequence[int]]
+    columns: Mapping[str, Sequence[Any]] | None = None
+
+
+def _call_each(func: Callable[..., Any], kwargs_list: list[dict[str, Any]]) -> list[Any]:
+    """Runs on the executor: ``func`` on each group's kwargs, an Exception kept in place of its result."""
+    outcomes: list[Any] = []
+    for kwargs in kwargs_list:
+        try:
+            outcomes.append(func(**kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported per group by score_many
+            outcomes.append(exc)
+    return outcomes
+
+
+def _reward_kwargs(group: RewardInputs) -> dict[str, Any]:
+    """The keyword arguments of every reward function for one group (SPEC §10.1).
+
+    Raises:
+        ValueError: the lengths disagree, or a column is named like a reserved argument.
+    """
+    prompts, completions, completion_ids = group.prompts, group.completions, group.completion_ids
+    n = len(completions)
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(
+            f"score: got {len(prompts)} prompts, {n} completions and {len(completion_ids)} "
+            "completion_ids; give one of each per completion"
         )
-        per_function: dict[str, list[float | None]] = {}
-        for name, outcome in zip(self.names, outcomes):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, Exception):
-                    outcome.add_note(f"raised by reward function {name!r}")
-                raise outcome
-            per_function[name] = _validate(name, outcome, n)
-        totals = sum_rewards(per_function.values(), n)
-        return RewardResult(per_function=per_function, totals=totals)
+    kwargs: dict[str, Any] = {
+        "prompts": list(prompts),
+        "completions": list(completions),
+        "completion_ids": list(completion_ids),
+    }
+    for column, values in (group.columns or {}).items():
+        if column == "prompt":
+            continue
+        if column in RESERVED_REWARD_KWARGS:
+            raise ValueError(
+                f"dataset column {column!r} clashes with the reward-function argument of the same "
+                "name; rename the column"
+            )
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ValueError(
+                f"dataset column {column!r} must hold one value per completion ({n}), got {got}"
+            )
+        kwargs[column] = list(values)
+    return kwargs

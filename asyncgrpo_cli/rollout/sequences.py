@@ -35,6 +35,25 @@ class _Building:
     masks: list[list[int] | None] = field(default_factory=list)
     any_mask: bool = False
 
+    def add_turn_output(self, ids: list[int], mask: list[int], logprobs: list[float],
+                        tops: list[dict[int, float]] | None, sampling_masks: list[list[int] | None] | None) -> None:
+        """One turn's output tokens, every per-token field of length ``len(ids)`` (list by list, not per token)."""
+        n = len(ids)
+        self.ids.extend(map(int, ids))
+        self.trained.extend([int(bool(m)) for m in mask])
+        self.logprobs.extend(map(float, logprobs))
+        if tops is None:
+            self.top_ids.extend([[] for _ in range(n)])
+            self.top_logprobs.extend([[] for _ in range(n)])
+        else:
+            self.top_ids.extend([list(map(int, top)) for top in tops])
+            self.top_logprobs.extend([list(map(float, top.values())) for top in tops])
+        if sampling_masks is None:
+            self.masks.extend([None] * n)
+        else:
+            self.masks.extend([list(sm) if sm is not None else None for sm in sampling_masks])
+            self.any_mask = self.any_mask or any(sm is not None for sm in sampling_masks)
+
     def add_context(self, ids: list[int]) -> None:
         self.ids.extend(ids)
         self.trained.extend([0] * len(ids))
@@ -92,7 +111,12 @@ def rollout_to_sequences(rollout: Rollout, *, group_id: int, row_index: int, mod
             raise ValueError(f"TurnRecord.output_log_probs has {len(turn.output_log_probs)} entries for {n} output "
                              "tokens; the sampler log-prob of every trained token is required")
         tops = turn.output_sampler_logprobs
-        for i, token in enumerate(turn.output_ids):
+        sms = turn.output_sampling_mask
+        if (len(mask) == n and len(turn.output_log_probs) == n and (tops is None or len(tops) == n)
+                and (sms is None or len(sms) == n)):
+            cur.add_turn_output(turn.output_ids, mask, turn.output_log_probs, tops, sms)
+            continue
+        for i, token in enumerate(turn.output_ids):  # short or long per-token fields: token by token
             cur.ids.append(int(token))
             cur.trained.append(int(bool(mask[i])))
             cur.logprobs.append(float(turn.output_log_probs[i]) if i < len(turn.output_log_probs) else 0.0)

@@ -21,9 +21,11 @@ Generation requests (SPEC §3.1, Appendix B.17):
   ``retry_count`` (``rollout/vllm_retry_count``). A 4xx is not retried: `SamplerRequestError`
   carries the server's message, the route and a summary of the request.
 
-The connection pool holds ``max_concurrency + 4`` connections (never httpx's default cap): at most
+The connection pool holds ``max_concurrency + 4`` connections (never a library's default cap): at most
 ``max_concurrency`` generation requests run at once (an internal semaphore), and the 4 extra
 connections keep ``/metrics`` and the control routes answering while generation saturates the pool.
+`SamplerClient`'s pool is an aiohttp session (`connection_pool.AiohttpPool`: constant time per request
+at hundreds of connections, where httpx's async pool scans them all); `SyncSamplerClient` uses httpx.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from .connection_pool import AiohttpPool, HttpxPool
 from .prometheus import ServerLoad
 
 log = logging.getLogger(__name__)
@@ -177,11 +180,13 @@ class SamplerClient:
         backoff_base_s / backoff_max_s: exponential backoff, first delay and cap (1 s, 30 s).
         metrics_timeout_s: timeout of one ``/metrics`` read (polled, never retried).
         seed_base: base of the request seeds (tests); default random.
-        transport: an ``httpx.AsyncBaseTransport`` (tests).
+        transport: an ``httpx.AsyncBaseTransport`` (tests); requests then go through httpx
+            (`connection_pool.HttpxPool`) instead of the default aiohttp pool.
 
     Attributes:
         retry_count: retries so far (``rollout/vllm_retry_count``).
         request_count: generation requests completed.
+        limits: the pool's size as ``httpx.Limits`` (``max_concurrency + 4`` connections, all kept alive).
 
     Raises:
         ValueError: a bad ``base_url`` or a non-positive ``max_concurrency`` / ``timeout_s``.
@@ -218,12 +223,10 @@ class SamplerClient:
         self.request_count = 0
         size = max_concurrency + CONTROL_CONNECTIONS
         self.limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            limits=self.limits,
-            timeout=httpx.Timeout(self.timeout_s),
-            transport=transport,
-        )
+        if transport is None:
+            self._http: AiohttpPool | HttpxPool = AiohttpPool(self.base_url, size, self.timeout_s)
+        else:
+            self._http = HttpxPool(self.base_url, self.limits, self.timeout_s, transport)
         self._slots: asyncio.Semaphore | None = None
 
     async def __aenter__(self) -> "SamplerClient":
@@ -252,10 +255,8 @@ class SamplerClient:
         state = _RetryState(self.base_url, route, timeout_s, self.max_retries if retry else 0,
                             self.backoff_base_s, self.backoff_max_s)
         while True:
-            try:
-                response = await asyncio.wait_for(
-                    self._http.request(method, route, json=body, params=params, timeout=timeout_s), timeout_s
-                )
+            try:  # the pool bounds the whole attempt (connect, send, read) by timeout_s
+                response = await self._http.request(method, route, json=body, params=params, timeout=timeout_s)
             except _TRANSPORT_ERRORS as exc:
                 delay = state.on_error(exc, body, retry)
             else:
@@ -290,7 +291,7 @@ class SamplerClient:
                     f"sampler at {self.base_url} not ready after {deadline_s:g} s (GET /health): {last}", "/health"
                 )
             try:
-                response = await self._http.get("/health", timeout=max(min(5.0, remaining), 0.05))
+                response = await self._http.request("GET", "/health", timeout=max(min(5.0, remaining), 0.05))
                 if response.status_code == 200:
                     return time.monotonic() - start
                 last = f"HTTP {response.status_code}"
@@ -301,7 +302,7 @@ class SamplerClient:
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 now (no retries)."""
         try:
-            response = await self._http.get("/health", timeout=min(self.timeout_s, 10.0))
+            response = await self._http.request("GET", "/health", timeout=min(self.timeout_s, 10.0))
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -336,7 +337,7 @@ class SamplerClient:
             SamplerError: unreachable, or text that is not Prometheus exposition.
         """
         try:
-            response = await self._http.get("/metrics", timeout=self.metrics_timeout_s)
+            response = await self._http.request("GET", "/metrics", timeout=self.metrics_timeout_s)
         except httpx.HTTPError as exc:
             raise SamplerUnavailableError(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}", "/metrics") from exc
         return _server_load(self.base_url, response)

@@ -5,8 +5,17 @@ instantly with top-8 log-probs: generated tokens/s accepted, scored and queued b
 
 The synthetic server (aiohttp, in its own process) answers ``/v1/completions`` with ``--completion`` tokens,
 each with its sampler log-prob and 8 ``"token_id:N"`` top log-probs (vLLM 0.26's shape), from a response
-prepared once. The loop runs in this process with a cheap reward; a consumer drains the rollout queue and
-reports consumption, so the staleness allowance never binds. Target: >= 50,000 tokens/s.
+prepared once. The loop runs in this process with a cheap reward; a consumer drains the rollout queue (and
+the metrics queue, as the trainer does) and reports consumption, so the staleness allowance never binds.
+Target: >= 50,000 tokens/s.
+
+``--queue process`` (the default) makes the rollout and metrics queues ``multiprocessing`` queues read by a
+consumer process, as between the real worker and the trainer: samples are pickled on the way (in the
+queue's feeder thread, inside the worker process). ``--queue thread`` keeps them in this process
+(``queue.Queue`` and a consumer thread: no pickling; the measurement before 2026-11-30).
+
+P6_PROFILE=1 profiles the loop thread with cProfile and prints the top functions; P6_PROFILE_OUT=path also
+writes the stats file (read it with ``pstats``).
 """
 
 from __future__ import annotations
@@ -66,11 +75,40 @@ class _Value:
         self.value = value
 
 
+def _drain(q) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
+
+
+def consume(buf, metrics, consumed, counted) -> None:
+    """The trainer's side: take outcomes, count trained tokens from the second one on, report consumption.
+
+    ``counted`` holds ``generated``, ``samples`` and ``start`` (``time.monotonic()`` of the first outcome;
+    0 until then) as ``.value`` attributes: shared values when this runs in its own process.
+    """
+    while True:
+        outcome = buf.get()
+        if outcome is None:
+            return
+        _drain(metrics)
+        if not counted["start"].value:
+            counted["start"].value = time.monotonic()
+            continue  # measure from the first queued group on (connections warm)
+        counted["generated"].value += sum(s.num_trained_tokens for s in outcome.samples)
+        counted["samples"].value += len(outcome.samples)
+        consumed.value += sum(s.num_tokens for s in outcome.samples)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--queue", choices=("process", "thread"), default="process",
+                    help="rollout queue to a consumer process (pickled, as in training) or thread (not pickled)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "bench" / "results"))
     ns = ap.parse_args()
 
@@ -95,26 +133,20 @@ def main() -> int:
     cfg = AsyncGRPOConfig(output_dir="/tmp/p6", num_generations=8, max_completion_length=ns.completion,
                           num_sampler_logprobs=8, vllm_server_base_url=f"http://127.0.0.1:{port}",
                           max_concurrent_rollouts=ns.concurrency, vllm_server_timeout=60.0, report_to="none")
-    buf, metrics, errors = queue.Queue(), queue.Queue(), queue.Queue()
-    consumed = _Value(0.0)
+    errors = queue.Queue()
+    if ns.queue == "process":
+        buf, metrics = ctx.Queue(), ctx.Queue()
+        consumed = ctx.Value("d", 0.0)
+        counted = {"generated": ctx.Value("q", 0), "samples": ctx.Value("q", 0), "start": ctx.Value("d", 0.0)}
+        consumer = ctx.Process(target=consume, args=(buf, metrics, consumed, counted), daemon=True)
+    else:
+        buf, metrics = queue.Queue(), queue.Queue()
+        consumed = _Value(0.0)
+        counted = {"generated": _Value(0), "samples": _Value(0), "start": _Value(0.0)}
+        consumer = threading.Thread(target=consume, args=(buf, metrics, consumed, counted), daemon=True)
     loop = AsyncRolloutLoop(cfg, "synthetic", prompts, [alternating_reward], tokenizer, [tokenizer.eos_token_id],
                             buf, _Value(0), _Value(1e15), _Value(0.0), threading.Event(), errors, metrics,
                             consumed_tokens_value=consumed)
-    counted = {"generated": 0, "samples": 0, "start": None}
-
-    def consume():
-        while True:
-            outcome = buf.get()
-            if outcome is None:
-                return
-            if counted["start"] is None:
-                counted["start"] = time.perf_counter()
-                continue  # measure from the first queued group on (connections warm)
-            counted["generated"] += sum(s.num_trained_tokens for s in outcome.samples)
-            counted["samples"] += len(outcome.samples)
-            consumed.value += sum(s.num_tokens for s in outcome.samples)
-
-    consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     profile = None
     if os.environ.get("P6_PROFILE"):
@@ -133,23 +165,26 @@ def main() -> int:
 
     runner = threading.Thread(target=run_loop, daemon=True)
     runner.start()
-    deadline = time.perf_counter() + 120
-    while counted["start"] is None and time.perf_counter() < deadline:
+    deadline = time.monotonic() + 120
+    while not counted["start"].value and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(ns.seconds)
-    elapsed = time.perf_counter() - counted["start"]
-    generated = counted["generated"]
+    generated, samples = counted["generated"].value, counted["samples"].value
+    elapsed = time.monotonic() - counted["start"].value
     loop.stop()
     runner.join(30)
     buf.put(None)
+    consumer.join(30)
     server.terminate()
     tps = generated / elapsed
     if profile is not None:
         import pstats
 
+        if os.environ.get("P6_PROFILE_OUT"):
+            profile.dump_stats(os.environ["P6_PROFILE_OUT"])  # for pstats callers / callees
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     result = {"target": ">= 50000", "generated_tokens_per_s": tps, "ratio": tps / 50000, "seconds": elapsed,
-              "samples": counted["samples"], "completion_tokens": ns.completion, "concurrency": ns.concurrency,
+              "samples": samples, "queue": ns.queue, "completion_tokens": ns.completion, "concurrency": ns.concurrency,
               "num_generations": 8, "top_logprobs": 8, "cpus": os.cpu_count(), "python": sys.version.split()[0],
               "date": datetime.date.today().isoformat()}
     out = Path(ns.out)

@@ -253,3 +253,73 @@ def test_check_picklable_rejects_lambda_and_closure():
 
     with pytest.raises(TypeError, match="functools.partial"):
         RewardRunner([functools.partial(make_closure(), completion_ids=[])]).check_picklable()
+
+
+class CountingExecutor:
+    """A thread pool that counts the jobs handed to it."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(4)
+        self.jobs = 0
+
+    def submit(self, fn, *args):
+        self.jobs += 1
+        return self.pool.submit(fn, *args)
+
+    def shutdown(self, wait=True, **kwargs):
+        self.pool.shutdown(wait)
+
+
+class OrderRecorder:
+    """Sync reward that records each call's first completion and fails on the word 'boom'."""
+
+    def __init__(self):
+        self.calls, self.active, self.overlapped = [], 0, False
+        self.lock = threading.Lock()
+
+    def __call__(self, completions, **kwargs):
+        with self.lock:
+            self.active += 1
+            self.overlapped |= self.active > 1
+        try:
+            text = completions[0][0]["content"]
+            self.calls.append(text)
+            if text == "boom":
+                raise KeyError("boom")
+            return [float(len(c[0]["content"])) for c in completions]
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def group(text, n=2, **columns):
+    from asyncgrpo_cli.rollout.reward_runner import RewardInputs
+
+    return RewardInputs([PROMPTS[0]] * n, [[{"role": "assistant", "content": text}]] * n, [[1]] * n, columns or None)
+
+
+def test_score_many_one_thread_hop_per_function_and_groups_in_order():
+    executor, recorder = CountingExecutor(), OrderRecorder()
+    runner = RewardRunner([recorder, async_nonempty], executor=executor)
+    texts = ["a", "bb", "boom", "dddd"]
+    bad = group("x", task=["math"])  # a column with one value for two completions
+    try:
+        results = run(runner.score_many([group(t) for t in texts[:2]] + [bad] + [group(t) for t in texts[2:]]))
+    finally:
+        executor.shutdown()
+    assert executor.jobs == 1  # one thread hop for the sync function and the whole batch
+    assert recorder.calls == texts and not recorder.overlapped  # each group once, in order, never two at once
+    assert [r.totals.tolist() for r in (results[0], results[1], results[4])] == [[2.0, 2.0], [3.0, 3.0], [5.0, 5.0]]
+    assert isinstance(results[2], ValueError) and "task" in str(results[2])
+    assert isinstance(results[3], KeyError) and any("OrderRecorder" in note for note in results[3].__notes__)
+    assert results[0].per_function["OrderRecorder"] == [1.0, 1.0]
+
+
+def test_score_is_score_many_of_one_group():
+    result = run(RewardRunner([length_func, async_nonempty]).score(PROMPTS, COMPLETIONS, IDS))
+    many = run(RewardRunner([length_func, async_nonempty]).score_many([group(" blue.")]))
+    assert result.totals.tolist() == [3.0, 5.0] and many[0].per_function["async_nonempty"] == [1.0, 1.0]
+    with pytest.raises(KeyError, match="boom"):
+        run(RewardRunner(OrderRecorder()).score(PROMPTS, [[{"role": "assistant", "content": "boom"}]] * 2, IDS))

@@ -318,3 +318,56 @@ def test_sync_client_reset_prefix_cache_retries_while_false():
             await server.close()
 
     assert run(main()) is True
+
+
+def test_health_and_metrics_time_out_as_before():
+    """aiohttp's timeouts surface as httpx's: health() says False, read_metrics() names the route."""
+
+    async def never(request):
+        await asyncio.Event().wait()
+
+    async def main():
+        server = await serve(never, route="/{tail:.*}")
+        try:
+            async with fast_client(url_of(server), timeout_s=0.2, metrics_timeout_s=0.2) as c:
+                healthy = await c.health()
+                with pytest.raises(SamplerUnavailableError) as err:
+                    await c.read_metrics()
+                return healthy, err.value
+        finally:
+            await server.close()
+
+    healthy, error = run(main())
+    assert healthy is False
+    assert error.route == "/metrics" and "TimeoutException" in str(error)
+
+
+def test_httpx_transport_argument_still_drives_requests():
+    """`transport=` routes requests through httpx (e.g. a MockTransport) with the same retry rules."""
+    import httpx
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        if len(seen) == 1:
+            return httpx.Response(503, json={"error": {"message": "engine busy"}})
+        return httpx.Response(200, json=GOOD)
+
+    async def main():
+        async with fast_client("http://sampler.test", transport=httpx.MockTransport(handler)) as c:
+            return await c.generate_turn([1, 2], PARAMS), c.retry_count
+
+    turn, retries = run(main())
+    assert turn.output_ids == [7, 8] and retries == 1
+    assert seen == [("POST", "/v1/completions")] * 2
+
+
+def test_closed_client_refuses_requests():
+    async def main():
+        c = fast_client("http://127.0.0.1:1")
+        await c.aclose()
+        with pytest.raises(RuntimeError, match="closed"):
+            await c.generate_turn([1], PARAMS)
+
+    run(main())
