@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The trainer benchmarks of the performance issue on one lent H200 (no staging: the image has torch and
+# transformers), one part per call so each fits the 10-minute limit. JSON per target id goes to $OUT/results,
+# profiles to $OUT/prof; copy them into scripts/bench/results/ afterwards.
+#   bash scripts/gpu/run_benches.sh p0.6    P1/P2/P4/M1, Qwen3-0.6B shape
+#   bash scripts/gpu/run_benches.sh p1.7    P1/P2/P4/M1, Qwen3-1.7B shape
+#   bash scripts/gpu/run_benches.sh p3      P3 (MFU, Qwen3-1.7B shape, 16K-token rows)
+#   bash scripts/gpu/run_benches.sh prof    torch.profiler buckets of P1 (0.6B) and P3
+set -uo pipefail
+OUT="${OUT:-$PWD/bench_out}"
+mkdir -p "$OUT/results" "$OUT/prof"
+export PYTHONUNBUFFERED=1
+limit="${BENCH_TIMEOUT_S:-560}"
+case "${1:-}" in
+  p0.6) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --out "$OUT/results" ;;
+  p1.7) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-1.7b --out "$OUT/results" ;;
+  p3)   timeout "$limit" python3 scripts/bench/bench_mfu.py --out "$OUT/results" ;;
+  prof) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --steps 4 --out "$OUT/results" \
+          --profile "$OUT/prof" && timeout "$limit" python3 scripts/bench/bench_mfu.py --steps 4 --out "$OUT/results" \
+          --profile "$OUT/prof" ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof" >&2; exit 2 ;;
+esac
