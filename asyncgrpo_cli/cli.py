@@ -41,13 +41,26 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
         raise typer.Exit(2) from None
 
 
-def _resolve_model(cfg) -> None:
-    """Point ``model.name`` at the folder the server and trainer load (exports a packaged GGUF once)."""
-    from .models import resolve_model_path
+def _resolve_model(cfg, export: bool = True) -> str | None:
+    """Point ``model.name`` at the folder the server and trainer load. A packaged GGUF is exported once
+    (with ``export``); without it, a note saying the folder is made on the first real start is returned."""
+    from .models import plan_model_path, resolve_model_path
 
-    if cfg.model.name:
-        cfg.model.name = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
-        cfg.model.gguf_file = None
+    if not cfg.model.name:
+        return None
+    name, gguf_file = str(cfg.model.name), cfg.model.gguf_file
+    note = None
+    if export:
+        cfg.model.name = resolve_model_path(name, gguf_file)
+    else:
+        try:
+            cfg.model.name, gguf = plan_model_path(name, gguf_file)
+        except ConfigError as exc:  # a dry run still prints the line; the note says what a real start needs
+            return f"a real start would stop here: {exc}"
+        if gguf is not None:
+            note = f"{cfg.model.name} does not exist yet: asyncgrpo serve/train export {gguf} there on first start"
+    cfg.model.gguf_file = None
+    return note
 
 
 @app.command("config")
@@ -92,12 +105,13 @@ def serve_cmd(
 
     cfg = _compose(overrides, recipes_dir)
     try:
-        if not dry_run:
-            _resolve_model(cfg)
+        export_note = _resolve_model(cfg, export=not dry_run)
         command = build_server_command(cfg)
     except ConfigError as exc:
         err.print(f"[bold red]config error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    if export_note:
+        command.notes.append(export_note)
     if dry_run:
         for note in command.notes:
             sys.stdout.write(f"# {note}\n")

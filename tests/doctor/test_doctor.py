@@ -63,6 +63,8 @@ def test_doctor_unreachable_server(model_dir):
     code, report = doctor_json(*overrides(model_dir, "http://127.0.0.1:9"))
     assert code == 1 and report["checks"][0]["name"] == "server reachable"
     assert report["checks"][0]["status"] == FAIL and "asyncgrpo serve" in report["checks"][0]["fix"]
+    table = runner.invoke(app, ["doctor", *overrides(model_dir, "http://127.0.0.1:9")])
+    assert "Start the server with:" in table.stdout and "Restart" not in table.stdout
 
 
 def vllm_facts(models_len=4096, **info):

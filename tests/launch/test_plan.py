@@ -131,3 +131,17 @@ def test_mixed_precision_follows_compute_dtype():
     assert mixed_precision(cfg_of()) == "bf16"
     assert mixed_precision(cfg_of("trainer.bf16=false", "trainer.fp16=true")) == "fp16"
     assert mixed_precision(cfg_of("trainer.bf16=false", "model.dtype=float32")) == "no"
+
+
+def test_earlier_checkpoints_are_announced_unless_resuming(tmp_path):
+    from asyncgrpo_cli.launch.supervisor import earlier_checkpoints_note
+
+    cfg = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}"])
+    assert earlier_checkpoints_note(cfg) is None
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-8").mkdir()
+    note = earlier_checkpoints_note(cfg)
+    assert "2 checkpoint(s)" in note and f"trainer.resume_from_checkpoint={tmp_path / 'checkpoint-8'}" in note
+    resumed = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}",
+                       f"trainer.resume_from_checkpoint={tmp_path / 'checkpoint-8'}"])
+    assert earlier_checkpoints_note(resumed) is None
