@@ -305,6 +305,11 @@ class AsyncRolloutLoop:
                 await asyncio.sleep(0.02)
             if waited is not None:
                 self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
+            if score_queue.full():  # SPEC §16.5 score_queue_maxsize: scoring is behind, generation holds
+                blocked = time.monotonic()
+                while score_queue.full() and not self._stop:
+                    await asyncio.sleep(0.01)
+                self.metrics.add("rollout/score_block_s", time.monotonic() - blocked)
             # A group starts only when its first rollout can: no rollout of an earlier group still waits for a
             # slot under the concurrency cap (otherwise groups would pile up with stale version stamps).
             async with self._slot_changed:

@@ -165,3 +165,32 @@ def test_start_up_heap_is_frozen_only_while_the_loop_runs(tmp_path):
         loop.stop()
         thread.join(timeout=30)
     assert not thread.is_alive() and gc.get_freeze_count() == 0
+
+
+def test_no_group_starts_while_the_score_queue_is_full(tmp_path):
+    release = threading.Event()
+
+    def held_reward(completions, **kwargs):  # scoring stalls until released
+        release.wait(60)
+        return [float(i % 2) for i in range(len(completions))]
+
+    loop = make_loop(tmp_path, held_reward, loop_cls=QuickLoop, client=FakeClient(), n_prompts=50)
+    loop.score_queue_maxsize, loop.scorers = 1, 1
+    thread = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)
+    thread.start()
+    try:
+        # One batch in the scorer, one group in the full queue, and at most the groups that were already
+        # generating when it filled: the producer must not keep starting groups.
+        deadline = time.monotonic() + 60
+        while loop._group_counter < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)  # give a producer that ignored the full queue time to run ahead
+        started = loop._group_counter
+        assert started <= 4, started
+        release.set()
+        assert loop.rollout_buffer.get(timeout=60).kind == "kept"
+    finally:
+        release.set()
+        loop.stop()
+        thread.join(timeout=30)
