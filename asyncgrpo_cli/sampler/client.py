@@ -76,6 +76,43 @@ from .protocol import (  # noqa: F401 - re-exported: the client's public protoco
     _pause_mode,
 )
 
+class _Readiness:
+    """The ``/health`` polling decision shared by both clients' ``wait_until_ready`` (no I/O here).
+
+    ``next_timeout()`` gives the timeout of the next probe (at most 5 s) or raises once ``deadline_s``
+    has passed; ``answered(status)`` / ``failed(exc)`` record a probe; ``pause(poll_s)`` is the sleep
+    before the next one.
+    """
+
+    def __init__(self, base_url: str, deadline_s: float) -> None:
+        self.base_url, self.deadline_s = base_url, deadline_s
+        self.start = time.monotonic()
+        self.last = "no answer yet"
+
+    def remaining(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.start)
+
+    def next_timeout(self) -> float:
+        remaining = self.remaining()
+        if remaining <= 0:
+            raise SamplerUnavailableError(f"sampler at {self.base_url} not ready after {self.deadline_s:g} s "
+                                          f"(GET /health): {self.last}", "/health")
+        return max(min(5.0, remaining), 0.05)
+
+    def answered(self, status: int) -> float | None:
+        """Seconds waited when ``status`` is 200, else None (and the status is remembered)."""
+        if status == 200:
+            return time.monotonic() - self.start
+        self.last = f"HTTP {status}"
+        return None
+
+    def failed(self, exc: Exception) -> None:
+        self.last = f"{type(exc).__name__}: {exc}"
+
+    def pause(self, poll_s: float) -> float:
+        return min(poll_s, max(self.remaining(), 0))
+
+
 class _RetryState:
     """The retry decisions of SPEC Appendix B.17 for one request (no I/O: callers sleep)."""
 
@@ -282,22 +319,16 @@ class SamplerClient:
             SamplerUnavailableError: not healthy within ``deadline_s`` seconds (names the URL and
                 the last error).
         """
-        start = time.monotonic()
-        last = "no answer yet"
+        ready = _Readiness(self.base_url, deadline_s)
         while True:
-            remaining = deadline_s - (time.monotonic() - start)
-            if remaining <= 0:
-                raise SamplerUnavailableError(
-                    f"sampler at {self.base_url} not ready after {deadline_s:g} s (GET /health): {last}", "/health"
-                )
+            timeout = ready.next_timeout()
             try:
-                response = await self._http.request("GET", "/health", timeout=max(min(5.0, remaining), 0.05))
-                if response.status_code == 200:
-                    return time.monotonic() - start
-                last = f"HTTP {response.status_code}"
+                waited = ready.answered((await self._http.request("GET", "/health", timeout=timeout)).status_code)
+                if waited is not None:
+                    return waited
             except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(min(poll_s, max(deadline_s - (time.monotonic() - start), 0)))
+                ready.failed(exc)
+            await asyncio.sleep(ready.pause(poll_s))
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 now (no retries)."""
@@ -535,22 +566,16 @@ class SyncSamplerClient:
         Raises:
             SamplerUnavailableError: not healthy within ``deadline_s`` (names the URL and last error).
         """
-        start = time.monotonic()
-        last = "no answer yet"
+        ready = _Readiness(self.base_url, deadline_s)
         while True:
-            remaining = deadline_s - (time.monotonic() - start)
-            if remaining <= 0:
-                raise SamplerUnavailableError(
-                    f"sampler at {self.base_url} not ready after {deadline_s:g} s (GET /health): {last}", "/health"
-                )
+            timeout = ready.next_timeout()
             try:
-                response = self._http.get("/health", timeout=max(min(5.0, remaining), 0.05))
-                if response.status_code == 200:
-                    return time.monotonic() - start
-                last = f"HTTP {response.status_code}"
+                waited = ready.answered(self._http.get("/health", timeout=timeout).status_code)
+                if waited is not None:
+                    return waited
             except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(min(poll_s, max(deadline_s - (time.monotonic() - start), 0)))
+                ready.failed(exc)
+            time.sleep(ready.pause(poll_s))
 
     def health(self) -> bool:
         """True when ``GET /health`` answers 200 now."""

@@ -371,3 +371,15 @@ def test_closed_client_refuses_requests():
             await c.generate_turn([1], PARAMS)
 
     run(main())
+
+
+def test_readiness_deadline_names_the_last_answer():
+    from asyncgrpo_cli.sampler.client import _Readiness
+
+    ready = _Readiness("http://h:1", deadline_s=0.0)
+    assert ready.answered(503) is None
+    with pytest.raises(SamplerUnavailableError, match=r"http://h:1 not ready after 0 s \(GET /health\): HTTP 503"):
+        ready.next_timeout()
+    ready = _Readiness("http://h:1", deadline_s=60.0)
+    assert 0.05 <= ready.next_timeout() <= 5.0 and ready.pause(0.5) == 0.5
+    assert ready.answered(200) >= 0.0
