@@ -114,17 +114,29 @@ def build_model(shape: str):
     return model
 
 
-def make_samples(num_groups: int, group: int, completion: int, prompt: int, shared: bool, seed: int):
-    """``num_groups`` GRPO groups of ``group`` samples; ``shared`` = the group's samples share their prompt."""
+def completion_lengths(rng: random.Random, count: int, mean: int, spread: float) -> list[int]:
+    """``count`` completion lengths uniform in ``[(1 - spread) · mean, (1 + spread) · mean]`` (at least 1):
+    EOS ends GRPO completions at varied lengths; ``spread = 0`` makes them all equal."""
+    if not 0.0 <= spread < 1.0:
+        raise SystemExit(f"--completion-spread {spread}: use a fraction in [0, 1)")
+    if spread == 0.0:
+        return [mean] * count  # draws nothing: the token streams stay those of equal-length runs
+    return [max(1, round(mean * rng.uniform(1 - spread, 1 + spread))) for _ in range(count)]
+
+
+def make_samples(num_groups: int, group: int, completion: int, prompt: int, shared: bool, seed: int,
+                 spread: float = 0.0):
+    """``num_groups`` GRPO groups of ``group`` samples; ``shared`` = the group's samples share their prompt;
+    completion lengths vary by ``spread`` around ``completion`` (`completion_lengths`)."""
     rng = random.Random(seed)
     out = []
     for g in range(num_groups):
         base = [rng.randrange(VOCAB) for _ in range(prompt)]
-        for _ in range(group):
+        for c in completion_lengths(rng, group, completion, spread):
             p = base if shared else [rng.randrange(VOCAB) for _ in range(prompt)]
-            ids = p + [rng.randrange(VOCAB) for _ in range(completion)]
+            ids = p + [rng.randrange(VOCAB) for _ in range(c)]
             n = len(ids)
-            trained = [0] * prompt + [1] * completion
+            trained = [0] * prompt + [1] * c
             out.append(TrainingSequence(
                 # uniform sampler log-probs: random weights give ratios near 1, so no token is masked and the
                 # loss-equality check before timing is not vacuous
@@ -132,7 +144,7 @@ def make_samples(num_groups: int, group: int, completion: int, prompt: int, shar
                 advantage=rng.choice([-1.0, 1.0]), group_id=g, row_index=g, model_version=0,
                 sampler_top_ids=[[rng.randrange(VOCAB) for _ in range(8)] if t else [] for t in trained],
                 sampler_top_logprobs=[[-3.0] * 8 if t else [] for t in trained]))
-            assert n == prompt + completion
+            assert n == prompt + c
     return out
 
 
@@ -213,6 +225,12 @@ def packed_step(model, rows, cfg):
         model.zero_grad(set_to_none=True)
         return loss_sum
     return run
+
+
+def padded_tokens(samples, batch: int) -> int:
+    """Tokens the padded baseline forwards: each batch of ``batch`` samples padded to its longest."""
+    return sum(len(samples[i:i + batch]) * max(len(s.input_ids) for s in samples[i:i + batch])
+               for i in range(0, len(samples), batch))
 
 
 def padded_step(model, samples, batch: int):
@@ -548,6 +566,9 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=None, help="token budget per row (default 16384; tiny 512)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--padded-batch", type=int, default=8)
+    ap.add_argument("--completion-spread", type=float, default=0.5,
+                    help="completion lengths uniform in [(1-S)c, (1+S)c] (default 0.5); 0 = all equal, the padded "
+                         "baseline's best case")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "bench" / "results"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script (tiny shape)")
     add_profile_args(ap)
@@ -568,9 +589,9 @@ def main() -> int:
     prompt = int(completion * prompt_ratio)
     results = {}
     meta = dict(run_meta(ns.shape), attention=backend, G=8, completion=completion, prompt=prompt, groups=groups,
-                token_budget=budget, steps=ns.steps)
+                token_budget=budget, steps=ns.steps, completion_spread=ns.completion_spread)
     for target, shared in (("P1", True), ("P2", False)):
-        samples = make_samples(groups, 8, completion, prompt, shared, seed=1)
+        samples = make_samples(groups, 8, completion, prompt, shared, seed=1, spread=ns.completion_spread)
         plans = TokenBudgetBatcher(budget, 1).plan(samples)
         tree_rows = [pack_row(p.rows[0]) for p in plans]
         ratio = sum(s.num_tokens for s in samples) / sum(r.num_tokens for r in tree_rows)
@@ -610,14 +631,17 @@ def main() -> int:
                 profile_variant(padded_step(model, samples, ns.padded_batch), f"{ns.shape}_P4_padded", prof_dir,
                                 ns.profile_steps, ns.trace)
             apply_tree_attention(model, backend)
+            pad_tokens = padded_tokens(samples, ns.padded_batch)
             results["P4"] = dict(meta, padded_s=t_pad, tree_s=t_tree, ratio=t_pad / t_tree,
+                                 padded_forwarded_tokens=pad_tokens,
+                                 padded_pad_frac=1 - sum(s.num_tokens for s in samples) / pad_tokens,
                                  padded_trained_tokens_per_s=trained / t_pad, tree_trained_tokens_per_s=trained / t_tree,
                                  loss_padded=l_pad, loss_tree=l_tree, target=">= 4")
     # M1: peak memory of one row of ~budget forwarded tokens, tree-packed groups vs plain packing.
-    m1_groups = make_samples(64, 8, completion, prompt, True, seed=2)
+    m1_groups = make_samples(64, 8, completion, prompt, True, seed=2, spread=ns.completion_spread)
     row = pack_row(TokenBudgetBatcher(budget, 1).plan(m1_groups)[0].rows[0])
     singles, tokens = [], 0
-    for s in make_samples(256, 1, completion, prompt, False, seed=3):
+    for s in make_samples(256, 1, completion, prompt, False, seed=3, spread=ns.completion_spread):
         if tokens + s.num_tokens > row.num_tokens:
             break
         singles.append(s)

@@ -112,3 +112,15 @@ def test_p3_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
     assert r["mfu"] == pytest.approx(expected["model"] / r["step_s"] / r["matmul_peak_flops"])
     assert r["trained_tokens"] == 2 * 2 * 8 * 16
     assert "P3" in capsys.readouterr().out
+
+
+def test_completion_spread_and_padded_token_count():
+    import random
+
+    lengths = bp.completion_lengths(random.Random(0), 1000, 100, 0.5)
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 50
+    assert bp.completion_lengths(random.Random(0), 3, 100, 0.0) == [100, 100, 100]
+    samples = bp.make_samples(2, 4, 10, 5, True, seed=0, spread=0.5)
+    assert {s.num_trained_tokens for s in samples} != {10}
+    longest = [max(len(s.input_ids) for s in samples[i:i + 4]) for i in (0, 4)]
+    assert bp.padded_tokens(samples, 4) == 4 * sum(longest)
