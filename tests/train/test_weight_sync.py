@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from asyncgrpo_cli.sampler.protocol import vllm_config_of
 import torch
 from safetensors import safe_open
 
@@ -33,12 +32,10 @@ from asyncgrpo_cli.train.weight_sync import (
     VllmNccl028Sync,
     WeightSync,
     WeightSyncError,
-    check_lora_limits,
     hf_parameter_name,
     iter_full_parameter_buckets,
     make_weight_sync,
     parameter_metadata,
-    parse_vllm_version,
     vision_tower_skip,
 )
 
@@ -677,56 +674,6 @@ def test_vllm_028_failure_names_route_and_resumes(model_dir):
 def test_vllm_missing_names_the_extra(cls):
     with pytest.raises(ImportError, match=r"asyncgrpo\[vllm\]"):
         cls(FakeClient(), master_port=29559).init()
-
-
-# ---------------------------------------------------------------------------------------------- selection
-class VersionClient:
-    def __init__(self, version: dict, server_info: dict | None = None) -> None:
-        self._version, self._info = version, server_info
-
-    def version(self) -> dict:
-        return self._version
-
-    def server_info(self) -> dict | None:  # what SyncSamplerClient.server_info returns for such an answer
-        return vllm_config_of(self._info)
-
-
-@pytest.mark.parametrize(("version", "expected"), [
-    ({"version": "0.1.0", "server": "asyncgrpo-embedded"}, EmbeddedPathSync),
-    ({"version": "0.26.0"}, VllmNccl026Sync),
-    ({"version": "0.27.1+cu130"}, VllmNccl026Sync),
-    ({"version": "0.28.0rc1"}, VllmNccl028Sync),
-    ({"version": "0.33.0"}, VllmNccl028Sync),
-])
-def test_make_weight_sync_picks_backend(tmp_path, version, expected):
-    backend = make_weight_sync(VersionClient(version), output_dir=tmp_path, master_port=29560)
-    assert type(backend) is expected
-    if expected is VllmNccl026Sync:  # /finish_weight_update takes a weight_version from 0.27 on
-        assert backend.send_weight_version is (version["version"] >= "0.27")
-    if expected is EmbeddedPathSync:
-        assert backend.weights_dir == tmp_path / ".weights"
-
-
-def test_make_weight_sync_lora_choices(tmp_path):
-    lora_info = {"vllm_config": json.dumps({"lora_config": {"max_loras": 6, "max_lora_rank": 32}})}
-    client = VersionClient({"version": "0.26.0"}, lora_info)
-    backend = make_weight_sync(client, output_dir=tmp_path, lora_rank=32, max_staleness=4)
-    assert isinstance(backend, LoraAdapterSync) and backend.lora_dir == tmp_path / ".vllm_lora"
-    assert backend.window.keep == 5
-    merged = make_weight_sync(client, output_dir=tmp_path, lora_rank=32, adapter_sync=False, master_port=29561)
-    assert isinstance(merged, VllmNccl026Sync)
-    no_lora = make_weight_sync(VersionClient({"version": "0.26.0"}, {}), output_dir=tmp_path, lora_rank=8,
-                               master_port=29562)
-    assert isinstance(no_lora, VllmNccl026Sync)
-    with pytest.raises(ValueError, match="--max-loras 7"):
-        make_weight_sync(client, output_dir=tmp_path, lora_rank=32, max_staleness=5)
-    with pytest.raises(ValueError, match="--max-lora-rank 64"):
-        check_lora_limits({"max_loras": 6, "max_lora_rank": 32}, 48, 4)
-    with pytest.raises(ValueError, match="vLLM >= 0.26"):
-        make_weight_sync(VersionClient({"version": "0.25.1"}), output_dir=tmp_path)
-    with pytest.raises(ValueError, match="MAJOR.MINOR"):
-        parse_vllm_version("dev")
-    assert parse_vllm_version("0.28.0rc1") == (0, 28)
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
