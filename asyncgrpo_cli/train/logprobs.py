@@ -57,18 +57,80 @@ def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _tile_logits(h_chunk, weight, bias, v0, v1, temperature, compute_dtype, acc_dtype) -> torch.Tensor:
-    """``[nc, v1-v0]`` logits tile ``(h W[v0:v1]^T + b[v0:v1]) / temperature`` in ``acc_dtype``.
+def _tile_forward(z_mm, bias, temperature: float, acc: torch.dtype, run_max, run_sum, run_wsum, col):
+    """One ``[nc, vc]`` logits tile of the forward's online log-sum-exp (a streaming softmax).
 
-    The matmul runs in ``compute_dtype`` (the model's dtype, as its own lm_head and the sampler do; GPU
-    GEMMs accumulate in fp32 internally); everything after it is in ``acc_dtype``.
+    Args:
+        z_mm: ``[nc, vc]`` ``h W[v0:v1]^T`` in the compute dtype (the model's, as its own lm_head and the sampler
+            run it; GPU GEMMs accumulate in fp32 internally). Everything after it runs in ``acc``.
+        bias: ``[vc]`` bias slice or None; temperature: logits are divided by it (B.10).
+        run_max, run_sum, run_wsum: ``[nc]`` ``acc`` running max, ``Σ exp(z − max)`` and
+            ``Σ exp(z − max)(z − max)`` over the tiles so far (``−inf``, 0, 0 before the first).
+        col: ``[nc, C]`` int64 local columns to gather (clamped into the tile; the caller masks outside ones).
+
+    Returns:
+        ``(run_max, run_sum, run_wsum, picked)``: updated ``[nc]`` statistics and ``[nc, C]`` the processed
+        logits ``z`` at ``col``.
+
+    Pure and free of Python branching on tensor values, so :func:`_tile_functions` can compile it into one or
+    two fused kernels per tile (the eager version makes about seven fp32 passes over the tile).
     """
-    z = torch.matmul(h_chunk.to(compute_dtype), weight[v0:v1].to(compute_dtype).T).to(acc_dtype)
+    z = z_mm.to(acc)
     if bias is not None:
-        z.add_(bias[v0:v1].to(acc_dtype))
+        z = z + bias.to(acc)
     if temperature != 1.0:
-        z.div_(temperature)
-    return z
+        z = z / temperature
+    picked = z.gather(1, col)
+    new_max = torch.maximum(run_max, z.amax(dim=1))
+    shift = torch.where(torch.isfinite(run_max), run_max - new_max, torch.zeros_like(run_max))
+    scale = shift.exp()
+    z = z - new_max[:, None]
+    e = z.exp()
+    run_wsum = scale * (run_wsum + shift * run_sum) + (e * z).sum(dim=1)
+    run_sum = scale * run_sum + e.sum(dim=1)
+    return new_max, run_sum, run_wsum, picked
+
+
+def _tile_backward(z_mm, bias, temperature: float, acc: torch.dtype, lse, g_total, col, g_col, member,
+                   need_bias: bool):
+    """Gradient ``dL/d(h W^T + b)`` of one ``[nc, vc]`` tile (module docstring), recomputed from ``z_mm``.
+
+    Args:
+        z_mm, bias, temperature, acc: as :func:`_tile_forward`.
+        lse: ``[nc]`` log-sum-exp of each token's working set; g_total: ``[nc]`` coefficient of ``−π̃(v)``.
+        col: ``[nc, C]`` local columns of the trained token and the top ids; g_col: ``[nc, C]`` their
+            gradients (0 where the id lies outside this tile).
+        member: ``[nc, vc]`` bool, the token's candidate set (all True without one), or None = full vocabulary.
+        need_bias: also return the tile's bias gradient.
+
+    Returns:
+        ``(dz, gb)``: ``[nc, vc]`` gradient in ``z_mm``'s dtype (the two gradient GEMMs run in it), and
+        ``[vc]`` ``acc`` bias gradient (None unless ``need_bias``).
+    """
+    z = z_mm.to(acc)
+    if bias is not None:
+        z = z + bias.to(acc)
+    if temperature != 1.0:
+        z = z / temperature
+    dz = (z - lse[:, None]).exp()  # π̃(v) on the working set (full-vocabulary rows)
+    if member is not None:
+        dz = dz.masked_fill(~member, 0.0)
+    dz = (dz * -g_total[:, None]).scatter_add(1, col, g_col)
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(z_mm.dtype), (dz.sum(dim=0) if need_bias else None)
+
+
+_TILE_FUNCTIONS: dict[str | None, tuple] = {None: (_tile_forward, _tile_backward)}
+
+
+def _tile_functions(compile_backend: str | None) -> tuple:
+    """``(tile_forward, tile_backward)``: eager when ``compile_backend`` is None, else compiled once per backend
+    with ``torch.compile(backend=compile_backend)`` (shapes dynamic after the first recompile)."""
+    if compile_backend not in _TILE_FUNCTIONS:
+        _TILE_FUNCTIONS[compile_backend] = tuple(
+            torch.compile(fn, backend=compile_backend) for fn in (_tile_forward, _tile_backward))
+    return _TILE_FUNCTIONS[compile_backend]
 
 
 def _in_tile(ids: torch.Tensor, v0: int, vc: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +145,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target_ids, top_ids, cand_ids, has_cand, temperature,
-                token_chunk, vocab_chunk):
+                token_chunk, vocab_chunk, compile_backend):
         n, _ = hidden.shape
         v = weight.shape[0]
         acc = _acc_dtype(hidden, weight, bias)
@@ -94,44 +156,34 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
         lse = torch.empty(n, dtype=acc, device=dev)
         entropy = torch.empty(n, dtype=acc, device=dev)
-        tgt_z = torch.zeros(n, dtype=acc, device=dev)
-        top_z = torch.zeros(n, k, dtype=acc, device=dev)
-        cand_z = torch.full((n, m_cols), -math.inf, dtype=acc, device=dev)
 
+        # One gather per tile for the target, the top ids and the candidates (columns 0, 1..k, k+1..).
+        ids = torch.cat([target_ids[:, None], top_ids] + ([cand_ids] if m_cols else []), dim=1)
+        gathered = torch.empty(n, ids.shape[1], dtype=acc, device=dev)
+        gathered[:, 0] = 0.0
+        gathered[:, 1:1 + k] = 0.0
+        gathered[:, 1 + k:] = -math.inf
+        tile_fwd = _tile_functions(compile_backend)[0]
         for a in range(0, n, token_chunk):
             b = min(n, a + token_chunk)
-            h = hidden[a:b]
+            h = hidden[a:b].to(cdt)
             run_max = torch.full((b - a,), -math.inf, dtype=acc, device=dev)
             run_sum = torch.zeros(b - a, dtype=acc, device=dev)
             # Σ exp(z - run_max) · (z - run_max): entropy of the full-vocabulary softmax, streamed.
             run_wsum = torch.zeros(b - a, dtype=acc, device=dev)
             for v0 in range(0, v, vocab_chunk):
                 v1 = min(v, v0 + vocab_chunk)
-                vc = v1 - v0
-                z = _tile_logits(h, weight, bias, v0, v1, temperature, cdt, acc)
-                # Gathers first (the tile is shifted in place below).
-                col, inside = _in_tile(target_ids[a:b], v0, vc)
-                tgt_z[a:b] = torch.where(inside, z.gather(1, col[:, None])[:, 0], tgt_z[a:b])
-                if k:
-                    col, inside = _in_tile(top_ids[a:b], v0, vc)
-                    top_z[a:b] = torch.where(inside, z.gather(1, col), top_z[a:b])
-                if m_cols:
-                    col, inside = _in_tile(cand_ids[a:b], v0, vc)
-                    cand_z[a:b] = torch.where(inside, z.gather(1, col), cand_z[a:b])
-                # Online log-sum-exp and entropy accumulator.
-                new_max = torch.maximum(run_max, z.amax(dim=1))
-                shift = torch.where(torch.isfinite(run_max), run_max - new_max, torch.zeros_like(run_max))
-                scale = shift.exp()
-                z.sub_(new_max[:, None])
-                e = z.exp()
-                tile_wsum = (e * z).sum(dim=1)
-                run_wsum = scale * (run_wsum + shift * run_sum) + tile_wsum
-                run_sum = scale * run_sum + e.sum(dim=1)
-                run_max = new_max
-                del z, e
+                z_mm = torch.matmul(h, weight[v0:v1].to(cdt).T)
+                col, inside = _in_tile(ids[a:b], v0, v1 - v0)
+                b_tile = bias[v0:v1] if bias is not None else None
+                run_max, run_sum, run_wsum, picked = tile_fwd(
+                    z_mm, b_tile, temperature, acc, run_max, run_sum, run_wsum, col)
+                gathered[a:b] = torch.where(inside, picked, gathered[a:b])
+                del z_mm
             log_sum = run_sum.log()
             lse[a:b] = run_max + log_sum
             entropy[a:b] = log_sum - run_wsum / run_sum
+        tgt_z, top_z, cand_z = gathered[:, 0], gathered[:, 1:1 + k], gathered[:, 1 + k:]
 
         if m_cols:
             cand_valid = cand_ids >= 0
@@ -155,6 +207,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.token_chunk = token_chunk
         ctx.vocab_chunk = vocab_chunk
+        ctx.compile_backend = compile_backend
         ctx.mark_non_differentiable(top_valid, entropy)
         return target_lp, top_lp, top_valid, entropy
 
@@ -179,41 +232,39 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
 
+        # Scatter targets of each token's gradient: column 0 the trained token, columns 1..k the top ids.
+        ids = torch.cat([target_ids[:, None], top_ids], dim=1)
+        g_ids = torch.cat([g_target[:, None], g_top], dim=1)
+        tile_bwd = _tile_functions(ctx.compile_backend)[1]
         for v0 in range(0, v, vocab_chunk):
             v1 = min(v, v0 + vocab_chunk)
             vc = v1 - v0
             w_tile = weight[v0:v1].to(cdt)
+            b_tile = bias[v0:v1] if bias is not None else None
             gw_tile = torch.zeros(vc, hdim, dtype=acc, device=dev) if need_w else None
             gb_tile = torch.zeros(vc, dtype=acc, device=dev) if need_b else None
             for a in range(0, n, token_chunk):
                 b = min(n, a + token_chunk)
-                h = hidden[a:b]
-                z = _tile_logits(h, weight, bias, v0, v1, temperature, cdt, acc)
-                dz = z.sub_(lse[a:b, None]).exp_()  # π̃(v) on the working set (full-vocabulary rows)
-                del z
+                h = hidden[a:b].to(cdt)
+                z_mm = torch.matmul(h, w_tile.T)
+                member = None
                 if m_cols:
                     col, inside = _in_tile(cand_ids[a:b], v0, vc)
                     member = torch.zeros(b - a, vc + 1, dtype=torch.bool, device=dev)
                     member.scatter_(1, torch.where(inside, col, torch.full_like(col, vc)), True)
                     member[~has_cand[a:b]] = True
-                    dz.masked_fill_(~member[:, :vc], 0.0)
-                    del member
-                dz.mul_(-g_total[a:b, None])
-                col, inside = _in_tile(target_ids[a:b], v0, vc)
-                dz.scatter_add_(1, col[:, None], torch.where(inside, g_target[a:b], 0.0)[:, None])
-                if k:
-                    col, inside = _in_tile(top_ids[a:b], v0, vc)
-                    dz.scatter_add_(1, col, torch.where(inside, g_top[a:b], 0.0))
-                if temperature != 1.0:
-                    dz.div_(temperature)
+                    member = member[:, :vc]
+                col, inside = _in_tile(ids[a:b], v0, vc)
+                g_col = torch.where(inside, g_ids[a:b], 0.0)
+                dz_c, gb = tile_bwd(z_mm, b_tile, temperature, acc, lse[a:b], g_total[a:b], col, g_col, member,
+                                    need_b)
+                del z_mm, member
                 if need_b:
-                    gb_tile += dz.sum(dim=0)
-                dz_c = dz.to(cdt)
-                del dz
+                    gb_tile += gb
                 if need_h:
                     grad_h[a:b] += torch.matmul(dz_c, w_tile).to(acc)
                 if need_w:
-                    gw_tile += torch.matmul(dz_c.T, h.to(cdt)).to(acc)
+                    gw_tile += torch.matmul(dz_c.T, h).to(acc)
                 del dz_c
             if need_w:
                 grad_w[v0:v1] = gw_tile.to(grad_w.dtype)
@@ -221,7 +272,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_b[v0:v1] = gb_tile.to(grad_b.dtype)
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _check_ids(name: str, ids: torch.Tensor, n: int, vocab: int, allow_pad: bool) -> None:
@@ -252,6 +303,7 @@ def chunked_token_logprobs(
     candidate_ids: torch.Tensor | None = None,
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    compile_backend: str | None = None,
 ) -> TokenLogProbs:
     """Log-probs of the trained tokens and of the sampler's top ids, plus entropy, without full logits.
 
@@ -267,6 +319,9 @@ def chunked_token_logprobs(
             ids unique per row; a row with no id >= 0 means the full vocabulary for that token; ``None``
             means the full vocabulary everywhere.
         token_chunk_size, vocab_chunk_size: tile shape ``[Nc, Vc]`` (tokens, vocabulary rows).
+        compile_backend: a ``torch.compile`` backend (``"inductor"``) for the per-tile work after each GEMM
+            (casts, online log-sum-exp, gathers; in the backward softmax, scatter and cast), or None to run it
+            eagerly. The GEMMs stay cuBLAS calls either way; results agree to reduction order.
 
     Returns:
         :class:`TokenLogProbs`; float dtype is float64 when any float input is float64, else float32.
@@ -337,6 +392,6 @@ def chunked_token_logprobs(
             )
     out = _ChunkedLogProbs.apply(
         hidden, lm_head_weight, lm_head_bias, target_ids, top_ids, candidate_ids, has_cand, float(temperature),
-        token_chunk_size, vocab_chunk_size,
+        token_chunk_size, vocab_chunk_size, compile_backend,
     )
     return TokenLogProbs(target_logprobs=out[0], top_logprobs=out[1], top_valid=out[2], entropy=out[3])

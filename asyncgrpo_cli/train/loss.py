@@ -49,6 +49,8 @@ class LossConfig:
         clip_min, clip_max: masked-IS bounds C_min, C_max [``vllm_importance_sampling_clip_min/max``].
         temperature: sampling temperature; the trainer divides logits by it (B.10).
         token_chunk_size, vocab_chunk_size: tile of the chunked log-prob kernel (tokens, vocabulary rows).
+        compile_backend: ``torch.compile`` backend of the kernel's per-tile work, or None (eager); set from
+            [``torch_compile``] / [``torch_compile_backend``].
 
     Raises:
         ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0 or
@@ -63,6 +65,7 @@ class LossConfig:
     temperature: float = 1.0
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.epsilon < 1.0:
@@ -96,6 +99,8 @@ class LossConfig:
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
             temperature=args.temperature,
+            compile_backend=((getattr(args, "torch_compile_backend", None) or "inductor")
+                             if getattr(args, "torch_compile", False) else None),
         )
         values.update(overrides)
         return cls(**values)
@@ -286,6 +291,7 @@ def loss_and_metrics(
         candidate_ids=candidate_ids,
         token_chunk_size=config.token_chunk_size,
         vocab_chunk_size=config.vocab_chunk_size,
+        compile_backend=config.compile_backend,
     )
     losses, ratio = token_losses(
         lp.target_logprobs, advantages, sampler_logprobs, config,

@@ -30,6 +30,7 @@ from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
 from .packed_loss import install_loss_head, row_loss
 from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
+from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition, load_rollout_state, save_rollout_state
@@ -130,8 +131,14 @@ class AsyncGRPOTrainer(Trainer):
         self.environment_factory = environment_factory
         self.tree_backend = apply_tree_attention(model, args.tree_attention)
         install_loss_head(model)
+        if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
+            compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
                          callbacks=callbacks, optimizers=optimizers, data_collator=lambda rows: rows)
+        if args.torch_compile:
+            from accelerate.utils import DynamoBackend
+
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
         self.eos_token_ids = eos_token_ids(tokenizer, model)
         self.loss_config = LossConfig.from_args(args)
         self.worker = None

@@ -422,7 +422,9 @@ def _make_attention_fn(backend: str) -> Callable:
         return _tree_attention(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
     tree_attention_forward.__name__ = f"tree_attention_{backend}"
-    return tree_attention_forward
+    # Regionally compiled layers (train/compile.py) break their graph here: the per-row mask objects never reach
+    # dynamo, and FlexAttention runs through its own compiled function (which a disabled frame still calls).
+    return torch.compiler.disable(tree_attention_forward)
 
 
 _registered = False

@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_packing as bp
 
-from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packing import (
     PackedRow,
     TokenBudgetBatcher,
@@ -207,10 +206,10 @@ def main() -> int:
     sizes = (4096, 8192, 16384) if ns.device == "cuda" else (128, 256)
     peak, peak_by_size = measure_matmul_peak(ns.device, dtype, sizes)
 
-    model, backend = bp.setup_model(ns.shape, ns.attention, checkpointing)
+    model, backend = bp.setup_model(ns.shape, ns.attention, checkpointing, compile=ns.compile)
     if ns.profile:
         bp.install_markers(model)
-    cfg = LossConfig(score_centering=ns.objective == "centering")
+    cfg = bp.loss_config(ns.compile, score_centering=ns.objective == "centering")
     rows = build_rows(completion, prompt, budget, n_rows)
     shape = bp.SHAPES[ns.shape]
     params = count_parameters(model)
@@ -234,7 +233,7 @@ def main() -> int:
     mfu = flops["model"] / t_med / peak
     result = dict(
         bp.run_meta(ns.shape), target_id="P3", attention=backend, activation_checkpointing=checkpointing,
-        objective=ns.objective, dtype=str(dtype).replace("torch.", ""), G=G, prompt=prompt, completion=completion,
+        objective=ns.objective, torch_compile=ns.compile, dtype=str(dtype).replace("torch.", ""), G=G, prompt=prompt, completion=completion,
         token_budget=budget, rows=len(rows), row_tokens=[r.num_tokens for r in rows], steps=ns.steps,
         forwarded_tokens=forwarded, trained_tokens=trained, sample_tokens=sample_tokens,
         packing_ratio=sample_tokens / forwarded, tree_mask_pairs=pairs, parameters=params,
@@ -254,10 +253,10 @@ def main() -> int:
         ratio=mfu / TARGET, target=f"mfu >= {TARGET}")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"P3_{ns.shape}.json"
+    path = out / bp.result_name("P3", ns.shape, ns.compile)
     path.write_text(json.dumps(result, indent=1))
     if ns.profile:
-        bp.profile_variant(step, f"{ns.shape}_P3_tree", Path(ns.profile), ns.profile_steps, ns.trace)
+        bp.profile_variant(step, f"{ns.shape}_P3_tree{'_compiled' * ns.compile}", Path(ns.profile), ns.profile_steps, ns.trace)
     gib = (peak_alloc or 0) / 2**30
     print(f"{'id':4} {'MFU':>7} {'HFU':>7} {'target':>7} {'step ms':>9} {'fwd tok/s':>11} {'trained tok/s':>14} "
           f"{'peak GiB':>9} {'matmul peak TFLOP/s':>20}")

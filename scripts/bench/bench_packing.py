@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.train.compile import compile_decoder_layers
 from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
 from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
@@ -234,8 +235,15 @@ def padded_tokens(samples, batch: int) -> int:
 
 
 def padded_step(model, samples, batch: int):
-    """Stock transformers SDPA, padded [batch, max_len], full logits, one row per sample."""
+    """Stock transformers SDPA, padded [batch, max_len], full logits, one row per sample, eager (compiled layers
+    run eagerly here: a synchronous trainer runs the stock path)."""
     def run():
+        # The baseline is the stock eager path even when the product's layers are compiled (--compile); the
+        # stance covers the backward too, where checkpointing recomputes the layers.
+        with torch.compiler.set_stance("force_eager"):
+            return run_eager()
+
+    def run_eager():
         total = sum(s.num_trained_tokens for s in samples)
         loss_sum = 0.0
         for i in range(0, len(samples), batch):
@@ -532,10 +540,12 @@ def profile_variant(fn, tag: str, out_dir: Path, steps: int, trace: bool = False
     return summary
 
 
-def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True):
+def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True, compile: bool = False):
     """Build the shape with random weights and switch it to the product's training path, as the trainer does:
     activation checkpointing (non-reentrant; SPEC §16.4 default on), tree attention (``auto``: flex on CUDA,
-    sdpa on the CPU), the loss head. ``model.plain_forward`` keeps the stock forward (P4's padded baseline).
+    sdpa on the CPU), the loss head, and with ``compile`` the regional compile of ``trainer.torch_compile=true``
+    (every variant of the run, the padded baseline included, then runs compiled decoder layers).
+    ``model.plain_forward`` keeps the stock forward (P4's padded baseline).
 
     Returns:
         ``(model, backend)``.
@@ -546,15 +556,30 @@ def setup_model(shape: str, backend: str = "auto", activation_checkpointing: boo
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backend = apply_tree_attention(model, ("flex" if DEVICE == "cuda" else "sdpa") if backend == "auto" else backend)
     install_loss_head(model)
+    if compile:
+        compile_decoder_layers(model)
     return model, backend
 
 
+def loss_config(compile: bool, **kwargs) -> LossConfig:
+    """The loss configuration of a run; ``compile`` also compiles the log-prob kernel's tiles, as
+    ``trainer.torch_compile=true`` does."""
+    return LossConfig(compile_backend="inductor" if compile else None, **kwargs)
+
+
+def result_name(target: str, shape: str, compile: bool) -> str:
+    """``<target>_<shape>[_compiled].json``: compiled runs are kept beside the eager ones."""
+    return f"{target}_{shape}{'_compiled' if compile else ''}.json"
+
+
 def add_profile_args(ap: argparse.ArgumentParser) -> None:
-    """``--profile DIR``, ``--profile-steps N``, ``--trace`` (shared with bench_mfu.py)."""
+    """``--profile DIR``, ``--profile-steps N``, ``--trace`` and ``--compile`` (shared with bench_mfu.py)."""
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="also profile the variants with torch.profiler and write tables (.txt, .json) into DIR")
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per variant (after one warm-up)")
     ap.add_argument("--trace", action="store_true", help="with --profile: also write chrome traces (large)")
+    ap.add_argument("--compile", action="store_true",
+                    help="regional torch.compile of the decoder layers and the loss tiles (trainer.torch_compile=true)")
 
 
 def main() -> int:
@@ -582,14 +607,14 @@ def main() -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     prof_dir = Path(ns.profile) if ns.profile else None
-    model, backend = setup_model(ns.shape)
+    model, backend = setup_model(ns.shape, compile=ns.compile)
     if prof_dir is not None:
         install_markers(model)
-    cfg = LossConfig(score_centering=False)
+    cfg = loss_config(ns.compile, score_centering=False)
     prompt = int(completion * prompt_ratio)
     results = {}
     meta = dict(run_meta(ns.shape), attention=backend, G=8, completion=completion, prompt=prompt, groups=groups,
-                token_budget=budget, steps=ns.steps, completion_spread=ns.completion_spread)
+                token_budget=budget, steps=ns.steps, completion_spread=ns.completion_spread, torch_compile=ns.compile)
     for target, shared in (("P1", True), ("P2", False)):
         samples = make_samples(groups, 8, completion, prompt, shared, seed=1, spread=ns.completion_spread)
         plans = TokenBudgetBatcher(budget, 1).plan(samples)
@@ -621,7 +646,7 @@ def main() -> int:
                                target=">= 3.2" if shared else ">= 0.97")
         if shared and prof_dir is not None:
             for variant, rows in (("tree", tree_rows), ("plain", plain_split)):
-                profile_variant(packed_step(model, rows, cfg), f"{ns.shape}_P1_{variant}", prof_dir,
+                profile_variant(packed_step(model, rows, cfg), f"{ns.shape}_P1_{variant}{'_compiled' * ns.compile}", prof_dir,
                                 ns.profile_steps, ns.trace)
         if shared:
             model.set_attn_implementation("sdpa")
@@ -659,7 +684,7 @@ def main() -> int:
                          plain_peak_bytes=peaks["plain"][0], plain_row_tokens=peaks["plain"][1],
                          ratio=peaks["tree"][0] / peaks["plain"][0], target="<= 1.2")
     for target, r in results.items():
-        (out / f"{target}_{ns.shape}.json").write_text(json.dumps(r, indent=1))
+        (out / result_name(target, ns.shape, ns.compile)).write_text(json.dumps(r, indent=1))
     print(f"{'id':4} {'measured':>40} {'ratio':>8} {'target':>8}")
     for target, r in results.items():
         detail = {k: round(v, 1) for k, v in r.items() if k.endswith("tokens_per_s")}

@@ -6,6 +6,11 @@
 #   bash scripts/gpu/run_benches.sh p1.7    P1/P2/P4/M1, Qwen3-1.7B shape
 #   bash scripts/gpu/run_benches.sh p3      P3 (MFU, Qwen3-1.7B shape, 16K-token rows)
 #   bash scripts/gpu/run_benches.sh prof    torch.profiler buckets of P1 (0.6B) and P3
+#   bash scripts/gpu/run_benches.sh p3c     P3 with trainer.torch_compile=true (--compile), then P3 eager, same session
+#   bash scripts/gpu/run_benches.sh p0.6c   P1/P2/P4/M1 at 0.6B with --compile (the padded baseline stays eager)
+#   bash scripts/gpu/run_benches.sh p1.7c   P1/P2/P4/M1 at 1.7B with --compile
+#   bash scripts/gpu/run_benches.sh profc   profiles of the compiled P1 (0.6B) and P3
+# Compiled results are written beside the eager ones as <id>_<shape>_compiled.json.
 set -uo pipefail
 OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT/results" "$OUT/prof"
@@ -18,5 +23,12 @@ case "${1:-}" in
   prof) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --steps 4 --out "$OUT/results" \
           --profile "$OUT/prof" && timeout "$limit" python3 scripts/bench/bench_mfu.py --steps 4 --out "$OUT/results" \
           --profile "$OUT/prof" ;;
-  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof" >&2; exit 2 ;;
+  p3c)  timeout 320 python3 scripts/bench/bench_mfu.py --compile --out "$OUT/results"
+        timeout 220 python3 scripts/bench/bench_mfu.py --out "$OUT/results" ;;
+  p0.6c) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --compile --out "$OUT/results" ;;
+  p1.7c) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-1.7b --compile --out "$OUT/results" ;;
+  profc) timeout 300 python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --compile --steps 4 --out "$OUT/results" \
+          --profile "$OUT/prof"; timeout 250 python3 scripts/bench/bench_mfu.py --compile --steps 4 \
+          --out "$OUT/results" --profile "$OUT/prof" ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc" >&2; exit 2 ;;
 esac
