@@ -121,6 +121,19 @@ def _tile_backward(z_mm, bias, temperature: float, acc: torch.dtype, lse, g_tota
     return dz.to(z_mm.dtype), (dz.sum(dim=0) if need_bias else None)
 
 
+def _mm_accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` in a wider dtype than ``a``/``b`` (fp32 accumulator, bf16/fp16 operands).
+
+    On CUDA the GEMM adds into ``out`` itself (``addmm`` with ``out_dtype``: cuBLAS's ``C = C + A B``), so no
+    half-precision product is rounded, cast and added in extra passes; elsewhere (CPU, float64) it is the plain
+    ``out += (a @ b).to(out.dtype)``.
+    """
+    if out.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and out.dtype == torch.float32:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out += torch.matmul(a, b).to(out.dtype)
+
+
 _TILE_FUNCTIONS: dict[str | None, tuple] = {None: (_tile_forward, _tile_backward)}
 
 
@@ -262,9 +275,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if need_b:
                     gb_tile += gb
                 if need_h:
-                    grad_h[a:b] += torch.matmul(dz_c, w_tile).to(acc)
+                    _mm_accumulate(grad_h[a:b], dz_c, w_tile)
                 if need_w:
-                    gw_tile += torch.matmul(dz_c.T, h).to(acc)
+                    _mm_accumulate(gw_tile, dz_c.T, h)
                 del dz_c
             if need_w:
                 grad_w[v0:v1] = gw_tile.to(grad_w.dtype)
