@@ -189,6 +189,10 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
             problems.append(f"{key}={ids}: GPU(s) {missing} do not exist, {n} visible (CUDA_VISIBLE_DEVICES "
                             f"applies). Fix: use indices 0..{n - 1}, or leave {key} unset")
 
+    if bool(cfg.trainer.get("torch_compile", False)) or cfg.trainer.get("torch_compile_backend"):
+        notes.append("trainer.torch_compile=true: the decoder layers and the loss kernel's tiles compile during the "
+                     "first step (a minute or two)" + ("" if trainer else "; on a CPU trainer the compiled step is "
+                                                       "often no faster than eager, the gain is on GPUs"))
     if trainer:
         per_machine = len(trainer)
     else:

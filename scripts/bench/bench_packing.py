@@ -80,12 +80,16 @@ def configure(device: str, shape: str) -> None:
 
     Raises:
         ValueError: unknown ``shape``, or ``device`` is neither ``cuda`` nor ``cpu``.
+        SystemExit: ``cuda`` without a visible CUDA GPU (the message says how to check on a CPU).
     """
     global DEVICE, VOCAB
     if shape not in SHAPES:
         raise ValueError(f"--shape {shape!r} is unknown; use one of {sorted(SHAPES)}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"--device {device!r} is not supported; use cuda, or cpu to check the script")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda (the default): no CUDA GPU is visible here. These benchmarks time a GPU; "
+                         "to check a script on a CPU, add --device cpu --shape tiny")
     DEVICE = device
     VOCAB = TINY_VOCAB if shape == "tiny" else 151936
 
@@ -678,18 +682,33 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         packed_step(model, [r], cfg)()
-        peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 1
+        peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else None  # no device-memory peak on a CPU
         peaks[name] = (peak, r.num_tokens)
+    m1_ratio = peaks["tree"][0] / peaks["plain"][0] if DEVICE == "cuda" else None
     results["M1"] = dict(meta, tree_peak_bytes=peaks["tree"][0], tree_row_tokens=peaks["tree"][1],
                          plain_peak_bytes=peaks["plain"][0], plain_row_tokens=peaks["plain"][1],
-                         ratio=peaks["tree"][0] / peaks["plain"][0], target="<= 1.2")
+                         ratio=m1_ratio, target="<= 1.2")
     for target, r in results.items():
         (out / result_name(target, ns.shape, ns.compile)).write_text(json.dumps(r, indent=1))
-    print(f"{'id':4} {'measured':>40} {'ratio':>8} {'target':>8}")
-    for target, r in results.items():
-        detail = {k: round(v, 1) for k, v in r.items() if k.endswith("tokens_per_s")}
-        print(f"{target:4} {json.dumps(detail):>40} {r['ratio']:8.2f} {r['target']:>8}")
+    print(results_table(results))
+    print(f"-> {out}/{{P1,P2,P4,M1}}_{ns.shape}{'_compiled' * ns.compile}.json")
     return 0
+
+
+def results_table(results: dict[str, dict]) -> str:
+    """The printed summary: per target, ours vs the anchor (trained tokens/s, or peak GiB for M1), ratio, target."""
+    lines = [f"{'id':4} {'ours':>16} {'anchor':>16} {'ratio':>7} {'target':>8}"]
+    anchors = {"P1": "plain", "P2": "plain", "P4": "padded"}
+    for target, r in results.items():
+        if target == "M1":
+            ours, anchor = (f"{r[k] / 2**30:.2f} GiB" if r[k] is not None else "n/a (CPU)"
+                            for k in ("tree_peak_bytes", "plain_peak_bytes"))
+        else:
+            ours = f"{r['tree_trained_tokens_per_s']:.0f} tok/s"
+            anchor = f"{r[anchors[target] + '_trained_tokens_per_s']:.0f} tok/s"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "n/a"
+        lines.append(f"{target:4} {ours:>16} {anchor:>16} {ratio:>7} {r['target']:>8}")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The trainer benchmarks of the performance issue on one lent H200 (no staging: the image has torch and
-# transformers), one part per call so each fits the 10-minute limit. JSON per target id goes to $OUT/results,
-# profiles to $OUT/prof; copy them into scripts/bench/results/ afterwards.
-#   bash scripts/gpu/run_benches.sh p0.6    P1/P2/P4/M1, Qwen3-0.6B shape
-#   bash scripts/gpu/run_benches.sh p1.7    P1/P2/P4/M1, Qwen3-1.7B shape
+# The trainer benchmarks on one CUDA GPU (they need torch and transformers only; no vLLM), one part per call so
+# that each fits a 10-minute job. Results go to $OUT/results (JSON per target id), profiles to $OUT/prof;
+# $OUT defaults to ./bench_out. The committed figures live in scripts/bench/results (see scripts/bench/NOTES.md).
+#   bash scripts/gpu/run_benches.sh p0.6    P1/P2/P4/M1 (tree vs plain packing, vs padded SDPA, memory), Qwen3-0.6B shape
+#   bash scripts/gpu/run_benches.sh p1.7    the same, Qwen3-1.7B shape
 #   bash scripts/gpu/run_benches.sh p3      P3 (MFU, Qwen3-1.7B shape, 16K-token rows)
 #   bash scripts/gpu/run_benches.sh prof    torch.profiler buckets of P1 (0.6B) and P3
-#   bash scripts/gpu/run_benches.sh p3c     P3 with trainer.torch_compile=true (--compile), then P3 eager, same session
+#   bash scripts/gpu/run_benches.sh p3c     P3 with trainer.torch_compile=true (--compile), then P3 eager
 #   bash scripts/gpu/run_benches.sh p0.6c   P1/P2/P4/M1 at 0.6B with --compile (the padded baseline stays eager)
 #   bash scripts/gpu/run_benches.sh p1.7c   P1/P2/P4/M1 at 1.7B with --compile
 #   bash scripts/gpu/run_benches.sh profc   profiles of the compiled P1 (0.6B) and P3
-# Compiled results are written beside the eager ones as <id>_<shape>_compiled.json.
+#   bash scripts/gpu/run_benches.sh host    host (CPU) cost of one row's fwd+bwd, eager and compiled (bench_host.py)
+# Compiled results are written beside the eager ones as <id>_<shape>_compiled.json. The rollout worker's ingest
+# benchmark (P6) needs no GPU: python scripts/bench/bench_worker_ingest.py.
 set -uo pipefail
 OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT/results" "$OUT/prof"
@@ -30,5 +32,6 @@ case "${1:-}" in
   profc) timeout 300 python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --compile --steps 4 --out "$OUT/results" \
           --profile "$OUT/prof"; timeout 250 python3 scripts/bench/bench_mfu.py --compile --steps 4 \
           --out "$OUT/results" --profile "$OUT/prof" ;;
-  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc" >&2; exit 2 ;;
+  host)  timeout "$limit" python3 scripts/bench/bench_host.py --out "$OUT/results" ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc|host" >&2; exit 2 ;;
 esac

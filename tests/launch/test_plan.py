@@ -30,6 +30,14 @@ def test_one_gpu_embedded_shares_it_single_process():
     assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "0" and "ACCELERATE_USE_CPU" not in plan.trainer_env
 
 
+def test_torch_compile_is_announced_with_the_plan():
+    assert not any("torch_compile" in n for n in build_launch_plan(cfg_of(), gpu_count=2).gpus.notes)
+    gpu = build_launch_plan(cfg_of("trainer.torch_compile=true"), gpu_count=2).gpus.notes
+    assert any("first step" in n and "CPU" not in n for n in gpu)
+    cpu = build_launch_plan(cfg_of("trainer.torch_compile=true", "sampler.backend=embedded"), gpu_count=0).gpus.notes
+    assert any("first step" in n and "CPU trainer" in n for n in cpu)
+
+
 def test_one_gpu_vllm_is_a_problem():
     plan = build_launch_plan(cfg_of(), gpu_count=1)
     assert plan.problems and "different GPUs" in plan.problems[0] and "sampler.backend=embedded" in plan.problems[0]

@@ -124,3 +124,26 @@ def test_completion_spread_and_padded_token_count():
     assert {s.num_trained_tokens for s in samples} != {10}
     longest = [max(len(s.input_ids) for s in samples[i:i + 4]) for i in (0, 4)]
     assert bp.padded_tokens(samples, 4) == 4 * sum(longest)
+
+
+def test_results_table_names_ours_anchor_and_unmeasured_memory():
+    results = {
+        "P1": {"tree_trained_tokens_per_s": 2000.0, "plain_trained_tokens_per_s": 800.0, "ratio": 2.5, "target": ">= 3.2"},
+        "P4": {"tree_trained_tokens_per_s": 2000.0, "padded_trained_tokens_per_s": 500.0, "ratio": 4.0, "target": ">= 4"},
+        "M1": {"tree_peak_bytes": None, "plain_peak_bytes": None, "ratio": None, "target": "<= 1.2"},
+    }
+    lines = bp.results_table(results).splitlines()
+    assert lines[1].split() == ["P1", "2000", "tok/s", "800", "tok/s", "2.50", ">=", "3.2"]
+    assert "500 tok/s" in lines[2] and "4.00" in lines[2]
+    assert "n/a (CPU)" in lines[3] and lines[3].split()[-3] == "n/a"  # not measured is not a pass
+    results["M1"].update(tree_peak_bytes=3 * 2**30, plain_peak_bytes=2 * 2**30, ratio=1.5)
+    assert "3.00 GiB" in bp.results_table(results).splitlines()[3]
+
+
+def test_cuda_default_without_a_gpu_says_how_to_check_on_cpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cpu --shape tiny"):
+        bp.configure("cuda", "qwen3-0.6b")
+    bp.configure("cpu", "tiny")
