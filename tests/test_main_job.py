@@ -75,7 +75,7 @@ def test_train_cli_end_to_end_on_a_tiny_model(tiny, tmp_path):
     # Reward metrics arrive when groups are scored (SPEC §5.3), so a fast step's window may hold none.
     assert any(l.get("reward") is not None for l in lines)
     assert (out / "checkpoint-4" / "rollout_state.json").is_file() and (out / "training_curves.png").is_file()
-    assert json.loads((out / "status.json").read_text())["state"] == "done"
+    assert json.loads((out / "status.json").read_text())["state"] == "finished"
 
 
 def descendants_alive(pids: list[int]) -> list[int]:

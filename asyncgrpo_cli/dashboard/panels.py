@@ -166,7 +166,8 @@ def run_panel(view: DashboardView) -> Panel:
     step_txt = fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")
     epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs else "")
     state = str(s.get("state") or "starting")
-    state_style = {"running": "green", "saving": "cyan", "done": "bold green", "failed": "bold red"}.get(state, "yellow")
+    state_style = {"running": "green", "saving": "cyan", "finished": "bold green", "done": "bold green",
+                   "failed": "bold red"}.get(state.split(":")[0], "yellow")
     rows = [
         ("state", Text(state, style=state_style)),
         ("step", step_txt),

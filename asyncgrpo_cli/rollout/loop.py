@@ -275,6 +275,9 @@ class AsyncRolloutLoop:
     def _prompt_stream(self):
         """Yields ``(position, row_index, row)`` of accepted prompts from ``dataset_start_index`` on, epoch after
         epoch; a rejected prompt goes to the rollout queue as a ``filtered`` outcome (it counts as consumed)."""
+        if not hasattr(self.dataset, "__len__"):  # IterableDataset: restarts from its first prompt (SPEC §12)
+            yield from self._stream_prompts()
+            return
         n = len(self.dataset)
         epoch, index = divmod(self.dataset_start_index, n) if n else (0, 0)
         accepted_this_epoch = 0
@@ -292,6 +295,25 @@ class AsyncRolloutLoop:
             else:
                 self.rollout_buffer.put(PromptOutcome(position=position, row_index=index, kind="filtered"))
             index += 1
+
+    def _stream_prompts(self):
+        """`_prompt_stream` of an ``IterableDataset``: epoch after epoch from its first row; positions count
+        rows from the start of the run."""
+        position, epoch = 0, 0
+        while True:
+            accepted = seen = 0
+            for index, row in enumerate(self.dataset):
+                seen += 1
+                if self.filter_prompt(index, row, epoch):
+                    accepted += 1
+                    yield position, index, row
+                else:
+                    self.rollout_buffer.put(PromptOutcome(position=position, row_index=index, kind="filtered"))
+                position += 1
+            if accepted == 0:
+                raise EpochExhaustedError(f"filter_prompt rejected every one of the {seen} prompts of epoch {epoch} "
+                                          "of the stream; no batch could ever reach the trainer (SPEC §11)")
+            epoch += 1
 
     async def _producer(self, score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations

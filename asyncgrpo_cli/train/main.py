@@ -52,16 +52,27 @@ def load_config(path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``--config``, build the trainer and train; exit status 0 on success, 130 when interrupted."""
+    """Parse ``--config``, build the trainer and train. Exit status: 0 on success, 130 / 143 when SIGINT /
+    SIGTERM stopped it (after saving), 2 for a user error (printed as one message, no traceback: an
+    incomplete checkpoint to resume from, an unwritable ``output_dir``, another job in the folder), 1 when
+    training failed."""
+    from ..config.rules import ConfigError
+    from .checkpoint import CheckpointError
+    from .run_state import RolloutStateError, RunLockedError
+
     parser = argparse.ArgumentParser(prog="asyncgrpo-trainer", description=__doc__)
     parser.add_argument("--config", required=True, help="composed config YAML written by `asyncgrpo train`")
     parser.add_argument("--resume", default=None, help="checkpoint folder, or 'last'")
     ns = parser.parse_args(argv)
-    cfg = load_config(ns.config)
-    trainer = build_trainer(cfg)
-    resume = True if ns.resume == "last" else ns.resume
-    trainer.train(resume_from_checkpoint=resume)
-    return 130 if trainer._stop_requested else 0
+    try:
+        cfg = load_config(ns.config)
+        trainer = build_trainer(cfg)
+        resume = True if ns.resume == "last" else ns.resume
+        trainer.train(resume_from_checkpoint=resume)
+    except (ConfigError, CheckpointError, RolloutStateError, RunLockedError) as exc:
+        print(f"asyncgrpo trainer: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return trainer.exit_code
 
 
 if __name__ == "__main__":

@@ -78,18 +78,51 @@ class TrainedPosition:
             self.value += 1
 
 
-def save_rollout_state(checkpoint_dir: str | Path, position: int, num_prompts: int | None) -> None:
-    """Write ``rollout_state.json`` next to a checkpoint: the first prompt position not yet trained."""
+class RolloutStateError(ValueError):
+    """``rollout_state.json`` is missing a field, holds a wrong value, or is not JSON (message names it)."""
+
+
+def save_rollout_state(checkpoint_dir: str | Path, position: int, num_prompts: int | None,
+                       num_tokens: int = 0, global_step: int | None = None) -> None:
+    """Write ``rollout_state.json`` into a checkpoint: the first prompt position not yet trained (SPEC §12),
+    the dataset size (None for an IterableDataset), the forwarded tokens so far (``num_tokens``, SPEC §15)
+    and the step it belongs to."""
     write_json_atomic(Path(checkpoint_dir) / ROLLOUT_STATE_NAME,
-                      {"dataset_start_index": int(position), "num_prompts": num_prompts, "saved_at": time.time()})
+                      {"dataset_start_index": int(position), "num_prompts": num_prompts, "num_tokens": int(num_tokens),
+                       "global_step": global_step, "saved_at": time.time()})
+
+
+def read_rollout_state(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The checked content of a checkpoint's ``rollout_state.json``.
+
+    Raises:
+        RolloutStateError: the file is absent, not JSON, or ``dataset_start_index`` / ``num_tokens`` is not a
+            non-negative integer (the message names the file, the field, the value and the fix).
+    """
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
+    fix = "Fix: resume from another (complete) checkpoint, or start without resume_from_checkpoint"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RolloutStateError(f"{path} is missing. {fix}") from None
+    except (OSError, ValueError) as exc:
+        raise RolloutStateError(f"{path} is corrupt ({exc}). {fix}") from None
+    if not isinstance(data, dict):
+        raise RolloutStateError(f"{path} holds {type(data).__name__}, not an object. {fix}")
+    for key in ("dataset_start_index", "num_tokens"):
+        value = data.get(key, 0 if key == "num_tokens" else None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RolloutStateError(f"{path}: {key}={value!r} must be an integer >= 0. {fix}")
+    return data
 
 
 def load_rollout_state(checkpoint_dir: str | Path) -> int:
-    """The saved ``dataset_start_index`` of a checkpoint (0 when the file is absent)."""
-    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
-    if not path.is_file():
-        return 0
-    return int(json.loads(path.read_text())["dataset_start_index"])
+    """The saved ``dataset_start_index`` of a checkpoint.
+
+    Raises:
+        RolloutStateError: the file is absent or corrupt (see `read_rollout_state`).
+    """
+    return int(read_rollout_state(checkpoint_dir)["dataset_start_index"])
 
 
 class LiveFiles:
@@ -146,3 +179,118 @@ class LiveFiles:
         with open(self.dir / "completions.jsonl", "a") as f:
             for r in records:
                 f.write(json.dumps(r, default=_jsonable) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ one run per folder
+LOCK_NAME = ".asyncgrpo.lock"
+#: Environment variable a supervisor sets for the trainer it starts: the pid whose lock the trainer may share.
+LOCK_OWNER_ENV = "ASYNCGRPO_RUN_LOCK_OWNER"
+
+
+class RunLockedError(RuntimeError):
+    """Another job already runs in this ``output_dir`` (message names its pid and host)."""
+
+
+def _process_started(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:  # noqa: BLE001 - gone, or not ours to inspect
+        return None
+
+
+def _pid_alive(pid: int, started: float | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    now_started = _process_started(pid)
+    if now_started is not None and started is not None and abs(now_started - started) > 1.0:
+        return False  # the pid was reused by another process
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+class RunLock:
+    """``<output_dir>/.asyncgrpo.lock``: one job per output folder (created with O_EXCL semantics).
+
+    The file holds the owner's pid, host, start time and command. A lock left by a dead process of this
+    host (or a reused pid) is taken over; a live owner, or one on another host, makes `acquire` fail.
+
+    Args:
+        output_dir: the run's folder (created).
+        shared_with: a pid whose lock this process may share (the supervisor that started the trainer).
+    """
+
+    def __init__(self, output_dir: str | Path, shared_with: int | None = None) -> None:
+        self.path = Path(output_dir) / LOCK_NAME
+        self.shared_with = shared_with
+        self.owned = False
+
+    def read(self) -> dict[str, Any] | None:
+        """The current lock's content (None when absent; ``{}`` when unreadable)."""
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        """Take the lock (or share the one of ``shared_with``).
+
+        Raises:
+            RunLockedError: another live job holds it (message: its pid, host, command and the fix).
+            OSError: the folder cannot be written.
+        """
+        import socket
+        import sys
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_started(os.getpid()),
+              "command": " ".join(sys.argv)[:300], "created_at": time.time()}
+        for _attempt in range(3):
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{LOCK_NAME}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            try:
+                os.link(tmp, self.path)  # atomic: fails when the lock exists
+                self.owned = True
+                return
+            except FileExistsError:
+                pass
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+            held = self.read()
+            if held is None:
+                continue
+            pid, host = held.get("pid"), held.get("host")
+            if self.shared_with is not None and pid == self.shared_with and host == me["host"]:
+                return  # the supervisor that started this trainer holds it
+            if isinstance(pid, int) and host == me["host"] and not _pid_alive(pid, held.get("started")):
+                self.path.unlink(missing_ok=True)  # stale: its owner died
+                continue
+            if held == {}:
+                raise RunLockedError(f"{self.path} exists but is unreadable; another job may be using "
+                                     f"{self.path.parent}. Fix: delete {self.path} if no job runs there")
+            raise RunLockedError(
+                f"another job (pid {pid} on {host}, started {time.ctime(held.get('created_at', 0))}: "
+                f"{held.get('command', '?')}) is already running in {self.path.parent}. Fix: wait for it or stop "
+                f"it (kill -INT {pid}), or choose another trainer.output_dir"
+                + (f"; if it is gone, delete {self.path}" if host != me["host"] else ""))
+        raise RunLockedError(f"could not take {self.path} (it keeps changing). Fix: choose another trainer.output_dir")
+
+    def release(self) -> None:
+        """Remove the lock if this process created it (idempotent)."""
+        if not self.owned:
+            return
+        held = self.read()
+        if held is not None and held.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.owned = False

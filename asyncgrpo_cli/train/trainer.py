@@ -33,7 +33,7 @@ from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
-from .run_state import LiveFiles, TrainedPosition, load_rollout_state, save_rollout_state
+from .run_state import LiveFiles, TrainedPosition
 from .tree_attention import apply_tree_attention
 
 POLL_S = 0.25  # rollout-queue poll while waiting, seconds
@@ -44,13 +44,15 @@ class StepPlan:
     """What rank 0 decided for one optimizer step, sent to every rank.
 
     ``rows[m][r]`` are the samples of rank ``r`` in micro-batch ``m``; ``global_trained[m]`` the trained
-    tokens of micro-batch ``m`` over all ranks; ``stop`` ends training after this step.
+    tokens of micro-batch ``m`` over all ranks; ``stop`` ends training after this step (a stop or a failure
+    plan has no rows: every rank saves the last completed step, then stops or raises ``error``).
     """
 
     rows: list[list[list[TrainingSequence]]] = field(default_factory=list)
     global_trained: list[int] = field(default_factory=list)
     stop: bool = False
-    stop_reason: str = ""
+    stop_reason: str = ""  # "epochs done" (train the rest), "stopped" (a signal) or "failed"
+    error: str = ""  # with "failed": the rollout worker's traceback or exit signal
 
 
 def pull_outcome(get: Callable[[float], Any], poll_s: float,
@@ -111,6 +113,9 @@ class AsyncGRPOTrainer(Trainer):
         if "prompt" not in (train_dataset.column_names or []):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")
+        if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
+            raise ValueError(f"train_dataset is an IterableDataset (streaming) and max_steps={args.max_steps}: "
+                             "epochs of a stream have no known length. Fix: set max_steps > 0")
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
@@ -152,24 +157,58 @@ class AsyncGRPOTrainer(Trainer):
               **kwargs: Any) -> TrainOutput:
         """Train until ``max_steps`` optimizer steps (when > 0) or ``num_train_epochs`` passes over the prompts.
 
-        ``resume_from_checkpoint``: a checkpoint folder, or True for the last one in ``output_dir``; model,
-        optimizer, scheduler and the rollout position (``rollout_state.json``) are restored and the worker
-        fast-forwards to the first prompt not yet trained (SPEC §12).
+        ``resume_from_checkpoint``: a checkpoint folder, or True for the newest complete one in ``output_dir``;
+        model weights (checked against the saved checksum and pushed to the server before the first
+        generation), optimizer, scheduler, RNG, ``num_tokens`` and the rollout position (``rollout_state.json``)
+        are restored and the worker fast-forwards to the first prompt not yet trained (SPEC §12; an
+        ``IterableDataset`` restarts from its first prompt). SIGINT or SIGTERM saves a checkpoint of the last
+        completed step, then returns (a second signal stops without saving). A failure after step 1 saves the
+        last completed step before it is raised. ``status.json`` ends as ``finished``, ``stopped`` or
+        ``failed: <reason>``.
 
         Raises:
-            RolloutWorkerError: the worker failed or hung (its traceback is in the message).
-            ValueError: ``resume_from_checkpoint=True`` with no checkpoint in ``output_dir``.
+            RolloutWorkerError: the worker failed, died or hung (its traceback or exit signal in the message).
+            CheckpointError: the checkpoint to resume from is incomplete or corrupt (the message names the
+                newest complete one), its weights could not be restored, ``output_dir`` is not writable, or a
+                save failed (disk full).
+            RunLockedError: another job runs in ``output_dir``.
         """
+        import os
+
+        from .checkpoint import check_writable, remove_partials
+        from .run_state import LOCK_OWNER_ENV, RunLock
+
         args = self.args
         if resume_from_checkpoint is False:
             resume_from_checkpoint = None
         if resume_from_checkpoint is None and args.resume_from_checkpoint:
             resume_from_checkpoint = args.resume_from_checkpoint
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint-N folder")
-        start_position = load_rollout_state(resume_from_checkpoint) if resume_from_checkpoint else 0
+        self.stop_reason, self._signal = None, None
+        self.lock = None
+        if self.is_world_process_zero():
+            check_writable(args.output_dir)
+            owner = os.environ.get(LOCK_OWNER_ENV)
+            self.lock = RunLock(args.output_dir, shared_with=int(owner) if owner and owner.isdigit() else None)
+            self.lock.acquire()
+            remove_partials(args.output_dir)
+        try:
+            return self._train(resume_from_checkpoint, trial)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _train(self, resume_from_checkpoint, trial) -> TrainOutput:
+        from .checkpoint import CheckpointError, check_restored, load_checkpoint_weights, resolve_resume
+        from .run_state import read_rollout_state
+
+        args = self.args
+        checkpoint = resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume_from_checkpoint = str(checkpoint) if checkpoint is not None else None
+        saved = read_rollout_state(checkpoint) if checkpoint is not None else {}
+        start_position = int(saved.get("dataset_start_index", 0))
+        if checkpoint is not None and self._is_iterable:
+            start_position = 0  # SPEC §12: a streaming dataset cannot be repositioned; it restarts
+        self._num_tokens = int(saved.get("num_tokens", 0))
         self.is_in_train = True
         if args.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -178,44 +217,117 @@ class AsyncGRPOTrainer(Trainer):
         state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
         self._init_training_state(state_max_steps, 1, max(1, math.ceil(args.num_train_epochs)),
                                   resume_from_checkpoint, trial)
+        if checkpoint is not None:
+            try:
+                load_checkpoint_weights(self, checkpoint)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(f"resuming from {checkpoint}: the model weights could not be loaded "
+                                      f"({type(exc).__name__}: {exc}). Fix: resume from another checkpoint, with "
+                                      "the model.name and peft.* of the run that saved it") from exc
         model, _ = self._prepare_for_training(state_max_steps, None, resume_from_checkpoint)
+        if checkpoint is not None:
+            self._load_rng_state(resume_from_checkpoint)
+            note = check_restored(self, checkpoint)
+            if self.is_world_process_zero():
+                print(f"asyncgrpo: {note}; resuming at step {self.state.global_step}, prompt position "
+                      f"{start_position}" + (" (IterableDataset: restarts from its first prompt, SPEC §12)"
+                                             if self._is_iterable else ""), flush=True)
+        self._last_saved_step = self.state.global_step
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self.model_version = int(self.state.global_step // args.weight_sync_steps)
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
-        previous = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, self._on_sigint)
+        self.position = None
+        self._last_loss = 0.0
         start = time.time()
+        if args.max_steps > 0 and self.state.global_step >= args.max_steps:
+            if self.live is not None:
+                self.live.update(force=True, state="finished", step=self.state.global_step,
+                                 note=f"nothing to train: step {self.state.global_step} >= max_steps={args.max_steps}")
+            self.is_in_train = False
+            return TrainOutput(self.state.global_step, 0.0, {"train_runtime": 0.0,
+                                                              "total_steps": self.state.global_step,
+                                                              "dataset_start_index": start_position})
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._on_stop_signal)
         try:
-            self._setup_rollouts(start_position)
+            self._setup_rollouts(start_position, resumed=checkpoint is not None)
             self._loop(model, trial)
         except BaseException as exc:
-            if self.live is not None:
-                self.live.update(force=True, state="failed", last_error=f"{type(exc).__name__}: {exc}"[:2000])
+            self._on_failure(model, trial, exc)
             raise
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self._teardown_rollouts()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
-            self.live.update(force=True, state="done" if not self._stop_requested else "interrupted")
+            self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
+                             step=self.state.global_step)
         self.is_in_train = False
         runtime = time.time() - start
         return TrainOutput(self.state.global_step, float(self._last_loss),
                            {"train_runtime": runtime, "total_steps": self.state.global_step,
                             "dataset_start_index": self.position.value if self.position else start_position})
 
-    def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        if self._stop_requested:  # a second Ctrl-C: stop now
+    @property
+    def _is_iterable(self) -> bool:
+        return not hasattr(self.train_dataset, "__len__")
+
+    def _on_stop_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self._stop_requested:  # a second signal: stop now, without saving
             raise KeyboardInterrupt
         self._stop_requested = True
+        self._signal = signum
+
+    @property
+    def exit_code(self) -> int:
+        """What the CLI returns after `train`: 0, or 130 / 143 when SIGINT / SIGTERM stopped it."""
+        if not self._stop_requested:
+            return 0
+        return 143 if getattr(self, "_signal", None) == signal.SIGTERM else 130
+
+    def _on_failure(self, model, trial, exc: BaseException) -> None:
+        """A failure left the loop: save the last completed step when that is safe (one process, not inside
+        the optimizer step), then write the final ``failed: <reason>`` (or ``stopped``) status."""
+        from .checkpoint import CheckpointError
+
+        saved = None
+        if isinstance(exc, KeyboardInterrupt):
+            if self.live is not None:
+                self.live.update(force=True, state="stopped", step=self.state.global_step,
+                                 note="second signal: stopped without saving")
+            return
+        can_save = (self.accelerator.num_processes == 1 and not getattr(self, "_in_optimizer_step", False)
+                    and self.state.global_step > getattr(self, "_last_saved_step", 0)
+                    and getattr(self, "position", None) is not None and not isinstance(exc, CheckpointError))
+        note = ""
+        if can_save:
+            try:
+                saved = self._save_checkpoint_with_position(model, trial)
+                note = f"; checkpoint {saved} saved"
+            except Exception as save_exc:  # noqa: BLE001 - report the original failure
+                note = f"; no checkpoint could be written ({save_exc})"
+        elif self.state.global_step <= getattr(self, "_last_saved_step", 0):
+            note = "; nothing trained since the last checkpoint"
+        else:
+            note = "; no checkpoint written"
+        if self.live is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+            self.live.update(force=True, state=f"failed: {reason.splitlines()[0][:200]}",
+                             last_error=(reason + note)[:4000], step=self.state.global_step)
+        if saved is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"asyncgrpo: checkpoint {saved} (step {self.state.global_step}) was saved before exiting")
 
     # ------------------------------------------------------------------------------------ rollouts (rank 0)
-    def _setup_rollouts(self, start_position: int) -> None:
+    def _setup_rollouts(self, start_position: int, resumed: bool = False) -> None:
         from ..rollout.worker import RolloutWorker
         from ..sampler.client import SyncSamplerClient
+        from .liveness import WorkerWatch
 
         args = self.args
         self.position = None
+        self.watch = None
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
@@ -224,26 +336,35 @@ class AsyncGRPOTrainer(Trainer):
                 budget = int(self.sampler.max_model_len())
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
-                             max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version)
+                             max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version,
+                             step=self.state.global_step)
         self.token_budget = int(self._broadcast(budget))
         self.weight_sync = self._make_weight_sync()
+        adapter = self.weight_sync.mode == "adapter"
+        if resumed and adapter and self.weight_sync.backend is not None:
+            # A new name per resumed run: the server may still cache prefixes under the old run's names.
+            self.weight_sync.backend.prefix = f"policy-r{int(time.time())}"
+        if resumed and not (adapter and self.model_version == 0):
+            # The server holds the base model (or another run's weights): push the checkpoint's first.
+            self.weight_sync.sync(self.model_version)
         if not self.is_world_process_zero():
             return
         self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes)
         self.position = TrainedPosition(start_position)
         self.pulled = TrainedPosition(start_position)  # every position whose outcome has left the queue
-        self.num_prompts = len(self.train_dataset)
+        self.num_prompts = None if self._is_iterable else len(self.train_dataset)
         self.sample_position: dict[int, int] = {}
-        adapter = self.weight_sync.mode == "adapter"
+        prefix = getattr(self.weight_sync.backend, "prefix", "policy")
         self.worker = RolloutWorker(
             args, self.model_id, self.train_dataset, self.reward_funcs,
             self.processing_class, self.eos_token_ids, loop_cls=self.loop_cls, tools=self.tools,
             environment_factory=self.environment_factory, dataset_start_index=start_position,
-            lora_name="policy-v{version}" if adapter else None,
+            lora_name=f"{prefix}-v{{version}}" if adapter else None,
             initial_allowance=initial_allowance(args.max_staleness, args.weight_sync_steps, self.token_budget,
                                                 args.gradient_accumulation_steps, self.accelerator.num_processes))
         self.worker.set_model_version(self.model_version)
         self.worker.start()
+        self.watch = WorkerWatch(self.worker).start()
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
 
@@ -271,9 +392,14 @@ class AsyncGRPOTrainer(Trainer):
         weight_sync = getattr(self, "weight_sync", None)
         if weight_sync is not None:
             weight_sync.close()
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.stop()
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if watch is not None:
+            watch.reap()  # the reward pool of a worker that died is re-parented, not gone
         sampler = getattr(self, "sampler", None)
         if sampler is not None:
             sampler.close()
@@ -286,7 +412,7 @@ class AsyncGRPOTrainer(Trainer):
         return box[0]
 
     def _target_positions(self) -> int | None:
-        if self.args.max_steps > 0:
+        if self.args.max_steps > 0 or self.num_prompts is None:
             return None
         return math.ceil(self.args.num_train_epochs * self.num_prompts)
 
@@ -299,16 +425,19 @@ class AsyncGRPOTrainer(Trainer):
         stop, reason = False, ""
         target = self._target_positions()
         while len(plans) < args.gradient_accumulation_steps:
-            if self._stop_requested:
-                stop, reason = True, "interrupted"
-                break
+            if self._stop_requested:  # save first: the pulled samples stay untrained in the position's accounting
+                return StepPlan(stop=True, stop_reason="stopped")
+            problem = self.watch.problem if self.watch is not None else None
+            if problem is not None:  # found by the timer, even while the queue still holds samples
+                return StepPlan(stop=True, stop_reason="failed", error=problem)
             if target is not None and self.pulled.value >= target:
                 stop, reason = True, "epochs done"  # every prompt of the last epoch is pulled: train the rest
                 break
             outcome, blocked_s = pull_outcome(self.worker.get_outcome, POLL_S)
             waited += blocked_s
             if outcome is None:
-                self.worker.check_alive()
+                if self.watch is not None and self.watch.check() is not None:
+                    continue
                 self._update_status()
                 continue
             closed = self._take(outcome)
@@ -379,6 +508,7 @@ class AsyncGRPOTrainer(Trainer):
             plan = self._next_step_plan() if self.is_world_process_zero() else None
             plan = self._broadcast(plan)
             if not plan.rows:
+                self._end_without_step(model, trial, plan)
                 break
             fwd_bwd_start = time.monotonic()
             contributions, my_rows, loss_sum = [], [], 0.0
@@ -391,6 +521,7 @@ class AsyncGRPOTrainer(Trainer):
                 contributions.append(metrics)
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
             opt_start = time.monotonic()
+            self._in_optimizer_step = True  # a failure in here leaves no step to save
             grad_norm = None
             if args.max_grad_norm and args.max_grad_norm > 0:
                 grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -400,6 +531,7 @@ class AsyncGRPOTrainer(Trainer):
             model.zero_grad(set_to_none=True)
             optimizer_s = time.monotonic() - opt_start
             self.state.global_step += 1
+            self._in_optimizer_step = False
             sync = {}
             trained_version = self.model_version
             if self.state.global_step % args.weight_sync_steps == 0:
@@ -411,13 +543,32 @@ class AsyncGRPOTrainer(Trainer):
             if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
                 self._log_window()
             if plan.stop or (args.max_steps > 0 and self.state.global_step >= args.max_steps):
-                self.control.should_save = args.save_strategy != "no" or plan.stop_reason == "interrupted"
+                self.control.should_save = args.save_strategy != "no"
                 self.control.should_training_stop = True
+            if self._stop_requested:  # a signal during the step: save it, then stop
+                self.control.should_save = self.control.should_training_stop = True
             if self.control.should_save:
                 self._save_checkpoint_with_position(model, trial)
                 self.control.should_save = False
             if self.control.should_training_stop:
                 break
+
+    def _end_without_step(self, model, trial, plan: StepPlan) -> None:
+        """A plan without rows: the epochs are done, a signal asked to stop, or the worker failed. A stop or a
+        failure saves the last completed step first (every rank); a failure is then raised."""
+        from ..rollout.worker import RolloutWorkerError
+
+        if plan.stop_reason in ("stopped", "failed"):
+            if self.state.global_step > self._last_saved_step:
+                self._save_checkpoint_with_position(model, trial)
+        elif self.args.save_strategy != "no" and self.state.global_step > self._last_saved_step:
+            self._save_checkpoint_with_position(model, trial)
+        if plan.stop_reason == "stopped":
+            self._stop_requested = True
+        if plan.stop_reason == "failed":
+            saved = (f"checkpoint-{self._last_saved_step} holds the last completed step"
+                     if self._last_saved_step > 0 else "no step was completed, no checkpoint was written")
+            raise RolloutWorkerError(f"{plan.error}\n({saved})")
 
     def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_bwd_s,
                      optimizer_s, sync, peak, trained_version: int) -> None:
@@ -461,6 +612,7 @@ class AsyncGRPOTrainer(Trainer):
             w.add("sample/staleness_max", staleness)
             self._sample_finished(s)
         w.add("perf/step_s", step_s)
+        self._last_step_s = step_s
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/optimizer_s", optimizer_s)
         w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
@@ -486,6 +638,7 @@ class AsyncGRPOTrainer(Trainer):
                          concurrency=int(self.worker.concurrency_value.value),
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
+                         last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
                          dataset_start_index=self.position.value)
 
     def _queue_size(self) -> int | None:
@@ -511,15 +664,26 @@ class AsyncGRPOTrainer(Trainer):
         self.live.append_metrics({"step": self.state.global_step, "epoch": self.state.epoch, "time": time.time(),
                                   **logs})
 
-    def _save_checkpoint_with_position(self, model, trial) -> None:
-        import os
+    def _save_checkpoint(self, model, trial) -> None:
+        """`transformers.Trainer._save_checkpoint`, made atomic and carrying the rollout position
+        (`checkpoint.save_checkpoint`)."""
+        from .checkpoint import save_checkpoint
 
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        rollout_state = None
+        if self.is_world_process_zero() and getattr(self, "position", None) is not None:
+            rollout_state = {"position": self.position.value, "num_prompts": self.num_prompts,
+                             "num_tokens": self._num_tokens}
+        self._last_checkpoint = save_checkpoint(self, trial, rollout_state)
+        self._last_saved_step = self.state.global_step
 
+    def _save_checkpoint_with_position(self, model, trial):
+        """Save the checkpoint of the current step (every rank) and report it and its duration in
+        ``status.json`` (``last_save_s``: the supervisor's stop grace derives from it). Returns the folder."""
         if self.live is not None:
             self.live.update(force=True, state="saving")
+        start = time.monotonic()
         self._save_checkpoint(model, trial)
-        if self.is_world_process_zero():
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            save_rollout_state(folder, self.position.value, self.num_prompts)
-            self.live.update(force=True, state="running", last_checkpoint=folder)
+        if self.live is not None:
+            self.live.update(force=True, state="running", last_checkpoint=str(self._last_checkpoint),
+                             last_save_s=round(time.monotonic() - start, 2))
+        return self._last_checkpoint

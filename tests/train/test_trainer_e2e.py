@@ -82,7 +82,7 @@ def test_train_syncs_checkpoints_and_resumes(model_dir, server, tmp_path):
         assert any(key in l for l in lines), key
     assert all(l["batch/packing_ratio"] > 1.0 for l in lines)  # the prompt is shared inside each group
     status = json.loads((out / "status.json").read_text())
-    assert status["state"] == "done" and status["step"] == 3 and status["model_version"] == 3
+    assert status["state"] == "finished" and status["step"] == 3 and status["model_version"] == 3
 
     # The server samples with the trained weights: its log-probs equal the trainer's model's.
     first = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -117,4 +117,4 @@ def test_epoch_based_stop(model_dir, server, tmp_path):
     assert result.global_step >= 1
     assert trainer.position.value == 6  # exactly one pass: every prompt of epoch 0 trained or dropped
     status = json.loads((out / "status.json").read_text())
-    assert status["state"] == "done"
+    assert status["state"] == "finished"

@@ -135,7 +135,7 @@ class LoraAdapterSync(WeightSyncBackend):
         self.lora_dir = Path(lora_dir)
         self.prefix = prefix
         self.window = AdapterWindow(max_staleness + 1)
-        self._pattern = re.compile(rf"^{re.escape(prefix)}-v\d+$")
+        self._pattern = re.compile(rf"^{re.escape(prefix)}(-r\d+)?-v\d+$")  # -rN: a resumed run's names
 
     @property
     def current_adapter(self) -> str | None:
