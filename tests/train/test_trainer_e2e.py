@@ -118,3 +118,103 @@ def test_epoch_based_stop(model_dir, server, tmp_path):
     assert trainer.position.value == 6  # exactly one pass: every prompt of epoch 0 trained or dropped
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "finished"
+
+
+def checkpoint_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / name))
+
+
+class ProbingTrainer(AsyncGRPOTrainer):
+    """Samples from the server right after the rollouts were set up (before any training step)."""
+
+    def _setup_rollouts(self, start_position, resumed=False):
+        super()._setup_rollouts(start_position, resumed=resumed)
+        url, name, expected, base = self.probe
+        prompt_ids = [1, 10, 20, 30, 40]
+        continuation, served = server_sample(url, name, prompt_ids)
+        self.served_at_start = (served, model_logprobs(expected, prompt_ids, continuation),
+                                model_logprobs(base, prompt_ids, continuation))
+
+
+def test_resume_restores_weights_tokens_and_position(model_dir, server, tmp_path):
+    """Resume loads the checkpoint's weights (not the base model's), continues num_tokens, trains nothing when
+    max_steps is already reached, and the server samples with the restored weights before the first step."""
+    out = tmp_path / "run"
+    first = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                             args=args_for(out, server.url, max_steps=2), train_dataset=prompts())
+    first.train()
+    checkpoint = out / "checkpoint-2"
+    saved = checkpoint_tensors(checkpoint, "model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert (saved[name] - base.state_dict()[name]).abs().max() > 1e-4  # training moved it
+    tokens = json.loads((checkpoint / "rollout_state.json").read_text())["num_tokens"]
+    assert tokens > 0
+    # Another server state: the base weights. Resuming with max_steps=2 from checkpoint-2 trains nothing.
+    again = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                             args=args_for(out, server.url, max_steps=2), train_dataset=prompts())
+    result = again.train(resume_from_checkpoint=True)
+    assert result.global_step == 2 and not (out / "checkpoint-3").exists()
+    for key, value in saved.items():
+        assert torch.equal(again.model.state_dict()[key], value), key  # restored exactly, not the base model
+    # max_steps=3 against a fresh server (base weights): the resumed run pushes the checkpoint's weights before
+    # generating, trains step 3, and num_tokens continues.
+    fresh = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
+                                      max_model_len=96, max_logprobs=8)).start()
+    try:
+        resumed = ProbingTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                                 args=args_for(out, fresh.url, max_steps=3), train_dataset=prompts())
+        resumed.probe = (fresh.url, str(model_dir), AutoModelForCausalLM.from_pretrained(checkpoint), base)
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    finally:
+        fresh.stop()
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 3 and lines[-1]["num_tokens"] > tokens
+    # The first resumed step was sampled from the restored weights: the sampler/trainer log-prob gap stays small.
+    gap = "sampling/sampling_logp_difference/mean"
+    assert abs(lines[-1][gap]) < 0.05, lines[-1][gap]
+    # Before its first generation the server sampled with the checkpoint's weights, not the base model's.
+    served, expected, initial = resumed.served_at_start
+    assert max(abs(a - b) for a, b in zip(served, expected)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(served, initial)) > 1e-3
+
+
+def test_resume_refuses_an_incomplete_checkpoint(model_dir, server, tmp_path):
+    from asyncgrpo_cli.train.checkpoint import CheckpointError
+
+    out = tmp_path / "run"
+    AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                     args=args_for(out, server.url, max_steps=2, save_steps=1), train_dataset=prompts()).train()
+    (out / "checkpoint-2" / "rollout_state.json").write_text("{not json")
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                               args=args_for(out, server.url, max_steps=3), train_dataset=prompts())
+    with pytest.raises(CheckpointError, match=r"rollout_state.json is corrupt.*checkpoint-1 \(the newest complete"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert not (out / ".asyncgrpo.lock").exists()  # released on the error path
+
+
+def test_lora_resume_republishes_the_adapter(model_dir, tmp_path):
+    from peft import LoraConfig
+
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
+                                       max_model_len=96, max_logprobs=8, enable_lora=True, max_lora_rank=8,
+                                       max_loras=4)).start()
+    try:
+        out = tmp_path / "lora"
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                         args=args_for(out, handle.url, max_steps=2), train_dataset=prompts(),
+                         peft_config=lora).train()
+        saved = checkpoint_tensors(out / "checkpoint-2", "adapter_model.safetensors")
+        resumed = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                                   args=args_for(out, handle.url, max_steps=3), train_dataset=prompts(),
+                                   peft_config=lora)
+        result = resumed.train(resume_from_checkpoint=True)  # was: HTTP 404 "policy-v2 does not exist"
+        assert result.global_step == 3
+        served = [m["id"] for m in httpx.get(f"{handle.url}/v1/models", timeout=30).json()["data"]]
+        assert any(m.startswith("policy-r") and m.endswith("-v3") for m in served), served
+        assert (out / "checkpoint-3").is_dir() and saved
+    finally:
+        handle.stop()
