@@ -218,3 +218,28 @@ def test_lora_resume_republishes_the_adapter(model_dir, tmp_path):
         assert (out / "checkpoint-3").is_dir() and saved
     finally:
         handle.stop()
+
+
+class FullDiskTrainer(AsyncGRPOTrainer):
+    """The second save hits ENOSPC half-way (after the weights, before the optimizer)."""
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        import errno
+
+        if self.state.global_step >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+        return super()._save_optimizer_and_scheduler(output_dir)
+
+
+def test_disk_full_while_saving_keeps_the_last_checkpoint(model_dir, server, tmp_path):
+    from asyncgrpo_cli.train.checkpoint import CheckpointError, checkpoint_problem
+
+    out = tmp_path / "run"
+    trainer = FullDiskTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                              args=args_for(out, server.url, max_steps=3, save_steps=1), train_dataset=prompts())
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 .*No space left.*checkpoint-1 is untouched.*Fix: free"):
+        trainer.train()
+    assert checkpoint_problem(out / "checkpoint-1") is None
+    assert not (out / "checkpoint-2").exists() and not list(out.glob(".checkpoint-*"))
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"].startswith("failed: CheckpointError") and status["step"] == 2
