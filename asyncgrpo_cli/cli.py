@@ -119,6 +119,10 @@ def serve_cmd(
         return
     for note in command.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
+    from .config.compose import public_host_warning
+
+    if public_host_warning(cfg):
+        err.print(f"[bold yellow]{public_host_warning(cfg)}[/]", highlight=False)
     try:
         argv = server_exec_argv(command)
     except ConfigError as exc:

@@ -204,6 +204,30 @@ def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
+PUBLIC_HOST_RISK = ("the server's dev routes (/update_weights, /pause, LoRA loading) take no API key, and "
+                    "/update_weights loads any file path it is given")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def public_host_warning(cfg: DictConfig) -> str | None:
+    """The warning to print when a started server listens beyond loopback (``sampler.allow_public=true``)."""
+    if cfg.sampler.backend.value == "external" or is_loopback(str(cfg.sampler.host)):
+        return None
+    return (f"warning: sampler.host={cfg.sampler.host} (sampler.allow_public=true): {PUBLIC_HOST_RISK}; anyone who "
+            "can reach the port can replace the weights. Keep the port firewalled")
+
+
 def server_url(cfg: DictConfig) -> str:
     """Base URL of the sampler: ``sampler.url`` when set, else the address of the server the CLI starts."""
     if cfg.sampler.url:
@@ -239,6 +263,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"sampler.max_logprobs={cfg.sampler.max_logprobs}: below rollout.num_sampler_logprobs="
                           f"{cfg.rollout.num_sampler_logprobs}, the server would refuse every request. Fix: set "
                           f"sampler.max_logprobs={cfg.rollout.num_sampler_logprobs} (or leave it null)")
+    if not is_loopback(str(cfg.sampler.host)) and not cfg.sampler.allow_public:
+        raise ConfigError(f"sampler.host={cfg.sampler.host} is not a loopback address: {PUBLIC_HOST_RISK}. Fix: keep "
+                          "sampler.host=127.0.0.1 (reach it through an SSH tunnel), or set sampler.allow_public=true "
+                          "on a trusted network")
     if cfg.sampler.backend.value == "external" and not cfg.sampler.url:
         raise ConfigError("sampler.backend=external needs sampler.url. Fix: add sampler.url=http://HOST:PORT")
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus

@@ -186,6 +186,8 @@ class SamplerConfig:
     """``vllm_server_timeout`` in seconds."""
     host: str = "127.0.0.1"
     """Address a started server binds to (dev-mode routes take no API key: keep it private)."""
+    allow_public: bool = False
+    """Accept a non-loopback ``host`` (the unauthenticated weight-update routes become reachable from the network)."""
     port: int = 8000
     """Port a started server listens on."""
     max_model_len: Optional[int] = None
@@ -240,6 +242,10 @@ class LaunchConfig:
     """Address of machine 0 (multi-node)."""
     main_process_port: Optional[int] = None
     """Rendezvous port (multi-node)."""
+    stop_timeout: Optional[float] = None
+    """Seconds the supervisor waits after SIGINT/SIGTERM for the trainer to save a checkpoint and exit, before
+    SIGTERM then SIGKILL; None = the last step time + 3 × the last measured save time + 30 s (120 s before
+    the first save)."""
 
 
 @dataclass

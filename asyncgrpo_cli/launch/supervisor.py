@@ -100,6 +100,17 @@ def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
     return data.decode("utf-8", errors="replace").splitlines()[-n:]
 
 
+def read_status(output_dir: str | Path) -> dict[str, Any]:
+    """``<output_dir>/status.json`` as a dict ({} when absent or unreadable)."""
+    import json
+
+    try:
+        data = json.loads((Path(output_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def probe_health(url: str, timeout: float = 2.0) -> bool:
     """Whether ``GET {url}/health`` answers 200 within ``timeout`` seconds."""
     import httpx
@@ -311,6 +322,8 @@ class Supervisor:
         self._signals: list[int] = []
         self._failures: list[tuple[str, list[str], str]] = []  # (message, log lines, log path)
         self._monitoring = False
+        self.lock = None
+        self._checkpoints_before: str | None = None
 
     # -------------------------------------------------------------- signals
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -358,15 +371,97 @@ class Supervisor:
             self._stop_all()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            self._finalize_status(rc)
+            if self.lock is not None:
+                self.lock.release()
         self._print_failures()
         return rc
 
     def _argv(self, name: str, argv: list[str]) -> list[str]:
         return list(self.commands(name, list(argv))) if self.commands else list(argv)
 
+    def _claim_output_dir(self) -> int | None:
+        """Refuse an unwritable ``trainer.output_dir``, another job in it, or a checkpoint to resume from that
+        is incomplete, before anything starts; take the run lock (released when the job ends)."""
+        from ..train.checkpoint import CheckpointError, resolve_resume
+        from ..train.run_state import RunLock, RunLockedError
+
+        out = self.plan.output_dir
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(out)
+            if self.plan.gpus.machine_rank == 0:  # other machines of a multi-node job share machine 0's lock
+                lock.acquire()
+        except RunLockedError as exc:
+            return self._refuse(str(exc))
+        except OSError as exc:
+            return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
+                                "Fix: choose a writable folder with trainer.output_dir=...")
+        self.lock = lock
+        resume = self.cfg.trainer.resume_from_checkpoint
+        if resume:
+            try:
+                resolve_resume(True if str(resume).lower() == "true" else str(resume), out)
+            except CheckpointError as exc:
+                return self._refuse(str(exc))
+        self._checkpoints_before = self._newest_checkpoint()
+        return None
+
+    def _refuse(self, message: str) -> int:
+        self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+        return 2
+
+    def _newest_checkpoint(self) -> str | None:
+        from ..train.checkpoint import newest_complete_checkpoint
+
+        found = newest_complete_checkpoint(self.plan.output_dir)
+        return str(found) if found is not None else None
+
+    def _stop_grace(self) -> float:
+        """Seconds to wait for the trainer to save after a stop: ``launch.stop_timeout``, else derived from the
+        trainer's last measured save and step times (``status.json``), else ``Timeouts.trainer_grace_s``."""
+        configured = self.cfg.launch.get("stop_timeout") if "launch" in self.cfg else None
+        if configured is not None:
+            return float(configured)
+        status = read_status(self.plan.output_dir)
+        save_s, step_s = status.get("last_save_s"), status.get("last_step_s")
+        if isinstance(save_s, (int, float)) and save_s > 0:
+            return float(step_s or 0.0) + 3.0 * float(save_s) + 30.0
+        return self.timeouts.trainer_grace_s
+
+    def _finalize_status(self, rc: int) -> None:
+        """``status.json`` ends in a final state on every exit path (``finished``, ``stopped``, ``failed: ...``):
+        a trainer that was killed, or never started, leaves it at ``running``/``saving``/``starting``."""
+        from ..train.run_state import write_json_atomic
+
+        path = self.plan.output_dir / "status.json"
+        status = read_status(self.plan.output_dir)
+        if not status and self.trainer is None:
+            return  # nothing ran: no status to close
+        state = str(status.get("state", ""))
+        if state in ("finished", "stopped") or state.startswith("failed"):
+            return
+        if rc == 0:
+            final = "finished"
+        elif rc in (130, 143):
+            final = "stopped"
+        else:
+            reason = self._failures[0][0] if self._failures else f"exit status {rc}"
+            final = f"failed: {reason}"[:300]
+        note = status.get("note")
+        if state in ("saving", "running", "starting") and rc in (130, 143):
+            note = f"the trainer was stopped while {state}; newest complete checkpoint: {self._newest_checkpoint()}"
+        status.update(state=final, updated_at=time.time(), **({"note": note} if note else {}))
+        try:
+            write_json_atomic(path, status)
+        except OSError:
+            pass
+
     def _run(self) -> int:
         plan, cfg = self.plan, self.cfg
-        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        refused = self._claim_output_dir()
+        if refused is not None:
+            return refused
         plan.logs_dir.mkdir(parents=True, exist_ok=True)
         plan.config_path.write_text(to_yaml(cfg))
         plan.accelerate_config_path.write_text(accelerate_config_yaml(plan.accelerate))
@@ -392,7 +487,10 @@ class Supervisor:
                 return rc
         if self._stop.is_set():
             return self._interrupted_rc()
-        self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv), plan.trainer_env,
+        from ..train.run_state import LOCK_OWNER_ENV
+
+        self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
+                             {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid())},
                              plan.logs_dir / "trainer.log").start()
         self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
                            markup=False, highlight=False, soft_wrap=True)
@@ -504,19 +602,21 @@ class Supervisor:
                     break
                 if self._stop.is_set():
                     sig = signal.Signals(self._signals[0]).name if self._signals else "signal"
-                    dash.print(Text(f"{sig}: asking the trainer to save a checkpoint and stop (up to "
-                                    f"{self.timeouts.trainer_grace_s:g} s; send it again to stop now)",
-                                    style="yellow"))
-                    self._stop_child(trainer, signal.SIGINT, self.timeouts.trainer_grace_s)
+                    grace = self._stop_grace()
+                    dash.print(Text(f"{sig}: asking the trainer to save a checkpoint of its last completed step "
+                                    f"and stop (up to {grace:.0f} s, launch.stop_timeout; send it again to stop "
+                                    "now, without saving)", style="yellow"))
+                    self._stop_child(trainer, signal.SIGINT, grace)
+                    dash.print(Text(self._checkpoint_report(), style="yellow"))
                     outcome, status = "interrupted", self._interrupted_rc()
                     break
                 if self.server is not None and self.server.poll() is not None:
                     code = self.server.poll()
-                    dash.print(Text(f"the server exited with code {code}: stopping the trainer (it saves a "
-                                    "checkpoint)", style="red"))
-                    self._stop_child(trainer, signal.SIGINT, self.timeouts.trainer_grace_s)
-                    outcome, status = "failed", self._fail(f"the server exited with code {code} during training",
-                                                           self.server)
+                    dash.print(Text(f"the server exited with code {code}: stopping the trainer (it saves its last "
+                                    "completed step if it can)", style="red"))
+                    self._stop_child(trainer, signal.SIGINT, self._stop_grace())
+                    outcome, status = "failed", self._fail(f"the server exited with code {code} during training; "
+                                                           + self._checkpoint_report(), self.server)
                     break
                 trainer.track()
                 if self.server is not None:
@@ -528,6 +628,15 @@ class Supervisor:
             self._monitoring = False
             dash.stop()
         return outcome, status
+
+    def _checkpoint_report(self) -> str:
+        """Whether the stopped trainer wrote a new complete checkpoint (never promise one that is not there)."""
+        newest = self._newest_checkpoint()
+        if newest is not None and newest != self._checkpoints_before:
+            return f"checkpoint saved: {newest}"
+        if newest is not None:
+            return f"no new checkpoint was written; the newest complete one is {newest}"
+        return "no checkpoint was written"
 
     def _wait_exit(self, child: Child, timeout: float, *, interruptible: bool) -> bool:
         """Wait up to ``timeout`` s until neither the child's leader nor its direct children run (redrawing
@@ -595,8 +704,9 @@ class Supervisor:
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
         summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)
         self.console.print(summary_panel(summary))
-        if outcome == "interrupted" and summary.checkpoints:
-            self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={summary.checkpoints[-1]}",
+        newest = self._newest_checkpoint()
+        if outcome == "interrupted" and newest:
+            self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={newest}",
                                     style="cyan"), soft_wrap=True)
 
 
@@ -656,6 +766,10 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         console.print(Text("interrupted before anything started", style="yellow"))
         return 130
     print_plan(console, rcfg, plan, resolved=True)
+    from ..config.compose import public_host_warning
+
+    if plan.server is not None and public_host_warning(rcfg):
+        console.print(Text(public_host_warning(rcfg), style="bold yellow"), soft_wrap=True)
     earlier = earlier_checkpoints_note(rcfg)
     if earlier:
         console.print(Text(earlier, style="yellow"), soft_wrap=True)

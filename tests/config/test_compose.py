@@ -165,3 +165,13 @@ def test_unknown_key_suggests_the_closest():
         compose(["rollout.num_generation=4"])
     with pytest.raises(ConfigError, match="did you mean rollout"):
         compose(["rollot.top_k=4"])
+
+
+def test_public_sampler_host_needs_allow_public():
+    from asyncgrpo_cli.config.compose import public_host_warning
+
+    with pytest.raises(ConfigError, match=r"sampler.host=0.0.0.0 is not a loopback.*sampler.allow_public=true"):
+        compose(["model.name=x", "sampler.host=0.0.0.0"])
+    assert "anyone who can reach" in public_host_warning(
+        compose(["model.name=x", "sampler.host=0.0.0.0", "sampler.allow_public=true"]))
+    assert public_host_warning(compose(["model.name=x", "sampler.host=localhost"])) is None
