@@ -1,0 +1,24 @@
+"""Rewards of the fault suite: first-token parity (spread inside groups for a random model), and a log of every
+scored prompt index (``ASYNCGRPO_FAULT_LOG``: one JSON line per group) to check that a resumed run trains each
+prompt once."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def logged_parity(completion_ids, index=None, **kwargs):
+    """1.0 when the first completion token is even; appends ``{"run": ..., "index": ...}`` to the log."""
+    path = os.environ.get("ASYNCGRPO_FAULT_LOG")
+    if path and index:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"run": os.environ.get("ASYNCGRPO_FAULT_RUN", ""), "index": int(index[0])}) + "\n")
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
+
+
+def failing_at_third_group(completion_ids, index=None, **kwargs):
+    """`logged_parity`, raising on the group of prompt index 12 (a reward that breaks mid-run)."""
+    if index and int(index[0]) == 12:
+        raise RuntimeError("reward exploded on prompt 12")
+    return logged_parity(completion_ids, index=index, **kwargs)
