@@ -11,6 +11,7 @@ resumption come from `transformers.Trainer`; the rollout position is saved besid
 from __future__ import annotations
 
 import math
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -314,7 +315,10 @@ class AsyncGRPOTrainer(Trainer):
             note = "; no checkpoint written"
         if self.live is not None:
             reason = f"{type(exc).__name__}: {exc}"
-            self.live.update(force=True, state=f"failed: {reason.splitlines()[0][:200]}",
+            lines = reason.splitlines()
+            cause = [ln for ln in lines[1:] if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", ln)]
+            summary = lines[0] + (f" {cause[-1]}" if cause else "")
+            self.live.update(force=True, state=f"failed: {summary[:300]}",
                              last_error=(reason + note)[:4000], step=self.state.global_step)
         if saved is not None and hasattr(exc, "add_note"):
             exc.add_note(f"asyncgrpo: checkpoint {saved} (step {self.state.global_step}) was saved before exiting")
@@ -396,7 +400,8 @@ class AsyncGRPOTrainer(Trainer):
         if watch is not None:
             watch.stop()
         if self.worker is not None:
-            self.worker.stop()
+            hung = watch is not None and watch.problem is not None  # a dead or hung worker gets no long grace
+            self.worker.stop(timeout_s=2.0 if hung else 10.0)
             self.worker = None
         if watch is not None:
             watch.reap()  # the reward pool of a worker that died is re-parented, not gone

@@ -17,8 +17,9 @@ def logged_parity(completion_ids, index=None, **kwargs):
     return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
 
 
-def failing_at_third_group(completion_ids, index=None, **kwargs):
-    """`logged_parity`, raising on the group of prompt index 12 (a reward that breaks mid-run)."""
-    if index and int(index[0]) == 12:
-        raise RuntimeError("reward exploded on prompt 12")
+def failing_at_prompt_40(completion_ids, index=None, **kwargs):
+    """`logged_parity`, raising on the group of prompt index 40 (a reward that breaks mid-run; the staleness
+    allowance keeps the worker a few steps ahead of training at most, so steps were trained by then)."""
+    if index and int(index[0]) == 40:
+        raise RuntimeError("reward exploded on prompt 40")
     return logged_parity(completion_ids, index=index, **kwargs)
