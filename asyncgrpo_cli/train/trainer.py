@@ -111,7 +111,7 @@ class AsyncGRPOTrainer(Trainer):
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
         if not funcs and environment_factory is None:
             raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
-        if "prompt" not in (train_dataset.column_names or []):
+        if train_dataset.column_names is not None and "prompt" not in train_dataset.column_names:
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")
         if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
@@ -632,7 +632,8 @@ class AsyncGRPOTrainer(Trainer):
         self.worker.publish_allowance(allowance_after_step(args.max_staleness, args.weight_sync_steps,
                                                            sum(s.num_tokens for s in trained_samples)))
         self.worker.set_model_version(self.model_version)
-        self.state.epoch = self.position.value / max(1, self.num_prompts)
+        if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
+            self.state.epoch = self.position.value / self.num_prompts
         self._update_status(force=True)
 
     def _update_status(self, force: bool = False) -> None:

@@ -243,3 +243,25 @@ def test_disk_full_while_saving_keeps_the_last_checkpoint(model_dir, server, tmp
     assert not (out / "checkpoint-2").exists() and not list(out.glob(".checkpoint-*"))
     status = json.loads((out / "status.json").read_text())
     assert status["state"].startswith("failed: CheckpointError") and status["step"] == 2
+
+
+def stream_rows():
+    for i in range(40):
+        yield {"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}], "answer": str(i + 3)}
+
+
+def test_iterable_dataset_trains_and_resumes_from_its_first_prompt(model_dir, server, tmp_path, capsys):
+    """An IterableDataset trains (no len()), and on resume restarts from its first prompt (SPEC §12)."""
+    out = tmp_path / "stream"
+    stream = datasets.IterableDataset.from_generator(stream_rows)
+    AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward], args=args_for(out, server.url, max_steps=2),
+                     train_dataset=stream).train()
+    assert json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())["num_prompts"] is None
+    resumed = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                               args=args_for(out, server.url, max_steps=3), train_dataset=stream)
+    result = resumed.train(resume_from_checkpoint=True)
+    assert result.global_step == 3
+    assert "prompt position 0 (IterableDataset: restarts from its first prompt" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="IterableDataset .* max_steps=-1.*Fix: set max_steps"):
+        AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                         args=args_for(out, server.url, max_steps=-1), train_dataset=stream)
