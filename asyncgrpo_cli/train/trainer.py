@@ -550,7 +550,8 @@ class AsyncGRPOTrainer(Trainer):
             if plan.stop or (args.max_steps > 0 and self.state.global_step >= args.max_steps):
                 self.control.should_save = args.save_strategy != "no"
                 self.control.should_training_stop = True
-            if self._stop_requested:  # a signal during the step: save it, then stop
+            if self._broadcast(self._stop_requested):  # a signal during the step (rank 0 decides): save, stop
+                self._stop_requested = True
                 self.control.should_save = self.control.should_training_stop = True
             if self.control.should_save:
                 self._save_checkpoint_with_position(model, trial)

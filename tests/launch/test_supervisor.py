@@ -205,6 +205,8 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
         assert driver.returncode == 130, text
         assert "SIGINT: asking the trainer to save a checkpoint" in text
         assert "interrupted" in text and "checkpoint-1" in text
+        # The fake trainer exits while "saving": the supervisor closes status.json with a final state.
+        assert json.loads((out / "status.json").read_text())["state"] == "stopped"
         log = tail_lines(out / "logs" / "trainer.log", 400)
         assert any("got SIGINT, saving" in ln for ln in log) and any("saved checkpoint-1" in ln for ln in log)
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30,
