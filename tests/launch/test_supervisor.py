@@ -220,3 +220,41 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
                 os.kill(read_pid(f), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_refusals_before_anything_starts(tmp_path):
+    """An output_dir that cannot be created, a folder another live job holds, and an incomplete checkpoint to
+    resume from are refused with exit 2 before the server starts."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.train.run_state import RunLock
+
+    from .conftest import base_overrides
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    cfg = compose(base_overrides(blocker / "run", free_port()))
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids)) == 2
+    assert "is not writable" in console.export_text() and not (pids / "server.pid").exists()
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.train.run_state import RunLock\n"
+                               f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        console = record_console()
+        cfg = compose(base_overrides(out, free_port()))
+        assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids)) == 2
+        assert f"another job (pid {holder.pid} on" in console.export_text()
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / "checkpoint-4").mkdir()
+    console = record_console()
+    cfg = compose(base_overrides(out, free_port(), f"trainer.resume_from_checkpoint={out / 'checkpoint-4'}"))
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids)) == 2
+    assert "not a complete checkpoint" in console.export_text() and not (pids / "server.pid").exists()
+    assert RunLock(out).read() is None  # released
