@@ -20,9 +20,15 @@ track of every descendant it sees (psutil, polled every loop and before each sig
 signals its whole group; a final sweep SIGKILLs every group and every tracked descendant still there,
 so no orphan survives. Logs go to ``<output_dir>/logs/{server,trainer}.log``.
 
-SIGINT / SIGTERM: SIGINT goes to the trainer's group first (the trainer saves a checkpoint); the
-supervisor waits up to ``Timeouts.trainer_grace_s`` for the launcher and its direct children (the
-ranks: accelerate's single-process launcher dies at once while its trainer saves), then sends SIGTERM,
+One job per ``trainer.output_dir``: the supervisor takes ``<output_dir>/.asyncgrpo.lock`` before anything
+starts (the trainer it launches shares it) and refuses an unwritable folder or an incomplete checkpoint to
+resume from (exit 2). ``status.json`` always ends in a final state (``finished``, ``stopped``, ``failed: ...``).
+
+SIGINT / SIGTERM: SIGINT goes to the trainer's group first (the trainer saves a checkpoint of its last
+completed step); the supervisor waits up to ``launch.stop_timeout`` s (default: the trainer's last step
+time + 3 × its last save time + 30 s, or ``Timeouts.trainer_grace_s`` before the first save) for the
+launcher and its direct children (the ranks: accelerate's single-process launcher dies at once while its
+trainer saves), then sends SIGTERM,
 then SIGKILL; the server is stopped afterwards. A second signal skips the waits. Note: torchrun
 (2+ processes) itself kills ranks that have not exited 30 s after its SIGINT. Exit status: 0 when the trainer finished, 1 on a failure (with the
 failing component's last log lines), 2 on a config error, 130 / 143 after SIGINT / SIGTERM.
