@@ -8,29 +8,35 @@ import os
 import signal
 import time
 
+import pytest
+
 from asyncgrpo_cli.train.checkpoint import checkpoint_problem, newest_complete_checkpoint, partial_dir
 
 from .conftest import api_job_argv, metrics_steps, status, wait_for, worker_pid
 
 
-def test_worker_killed_stops_the_run_with_a_checkpoint(tiny_model, prompt_file, tmp_path, jobs):
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_hung_worker_stops_the_run_with_a_checkpoint(tiny_model, prompt_file, tmp_path, jobs, fault):
+    """kill -9: noticed by the timer within a second (the heartbeat timeout is long, and the queue may still
+    hold samples). SIGSTOP: a silent worker, noticed after rollout_worker_timeout (5 s here)."""
     out = tmp_path / "run"
-    # The heartbeat timeout is long: the death itself must be noticed, by the timer, not by a stale heartbeat
-    # or an empty queue.
-    job = jobs(api_job_argv(tiny_model, prompt_file, out, "--worker-timeout", "300"), "job")
+    timeout = "300" if fault == "SIGKILL" else "5"
+    job = jobs(api_job_argv(tiny_model, prompt_file, out, "--worker-timeout", timeout), "job")
     wait_for(lambda: len(metrics_steps(out)) >= 2, 240, "step 2", job)
     pid = wait_for(lambda: worker_pid(job), 30, "the rollout worker", job)
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    hit = time.monotonic()
+    os.kill(pid, getattr(signal, fault))
     assert job.wait(120) == 1
-    assert time.monotonic() - killed < 60
+    assert time.monotonic() - hit < (60 if fault == "SIGKILL" else 5 + 60)
     job.assert_no_process_left(30)
     text = job.output()
-    assert f"the rollout worker (pid {pid}) died: killed by SIGKILL" in text, text[-3000:]
+    expected = (f"the rollout worker (pid {pid}) died: killed by SIGKILL" if fault == "SIGKILL" else
+                "the rollout worker has not sent a heartbeat for")
+    assert expected in text, text[-3000:]
     checkpoint = newest_complete_checkpoint(out)
     assert checkpoint is not None and checkpoint.name == f"checkpoint-{metrics_steps(out)[-1]}", text[-3000:]
     final = status(out)
-    assert final["state"].startswith("failed: RolloutWorkerError") and "killed by SIGKILL" in final["state"]
+    assert final["state"].startswith("failed: RolloutWorkerError")
 
 
 def test_reward_that_raises_saves_the_last_step(tiny_model, prompt_file, tmp_path, jobs):
