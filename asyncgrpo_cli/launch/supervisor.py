@@ -60,6 +60,7 @@ from rich.text import Text
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
+from .job_files import finalize_status, newest_checkpoint, stop_grace
 from .server_command import ServerCommand
 
 LOG_TAIL_LINES = 30
@@ -104,17 +105,6 @@ def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
     except OSError:
         return []
     return data.decode("utf-8", errors="replace").splitlines()[-n:]
-
-
-def read_status(output_dir: str | Path) -> dict[str, Any]:
-    """``<output_dir>/status.json`` as a dict ({} when absent or unreadable)."""
-    import json
-
-    try:
-        data = json.loads((Path(output_dir) / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def probe_health(url: str, timeout: float = 2.0) -> bool:
@@ -377,7 +367,8 @@ class Supervisor:
             self._stop_all()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            self._finalize_status(rc)
+            if self.trainer is not None:
+                finalize_status(self.plan.output_dir, rc, self._failures[0][0] if self._failures else None)
             if self.lock is not None:
                 self.lock.release()
         self._print_failures()
@@ -418,50 +409,11 @@ class Supervisor:
         return 2
 
     def _newest_checkpoint(self) -> str | None:
-        from ..train.checkpoint import newest_complete_checkpoint
-
-        found = newest_complete_checkpoint(self.plan.output_dir)
-        return str(found) if found is not None else None
+        return newest_checkpoint(self.plan.output_dir)
 
     def _stop_grace(self) -> float:
-        """Seconds to wait for the trainer to save after a stop: ``launch.stop_timeout``, else derived from the
-        trainer's last measured save and step times (``status.json``), else ``Timeouts.trainer_grace_s``."""
-        configured = self.cfg.launch.get("stop_timeout") if "launch" in self.cfg else None
-        if configured is not None:
-            return float(configured)
-        status = read_status(self.plan.output_dir)
-        save_s, step_s = status.get("last_save_s"), status.get("last_step_s")
-        if isinstance(save_s, (int, float)) and save_s > 0:
-            return float(step_s or 0.0) + 3.0 * float(save_s) + 30.0
-        return self.timeouts.trainer_grace_s
-
-    def _finalize_status(self, rc: int) -> None:
-        """``status.json`` ends in a final state on every exit path (``finished``, ``stopped``, ``failed: ...``):
-        a trainer that was killed, or never started, leaves it at ``running``/``saving``/``starting``."""
-        from ..train.run_state import write_json_atomic
-
-        path = self.plan.output_dir / "status.json"
-        status = read_status(self.plan.output_dir)
-        if not status and self.trainer is None:
-            return  # nothing ran: no status to close
-        state = str(status.get("state", ""))
-        if state in ("finished", "stopped") or state.startswith("failed"):
-            return
-        if rc == 0:
-            final = "finished"
-        elif rc in (130, 143):
-            final = "stopped"
-        else:
-            reason = self._failures[0][0] if self._failures else f"exit status {rc}"
-            final = f"failed: {reason}"[:300]
-        note = status.get("note")
-        if state in ("saving", "running", "starting") and rc in (130, 143):
-            note = f"the trainer was stopped while {state}; newest complete checkpoint: {self._newest_checkpoint()}"
-        status.update(state=final, updated_at=time.time(), **({"note": note} if note else {}))
-        try:
-            write_json_atomic(path, status)
-        except OSError:
-            pass
+        """`job_files.stop_grace` of ``launch.stop_timeout`` and the trainer's measured times."""
+        return stop_grace(self.cfg.launch.get("stop_timeout"), self.plan.output_dir, self.timeouts.trainer_grace_s)
 
     def _run(self) -> int:
         plan, cfg = self.plan, self.cfg

@@ -1,0 +1,69 @@
+"""What the supervisor reads and writes in ``<output_dir>`` around the trainer: ``status.json`` (read for the
+stop grace, closed with a final state when the trainer could not), and the newest complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+FINAL_STATES = ("finished", "stopped")
+
+
+def read_status(output_dir: str | Path) -> dict[str, Any]:
+    """``<output_dir>/status.json`` as a dict ({} when absent or unreadable)."""
+    try:
+        data = json.loads((Path(output_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def newest_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest complete ``checkpoint-N`` of ``output_dir`` (`train.checkpoint`), None when there is none."""
+    from ..train.checkpoint import newest_complete_checkpoint
+
+    found = newest_complete_checkpoint(output_dir)
+    return str(found) if found is not None else None
+
+
+def stop_grace(configured: float | None, output_dir: str | Path, fallback_s: float) -> float:
+    """Seconds to wait for the trainer to save after a stop signal: ``configured`` (``launch.stop_timeout``),
+    else the trainer's last step time + 3 × its last save time + 30 s (``status.json``: ``last_step_s``,
+    ``last_save_s``), else ``fallback_s`` (no save measured yet)."""
+    if configured is not None:
+        return float(configured)
+    status = read_status(output_dir)
+    save_s, step_s = status.get("last_save_s"), status.get("last_step_s")
+    if isinstance(save_s, (int, float)) and save_s > 0:
+        return float(step_s if isinstance(step_s, (int, float)) else 0.0) + 3.0 * float(save_s) + 30.0
+    return float(fallback_s)
+
+
+def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> None:
+    """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
+    ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept;
+    an absent file stays absent (nothing ran)."""
+    from ..train.run_state import write_json_atomic
+
+    status = read_status(output_dir)
+    if not status:
+        return
+    state = str(status.get("state", ""))
+    if state in FINAL_STATES or state.startswith("failed"):
+        return
+    if rc == 0:
+        final = "finished"
+    elif rc in (130, 143):
+        final = "stopped"
+    else:
+        final = f"failed: {failure or f'exit status {rc}'}"[:300]
+    if rc in (130, 143):
+        status["note"] = (f"the trainer was stopped while {state or 'starting'}; newest complete checkpoint: "
+                          f"{newest_checkpoint(output_dir)}")
+    status.update(state=final, updated_at=time.time())
+    try:
+        write_json_atomic(Path(output_dir) / "status.json", status)
+    except OSError:
+        pass

@@ -1,0 +1,31 @@
+"""The supervisor's stop grace and the final state it gives status.json."""
+
+from __future__ import annotations
+
+import json
+
+from asyncgrpo_cli.launch.job_files import finalize_status, stop_grace
+
+
+def write(out, **status):
+    (out / "status.json").write_text(json.dumps(status))
+
+
+def test_stop_grace_from_the_measured_save(tmp_path):
+    assert stop_grace(None, tmp_path, 120.0) == 120.0  # no status yet
+    write(tmp_path, state="running", last_save_s=4.0, last_step_s=10.0)
+    assert stop_grace(None, tmp_path, 120.0) == 10.0 + 12.0 + 30.0
+    assert stop_grace(600.0, tmp_path, 120.0) == 600.0  # launch.stop_timeout wins
+
+
+def test_finalize_status(tmp_path):
+    write(tmp_path, state="saving", step=3)
+    finalize_status(tmp_path, 130, None)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "stopped" and "stopped while saving" in status["note"]
+    write(tmp_path, state="running")
+    finalize_status(tmp_path, 1, "the trainer exited with code -9")
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed: the trainer exited with code -9"
+    write(tmp_path, state="finished")
+    finalize_status(tmp_path, 1, "x")
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"  # a final state is kept
