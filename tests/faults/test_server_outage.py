@@ -1,0 +1,293 @@
+"""Server outages and the worker's lifetime, with real processes (SPEC Appendix B.17; issue 16).
+
+Every test starts its own embedded sampler (``outage_program.py server``, the embedded sampler recording
+what it receives) and a Python-API training run (``outage_program.py train``, `AsyncGRPOTrainer.train()`
+without the CLI) over a tiny random model, each in a session of its own; whatever a test starts is
+SIGKILLed at teardown (process groups and every descendant seen), pass or fail.
+
+- the server is kill -9'ed mid-run and started again on the same port: ``status.json`` says "server
+  unreachable, retrying (N s left)" meanwhile, the run ends with exit 0, and the restarted server
+  received the trainer's weights before it generated anything;
+- the server stays down: the run exits non-zero within ``vllm_server_timeout`` + `DOWN_BOUND_S`, with the
+  error naming the URL, how long it waited and the fix;
+- the trainer is kill -9'ed: its rollout worker and the worker's math-verify pool are gone within
+  `ORPHAN_BOUND_S`.
+
+Plus the retry decisions of `ServerOutage` / `_RetryState` on a fake clock (no sleeps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from asyncgrpo_cli.sampler.protocol import SamplerConnectionLost, SamplerRequestError, SamplerRetryError
+from asyncgrpo_cli.sampler.retry import ServerOutage, _RetryState, unreachable_text
+
+HERE = Path(__file__).resolve().parent
+PROGRAM = str(HERE / "outage_program.py")
+REPO = HERE.parent.parent
+
+DOWN_TIMEOUT_S = 12.0  # vllm_server_timeout of the stays-down run
+DOWN_BOUND_S = 40.0  # exit within vllm_server_timeout + this (give-up, worker/trainer teardown, loaded CI)
+ORPHAN_BOUND_S = 15.0  # worker and reward pool gone this long after the trainer's kill -9
+RUN_DEADLINE_S = 300.0  # a whole training run, at most (2 loaded cores)
+
+
+# ---------------------------------------------------------------------------------------------- pure
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def retry_state(clock, timeout_s=10.0, max_retries=2):
+    outage = ServerOutage("http://h:1", timeout_s, clock=clock, wall=clock)
+    return _RetryState("http://h:1", "/v1/completions", timeout_s, max_retries, 1.0, 4.0, outage=outage), outage
+
+
+def test_refusals_back_off_until_the_outage_deadline_then_name_url_wait_and_fix():
+    clock = FakeClock()
+    state, outage = retry_state(clock)
+    delays = []
+    for _ in range(4):
+        delays.append(state.on_refused(ConnectionRefusedError("refused"), {"prompt": [1]}))
+        clock.t += delays[-1]
+    assert delays == [1.0, 2.0, 4.0, 3.0]  # doubling, capped at max_s, then cut to the time left
+    assert outage.active and outage.started == 1 and outage.seconds_left() == pytest.approx(0.0)
+    with pytest.raises(Exception) as err:
+        state.on_refused(ConnectionRefusedError("refused"), {"prompt": [1]})
+    text = str(err.value)
+    assert "http://h:1/v1/completions" in text and "unreachable" in text and "for 10 s" in text
+    assert "vllm_server_timeout=10 s" in text and "sampler.timeout" in text and "Fix:" in text
+
+
+def test_the_outage_clock_is_shared_by_requests_and_ends_with_an_answer():
+    clock = FakeClock()
+    first, outage = retry_state(clock)
+    second = _RetryState("http://h:1", "/metrics", 10.0, 0, 1.0, 4.0, outage=outage)
+    first.on_refused("refused", None)
+    clock.t += 6.0
+    assert second.on_refused("refused", None) == pytest.approx(1.0)  # its own backoff, the shared deadline
+    assert outage.status() == unreachable_text(4.0) == "server unreachable, retrying (4 s left)"
+    assert outage.deadline_wall() == pytest.approx(clock.t + 4.0)
+    assert outage.answered() is True and outage.recoveries == 1 and not outage.active
+    assert outage.answered() is False and outage.status() is None and outage.deadline_wall() == 0.0
+    clock.t += 100.0  # a new outage gets the whole timeout again
+    assert first.on_refused("refused", None) > 0 and outage.started == 2
+
+
+def test_failures_are_retried_max_retries_times_and_say_whether_the_transport_failed():
+    clock = FakeClock()
+    state, outage = retry_state(clock, max_retries=2)
+    assert [state.on_failure("HTTP 503", None), state.on_failure("HTTP 503", None)] == [1.0, 2.0]
+    with pytest.raises(SamplerRetryError) as err:
+        state.on_failure("HTTP 503", None)
+    assert not isinstance(err.value, SamplerConnectionLost) and "after 2 retries" in str(err.value)
+    state, _ = retry_state(clock, max_retries=0)  # control routes: not resent after a dropped connection
+    with pytest.raises(SamplerConnectionLost):
+        state.on_error(httpx.ReadError("reset"), None)
+    # ... but a refused connection never reached the server: waited out even with max_retries=0
+    assert state.on_error(httpx.ConnectError("refused"), None) == 1.0
+
+
+def test_4xx_is_final_and_5xx_is_retried():
+    state, _ = retry_state(FakeClock())
+    assert state.on_response(httpx.Response(200), None, allow_404=False) == (True, 0.0)
+    assert state.on_response(httpx.Response(404), None, allow_404=True) == (True, 0.0)
+    assert state.on_response(httpx.Response(503, json={"error": "busy"}), None, allow_404=False) == (False, 1.0)
+    with pytest.raises(SamplerRequestError):
+        state.on_response(httpx.Response(400, json={"error": "bad"}), None, allow_404=False)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """What a test started; `reap` SIGKILLs their groups and every descendant ever seen."""
+
+    def __init__(self) -> None:
+        self.popens: list[subprocess.Popen] = []
+        self.seen: dict[int, float] = {}
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)]),
+               "ASYNCGRPO_MATH_VERIFY_WORKERS": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        popen = subprocess.Popen([sys.executable, PROGRAM, *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                 cwd=str(REPO), env=env, start_new_session=True)
+        self.popens.append(popen)
+        return popen
+
+    def descendants(self, popen: subprocess.Popen) -> list[psutil.Process]:
+        try:
+            found = psutil.Process(popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for p in found:
+            try:
+                self.seen.setdefault(p.pid, p.create_time())
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def reap(self) -> None:
+        for popen in self.popens:
+            self.descendants(popen)
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created:
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for popen in self.popens:
+            try:
+                popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs():
+    tracker = Processes()
+    yield tracker
+    tracker.reap()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from asyncgrpo_cli.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def start_server(procs: Processes, model_dir: Path, port: int, events: Path, log: Path) -> subprocess.Popen:
+    server = procs.start(["server", "--events", str(events), "--", "--model", str(model_dir), "--port", str(port),
+                          "--device", "cpu", "--dtype", "float32", "--max-model-len", "96", "--max-logprobs", "8",
+                          "--log-level", "WARNING"], log)
+    wait_for(lambda: "serving" in log.read_text() or server.poll() is not None, 120, "the server to start")
+    assert server.poll() is None, log.read_text()
+    return server
+
+
+def start_trainer(procs: Processes, model_dir: Path, port: int, out: Path, *extra: str) -> subprocess.Popen:
+    return procs.start(["train", "--model", str(model_dir), "--url", f"http://127.0.0.1:{port}", "--out", str(out),
+                        *extra], out.parent / f"{out.name}.log")
+
+
+def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def steps_logged(out: Path) -> int:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(line).get("step", 0) for line in lines if line.strip()), default=0)
+
+
+def status_of(out: Path) -> dict:
+    try:
+        return json.loads((out / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def kill9(popen: subprocess.Popen) -> None:
+    os.kill(popen.pid, signal.SIGKILL)
+    popen.wait(30)
+
+
+def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_push(model_dir, procs, tmp_path):
+    port, events = free_port(), tmp_path / "events.txt"
+    first = start_server(procs, model_dir, port, events, tmp_path / "server1.log")
+    out = tmp_path / "run"
+    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "5", "--timeout", "90")
+    wait_for(lambda: steps_logged(out) >= 2 or trainer.poll() is not None, RUN_DEADLINE_S, "two training steps")
+    assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
+    kill9(first)
+    seen = wait_for(lambda: (status_of(out).get("server_status") or ""), 30, "status.json to report the outage")
+    assert seen.startswith("server unreachable, retrying (") and seen.endswith(" s left)")
+    second = start_server(procs, model_dir, port, events, tmp_path / "server2.log")
+    rc = trainer.wait(RUN_DEADLINE_S)
+    log = (out.parent / "run.log").read_text()
+    assert rc == 0, log[-4000:]
+    assert "TRAINED 5" in log
+    assert steps_logged(out) == 5 and status_of(out).get("state") == "done"
+    assert status_of(out).get("server_status") is None  # the outage is over
+    routes = [line.split()[1] for line in events.read_text().splitlines() if line.split()[0] == str(second.pid)]
+    generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
+    assert generation, "the restarted server never generated"
+    assert "/finish_weight_update" in routes[: generation[0]], routes[:10]  # weights first, then generation
+
+
+def test_server_that_stays_down_ends_the_run_within_the_timeout_with_a_clear_error(model_dir, procs, tmp_path):
+    port, events = free_port(), tmp_path / "events.txt"
+    server = start_server(procs, model_dir, port, events, tmp_path / "server.log")
+    out = tmp_path / "run"
+    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "50", "--timeout", str(DOWN_TIMEOUT_S))
+    wait_for(lambda: steps_logged(out) >= 1 or trainer.poll() is not None, RUN_DEADLINE_S, "one training step")
+    assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
+    kill9(server)
+    killed = time.monotonic()
+    rc = trainer.wait(DOWN_TIMEOUT_S + DOWN_BOUND_S)
+    elapsed = time.monotonic() - killed
+    log = (out.parent / "run.log").read_text()
+    assert rc != 0 and "TRAINED" not in log
+    assert DOWN_TIMEOUT_S * 0.9 <= elapsed <= DOWN_TIMEOUT_S + DOWN_BOUND_S, elapsed
+    assert f"http://127.0.0.1:{port}" in log and "unreachable" in log
+    assert f"vllm_server_timeout={DOWN_TIMEOUT_S:g} s" in log and "Fix:" in log
+    assert status_of(out).get("state") == "failed"
+    assert not procs.descendants(trainer)  # the worker and its pool went with the trainer
+
+
+def test_worker_and_reward_pool_die_with_a_trainer_killed_by_sigkill(model_dir, procs, tmp_path):
+    port, events = free_port(), tmp_path / "events.txt"
+    start_server(procs, model_dir, port, events, tmp_path / "server.log")
+    out = tmp_path / "run"
+    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "50", "--accuracy")
+
+    def pool_started():
+        assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
+        family = procs.descendants(trainer)
+        workers = [p for p in family if p.ppid() == trainer.pid and "resource_tracker" not in " ".join(p.cmdline())]
+        pool = [p for p in family if p.ppid() != trainer.pid and "resource_tracker" not in " ".join(p.cmdline())]
+        return (workers, pool) if workers and pool and steps_logged(out) >= 1 else None
+
+    workers, pool = wait_for(pool_started, RUN_DEADLINE_S, "the worker's math-verify pool", every_s=0.5)
+    family = procs.descendants(trainer)
+    kill9(trainer)
+    killed = time.monotonic()
+
+    def gone():
+        return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family)
+
+    wait_for(gone, ORPHAN_BOUND_S, f"the worker {[p.pid for p in workers]} and pool {[p.pid for p in pool]} to exit")
+    assert time.monotonic() - killed <= ORPHAN_BOUND_S
