@@ -216,8 +216,11 @@ class SamplerClient:
                     if done:
                         return response if response.status_code != 404 else None
             self.retry_count += 1
-            log.warning("sampler %s%s: retrying in %.1f s (retry %d)%s", self.base_url, route, delay,
-                        self.retry_count, f"; {self.outage.status()}" if self.outage.active else "")
+            # one warning per request's first retry and per backoff doubling, not one per request per try
+            level = logging.WARNING if (state.retries + state.refusals) & (state.retries + state.refusals - 1) == 0 \
+                else logging.DEBUG
+            log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s", self.base_url, route, delay,
+                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "")
             await asyncio.sleep(delay)
 
     async def _probe(self) -> Any:
