@@ -229,7 +229,7 @@ class AsyncRolloutLoop:
         frozen = False
         try:
             await self.client.wait_until_ready(self.config.vllm_server_timeout)
-            load = await self.client.read_metrics()
+            load = await self._poll_load()
             self.cap = ConcurrencyCap.from_server_load(self.config.max_concurrent_rollouts, load,
                                                         await self._server_max_model_len())
             await self.setup()

@@ -8,10 +8,10 @@ SIGKILLed at teardown (process groups and every descendant seen), pass or fail.
 - the server is kill -9'ed mid-run and started again on the same port: ``status.json`` says "server
   unreachable, retrying (N s left)" meanwhile, the run ends with exit 0, and the restarted server
   received the trainer's weights before it generated anything;
-- the server stays down: the run exits non-zero within ``vllm_server_timeout`` + `DOWN_BOUND_S`, with the
-  error naming the URL, how long it waited and the fix;
 - the trainer is kill -9'ed: its rollout worker and the worker's math-verify pool are gone within
-  `ORPHAN_BOUND_S`.
+  `ORPHAN_BOUND_S`;
+- the server stays down: the run exits non-zero within ``vllm_server_timeout`` + `DOWN_BOUND_S`, with the
+  error naming the URL, how long it waited and the fix, and leaves no process.
 
 Plus the retry decisions of `ServerOutage` / `_RetryState` on a fake clock (no sleeps).
 """
@@ -229,8 +229,8 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     port, events = free_port(), tmp_path / "events.txt"
     first = start_server(procs, model_dir, port, events, tmp_path / "server1.log")
     out = tmp_path / "run"
-    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "5", "--timeout", "90")
-    wait_for(lambda: steps_logged(out) >= 2 or trainer.poll() is not None, RUN_DEADLINE_S, "two training steps")
+    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "3", "--timeout", "90")
+    wait_for(lambda: steps_logged(out) >= 1 or trainer.poll() is not None, RUN_DEADLINE_S, "a synced step")
     assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
     kill9(first)
     seen = wait_for(lambda: (status_of(out).get("server_status") or ""), 30, "status.json to report the outage")
@@ -239,8 +239,8 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     rc = trainer.wait(RUN_DEADLINE_S)
     log = (out.parent / "run.log").read_text()
     assert rc == 0, log[-4000:]
-    assert "TRAINED 5" in log
-    assert steps_logged(out) == 5 and status_of(out).get("state") == "done"
+    assert "TRAINED 3" in log
+    assert steps_logged(out) == 3 and status_of(out).get("state") == "done"
     assert status_of(out).get("server_status") is None  # the outage is over
     routes = [line.split()[1] for line in events.read_text().splitlines() if line.split()[0] == str(second.pid)]
     generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
@@ -248,46 +248,49 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     assert "/finish_weight_update" in routes[: generation[0]], routes[:10]  # weights first, then generation
 
 
-def test_server_that_stays_down_ends_the_run_within_the_timeout_with_a_clear_error(model_dir, procs, tmp_path):
+def test_trainer_sigkill_takes_worker_and_pool_along_and_a_server_that_stays_down_ends_the_run(
+        model_dir, procs, tmp_path):
+    """Two Python-API runs on one server (their start-ups overlap, to keep CI short): the first is
+    kill -9'ed once its worker's math-verify pool runs; then the server is kill -9'ed for good under the
+    second, which must exit on its own within the timeout with the clear error and leave no process."""
     port, events = free_port(), tmp_path / "events.txt"
     server = start_server(procs, model_dir, port, events, tmp_path / "server.log")
-    out = tmp_path / "run"
-    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "50", "--timeout", str(DOWN_TIMEOUT_S))
-    wait_for(lambda: steps_logged(out) >= 1 or trainer.poll() is not None, RUN_DEADLINE_S, "one training step")
-    assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
+    killed_out, down_out = tmp_path / "killed", tmp_path / "down"
+    victim = start_trainer(procs, model_dir, port, killed_out, "--max-steps", "50", "--accuracy")
+    survivor = start_trainer(procs, model_dir, port, down_out, "--max-steps", "50", "--accuracy",
+                             "--timeout", str(DOWN_TIMEOUT_S))
+
+    def pool_started(trainer, out):
+        assert trainer.poll() is None, (out.parent / f"{out.name}.log").read_text()[-3000:]
+        family = [p for p in procs.descendants(trainer) if "resource_tracker" not in " ".join(p.cmdline())]
+        workers = [p for p in family if p.ppid() == trainer.pid]
+        pool = [p for p in family if p.ppid() != trainer.pid]
+        return (workers, pool) if workers and pool else None
+
+    # 1. kill -9 of a trainer (no CLI): its worker and the worker's reward pool follow it
+    workers, pool = wait_for(lambda: pool_started(victim, killed_out), RUN_DEADLINE_S,
+                             "the worker's math-verify pool", every_s=0.5)
+    family = procs.descendants(victim)
+    kill9(victim)
+    killed = time.monotonic()
+    wait_for(lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family), ORPHAN_BOUND_S,
+             f"the worker {[p.pid for p in workers]} and pool {[p.pid for p in pool]} to exit")
+    assert time.monotonic() - killed <= ORPHAN_BOUND_S
+
+    # 2. the server goes away for good under the other run
+    wait_for(lambda: steps_logged(down_out) >= 1 or survivor.poll() is not None, RUN_DEADLINE_S, "one training step")
+    assert survivor.poll() is None, (tmp_path / "down.log").read_text()[-3000:]
+    assert pool_started(survivor, down_out)
+    family = procs.descendants(survivor)
     kill9(server)
     killed = time.monotonic()
-    rc = trainer.wait(DOWN_TIMEOUT_S + DOWN_BOUND_S)
+    rc = survivor.wait(DOWN_TIMEOUT_S + DOWN_BOUND_S)
     elapsed = time.monotonic() - killed
-    log = (out.parent / "run.log").read_text()
+    log = (tmp_path / "down.log").read_text()
     assert rc != 0 and "TRAINED" not in log
     assert DOWN_TIMEOUT_S * 0.9 <= elapsed <= DOWN_TIMEOUT_S + DOWN_BOUND_S, elapsed
     assert f"http://127.0.0.1:{port}" in log and "unreachable" in log
     assert f"vllm_server_timeout={DOWN_TIMEOUT_S:g} s" in log and "Fix:" in log
-    assert status_of(out).get("state") == "failed"
-    assert not procs.descendants(trainer)  # the worker and its pool went with the trainer
-
-
-def test_worker_and_reward_pool_die_with_a_trainer_killed_by_sigkill(model_dir, procs, tmp_path):
-    port, events = free_port(), tmp_path / "events.txt"
-    start_server(procs, model_dir, port, events, tmp_path / "server.log")
-    out = tmp_path / "run"
-    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "50", "--accuracy")
-
-    def pool_started():
-        assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
-        family = procs.descendants(trainer)
-        workers = [p for p in family if p.ppid() == trainer.pid and "resource_tracker" not in " ".join(p.cmdline())]
-        pool = [p for p in family if p.ppid() != trainer.pid and "resource_tracker" not in " ".join(p.cmdline())]
-        return (workers, pool) if workers and pool and steps_logged(out) >= 1 else None
-
-    workers, pool = wait_for(pool_started, RUN_DEADLINE_S, "the worker's math-verify pool", every_s=0.5)
-    family = procs.descendants(trainer)
-    kill9(trainer)
-    killed = time.monotonic()
-
-    def gone():
-        return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family)
-
-    wait_for(gone, ORPHAN_BOUND_S, f"the worker {[p.pid for p in workers]} and pool {[p.pid for p in pool]} to exit")
-    assert time.monotonic() - killed <= ORPHAN_BOUND_S
+    assert status_of(down_out).get("state") == "failed"
+    wait_for(lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family), ORPHAN_BOUND_S,
+             "the failed run's worker and pool to exit")
