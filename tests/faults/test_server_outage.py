@@ -112,6 +112,151 @@ def test_4xx_is_final_and_5xx_is_retried():
         state.on_response(httpx.Response(400, json={"error": "bad"}), None, allow_404=False)
 
 
+class FlakyBackend:
+    """A weight-sync backend whose first syncs fail with ``errors`` (then succeed); records every call."""
+
+    mode = "full"
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.client = type("Client", (), {"outage": ServerOutage("http://h:1", 10.0)})()
+        self.errors = list(errors)
+        self.calls: list[tuple] = []
+
+    def _attempt(self, kind: str, version: int):
+        from asyncgrpo_cli.train.weight_sync import SyncTimings
+
+        self.calls.append((kind, version))
+        if self.errors:
+            raise self.errors.pop(0)
+        return SyncTimings(transfer_s=0.5)
+
+    def sync(self, source, version):
+        return self._attempt("sync", version)
+
+    def push_current(self, source, version):
+        return self._attempt("push", version)
+
+    def reconnect(self) -> None:
+        self.calls.append(("reconnect",))
+
+
+def weight_sync_over(backend):
+    import torch
+
+    from asyncgrpo_cli.train.weight_sync import WeightSync
+
+    return WeightSync(torch.nn.Linear(2, 2), backend)
+
+
+def lost(route="/update_weights"):
+    from asyncgrpo_cli.train.weight_sync import WeightSyncError
+
+    error = WeightSyncError(f"weight sync failed at {route}", route, 3)
+    error.__cause__ = SamplerConnectionLost("connection dropped", route)
+    return error
+
+
+def test_a_sync_the_server_went_away_during_is_pushed_again_after_reconnect():
+    backend = FlakyBackend(lost())
+    metrics = weight_sync_over(backend).sync(3)
+    assert backend.calls == [("sync", 3), ("reconnect",), ("push", 3)]
+    assert metrics["perf/weight_sync_transfer_s"] == 0.5
+
+
+def test_a_sync_during_which_an_outage_began_is_pushed_again():
+    from asyncgrpo_cli.train.weight_sync import WeightSyncError
+
+    backend = FlakyBackend()
+    error = WeightSyncError("finish failed: HTTP 400 no update in progress", "/finish_weight_update", 3)
+    error.__cause__ = SamplerRequestError("400", "/finish_weight_update", 400, "no update in progress")
+
+    def failing_after_an_outage(source, version):  # the server restarted mid-sync: a 4xx from the new one
+        backend.calls.append(("sync", version))
+        backend.client.outage.refused("refused")
+        backend.client.outage.answered()
+        raise error
+
+    backend.sync = failing_after_an_outage
+    weight_sync_over(backend).sync(3)
+    assert backend.calls == [("sync", 3), ("reconnect",), ("push", 3)]
+
+
+def test_weight_sync_failures_that_are_not_the_server_going_away_are_final():
+    from asyncgrpo_cli.sampler.protocol import SamplerUnavailableError
+    from asyncgrpo_cli.train.weight_sync import WeightSyncError
+
+    rejected = WeightSyncError("rejected", "/update_weights", 3)
+    rejected.__cause__ = SamplerRequestError("400", "/update_weights", 400, "bad names")
+    backend = FlakyBackend(rejected)
+    with pytest.raises(WeightSyncError, match="rejected"):
+        weight_sync_over(backend).sync(3)
+    assert backend.calls == [("sync", 3)]
+    gone = WeightSyncError("gave up", "/pause", 3)  # the server stayed down past vllm_server_timeout
+    gone.__cause__ = SamplerUnavailableError("unreachable for 10 s", "/pause")
+    backend = FlakyBackend(gone)
+    with pytest.raises(WeightSyncError, match="gave up"):
+        weight_sync_over(backend).sync(3)
+    backend = FlakyBackend(lost(), lost(), lost())
+    with pytest.raises(WeightSyncError):
+        weight_sync_over(backend).sync(3)
+    assert [c[0] for c in backend.calls].count("reconnect") == 2  # MAX_PUSH_ATTEMPTS = 3 attempts
+
+
+def test_push_current_reconnects_first_and_republishes_the_current_version():
+    backend = FlakyBackend()
+    weight_sync_over(backend).push_current(4)
+    assert backend.calls == [("reconnect",), ("push", 4)]
+
+
+class FakeLoraServer:
+    """The LoRA routes of a server (models / load / unload), in memory."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+        self.calls: list[tuple[str, str]] = []
+
+    def models(self):
+        return [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in self.loaded]
+
+    def load_lora_adapter(self, name, path, load_inplace=False):
+        self.calls.append(("load", name))
+        if name not in self.loaded:
+            self.loaded.append(name)
+
+    def unload_lora_adapter(self, name):
+        self.calls.append(("unload", name))
+        self.loaded.remove(name)
+
+
+class FakeAdapter:
+    def state_dict(self):
+        return {}
+
+    def save(self, directory, state):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+
+def test_lora_re_push_after_a_restart_loads_the_current_adapter_and_forgets_the_lost_ones(tmp_path):
+    from asyncgrpo_cli.train.weight_sync import LoraAdapterSync
+
+    server = FakeLoraServer()
+    backend = LoraAdapterSync(server, tmp_path / "lora", max_staleness=1)
+    for version in (1, 2, 3):
+        backend.sync(FakeAdapter(), version)
+    assert server.loaded == ["policy-v2", "policy-v3"]
+    server.loaded.clear()  # the server restarted: no adapter any more
+    server.calls.clear()
+    backend.reconnect()
+    backend.push_current(FakeAdapter(), 3)
+    assert server.calls == [("load", "policy-v3")] and backend.current_adapter == "policy-v3"
+    backend.sync(FakeAdapter(), 4)  # the window goes on: nothing it lost is unloaded
+    assert server.loaded == ["policy-v3", "policy-v4"]
+    server.calls.clear()
+    backend.reconnect()  # a server that kept its adapters keeps them registered
+    backend.push_current(FakeAdapter(), 4)
+    assert backend.window.names == ["policy-v3", "policy-v4"] and ("unload", "policy-v3") not in server.calls
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def free_port() -> int:
     with socket.socket() as s:
