@@ -161,8 +161,23 @@ class AsyncRolloutLoop:
         return list(ids)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`."""
-        result = await self.client.generate_turn(prompt_ids, self.sampling, model=self.served_model())
+        """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`.
+
+        A request that named an adapter a restarted server no longer has (HTTP 404 after an outage ended
+        while it waited; only the current adapter is re-pushed, SPEC B.17) is sent once more under the
+        current adapter."""
+        from ..sampler.protocol import SamplerRequestError
+
+        model = self.served_model()
+        outage = getattr(self.client, "outage", None)
+        recoveries = outage.recoveries if outage is not None else 0
+        try:
+            result = await self.client.generate_turn(prompt_ids, self.sampling, model=model)
+        except SamplerRequestError as exc:
+            current = self.served_model()
+            if not (exc.status == 404 and outage is not None and outage.recoveries != recoveries and current != model):
+                raise
+            result = await self.client.generate_turn(prompt_ids, self.sampling, model=current)
         return result.to_turn_record()
 
     def served_model(self) -> str:

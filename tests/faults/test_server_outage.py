@@ -257,6 +257,38 @@ def test_lora_re_push_after_a_restart_loads_the_current_adapter_and_forgets_the_
     assert backend.window.names == ["policy-v3", "policy-v4"] and ("unload", "policy-v3") not in server.calls
 
 
+def test_a_rollout_under_an_adapter_a_restarted_server_lost_is_resent_under_the_current_one():
+    import asyncio
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
+
+    outage = ServerOutage("http://h:1", 10.0)
+    sent = []
+
+    class Client:
+        def __init__(self):
+            self.outage = outage
+
+        async def generate_turn(self, prompt_ids, sampling, model=None):
+            sent.append(model)
+            if model == "policy-v2":  # waited through a restart; only policy-v3 was re-pushed
+                outage.refused("refused")
+                outage.answered()
+                raise SamplerRequestError("404", "/v1/completions", 404, "The model `policy-v2` does not exist.")
+            return SimpleNamespace(to_turn_record=lambda: "turn")
+
+    names = iter(["policy-v2", "policy-v3"])
+    loop = SimpleNamespace(client=Client(), sampling=None, served_model=lambda: next(names))
+    assert asyncio.run(AsyncRolloutLoop.generate_one_turn(loop, [1, 2])) == "turn"
+    assert sent == ["policy-v2", "policy-v3"]
+    # without an outage in between, a 404 is the user's error: raised
+    loop = SimpleNamespace(client=Client(), sampling=None, served_model=lambda: "policy-v2")
+    outage.answered()
+    with pytest.raises(SamplerRequestError):
+        asyncio.run(AsyncRolloutLoop.generate_one_turn(loop, [1]))  # recoveries change but the name does not
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def free_port() -> int:
     with socket.socket() as s:
