@@ -163,6 +163,7 @@ class WeightSync:
                 route failed; named in the message).
         """
         if self.backend is not None:
+            log.warning("pushing the current weights to the server again as model version %s", version)
             self.backend.reconnect()
         return self._publish(version, again=True)
 
