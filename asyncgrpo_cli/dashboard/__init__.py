@@ -188,6 +188,10 @@ class Dashboard:
         status = read_status(self.output_dir / STATUS_FILE, not_before=self.started_at - 1.0)
         if status is not None:
             self.status = status
+            outage = status.get("server_status")
+            if self.mode == "plain" and outage and outage != getattr(self, "_printed_outage", None):
+                self.console.print(str(outage), markup=False, highlight=False, soft_wrap=True)
+            self._printed_outage = outage
         new = self._metrics.read_new()
         for row in new:
             self.history.push(row)

@@ -275,6 +275,9 @@ def processes_panel(view: DashboardView) -> Panel:
     style = "green" if age is not None and age < 10 else "red" if age is not None and age > timeout / 2 else "yellow"
     table.add_row("rollout worker", "", Text(f"heartbeat {fmt(age, '.1f')} s ago" if age is not None else
                                             "heartbeat —", style=style if age is not None else "dim"))
+    server_status = (view.status or {}).get("server_status")
+    if server_status:  # "server unreachable, retrying (N s left)" while an outage lasts (SPEC B.17)
+        table.add_row("sampler server", "", Text(str(server_status), style="bold red"))
     updated = num(view.status, "updated_at")
     if updated is not None and view.now - updated > 10:
         table.add_row("status.json", "", Text(f"not updated for {fmt_duration(view.now - updated)}", style="yellow"))

@@ -58,6 +58,10 @@ class AsyncRolloutLoop:
             queue (monotonic); the worker subtracts it from its queued tokens (Appendix B.4).
         concurrency_value / cap_value: shared values the worker publishes for the dashboard.
         client: a ready `SamplerClient` (tests); None = one built from the config in ``run``.
+        server_values: ``(down_until, returns, repushed)`` shared values of server outages (SPEC B.17):
+            the worker publishes when it gives up on an unreachable server (wall clock, 0 = reachable)
+            and counts the outages it saw end; after each, generation waits until the trainer has
+            re-pushed its weights (``repushed`` reaches the count) for at most ``vllm_server_timeout``.
         scorers: scoring batches in flight at once (default `SCORERS`). Each scorer takes every group
             waiting when it wakes (one batch: cheap rewards cost one thread hop per batch); several let a
             slow reward (math-verify, a judge) work on more than one batch. Synchronous reward functions
@@ -84,7 +88,7 @@ class AsyncRolloutLoop:
                  exception_info_queue, metrics_queue, tools=None, environment_factory=None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
                  consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
-                 scorers: int = SCORERS) -> None:
+                 scorers: int = SCORERS, server_values=None) -> None:
         if tools or environment_factory:
             raise NotImplementedError("tools and environment_factory are not supported by this version of the "
                                       "rollout worker; train without them or override generate_one")
@@ -113,6 +117,7 @@ class AsyncRolloutLoop:
         self.cap_value = cap_value
         self.client = client
         self._own_client = client is None
+        self.server_values = server_values
         self.allowance = TokenAllowance()
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
@@ -156,8 +161,23 @@ class AsyncRolloutLoop:
         return list(ids)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`."""
-        result = await self.client.generate_turn(prompt_ids, self.sampling, model=self.served_model())
+        """One sampling request with the config's sampling settings (SPEC §16.5) → a `TurnRecord`.
+
+        A request that named an adapter a restarted server no longer has (HTTP 404 after an outage ended
+        while it waited; only the current adapter is re-pushed, SPEC B.17) is sent once more under the
+        current adapter."""
+        from ..sampler.protocol import SamplerRequestError
+
+        model = self.served_model()
+        outage = getattr(self.client, "outage", None)
+        recoveries = outage.recoveries if outage is not None else 0
+        try:
+            result = await self.client.generate_turn(prompt_ids, self.sampling, model=model)
+        except SamplerRequestError as exc:
+            current = self.served_model()
+            if not (exc.status == 404 and outage is not None and outage.recoveries != recoveries and current != model):
+                raise
+            result = await self.client.generate_turn(prompt_ids, self.sampling, model=current)
         return result.to_turn_record()
 
     def served_model(self) -> str:
@@ -215,7 +235,8 @@ class AsyncRolloutLoop:
         if self.client is None:
             self.client = SamplerClient(self.config.vllm_server_base_url,
                                         max_concurrency=self.config.max_concurrent_rollouts,
-                                        timeout_s=self.config.vllm_server_timeout)
+                                        timeout_s=self.config.vllm_server_timeout,
+                                        after_outage=self._wait_for_repush if self.server_values else None)
         score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._running_loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
@@ -223,7 +244,7 @@ class AsyncRolloutLoop:
         frozen = False
         try:
             await self.client.wait_until_ready(self.config.vllm_server_timeout)
-            load = await self.client.read_metrics()
+            load = await self._poll_load()
             self.cap = ConcurrencyCap.from_server_load(self.config.max_concurrent_rollouts, load,
                                                         await self._server_max_model_len())
             await self.setup()
@@ -263,6 +284,27 @@ class AsyncRolloutLoop:
         loop = getattr(self, "_running_loop", None)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._stop_event.set)
+
+    async def _wait_for_repush(self) -> None:
+        """The server answers again after an outage (it may have restarted with its original weights):
+        count it for the trainer and hold generation until the trainer has pushed its current weights.
+
+        Raises:
+            RuntimeError: no re-push within ``vllm_server_timeout`` seconds.
+        """
+        _, returns, repushed = self.server_values
+        with returns.get_lock():
+            returns.value += 1
+            ticket = int(returns.value)
+        timeout_s = float(self.config.vllm_server_timeout)
+        deadline = time.monotonic() + timeout_s
+        while int(repushed.value) < ticket and not self._stop:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sampler server at {self.config.vllm_server_base_url} came back after an "
+                                   f"outage, but the trainer did not push its weights to it within "
+                                   f"vllm_server_timeout={timeout_s:g} s; generation cannot go on with the "
+                                   "server's original weights")
+            await asyncio.sleep(0.05)
 
     async def _server_max_model_len(self) -> int | None:
         """The served model's ``max_model_len`` from ``/v1/models`` (the unit of the initial cap, SPEC §4.2)."""
@@ -532,7 +574,7 @@ class AsyncRolloutLoop:
             self._sync_consumed()
             if now - last_poll >= self.metrics_poll_s:
                 last_poll = now
-                load = await self.client.read_metrics()
+                load = await self._poll_load()
                 if load is not None:
                     async with self._slot_changed:
                         self.cap.observe_load(load)
@@ -552,9 +594,18 @@ class AsyncRolloutLoop:
                 self.concurrency_value.value = self._in_flight
             if self.cap_value is not None:
                 self.cap_value.value = self.cap.value
+            if self.server_values is not None:
+                outage = getattr(self.client, "outage", None)
+                self.server_values[0].value = outage.deadline_wall() if outage is not None else 0.0
             if now - self._last_ship >= METRICS_SHIP_S:
                 self.ship_metrics(now)
             await asyncio.sleep(min(HEARTBEAT_S, METRICS_SHIP_S, self.metrics_poll_s))
+
+    async def _poll_load(self):
+        """The server's load for the cap, None when unknown: a failed or slow ``/metrics`` read never stops
+        the worker (`SamplerClient.poll_load`; the cap keeps its last value)."""
+        poll = getattr(self.client, "poll_load", None)
+        return await (poll() if poll is not None else self.client.read_metrics())
 
     def ship_metrics(self, now: float | None = None) -> None:
         """Send the worker's metrics since the last shipment to the trainer (a mergeable snapshot)."""

@@ -6,14 +6,26 @@ variables removed. The child runs the configured `AsyncRolloutLoop` subclass. Th
 shared values (model version, token allowance, consumed tokens, heartbeat), the rollout queue, and
 failure detection: the child's traceback, a dead process, or a heartbeat older than
 ``rollout_worker_timeout`` seconds.
+
+Lifetime: the worker dies with its trainer however the trainer dies (kill -9 included, Python API as
+CLI). The child makes itself the leader of a new process group (``setpgid``), so its reward pool (the
+math-verify processes, spawned from it) lives in that group; it asks the kernel for SIGTERM when its
+parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux) and, everywhere, runs a watchdog thread that polls the
+parent's pid. Either way it then SIGKILLs its whole group (itself and the pool). On its own exit it
+kills the processes it started, and the trainer's `RolloutWorker.stop` SIGKILLs what is left of the
+group (a worker killed with kill -9 leaves its pool behind otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +39,76 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
                    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                    "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_MIXED_PRECISION")
+
+
+PARENT_POLL_S = 0.5
+"""Seconds between the watchdog's checks that the trainer (the parent) is still alive."""
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+log = logging.getLogger(__name__)
+
+
+def _kill_own_group() -> None:
+    """SIGKILL this process's whole process group (the worker and its reward pool); never returns."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(1)
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``: the kernel sends ``sig`` when the parent thread exits (Linux
+    only; False elsewhere or when it fails)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Watchdog thread body: once the parent is gone (re-parented: ``getppid`` changed), kill the group."""
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    _kill_own_group()
+
+
+def bind_to_parent(parent_pid: int, death_signal: bool = True) -> None:
+    """Make this process die with ``parent_pid`` (the trainer), with everything it starts.
+
+    Puts the process in a new process group (it leads it; children inherit it), sets the parent-death
+    signal (SIGTERM, handled by killing the group; only when ``death_signal``: the kernel fires it when
+    the parent *thread* that started us exits, so a trainer started from another thread gets only the
+    watchdog), and starts a daemon watchdog thread polling ``getppid()`` every `PARENT_POLL_S` s.
+    If the parent is already gone, the group is killed at once.
+    """
+    try:
+        os.setpgid(0, 0)
+    except OSError as exc:  # e.g. already a session leader
+        log.warning("rollout worker: cannot start its own process group (%s)", exc)
+    if death_signal and _set_parent_death_signal(signal.SIGTERM):
+        signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        _kill_own_group()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+
+
+def _reap_children(timeout_s: float = 5.0) -> None:
+    """Terminate, then kill, the processes this one started (the reward pool) that are still alive."""
+    children = mp.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -47,10 +129,19 @@ def worker_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
-    """Entry point of the spawned process: build the loop and run it until stopped or failed."""
-    import threading
+def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, parent_pid: int | None = None,
+                 death_signal: bool = True) -> None:
+    """Entry point of the spawned process: bind its lifetime to the trainer's (`bind_to_parent`), build
+    the loop and run it until stopped or failed; the processes it started are reaped on the way out."""
+    if parent_pid is not None:
+        bind_to_parent(parent_pid, death_signal)
+    try:
+        _run_loop(loop_cls, kwargs, ready_event, stop_flag)
+    finally:
+        _reap_children()
 
+
+def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
     loop = loop_cls(**kwargs)
     loop.ready_event = ready_event
 
@@ -66,6 +157,16 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> No
     except (KeyboardInterrupt, SystemExit):
         pass
     except BaseException:  # noqa: BLE001 - already reported through failed_event by loop.run
+        pass
+
+
+def _kill_group(pgid: int | None) -> None:
+    """SIGKILL what is left of the worker's process group (ignored when it is gone or not ours)."""
+    if pgid is None or pgid == os.getpgrp():
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -112,6 +213,11 @@ class RolloutWorker:
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
         self.stop_flag = ctx.Value("b", 0)
+        # server outages (SPEC B.17): the worker's give-up time while its server is unreachable (wall
+        # clock, 0 = reachable), outages it saw end, and the last of those the trainer re-pushed after
+        self.server_down_until = ctx.Value("d", 0.0)
+        self.server_returns = ctx.Value("q", 0)
+        self.server_repushed = ctx.Value("q", 0)
         self.exception_info_queue = ctx.Queue()
         self.metrics_queue = ctx.Queue()
         self._loop_cls = loop_cls
@@ -124,7 +230,8 @@ class RolloutWorker:
             metrics_queue=self.metrics_queue, tools=tools, environment_factory=environment_factory,
             score_queue_maxsize=score_queue_maxsize, lora_name=lora_name, dataset_start_index=dataset_start_index,
             consumed_tokens_value=self.consumed_tokens_value, concurrency_value=self.concurrency_value,
-            cap_value=self.cap_value)
+            cap_value=self.cap_value,
+            server_values=(self.server_down_until, self.server_returns, self.server_repushed))
         self.process: mp.process.BaseProcess | None = None
         self._consumed = 0.0
 
@@ -139,7 +246,9 @@ class RolloutWorker:
         if ready_timeout_s is None:
             ready_timeout_s = float(self.config.vllm_server_timeout) + 60.0
         # Not a daemon: the accuracy reward runs math-verify in its own process pool (daemons cannot fork).
-        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event, self.stop_flag),
+        death_signal = threading.current_thread() is threading.main_thread()
+        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event,
+                                                                    self.stop_flag, os.getpid(), death_signal),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         with worker_environment():
             self.process.start()
@@ -166,9 +275,27 @@ class RolloutWorker:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout_s)
+        _kill_group(proc.pid)  # its reward pool, when the worker itself was killed (kill -9)
         for q in (self.rollout_buffer, self.metrics_queue, self.exception_info_queue):
             q.cancel_join_thread()
         self.process = None
+
+    def server_returns_seen(self) -> int:
+        """Outages of the server that the worker saw end (each may have cost the server its weights)."""
+        return int(self.server_returns.value)
+
+    def needs_repush(self) -> bool:
+        """True when the worker saw the server come back and waits for the trainer to push its weights."""
+        return int(self.server_returns.value) > int(self.server_repushed.value)
+
+    def ack_repush(self, returns_seen: int) -> None:
+        """The trainer pushed its weights after ``returns_seen`` outages had ended: waiting generation resumes."""
+        self.server_repushed.value = max(int(self.server_repushed.value), int(returns_seen))
+
+    def server_seconds_left(self) -> float | None:
+        """Seconds before the worker gives up on an unreachable server, None while the server answers."""
+        until = float(self.server_down_until.value)
+        return None if until <= 0 else until - time.time()
 
     # ------------------------------------------------------------------------------------ health
     def heartbeat_age_s(self) -> float:

@@ -50,6 +50,7 @@ from .protocol import (  # noqa: F401 - re-exported: the client's public protoco
     SamplerError,
     SamplerUnavailableError,
     SamplerRetryError,
+    SamplerConnectionLost,
     SamplerRequestError,
     SamplerProtocolError,
     SamplingParams,
@@ -76,131 +77,17 @@ from .protocol import (  # noqa: F401 - re-exported: the client's public protoco
     _pause_mode,
 )
 
-class _Readiness:
-    """The ``/health`` polling decision shared by both clients' ``wait_until_ready`` (no I/O here).
+from .retry import (  # noqa: E402,F401 - the retry decisions (B.17) and their helpers, re-exported
+    TRANSPORT_ERRORS as _TRANSPORT_ERRORS,
+    ServerOutage,
+    _classify,
+    _raise_for_4xx,
+    _Readiness,
+    _RetryState,
+)
 
-    ``next_timeout()`` gives the timeout of the next probe (at most 5 s) or raises once ``deadline_s``
-    has passed; ``answered(status)`` / ``failed(exc)`` record a probe; ``pause(poll_s)`` is the sleep
-    before the next one.
-    """
-
-    def __init__(self, base_url: str, deadline_s: float) -> None:
-        self.base_url, self.deadline_s = base_url, deadline_s
-        self.start = time.monotonic()
-        self.last = "no answer yet"
-
-    def remaining(self) -> float:
-        return self.deadline_s - (time.monotonic() - self.start)
-
-    def next_timeout(self) -> float:
-        remaining = self.remaining()
-        if remaining <= 0:
-            raise SamplerUnavailableError(f"sampler at {self.base_url} not ready after {self.deadline_s:g} s "
-                                          f"(GET /health): {self.last}", "/health")
-        return max(min(5.0, remaining), 0.05)
-
-    def answered(self, status: int) -> float | None:
-        """Seconds waited when ``status`` is 200, else None (and the status is remembered)."""
-        if status == 200:
-            return time.monotonic() - self.start
-        self.last = f"HTTP {status}"
-        return None
-
-    def failed(self, exc: Exception) -> None:
-        self.last = f"{type(exc).__name__}: {exc}"
-
-    def pause(self, poll_s: float) -> float:
-        return min(poll_s, max(self.remaining(), 0))
-
-
-class _RetryState:
-    """The retry decisions of SPEC Appendix B.17 for one request (no I/O: callers sleep)."""
-
-    def __init__(self, url: str, route: str, timeout_s: float, max_retries: int, base_s: float, max_s: float) -> None:
-        self.url, self.route = url, route
-        self.timeout_s, self.max_retries = timeout_s, max_retries
-        self.base_s, self.max_s = base_s, max_s
-        self.retries = 0  # retries after timeouts / 5xx / dropped connections
-        self.refusals = 0
-        self.refused_since: float | None = None
-
-    def _backoff(self, n: int) -> float:
-        return min(self.base_s * (2**n), self.max_s)
-
-    def on_refused(self, exc: Exception, body: Any) -> float:
-        """Connection refused: the delay before the next try, or raise once ``timeout_s`` has passed."""
-        now = time.monotonic()
-        if self.refused_since is None:
-            self.refused_since = now
-        waited = now - self.refused_since
-        remaining = self.timeout_s - waited
-        if remaining <= 0:
-            raise SamplerUnavailableError(
-                f"{self.url}{self.route}: the server refused connections for {waited:.1f} s "
-                f"(vllm_server_timeout={self.timeout_s:g} s); is it running? last error: {exc!r}; "
-                f"request: {request_summary(body)}",
-                self.route,
-            )
-        delay = min(self._backoff(self.refusals), remaining)
-        self.refusals += 1
-        return delay
-
-    def on_failure(self, reason: str, body: Any) -> float:
-        """Timeout, 5xx or dropped connection: the delay before retrying, or raise when exhausted."""
-        self.refused_since = None
-        if self.retries >= self.max_retries:
-            tried = f" after {self.retries} retries" if self.retries else ""
-            raise SamplerRetryError(
-                f"{self.url}{self.route}: failed{tried}: {reason}; "
-                f"request: {request_summary(body)}",
-                self.route,
-            )
-        delay = self._backoff(self.retries)
-        self.retries += 1
-        return delay
-
-    def on_error(self, exc: Exception, body: Any, retry: bool) -> float:
-        """A transport error: the delay before the next try, or raise (SamplerUnavailableError when a
-        single-attempt request cannot connect; the errors of `on_refused` / `on_failure` otherwise)."""
-        if isinstance(exc, httpx.ConnectError):
-            if not retry:
-                raise SamplerUnavailableError(f"{self.url}{self.route}: cannot connect: {exc!r}", self.route) from exc
-            return self.on_refused(exc, body)
-        return self.on_failure(_classify(exc, self.timeout_s), body)
-
-    def on_response(self, response: httpx.Response, body: Any, allow_404: bool) -> tuple[bool, float]:
-        """An HTTP answer: ``(True, 0)`` when it is the result (2xx/3xx, or 404 with ``allow_404``),
-        ``(False, delay)`` to retry a 5xx; a 4xx raises `SamplerRequestError` (never retried, B.17)."""
-        status = response.status_code
-        if status < 400 or (status == 404 and allow_404):
-            return True, 0.0
-        if status < 500:
-            _raise_for_4xx(self.url, self.route, response, body)
-        return False, self.on_failure(f"HTTP {status}: {server_error_message(response)}", body)
-
-
-_TRANSPORT_ERRORS = (httpx.TimeoutException, httpx.TransportError, asyncio.TimeoutError)
-
-
-def _classify(exc: Exception, timeout_s: float) -> str:
-    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
-        return f"timed out after {timeout_s:g} s ({type(exc).__name__})"
-    return f"connection error ({type(exc).__name__}: {exc})"
-
-
-def _raise_for_4xx(url: str, route: str, response: httpx.Response, body: Any) -> None:
-    message = server_error_message(response)
-    hint = ""
-    route_missing = response.status_code == 403 or (response.status_code == 404 and "model" not in message.lower())
-    if route == GENERATE_ROUTE and route_missing:
-        hint = " (this vLLM needs --enable-scale-out for /inference/v1/generate, or is older than 0.26)"
-    raise SamplerRequestError(
-        f"{url}{route} rejected the request with HTTP {response.status_code}: {message}{hint}; "
-        f"request: {request_summary(body)}",
-        route,
-        response.status_code,
-        message,
-    )
+GENERATION_ROUTES = (COMPLETIONS_ROUTE, GENERATE_ROUTE)
+PROBE_TIMEOUT_S = 5.0  # the longest /health probe while the server is unreachable
 
 
 # ---------------------------------------------------------------------------------------------- async
@@ -219,10 +106,21 @@ class SamplerClient:
         seed_base: base of the request seeds (tests); default random.
         transport: an ``httpx.AsyncBaseTransport`` (tests); requests then go through httpx
             (`connection_pool.HttpxPool`) instead of the default aiohttp pool.
+        after_outage: ``async () -> None`` run once when the server answers again after an outage
+            (it may have restarted and lost its weights); generation requests wait for it before
+            they are sent (the worker waits there for the trainer's re-push). Its exception fails
+            every waiting generation request.
+
+    Outages (SPEC B.17): after a refused connection every request first probes ``GET /health``
+    (the generation request itself is not resent to a server that may have lost its weights) until
+    the server answers or ``timeout_s`` has passed since the outage began; then `SamplerUnavailableError`
+    names the URL, how long it waited and the fix.
 
     Attributes:
-        retry_count: retries so far (``rollout/vllm_retry_count``).
+        retry_count: retries so far (``rollout/vllm_retry_count``), probes during an outage included.
         request_count: generation requests completed.
+        outage: the client's `ServerOutage` (``outage.status()`` is the live status line).
+        metrics_failure_count: ``/metrics`` reads of `poll_load` that failed (load unknown).
         limits: the pool's size as ``httpx.Limits`` (``max_concurrency + 4`` connections, all kept alive).
 
     Raises:
@@ -242,6 +140,7 @@ class SamplerClient:
         metrics_timeout_s: float = 10.0,
         seed_base: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        after_outage: Any = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
@@ -258,6 +157,10 @@ class SamplerClient:
         self.seeds = SeedSequence(seed_base)
         self.retry_count = 0
         self.request_count = 0
+        self.outage = ServerOutage(self.base_url, self.timeout_s)
+        self.metrics_failure_count = 0
+        self.after_outage = after_outage
+        self._recovery: asyncio.Future | None = None
         size = max_concurrency + CONTROL_CONNECTIONS
         self.limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
         if transport is None:
@@ -290,19 +193,58 @@ class SamplerClient:
     ) -> httpx.Response | None:
         timeout_s = timeout_s or self.timeout_s
         state = _RetryState(self.base_url, route, timeout_s, self.max_retries if retry else 0,
-                            self.backoff_base_s, self.backoff_max_s)
+                            self.backoff_base_s, self.backoff_max_s, outage=self.outage)
+        generation = route in GENERATION_ROUTES
         while True:
-            try:  # the pool bounds the whole attempt (connect, send, read) by timeout_s
-                response = await self._http.request(method, route, json=body, params=params, timeout=timeout_s)
-            except _TRANSPORT_ERRORS as exc:
-                delay = state.on_error(exc, body, retry)
+            if generation:
+                await self._wait_for_recovery()
+            if self.outage.active:  # don't resend the request itself until the server answers again
+                failure = await self._probe()
+                if failure is None:
+                    self._server_answered()
+                    continue
+                delay = state.on_refused(failure, body)
             else:
-                done, delay = state.on_response(response, body, allow_404)
-                if done:
-                    return response if response.status_code != 404 else None
+                try:  # the pool bounds the whole attempt (connect, send, read) by timeout_s
+                    response = await self._http.request(method, route, json=body, params=params,
+                                                        timeout=timeout_s)
+                except _TRANSPORT_ERRORS as exc:
+                    delay = state.on_error(exc, body, retry)
+                else:
+                    self._server_answered()
+                    done, delay = state.on_response(response, body, allow_404)
+                    if done:
+                        return response if response.status_code != 404 else None
             self.retry_count += 1
-            log.warning("sampler %s%s: retrying in %.1f s (retry %d)", self.base_url, route, delay, self.retry_count)
+            # one warning per request's first retry and per backoff doubling, not one per request per try
+            level = logging.WARNING if (state.retries + state.refusals) & (state.retries + state.refusals - 1) == 0 \
+                else logging.DEBUG
+            log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s", self.base_url, route, delay,
+                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "")
             await asyncio.sleep(delay)
+
+    async def _probe(self) -> Any:
+        """One ``GET /health`` during an outage: None when the server answers (any status below 500: a
+        server without the route answers 404), else what failed."""
+        left = self.outage.seconds_left() or self.timeout_s
+        try:
+            response = await self._http.request("GET", "/health", timeout=max(0.05, min(PROBE_TIMEOUT_S, left)))
+        except _TRANSPORT_ERRORS as exc:
+            return exc
+        return None if response.status_code < 500 else f"GET /health answered HTTP {response.status_code}"
+
+    def _server_answered(self) -> None:
+        """End the outage if one was on; start ``after_outage`` once for it."""
+        if self.outage.answered():
+            log.warning("sampler %s answers again (outage %d ended)", self.base_url, self.outage.recoveries)
+            if self.after_outage is not None and (self._recovery is None or self._recovery.done()):
+                self._recovery = asyncio.ensure_future(self.after_outage())
+
+    async def _wait_for_recovery(self) -> None:
+        """Wait for the ``after_outage`` hook of the last outage (re-raising its error)."""
+        recovery = self._recovery
+        if recovery is not None:
+            await asyncio.shield(recovery)
 
     async def _get_json(self, route: str, *, params: dict | None = None, allow_404: bool = False) -> Any:
         response = await self._send("GET", route, params=params, allow_404=allow_404)
@@ -372,6 +314,28 @@ class SamplerClient:
         except httpx.HTTPError as exc:
             raise SamplerUnavailableError(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}", "/metrics") from exc
         return _server_load(self.base_url, response)
+
+    async def poll_load(self) -> ServerLoad | None:
+        """`read_metrics` for the periodic load poll (SPEC §4.2): a failed or slow read never raises.
+
+        Returns:
+            the load; ``None`` when it is unknown this time: no ``/metrics``, no load metrics, or the
+            read failed (counted in ``metrics_failure_count`` and logged; the caller keeps its last
+            cap). A refused connection also starts an outage (`ServerOutage`), and an answer after
+            one ends it (so an outage seen only by the poll still triggers ``after_outage``).
+        """
+        try:
+            load = await self.read_metrics()
+        except SamplerError as exc:
+            self.metrics_failure_count += 1
+            if isinstance(exc.__cause__, httpx.ConnectError):
+                self.outage.refused(exc.__cause__)
+            if self.metrics_failure_count == 1 or self.metrics_failure_count % 10 == 0:
+                log.warning("sampler %s: /metrics read failed (%d so far; load unknown, cap kept): %s",
+                            self.base_url, self.metrics_failure_count, exc)
+            return None
+        self._server_answered()
+        return load
 
     async def is_paused(self) -> bool:
         """``GET /is_paused``."""
@@ -497,7 +461,10 @@ class SyncSamplerClient:
 
     Offers the reading routes (health, models, version, server_info, metrics, is_paused,
     world size) and the weight-transfer and LoRA routes, with the same errors and retry rules as
-    `SamplerClient` (reading routes retried per B.17; control routes single attempt).
+    `SamplerClient`: reading routes retried per B.17; control routes are not resent after a timeout,
+    5xx or dropped connection (they change server state), but a refused connection is waited out on
+    every route, for at most ``timeout_s`` per outage (`ServerOutage`, ``outage`` attribute; its
+    ``recoveries`` tell the weight sync that the server came back and may have lost its weights).
 
     Args:
         base_url / timeout_s / max_retries / backoff_base_s / backoff_max_s / metrics_timeout_s:
@@ -525,6 +492,7 @@ class SyncSamplerClient:
         self.backoff_max_s = backoff_max_s
         self.metrics_timeout_s = metrics_timeout_s
         self.retry_count = 0
+        self.outage = ServerOutage(self.base_url, self.timeout_s)
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(self.timeout_s), transport=transport)
 
     def __enter__(self) -> "SyncSamplerClient":
@@ -540,17 +508,21 @@ class SyncSamplerClient:
     def _send(self, method: str, route: str, *, body: Any = None, params: dict | None = None, retry: bool = True,
               allow_404: bool = False) -> httpx.Response | None:
         state = _RetryState(self.base_url, route, self.timeout_s, self.max_retries if retry else 0,
-                            self.backoff_base_s, self.backoff_max_s)
+                            self.backoff_base_s, self.backoff_max_s, outage=self.outage)
         while True:
             try:
                 response = self._http.request(method, route, json=body, params=params)
             except _TRANSPORT_ERRORS as exc:
                 delay = state.on_error(exc, body, retry)
             else:
+                if self.outage.answered():
+                    log.warning("sampler %s answers again (outage %d ended)", self.base_url, self.outage.recoveries)
                 done, delay = state.on_response(response, body, allow_404)
                 if done:
                     return response if response.status_code != 404 else None
             self.retry_count += 1
+            if self.outage.active:
+                log.warning("sampler %s%s: %s", self.base_url, route, self.outage.status())
             time.sleep(delay)
 
     def _get_json(self, route: str, params: dict | None = None, allow_404: bool = False) -> Any:

@@ -37,6 +37,11 @@ class SamplerRetryError(SamplerError):
     """A request kept failing (timeouts, 5xx, dropped connections) after every allowed retry."""
 
 
+class SamplerConnectionLost(SamplerRetryError):
+    """A `SamplerRetryError` whose last failure was the transport (a dropped connection or a timeout), not
+    an HTTP answer: the server may have gone away mid-request (SPEC B.17)."""
+
+
 class SamplerRequestError(SamplerError):
     """The server rejected a request with a 4xx; ``status`` and ``server_message`` say why."""
 

@@ -54,6 +54,7 @@ class StepPlan:
     stop: bool = False
     stop_reason: str = ""  # "epochs done" (train the rest), "stopped" (a signal) or "failed"
     error: str = ""  # with "failed": the rollout worker's traceback or exit signal
+    repush: bool = False  # the server came back from an outage: push the current weights, then go on
 
 
 def pull_outcome(get: Callable[[float], Any], poll_s: float,
@@ -390,6 +391,25 @@ class AsyncGRPOTrainer(Trainer):
         sync.init()
         return sync
 
+    def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
+        """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
+        that came back from an outage, `WeightSync.push_current`); then release the worker's generation
+        if it waited for weights after an outage that ended before this push began."""
+        seen = self.worker.server_returns_seen() if self.worker is not None else 0
+        sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+        if self.worker is not None:
+            self.worker.ack_repush(seen)
+        return sync
+
+    def _server_status(self) -> str | None:
+        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server."""
+        from ..sampler.retry import unreachable_text
+
+        sampler_outage = getattr(getattr(self, "sampler", None), "outage", None)
+        left = [t for t in (self.worker.server_seconds_left(),
+                            sampler_outage.seconds_left() if sampler_outage is not None else None) if t is not None]
+        return unreachable_text(min(left)) if left else None
+
     def _teardown_rollouts(self) -> None:
         if getattr(self, "live", None) is not None:
             self.live.stop_ticker()
@@ -424,7 +444,8 @@ class AsyncGRPOTrainer(Trainer):
     def _next_step_plan(self) -> StepPlan:
         """Rank 0: pull outcomes until ``gradient_accumulation_steps`` micro-batches are full (SPEC §6.3)."""
         args = self.args
-        plans: list[MicroBatchPlan] = []
+        plans: list[MicroBatchPlan] = getattr(self, "_carried_plans", [])  # kept across a re-push
+        self._carried_plans = []
         waited = 0.0
         dropped_before = self.batcher.dropped_oversize_count
         stop, reason = False, ""
@@ -444,6 +465,10 @@ class AsyncGRPOTrainer(Trainer):
                 if self.watch is not None and self.watch.check() is not None:
                     continue
                 self._update_status()
+                if self.worker.needs_repush():  # generation waits for it: push before filling the step
+                    self._carried_plans = plans
+                    self.window.add("perf/rollout_wait_s", waited)
+                    return StepPlan(repush=True)
                 continue
             closed = self._take(outcome)
             plans.extend(closed)
@@ -512,6 +537,9 @@ class AsyncGRPOTrainer(Trainer):
             step_start = time.monotonic()
             plan = self._next_step_plan() if self.is_world_process_zero() else None
             plan = self._broadcast(plan)
+            if plan.repush:
+                self._push_weights(self.model_version, again=True)
+                continue
             if not plan.rows:
                 self._end_without_step(model, trial, plan)
                 break
@@ -540,7 +568,7 @@ class AsyncGRPOTrainer(Trainer):
             sync = {}
             trained_version = self.model_version
             if self.state.global_step % args.weight_sync_steps == 0:
-                sync = self.weight_sync.sync(self.model_version + 1)
+                sync = self._push_weights(self.model_version + 1)
                 self.model_version += 1
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               fwd_bwd_s, optimizer_s, sync, peak, trained_version)
@@ -646,6 +674,7 @@ class AsyncGRPOTrainer(Trainer):
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
+                         server_status=self._server_status(),
                          dataset_start_index=self.position.value)
 
     def _queue_size(self) -> int | None:

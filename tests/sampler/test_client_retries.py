@@ -383,3 +383,158 @@ def test_readiness_deadline_names_the_last_answer():
     ready = _Readiness("http://h:1", deadline_s=60.0)
     assert 0.05 <= ready.next_timeout() <= 5.0 and ready.pause(0.5) == 0.5
     assert ready.answered(200) >= 0.0
+
+
+# ---------------------------------------------------------------------------------------------- outages (B.17)
+def test_poll_load_survives_slow_and_failed_metrics_reads_and_counts_them():
+    """A slow or failing /metrics read never raises from poll_load: the load is unknown (None), counted."""
+    answers = iter(["slow", "500", "ok"])
+    metrics = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
+
+    async def handler(request):
+        answer = next(answers)
+        if answer == "slow":
+            await asyncio.sleep(5)
+        if answer == "500":
+            return web.Response(status=500, text="boom")
+        return web.Response(text=metrics, content_type="text/plain")
+
+    async def main():
+        server = await serve(handler, route="/metrics")
+        try:
+            async with fast_client(url_of(server), metrics_timeout_s=0.2) as c:
+                loads = [await c.poll_load() for _ in range(3)]
+                return loads, c.metrics_failure_count, c.outage.active
+        finally:
+            await server.close()
+
+    (slow, failed, ok), failures, outage = run(main())
+    assert slow is None and failed is None and failures == 2 and outage is False
+    assert ok is not None and ok.num_requests_running == 2
+
+
+def test_poll_load_of_a_server_that_is_down_starts_an_outage_without_raising():
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{free_port()}", timeout_s=30) as c:
+            return await c.poll_load(), c.outage.active, c.outage.status()
+
+    load, active, status = run(main())
+    assert load is None and active and status.startswith("server unreachable, retrying (")
+
+
+def test_control_routes_wait_out_a_refused_connection():
+    """/pause and the weight-transfer routes are resent after a refusal (it never reached the server)."""
+    port = free_port()
+    calls = []
+
+    async def handler(request):
+        calls.append(request.path)
+        return web.json_response({})
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}", timeout_s=60) as c:
+            task = asyncio.create_task(c.pause())
+            deadline = time.monotonic() + 30
+            while c.retry_count < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            server = TestServer(app, host="127.0.0.1", port=port)
+            await server.start_server()
+            try:
+                await asyncio.wait_for(task, 30)
+            finally:
+                await server.close()
+            return c.outage.recoveries
+
+    assert run(main()) == 1
+    assert calls[-1] == "/pause"
+
+
+def test_sync_client_control_route_waits_for_the_server_then_gives_up_naming_it():
+    port = free_port()
+    with SyncSamplerClient(f"http://127.0.0.1:{port}", timeout_s=0.4, backoff_base_s=0.01, backoff_max_s=0.05) as c:
+        start = time.monotonic()
+        with pytest.raises(SamplerUnavailableError) as err:
+            c.update_weights({"names": []})
+        elapsed = time.monotonic() - start
+    assert 0.35 <= elapsed < 10 and c.retry_count >= 2
+    assert f"127.0.0.1:{port}/update_weights" in str(err.value) and "unreachable" in str(err.value)
+
+
+def test_after_an_outage_generation_waits_for_the_hook_and_is_not_sent_before_it():
+    """The generation request is not resent to a server that came back until ``after_outage`` finished
+    (the worker waits there for the trainer's re-push); /health probes find the server meanwhile."""
+    port = free_port()
+    order = []
+    hook_may_finish = asyncio.Event()
+
+    async def handler(request):
+        order.append(request.path)
+        if request.path == "/health":
+            return web.Response()
+        return web.json_response(GOOD)
+
+    async def after_outage():
+        order.append("hook")
+        await hook_may_finish.wait()
+        order.append("hook done")
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}", timeout_s=60, after_outage=after_outage) as c:
+            task = asyncio.create_task(c.generate_turn([1], PARAMS))
+            deadline = time.monotonic() + 30
+            while c.retry_count < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            server = TestServer(app, host="127.0.0.1", port=port)
+            await server.start_server()
+            try:
+                while "hook" not in order:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.005)
+                late = asyncio.create_task(c.generate_turn([2], PARAMS))  # a new request also waits
+                await asyncio.sleep(0.1)
+                assert "/v1/completions" not in order
+                hook_may_finish.set()
+                turns = await asyncio.wait_for(asyncio.gather(task, late), 30)
+            finally:
+                await server.close()
+            return turns, c.outage.recoveries
+
+    turns, recoveries = run(main())
+    assert [t.output_ids for t in turns] == [[7, 8], [7, 8]] and recoveries == 1
+    assert order.index("hook done") < order.index("/v1/completions")
+    assert order[0] == "/health"
+
+
+def test_a_failing_after_outage_hook_fails_the_waiting_generation():
+    port = free_port()
+
+    async def handler(request):
+        return web.Response() if request.path == "/health" else web.json_response(GOOD)
+
+    async def after_outage():
+        raise RuntimeError("no re-push within vllm_server_timeout")
+
+    async def main():
+        async with fast_client(f"http://127.0.0.1:{port}", timeout_s=60, after_outage=after_outage) as c:
+            task = asyncio.create_task(c.generate_turn([1], PARAMS))
+            deadline = time.monotonic() + 30
+            while c.retry_count < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            server = TestServer(app, host="127.0.0.1", port=port)
+            await server.start_server()
+            try:
+                with pytest.raises(RuntimeError, match="no re-push"):
+                    await asyncio.wait_for(task, 30)
+            finally:
+                await server.close()
+
+    run(main())

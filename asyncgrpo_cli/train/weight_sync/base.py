@@ -148,6 +148,15 @@ class WeightSyncBackend(ABC):
     def close(self) -> None:
         """Release what `init` set up (default: nothing)."""
 
+    def push_current(self, source: Any, version: int) -> SyncTimings:
+        """Publish ``source`` as ``version`` again, a version the server may already have had (re-push
+        after an outage, or on resume). Default: `sync`."""
+        return self.sync(source, version)
+
+    def reconnect(self) -> None:
+        """Forget per-server state before a re-push to a server that may have restarted (it lost its
+        weights, adapters and transfer group). Default: nothing (the next `sync` sends everything anyway)."""
+
     @property
     def current_adapter(self) -> str | None:
         """The LoRA adapter name requests should use (adapter sync), else None (the base model)."""

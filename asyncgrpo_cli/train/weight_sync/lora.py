@@ -158,6 +158,24 @@ class LoraAdapterSync(WeightSyncBackend):
                 if child.is_dir() and self._pattern.match(child.name):
                     shutil.rmtree(child, ignore_errors=True)
 
+    def reconnect(self) -> None:
+        """Keep in the window only the adapters the server still has (a restarted server has none), so the
+        re-push loads the current one again and nothing it lost is unloaded later."""
+        try:
+            loaded = {str(card.get("id", "")) for card in self.client.models()}
+        except Exception as exc:  # noqa: BLE001 - unknown: assume the server lost them all
+            log.warning("adapter sync: cannot list the server's adapters after an outage (%s)", exc)
+            loaded = set()
+        self.window.names = [n for n in self.window.names if n in loaded]
+
+    def push_current(self, source: AdapterSource, version: int) -> SyncTimings:
+        """Publish ``source`` as ``policy-v{version}`` again (after an outage or on resume): the name the
+        rollout worker uses for ``version``; one still loaded under it is replaced."""
+        name = adapter_name(version, self.prefix)
+        if name in self.window.names:
+            self.window.names.remove(name)
+        return self.sync(source, version)
+
     def _unload(self, name: str, version: int | None) -> None:
         try:
             self.call("/v1/unload_lora_adapter", version, self.client.unload_lora_adapter, name)

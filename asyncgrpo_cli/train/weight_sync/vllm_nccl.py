@@ -19,6 +19,7 @@ imported lazily; tests inject recording fakes through ``vllm_api``.
 from __future__ import annotations
 
 import inspect
+import logging
 import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -29,6 +30,8 @@ import torch
 from .base import Background, SyncTimings, WeightSyncBackend, WeightSyncError, drain_quietly, now
 from .names import ParamMeta
 from .params import FullWeightSource
+
+log = logging.getLogger(__name__)
 
 _INSTALL_HINT = (
     "install the vLLM release the server runs in the trainer's environment, e.g. "
@@ -116,6 +119,17 @@ class _NcclBase(WeightSyncBackend):
         self.packed = packed
         self._api = vllm_api
         self.world_size: int | None = None
+
+    def reconnect(self) -> None:
+        """Drop the NCCL group: a restarted server has none; the next `sync` rendezvouses again."""
+        self._group = None
+        engine = getattr(self, "_engine", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            try:
+                engine.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the old group's server side is gone
+                log.warning("shutting the old weight-transfer engine down failed: %r", exc)
+        self._engine = None
 
     def _select_device(self) -> None:
         """Make ``device`` current for vLLM's communicator (a bare ``cuda`` means the current one)."""
