@@ -88,7 +88,10 @@ def http_update_info(update_info: Any) -> dict[str, Any]:
     """The JSON body of ``/update_weights`` for one vLLM ``IPCWeightTransferUpdateInfo``: every field but
     ``ipc_handles``, which goes as ``ipc_handles_pickled`` (base64 of the pickled handles, the encoding
     vLLM's own HTTP transport uses)."""
-    fields = dataclasses.asdict(update_info) if dataclasses.is_dataclass(update_info) else dict(update_info)
+    if dataclasses.is_dataclass(update_info):  # shallow: the handles hold classes and dtypes, not data
+        fields = {f.name: getattr(update_info, f.name) for f in dataclasses.fields(update_info)}
+    else:
+        fields = dict(update_info)
     handles = fields.pop("ipc_handles")
     fields.pop("ipc_handles_pickled", None)
     fields = {k: v for k, v in fields.items() if v is not None}
