@@ -7,8 +7,8 @@ train
      ``$OUT/run1_panels.txt``); once the run has passed step `INTERRUPT_AT_STEP`, a Ctrl-C is typed
      into the terminal (``\\x03``: SIGINT to the foreground process group, as a person would). Then
      ``nvidia-smi`` must list no compute process and no process of the run may be left.
-  2. The same command with ``trainer.resume_from_checkpoint=<the checkpoint run 1 saved>``, to the
-     recipe's ``max_steps`` (>= 30 steps in this run), exit 0; panels in ``$OUT/run2_panels.txt``.
+  2. The same command with ``trainer.resume_from_checkpoint=<the checkpoint run 1 saved>``, to
+     `MAX_STEPS` (>= 30 steps in this run), exit 0; panels in ``$OUT/run2_panels.txt``.
      Figures from its ``metrics.jsonl`` (weight-sync split, tokens/s, waiting share, reward) and the
      ``POST /update_weights`` lines of vLLM's log (one IPC sync per step).
 bench
@@ -19,7 +19,7 @@ bench
   4. The arith run with the embedded sampler on the same GPU (``EMBEDDED_STEPS`` steps), for the
      comparison of generated tokens/s, trained tokens/s and the trainer's waiting share.
 
-Environment: OUT, TRAIN_DEADLINE_S (phase train: wall-clock budget, default 540), PYTHONPATH with vLLM.
+Environment: OUT, TRAIN_DEADLINE_S (phase train: wall-clock budget, default 520), PYTHONPATH with vLLM.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ OUT = Path(os.environ.get("OUT") or "gpu_out")
 WORK = Path("/tmp/asyncgrpo_one_gpu")
 CLI = [sys.executable, "-m", "asyncgrpo_cli"]
 RECIPE = ["+recipe=arith_vllm_1gpu"]
-INTERRUPT_AT_STEP = 5
+INTERRUPT_AT_STEP = 4
+MAX_STEPS = 38  # run 2 then trains >= 30 steps (from the checkpoint of step 4-7)
 SYNCS = 10
 EMBEDDED_STEPS = 5
 T0 = time.monotonic()
@@ -174,10 +175,11 @@ def copy_logs(run_dir: Path, prefix: str) -> None:
 
 # ------------------------------------------------------------------------------------------- phase train
 def phase_train() -> int:
-    deadline = float(os.environ.get("TRAIN_DEADLINE_S", 540))
+    deadline = float(os.environ.get("TRAIN_DEADLINE_S", 520))
     run_dir = WORK / "arith_vllm_1gpu"
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "48"}
-    argv = [*CLI, "train", *RECIPE, f"trainer.output_dir={run_dir}", "logging.dashboard=rich"]
+    argv = [*CLI, "train", *RECIPE, f"trainer.output_dir={run_dir}", f"trainer.max_steps={MAX_STEPS}",
+            "logging.dashboard=rich"]
     result["gpu_processes_before"] = gpu_processes()
 
     # Run 1: Ctrl-C once past INTERRUPT_AT_STEP.
