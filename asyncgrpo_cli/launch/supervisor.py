@@ -468,7 +468,7 @@ class Supervisor:
             return ""
         for line in reversed(tail_lines(self.server.log_path, 5)):
             line = _LOG_PREFIX.sub("", line.strip())
-            if line:
+            if line and not line.startswith("$ "):  # not the command line the supervisor wrote first
                 return line if len(line) <= width else line[: width - 1] + "…"
         return ""
 

@@ -323,7 +323,7 @@ def phase_bench() -> int:
     port = 8011
     url = f"http://127.0.0.1:{port}"
     serve_argv = [*CLI, "serve", f"model.name={model_dir}", f"sampler.port={port}", "sampler.max_model_len=1024",
-                  "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]", "rollout.num_sampler_logprobs=0",
+                  "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]",
                   "staleness.max_concurrent_rollouts=64"]
     dry = subprocess.run([*serve_argv, "--dry-run"], capture_output=True, text=True, timeout=120)
     bench: dict = {"model": "Qwen3-0.6B shape, random bf16 weights (596M parameters)", "serve_dry_run": dry.stdout}
