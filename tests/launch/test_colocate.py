@@ -175,3 +175,30 @@ def test_recipe_plans_one_gpu(tmp_path):
     plan = build_launch_plan(cfg, gpu_count=1, gpu_memory=H200)
     assert plan.gpus.colocated and not [p for p in plan.problems if "vLLM" not in p and "ray" not in p]
     assert json.loads(flag(plan.server.argv, "--weight-transfer-config")) == {"backend": "ipc"}
+
+
+def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
+    import os
+
+    from typer.testing import CliRunner
+
+    import asyncgrpo_cli.launch.colocate as colocate
+    import asyncgrpo_cli.launch.plan as plan
+    from asyncgrpo_cli.cli import app
+
+    monkeypatch.setattr(plan, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(colocate, "gpu_memory_bytes", lambda index=0: H200)
+
+    def no_exec(*args):
+        raise AssertionError("serve started a server despite a problem")
+
+    monkeypatch.setattr(os, "execvpe", no_exec)
+    args = ["serve", f"model.name={model_dir(tmp_path)}", "sampler.max_model_len=2048",
+            "staleness.max_concurrent_rollouts=64"]
+    dry = CliRunner().invoke(app, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    line = [ln for ln in dry.output.splitlines() if ln and not ln.startswith("#")][0]
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in line and '{"backend": "ipc"}' in line
+    assert "--gpu-memory-utilization 0.1" in line and "# memory split: vLLM" in dry.output
+    refused = CliRunner().invoke(app, [*args, "sampler.host=0.0.0.0"])
+    assert refused.exit_code == 1 and "sampler.host=0.0.0.0" in refused.output
