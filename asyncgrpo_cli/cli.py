@@ -115,8 +115,14 @@ def serve_cmd(
     if dry_run:
         for note in command.notes:
             sys.stdout.write(f"# {note}\n")
+        for problem in command.problems:
+            sys.stdout.write(f"# problem: {problem}\n")
         sys.stdout.write(command.shell_line() + "\n")
         return
+    if command.problems:
+        for problem in command.problems:
+            err.print(f"[bold red]error:[/] {problem}", highlight=False)
+        raise typer.Exit(1)
     for note in command.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
     from .config.compose import public_host_warning

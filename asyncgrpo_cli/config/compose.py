@@ -270,13 +270,15 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.sampler.backend.value == "external" and not cfg.sampler.url:
         raise ConfigError("sampler.backend=external needs sampler.url. Fix: add sampler.url=http://HOST:PORT")
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
-    if server is not None and trainer is not None and cfg.sampler.backend.value == "vllm":
+    if server is not None and trainer is not None and cfg.sampler.backend.value == "vllm" \
+            and not cfg.launch.get("colocate"):
         both = sorted(set(server) & set(trainer))
         if both:
             raise ConfigError(
                 f"launch.server_gpus={list(server)} and launch.trainer_gpus={list(trainer)} share GPU(s) {both}: "
                 "vLLM and the trainer must use different GPUs for NCCL weight transfer (SPEC §8.4). "
-                f"Fix: e.g. launch.server_gpus=[{server[0]}] launch.trainer_gpus="
+                "Fix: launch.colocate=true to share one GPU (CUDA-IPC weight sync), or separate GPUs, e.g. "
+                f"launch.server_gpus=[{server[0]}] launch.trainer_gpus="
                 f"[{','.join(str(g) for g in trainer if g not in set(server)) or server[0] + 1}]")
     for key in ("server_gpus", "trainer_gpus"):
         gpus = cfg.launch[key]

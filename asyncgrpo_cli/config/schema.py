@@ -195,7 +195,8 @@ class SamplerConfig:
     api_server_count: int = 8
     """``--api-server-count`` (forced to 1 with runtime LoRA updating)."""
     gpu_memory_utilization: Optional[float] = None
-    """``--gpu-memory-utilization`` (None = vLLM's default)."""
+    """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
+    the trainer's estimated need, printed in the plan)."""
     max_logprobs: Optional[int] = None
     """``--max-logprobs`` (None = ``rollout.num_sampler_logprobs``)."""
     kv_cache_tokens: Optional[int] = None
@@ -232,6 +233,10 @@ class LaunchConfig:
     """CUDA devices of the server (None = the first GPU)."""
     trainer_gpus: Optional[list[int]] = None
     """CUDA devices of the trainer, one process each (None = the GPUs after the server's)."""
+    colocate: Optional[bool] = None
+    """vLLM and the trainer share one GPU (vLLM takes ``sampler.gpu_memory_utilization`` of it, the
+    trainer the rest; weights go over CUDA IPC). None = automatically when one GPU is visible and
+    ``sampler.backend=vllm``; false = separate GPUs (NCCL weight transfer)."""
     cpu_processes: int = 1
     """Trainer processes when no GPU is used (gloo)."""
     num_machines: int = 1

@@ -77,8 +77,11 @@ def _dig(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
-def evaluate(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
-    """All checks for ``cfg`` against ``facts`` (no I/O). See the module docstring."""
+def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None) -> list[Check]:
+    """All checks for ``cfg`` against ``facts`` (no I/O). See the module docstring.
+
+    ``colocated``: whether the trainer shares the server's GPU (`launch.colocate.decide_layout`): the
+    server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted."""
     checks: list[Check] = []
     add = checks.append
     if not facts.reachable:
@@ -124,7 +127,7 @@ def evaluate(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
                   "restart with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config)"))
     else:
         add(Check("dev mode", PASS, "development routes are on (keep the server on a private address)"))
-        _server_info_checks(cfg, facts, info, add)
+        _server_info_checks(cfg, facts, info, add, colocated)
     if not facts.metrics_ok:
         add(Check("/metrics", WARN, "no Prometheus metrics: the adaptive concurrency cap falls back to "
                   f"staleness.max_concurrent_rollouts={cfg.staleness.max_concurrent_rollouts}", ""))
@@ -135,7 +138,8 @@ def evaluate(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
     return checks
 
 
-def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], add) -> None:
+def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], add,
+                        colocated: bool | None = None) -> None:
     mode = _dig(info, "model_config", "logprobs_mode")
     if mode == "processed_logprobs":
         add(Check("logprobs mode", PASS, "processed_logprobs (after temperature and filtering)"))
@@ -154,6 +158,8 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     backend = _dig(info, "weight_transfer_config", "backend")
     if facts.embedded:
         add(Check("weight transfer", PASS, "embedded safetensors-path updates"))
+    elif backend == "ipc" or colocated:
+        _ipc_checks(facts, backend, colocated, add)
     elif backend in ("nccl", "sparse_nccl"):
         add(Check("weight transfer", PASS, f"backend {backend}"))
     else:
@@ -194,6 +200,38 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
                       "use --api-server-count 8 and vLLM >= 0.32 where you can"))
         elif count is not None:
             add(Check("api servers", PASS, f"{count} API servers"))
+
+
+def _ipc_checks(facts: ServerFacts, backend: Any, colocated: bool | None, add) -> None:
+    """The colocated layout (one GPU, CUDA-IPC weight sync): backend, insecure-serialization switch, loopback."""
+    if backend != "ipc":
+        add(Check("weight transfer", FAIL, f"the trainer shares the server's GPU (colocated) but the server's weight "
+                  f"transfer backend is {backend!r}", "restart with --weight-transfer-config '{\"backend\": \"ipc\"}' "
+                  "and VLLM_ALLOW_INSECURE_SERIALIZATION=1 (asyncgrpo serve does it on one GPU), or launch.colocate=false "
+                  "with separate GPUs"))
+        return
+    if colocated is False:
+        add(Check("weight transfer", FAIL, "the server uses the ipc backend (CUDA IPC: same GPU only) but the trainer "
+                  "runs on other GPUs", "restart with --weight-transfer-config '{\"backend\": \"nccl\"}', or "
+                  "launch.colocate=true to share the server's GPU"))
+        return
+    add(Check("weight transfer", PASS, "backend ipc (CUDA IPC: the trainer must run on the server's GPU)"))
+    env = facts.server_env
+    flag = None if env is None else str(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")).lower()
+    if flag is None:
+        add(Check("ipc handles", WARN, "the server does not report VLLM_ALLOW_INSECURE_SERIALIZATION; without it "
+                  "every /update_weights with pickled IPC handles is refused", ""))
+    elif flag not in ("1", "true"):
+        add(Check("ipc handles", FAIL, "VLLM_ALLOW_INSECURE_SERIALIZATION is off: the server refuses the pickled "
+                  "CUDA-IPC handles of every weight sync", "restart with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (server "
+                  "on 127.0.0.1 only)"))
+    else:
+        host = (facts.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]).strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1"):
+            add(Check("ipc handles", PASS, "pickled CUDA-IPC handles accepted, on loopback"))
+        else:
+            add(Check("ipc handles", WARN, f"the server unpickles requests (VLLM_ALLOW_INSECURE_SERIALIZATION=1) and is "
+                      f"reached at {host}: whoever reaches it can run code there", "bind it to 127.0.0.1"))
 
 
 def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], count: Any, add) -> None:
@@ -254,7 +292,7 @@ def _local_checks(cfg: DictConfig) -> list[Check]:
     else:
         checks.append(Check("transformers", PASS, tv))
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
-    if server is not None and trainer is not None and set(server) & set(trainer):
+    if server is not None and trainer is not None and set(server) & set(trainer) and not cfg.launch.get("colocate"):
         status = WARN if cfg.sampler.backend.value == "embedded" else FAIL
         checks.append(Check("GPU split", status, f"server GPUs {list(server)} and trainer GPUs {list(trainer)} overlap",
                             "give the server and the trainer different GPUs (launch.server_gpus / launch.trainer_gpus)"))
@@ -298,6 +336,14 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
     return facts
 
 
+def _expected_colocation(cfg: DictConfig) -> bool | None:
+    """`launch.colocate.expected_colocation` on this machine (its visible GPUs)."""
+    from ..launch.colocate import expected_colocation
+    from ..launch.plan import visible_gpu_count
+
+    return expected_colocation(cfg, visible_gpu_count())
+
+
 def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None = None) -> int:
     """Run every check, print them, and return the exit status (0 = no failure, 1 = a failure)."""
     from rich.console import Console
@@ -305,7 +351,7 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
 
     if facts is None:
         facts = read_facts(server_url(cfg), timeout=min(float(cfg.sampler.timeout), 10.0))
-    checks = evaluate(cfg, facts)
+    checks = evaluate(cfg, facts, colocated=_expected_colocation(cfg))
     failed = any(c.status == FAIL for c in checks)
     restart = None
     if failed and cfg.model.name:

@@ -13,8 +13,11 @@ GPU rules (DESIGN.md §2):
   the supervisor starts the server or it already runs there, e.g. from `asyncgrpo serve`; on every
   machine of a multi-node job alike, so all machines run the same number of processes), one process
   per GPU; no GPU → the trainer runs on CPU with ``launch.cpu_processes`` processes (gloo);
-- vLLM and the trainer never share a GPU (NCCL weight transfer, SPEC §8.4); the embedded sampler may:
-  with one GPU it shares it with the trainer.
+- vLLM and the trainer use different GPUs (NCCL weight transfer, SPEC §8.4) unless the layout is
+  colocated (`colocate.decide_layout`: ``launch.colocate=true``, or automatically with one visible
+  GPU): then vLLM and a single trainer process share that GPU, vLLM with its memory share, and
+  weights go over CUDA IPC; the embedded sampler may always share: with one GPU it shares it with
+  the trainer.
 
 Accelerate config (accelerate 1.15 keys): ``distributed_type: FSDP`` with ``fsdp_config.fsdp_version: 2``,
 transformer-layer auto wrap (the model's ``_no_split_modules``) and ``SHARDED_STATE_DICT`` when more
@@ -34,6 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from .colocate import Layout, decide_layout
 from .server_command import ServerCommand, build_server_command, compute_dtype
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
@@ -84,6 +88,7 @@ class GpuPlan:
         machine_rank: this machine's rank (``launch.machine_rank``).
         notes: remarks printed with the plan.
         problems: reasons the plan cannot run here (each names the setting and the fix); empty = runnable.
+        layout: the colocation decision and memory split (`colocate.Layout`).
     """
 
     gpu_count: int
@@ -94,6 +99,12 @@ class GpuPlan:
     machine_rank: int = 0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    layout: Layout = field(default_factory=lambda: Layout(False, ""))
+
+    @property
+    def colocated(self) -> bool:
+        """vLLM and the trainer share one GPU (CUDA-IPC weight sync)."""
+        return self.layout.colocated
 
     @property
     def use_cpu(self) -> bool:
@@ -111,6 +122,8 @@ class GpuPlan:
             return ("GPU " if len(ids) == 1 else "GPUs ") + ",".join(map(str, ids))
 
         server = gpus(self.server_gpus) if self.server_gpus else "no GPU"
+        if self.colocated:
+            server += " (shared with the trainer, CUDA-IPC weight sync)"
         if self.use_cpu:
             trainer = f"CPU ({self.processes_per_machine} process{'es' if self.processes_per_machine > 1 else ''})"
         else:
@@ -122,7 +135,8 @@ class GpuPlan:
         return f"{self.gpu_count} GPU(s) visible | server: {server} | trainer: {trainer}, {kind}"
 
 
-def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bool = True) -> GpuPlan:
+def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bool = True,
+              layout: Layout | None = None, gpu_memory: int | None = None) -> GpuPlan:
     """Split this machine's GPUs between the server and the trainer (rules in the module docstring).
 
     Args:
@@ -130,12 +144,18 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
         gpu_count: visible GPUs; None = `visible_gpu_count()`.
         start_server: whether `asyncgrpo train` starts a server on this machine (False for an external
             server, a server already running, or a machine of rank > 0).
+        layout: the colocation decision (None = `colocate.decide_layout` with ``gpu_memory``).
+        gpu_memory: the shared GPU's memory in bytes for that decision (None = read with nvidia-smi).
 
     Returns:
         A `GpuPlan`; problems are collected in ``plan.problems`` rather than raised, so that
         ``--dry-run`` can print them next to the plan.
     """
     n = visible_gpu_count() if gpu_count is None else int(gpu_count)
+    if layout is None:
+        layout = decide_layout(cfg, n, gpu_memory)
+    if layout.colocated:
+        return _colocated_plan(cfg, n, layout, start_server)
     launch = cfg.launch
     backend = _backend(cfg)
     notes: list[str] = []
@@ -176,7 +196,8 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
             else:
                 problems.append(f"vLLM and the trainer need different GPUs (NCCL weight transfer, SPEC §8.4) but "
                                 f"all {n} visible GPU(s) go to the server (GPUs {held}). Fix: use a machine with "
-                                f"at least {len(held) + 1} GPUs, or share one GPU with sampler.backend=embedded")
+                                f"at least {len(held) + 1} GPUs, share one GPU with vLLM through CUDA IPC "
+                                f"(launch.colocate=true), or use sampler.backend=embedded")
     if backend == "vllm" and set(held) & set(trainer):
         problems.append(f"launch.trainer_gpus={trainer} overlaps the vLLM server's GPUs {held} (SPEC §8.4). Fix: "
                         f"launch.trainer_gpus={[g for g in trainer if g not in set(held)] or [max(held) + 1]}")
@@ -212,6 +233,22 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
                         "Fix: add launch.main_process_ip=10.0.0.1 launch.main_process_port=29500")
     return GpuPlan(gpu_count=n, server_gpus=server, trainer_gpus=trainer, processes_per_machine=per_machine,
                    num_machines=machines, machine_rank=rank, notes=notes, problems=problems)
+
+
+def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool) -> GpuPlan:
+    """The colocated layout: vLLM (started here or already running) and one trainer process on ``layout.gpu``."""
+    gpu = int(layout.gpu or 0)
+    problems = list(layout.problems)
+    if n and gpu >= n:
+        problems.append(f"launch.server_gpus=[{gpu}]: GPU {gpu} does not exist, {n} visible (CUDA_VISIBLE_DEVICES "
+                        f"applies). Fix: use an index in 0..{n - 1}, or leave it unset")
+    notes = [f"colocated: {layout.reason}"]
+    if layout.memory is not None:
+        notes.append(f"memory split: {layout.memory.describe()}")
+        notes.append(f"why: {layout.memory.reason}")
+        notes.extend(layout.memory.notes)
+    return GpuPlan(gpu_count=n, server_gpus=[gpu] if start_server and n else [], trainer_gpus=[gpu] if n else [],
+                   processes_per_machine=1, notes=notes, problems=problems, layout=layout)
 
 
 def mixed_precision(cfg: DictConfig) -> str:
@@ -334,7 +371,7 @@ class LaunchPlan:
 
 
 def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_running: bool = False,
-                      main_process_port: int | None = None) -> LaunchPlan:
+                      main_process_port: int | None = None, gpu_memory: int | None = None) -> LaunchPlan:
     """The whole launch plan for a composed config.
 
     Args:
@@ -342,6 +379,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         gpu_count: visible GPUs (None = `visible_gpu_count()`).
         server_running: a server already answers at the configured URL (nothing is started then).
         main_process_port: rendezvous port for the accelerate config (see `accelerate_config`).
+        gpu_memory: the shared GPU's memory for the colocated split (None = read with nvidia-smi).
 
     Raises:
         ConfigError: from the server command builder (e.g. ``model.name`` unset).
@@ -358,8 +396,12 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         reason = f"launch.machine_rank={cfg.launch.machine_rank}: the server runs with machine 0 at {url}"
     else:
         reason = ""
-    gpus = plan_gpus(cfg, gpu_count, start_server=not reason)
-    server = None if reason else build_server_command(cfg)
+    n = visible_gpu_count() if gpu_count is None else int(gpu_count)
+    layout = decide_layout(cfg, n, gpu_memory)
+    gpus = plan_gpus(cfg, n, start_server=not reason, layout=layout)
+    server = None if reason else build_server_command(cfg, layout=layout)
+    if server is not None:
+        gpus.problems.extend(p for p in server.problems if p not in gpus.problems)
     out = output_dir_of(cfg)
     acc_path, cfg_path = out / ACCELERATE_CONFIG_NAME, out / CONFIG_NAME
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,

@@ -13,6 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -69,12 +70,14 @@ def vllm_has_flag(flag: str, version: str | None) -> bool:
 class ServerCommand:
     """A server command: ``argv``, the environment variables it needs on top of the caller's, and notes.
 
-    ``notes`` are human remarks (printed as ``#`` comments by ``serve --dry-run``).
+    ``notes`` are human remarks (printed as ``#`` comments by ``serve --dry-run``); ``problems`` are
+    reasons the command cannot work here (each with a fix: ``serve`` and ``train`` refuse to start).
     """
 
     argv: list[str]
     env: dict[str, str]
     notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
     def shell_line(self) -> str:
         """A copy-pasteable shell line: ``VAR=value ... program args``."""
@@ -133,14 +136,26 @@ def server_gpus(cfg: DictConfig) -> list[int]:
     return list(cfg.launch.server_gpus) if cfg.launch.server_gpus is not None else [0]
 
 
+def detect_layout(cfg: DictConfig) -> Any:
+    """`colocate.decide_layout` for this machine (visible GPUs, the shared GPU's memory)."""
+    from .colocate import decide_layout
+    from .plan import visible_gpu_count
+
+    return decide_layout(cfg, visible_gpu_count())
+
+
 def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
-                         use_installed: bool = True) -> ServerCommand:
+                         use_installed: bool = True, layout: Any = None) -> ServerCommand:
     """The server command for a composed config: vLLM's ``vllm serve`` or the embedded sampler's.
 
     Args:
         cfg: composed config (`asyncgrpo_cli.config.compose`).
         vllm_version: vLLM version the flags are for; None = the installed one (when ``use_installed``),
             else the newest supported release (said in ``notes``).
+        layout: the `colocate.Layout` (None = `detect_layout`). Colocated, vLLM gets the shared GPU,
+            its memory share (``--gpu-memory-utilization``), ``--weight-transfer-config
+            '{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; otherwise the NCCL
+            backend on ``launch.server_gpus``.
 
     Raises:
         ConfigError: when the config lacks what the server needs (``model.name``) or a LoRA rank is invalid.
@@ -160,16 +175,37 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         notes.append(f"vLLM {vllm_version} is older than the supported 0.26: upgrade with pip install 'vllm>=0.26'")
     version = vllm_version or NEWEST_SUPPORTED_VLLM
 
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in server_gpus(cfg)), "VLLM_SERVER_DEV_MODE": "1"}
+    if layout is None:
+        layout = detect_layout(cfg)
+    problems: list[str] = []
+    gpus = server_gpus(cfg)
+    transfer = "nccl"
+    memory_share = cfg.sampler.gpu_memory_utilization
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if layout.colocated:
+        from .colocate import vllm_ipc_problem
+
+        gpus, transfer = [layout.gpu], "ipc"
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled CUDA-IPC handles; loopback only
+        notes.append(f"colocated on GPU {layout.gpu}: {layout.reason}")
+        if layout.memory is not None:
+            memory_share = layout.memory.gpu_memory_utilization
+            notes.append(f"memory split: {layout.memory.describe()}; {layout.memory.reason}")
+            notes.extend(layout.memory.notes)
+        problems.extend(layout.problems)
+        ipc = vllm_ipc_problem(version, installed_vllm_version()) if use_installed else None
+        if ipc:
+            problems.append(ipc)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), **env}
     argv = ["vllm", "serve", str(cfg.model.name), "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
-            "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+            "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--logprobs-mode", "processed_logprobs",
             "--api-server-count", str(api_server_count(cfg))]
     if cfg.sampler.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
     argv += ["--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg)]
-    if cfg.sampler.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(cfg.sampler.gpu_memory_utilization)]
+    if memory_share is not None:
+        argv += ["--gpu-memory-utilization", f"{float(memory_share):g}"]
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
     if uses_candidate_sets(cfg):
@@ -188,7 +224,7 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
             notes.append("runtime LoRA updating needs --api-server-count 1 (vLLM refuses more)")
     env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
     argv += [str(a) for a in cfg.sampler.extra_args]
-    return ServerCommand(argv, env, notes)
+    return ServerCommand(argv, env, notes, problems)
 
 
 def _embedded_command(cfg: DictConfig) -> ServerCommand:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -64,6 +65,9 @@ from .job_files import finalize_status, newest_checkpoint, stop_grace
 from .server_command import ServerCommand
 
 LOG_TAIL_LINES = 30
+READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
+_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(INFO|WARNING|DEBUG|ERROR)?\s*(\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?)?\s*"
+                         r"(\[[^\]]*\]\s*)?")
 PLOT_NAME = "training_curves.png"
 
 #: ``_commands`` hook: (component name "server" / "trainer", argv) -> the argv actually started.
@@ -470,20 +474,29 @@ class Supervisor:
                                    refresh_per_second=max(1.0, 1.0 / self.timeouts.poll_s))
 
     def _wait_ready(self) -> int | None:
+        """Wait for ``/health``, showing what the server is doing (the last line of its log) meanwhile:
+        a spinner with the elapsed time on a terminal, a plain line every `READY_REPORT_S` seconds
+        otherwise. vLLM takes 70–110 s to load a small model on an H200 (import, weights, profiling,
+        KV-cache allocation)."""
         url, timeout = self.plan.url, float(self.cfg.sampler.timeout)
         deadline = time.monotonic() + timeout
         t0 = time.monotonic()
-        self.console.print(f"waiting for the sampler at {url}/health (sampler.timeout={timeout:g} s)",
+        vllm = self.server is not None and "vllm" in " ".join(self.server.argv[:3])
+        what = "vLLM" if vllm else "the sampler"
+        typical = " (vLLM usually needs 1-2 minutes to load)" if vllm else ""
+        self.console.print(f"waiting for {what} at {url}/health{typical}; sampler.timeout={timeout:g} s",
                            markup=False, highlight=False, soft_wrap=True)
+        terminal = self.console.is_terminal
+        last_report = t0
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console,
-                      transient=True) as progress:
-            progress.add_task(f"waiting for the sampler at {url}", total=None)
+                      transient=True, disable=not terminal) as progress:
+            task = progress.add_task(f"waiting for {what} at {url}", total=None)
             while True:
                 if self._stop.is_set():
                     return self._interrupted_rc()
                 if self.server is not None and self.server.poll() is not None:
-                    return self._fail(f"the server exited with code {self.server.poll()} before it was ready",
-                                      self.server)
+                    return self._fail(f"{'vLLM' if vllm else 'the server'} exited with code {self.server.poll()} "
+                                      "before it was ready", self.server)
                 remaining = deadline - time.monotonic()
                 if probe_health(url, max(0.1, min(self.timeouts.health_probe_s, remaining))):
                     break
@@ -492,9 +505,28 @@ class Supervisor:
                             "start it (asyncgrpo serve with the same overrides) or fix sampler.url")
                     return self._fail(f"no answer from {url}/health after {timeout:g} s (sampler.timeout). Fix: "
                                       f"{hint}, or raise sampler.timeout", self.server)
+                if self.server is not None:
+                    self.server.track()  # vLLM's engine-core children, for the final sweep
+                status = self._server_status_line()
+                progress.update(task, description=f"waiting for {what}" + (f": {status}" if status else ""))
+                if not terminal and time.monotonic() - last_report >= READY_REPORT_S:
+                    last_report = time.monotonic()
+                    self.console.print(f"  still loading ({last_report - t0:.0f} s)" + (f": {status}" if status else ""),
+                                       markup=False, highlight=False, soft_wrap=True)
                 self._stop.wait(min(self.timeouts.poll_s, max(0.0, deadline - time.monotonic())))
-        self.console.print(Text(f"sampler ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
+        self.console.print(Text(f"{what} ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
         return None
+
+    def _server_status_line(self, width: int = 110) -> str:
+        """The server log's last non-empty line, without vLLM's ``(APIServer pid=N) INFO 12-01 10:00:00
+        [file.py:12]`` prefix, cut to ``width`` characters ('' without a server)."""
+        if self.server is None:
+            return ""
+        for line in reversed(tail_lines(self.server.log_path, 5)):
+            line = _LOG_PREFIX.sub("", line.strip())
+            if line and not line.startswith("$ "):  # not the command line the supervisor wrote first
+                return line if len(line) <= width else line[: width - 1] + "…"
+        return ""
 
     def _doctor(self) -> int | None:
         from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts
@@ -504,7 +536,9 @@ class Supervisor:
             facts = read_facts(self.plan.url, timeout=min(self.timeouts.doctor_s, float(self.cfg.sampler.timeout)))
         except Exception as exc:  # e.g. a /metrics page that is not Prometheus text
             return self._fail(f"doctor could not read the server at {self.plan.url}: {exc}", self.server)
-        checks = evaluate(self.cfg, facts)
+        started_vllm = self.plan.server is not None and "vllm" in " ".join(self.plan.server.argv[:3])
+        colocated = True if self.plan.gpus.colocated else (False if started_vllm else None)
+        checks = evaluate(self.cfg, facts, colocated=colocated)
         failed = [c for c in checks if c.status == FAIL]
         if failed:
             table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")

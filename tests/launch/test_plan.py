@@ -38,9 +38,10 @@ def test_torch_compile_is_announced_with_the_plan():
     assert any("first step" in n and "CPU trainer" in n for n in cpu)
 
 
-def test_one_gpu_vllm_is_a_problem():
-    plan = build_launch_plan(cfg_of(), gpu_count=1)
+def test_one_gpu_vllm_without_colocation_is_a_problem():
+    plan = build_launch_plan(cfg_of("launch.colocate=false"), gpu_count=1)
     assert plan.problems and "different GPUs" in plan.problems[0] and "sampler.backend=embedded" in plan.problems[0]
+    assert "launch.colocate=true" in plan.problems[0]
 
 
 def test_vllm_needs_a_gpu():

@@ -1,7 +1,8 @@
 """Choose the weight-sync backend from what the running server is (DESIGN §5, SPEC §9).
 
-``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync`; vLLM 0.26–0.27 →
-`VllmNccl026Sync`; vLLM >= 0.28 → `VllmNccl028Sync`. A PEFT model on a server with LoRA enabled
+``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync`; a vLLM whose
+``/server_info`` says ``weight_transfer_config.backend == "ipc"`` (the colocated layout, one GPU) →
+`VllmIpcSync`; vLLM 0.26–0.27 → `VllmNccl026Sync`; vLLM >= 0.28 → `VllmNccl028Sync`. A PEFT model on a server with LoRA enabled
 (``lora_config`` in ``/server_info``) gets `LoraAdapterSync` instead (unless adapter sync is
 turned off), after checking ``--max-loras`` and ``--max-lora-rank`` against the run.
 """
@@ -17,6 +18,7 @@ import torch
 from .base import WeightSyncBackend
 from .embedded import EmbeddedPathSync
 from .lora import LoraAdapterSync
+from .vllm_ipc import VllmIpcSync
 from .vllm_nccl import VllmNccl026Sync, VllmNccl028Sync
 
 EMBEDDED_SERVER = "asyncgrpo-embedded"
@@ -39,6 +41,13 @@ def _server_config(client: Any) -> dict:
     """The server's engine config (``client.server_info()``, vLLM's ``vllm_config``), ``{}`` if absent."""
     config = client.server_info()
     return config if isinstance(config, dict) else {}
+
+
+def read_transfer_backend(client: Any) -> str | None:
+    """The server's weight-transfer backend from ``/server_info`` (``weight_transfer_config.backend``:
+    ``nccl``, ``ipc``, ...), None when it does not say."""
+    backend = (_server_config(client).get("weight_transfer_config") or {}).get("backend")
+    return str(backend) if backend else None
 
 
 def read_server_dtype(client: Any) -> torch.dtype | None:
@@ -88,7 +97,8 @@ def make_weight_sync(
         lora_rank: the PEFT adapter's rank ``r`` when training LoRA, None for full training.
         max_staleness: SPEC §4 staleness limit (adapter window size - 1).
         adapter_sync: False forces merged sync even on a LoRA server.
-        master_address / master_port / device / vllm_api: for the NCCL backends.
+        master_address / master_port / device / vllm_api: for the NCCL backends (``device`` and
+            ``vllm_api`` for the IPC backend too).
 
     Raises:
         ValueError: an unsupported server (vLLM < 0.26, unreadable version) or LoRA limits the
@@ -109,6 +119,8 @@ def make_weight_sync(
     nccl = dict(master_address=master_address, master_port=master_port, device=device, vllm_api=vllm_api)
     if version < (0, 26):
         raise ValueError(f"vLLM {info['version']} is too old for weight transfer; use vLLM >= 0.26")
+    if read_transfer_backend(client) == "ipc":
+        return VllmIpcSync(client, device=device, vllm_api=vllm_api, send_weight_version=version >= (0, 27))
     if version < (0, 28):
         return VllmNccl026Sync(client, send_weight_version=version >= (0, 27), **nccl)
     return VllmNccl028Sync(client, **nccl)
