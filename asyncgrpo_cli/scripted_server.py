@@ -98,7 +98,7 @@ class ScriptedServer:
         async def serve() -> None:
             self._runner = web.AppRunner(self._app(), access_log=None)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)  # hundreds of rollouts connect at once
             await site.start()
             port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the bound port of port 0
             self.url = f"http://127.0.0.1:{port}"
