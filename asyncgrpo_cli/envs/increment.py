@@ -52,21 +52,27 @@ class IncrementEnv:
         return self.counter
 
 
-def tool_call_reward(completions: Sequence[list[dict[str, Any]]], **kwargs: Any) -> list[float]:
-    """Shaping reward for tool use: 0.5 when a completion called a tool that ran, 0.2 when it only tried
-    (the tool message is an error), 0.0 without any call.
+def tool_call_reward(completions: Sequence[list[dict[str, Any]]], tool_names: Sequence[str] = ("increment",),
+                     **kwargs: Any) -> list[float]:
+    """Shaping reward for tool use: 0.5 when a completion called a tool that ran, 0.2 when it only tried (every
+    tool message is an error), 0.1 when it called none but its first reply names a tool, else 0.0.
 
     Args:
         completions: G completions, each the list of assistant and tool messages of one rollout.
+        tool_names: the names whose mention earns the smallest step (bind with functools.partial or the
+            rewards group's ``kwargs``).
 
     Returns:
-        G floats in {0.0, 0.2, 0.5}.
+        G floats in {0.0, 0.1, 0.2, 0.5}.
     """
     out = []
     for messages in completions:
         results = [m.get("content") or "" for m in messages if m.get("role") == "tool"]
+        first = next((m.get("content") or "" for m in messages if m.get("role") == "assistant"), "")
         if any(not r.startswith("Error") for r in results):
             out.append(0.5)
+        elif results:
+            out.append(0.2)
         else:
-            out.append(0.2 if results else 0.0)
+            out.append(0.1 if any(name in first for name in tool_names) else 0.0)
     return out

@@ -122,7 +122,8 @@ class AsyncGRPOTrainer(Trainer):
             if args.max_steps is None or args.max_steps <= 0:
                 raise ValueError(f"train_dataset=None with environment_factory: the environment owns the data, so "
                                  f"there are no epochs to count and max_steps must be set (got max_steps="
-                                 f"{args.max_steps}). Fix: pass AsyncGRPOConfig(max_steps=N) (SPEC §13.2)")
+                                 f"{args.max_steps}). Fix: pass AsyncGRPOConfig(max_steps=N), on the command line "
+                                 "trainer.max_steps=N (SPEC §13.2)")
             train_dataset = EnvironmentOwnedPrompts()
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
         if not funcs and environment_factory is None:

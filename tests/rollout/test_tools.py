@@ -357,3 +357,28 @@ def test_bad_arguments_are_a_failure_message():
     box = ToolBox([multiply])
     result = asyncio.run(run_tool_call(ToolCall("multiply", {"a": 1}), box, None, 5.0))
     assert result.failed and "TypeError" in result.content
+
+
+def test_training_template_is_prefix_preserving_with_thinking_and_tools(tokenizer):
+    """B.27: appending an assistant reply (think block, calls) and tool results never changes earlier text,
+    with and without enable_thinking=False; Qwen3-style and tool-less ChatML templates are replaced."""
+    from asyncgrpo_cli.rollout.chat_templates import TOOLS_CHATML_TEMPLATE, training_chat_template
+
+    schemas = ToolBox([multiply]).schemas
+    for kwargs, reply in (({"enable_thinking": False}, "Sure.\n" + call("multiply", a=2, b=3)),
+                          ({}, "<think>\nneed a product\n</think>\n\n" + call("multiply", a=2, b=3))):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 times 3?"}]
+        for _ in range(2):
+            before = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
+                                                   tokenize=False, **kwargs)
+            parsed = parse_assistant_reply(reply, tokenizer, schemas)
+            messages += [parsed.message, {"role": "tool", "name": "multiply", "content": "6"}]
+            after = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
+                                                  tokenize=False, **kwargs)
+            assert after.startswith(before + reply + "<|im_end|>"), (before, after)
+    qwen3_like = "<|im_start|>{% set ns = namespace(last_query_index=0) %}<tool_call>{{ reasoning_content }}"
+    assert training_chat_template(types.SimpleNamespace(chat_template=qwen3_like)) == TOOLS_CHATML_TEMPLATE
+    smollm2_like = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+    assert training_chat_template(types.SimpleNamespace(chat_template=smollm2_like)) == TOOLS_CHATML_TEMPLATE
+    assert training_chat_template(types.SimpleNamespace(chat_template=TOOLS_CHATML_TEMPLATE)) is None
+    assert training_chat_template(types.SimpleNamespace(chat_template="[INST]{{ tools }}[/INST]")) is None
