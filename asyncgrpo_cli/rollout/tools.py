@@ -190,8 +190,9 @@ def parse_assistant_reply(text: str, tokenizer: Any = None, schemas: list[dict] 
             if isinstance(args, str):
                 calls.append(_read_call(json.dumps({"name": fn.get("name"), "arguments": args})))
             else:
-                calls.append(ToolCall(fn.get("name"), args) if isinstance(fn.get("name"), str) and isinstance(args, dict)
-                             else ToolCall(None, error="the tool call has no name or its arguments are not an object"))
+                ok = isinstance(fn.get("name"), str) and isinstance(args, dict)
+                calls.append(ToolCall(fn.get("name"), args) if ok else
+                             ToolCall(None, error="the tool call has no name or its arguments are not an object"))
         message["tool_calls"] = [c.as_message_call() for c in calls if c.error is None] or None
         if message["tool_calls"] is None:
             message.pop("tool_calls")

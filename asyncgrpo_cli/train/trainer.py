@@ -128,6 +128,13 @@ class AsyncGRPOTrainer(Trainer):
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
         if not funcs and environment_factory is None:
             raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
+        if not funcs and environment_factory is not None:
+            factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+            unscored = [f.__name__ for f in factories
+                        if isinstance(f, type) and not callable(getattr(f, "get_reward", None))]
+            if unscored:
+                raise ValueError(f"reward_funcs is empty and environment {unscored} has no get_reward(): its rollouts "
+                                 "could not be scored. Fix: pass reward_funcs=[...] or define get_reward (SPEC §13.2)")
         if environment_factory is None and "prompt" not in (train_dataset.column_names or []):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")

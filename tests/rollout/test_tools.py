@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import re
 import threading
 import time
 import types
@@ -198,12 +197,6 @@ def harness(tokenizer):
     yield make
     for h in made:
         h.close()
-
-
-def check_every_generated_token_trained_once(tokenizer, sample_lists, prompts):
-    """The trained tokens of a rollout's samples are exactly its generated tokens, in order, once each."""
-    trained = [t for s in sample_lists for t, m in zip(s.input_ids, s.trained_mask) if m]
-    return trained
 
 
 # ------------------------------------------------------------------------------------------- tests

@@ -177,6 +177,9 @@ def test_trainer_refuses_no_dataset_without_max_steps(tmp_path):
         AsyncGRPOTrainer(model="unused", args=args, environment_factory=CounterEnv)
     with pytest.raises(ValueError, match="train_dataset=None"):
         AsyncGRPOTrainer(model="unused", reward_funcs=[lambda **k: 0], args=args)
+    with pytest.raises(ValueError, match=r"\['GameEnv'\] has no get_reward"):
+        AsyncGRPOTrainer(model="unused", args=AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1),
+                         environment_factory={"game": GameEnv, "counter": CounterEnv})
 
 
 class CoinEnv:
