@@ -225,3 +225,23 @@ def test_environment_owned_data_trains_with_max_steps(tmp_path):
                 "tools/loop_exhausted_frac"} <= merged
     finally:
         server.stop()
+
+
+def test_cli_groups_import_tools_and_environments():
+    from asyncgrpo_cli.config.compose import compose, to_training_args
+    from asyncgrpo_cli.config.rules import ConfigError
+    from asyncgrpo_cli.envs.calculator import calculate
+    from asyncgrpo_cli.envs.increment import IncrementEnv
+    from asyncgrpo_cli.train.main import agent_objects
+
+    cfg = compose(["+recipe=calculator", "rollout.tool_call_timeout=2.5"])
+    assert agent_objects(cfg) == ([calculate], None) and to_training_args(cfg).tool_call_timeout == 2.5
+    cfg = compose(["+recipe=increment_env"])
+    assert agent_objects(cfg) == ([], IncrementEnv) and not cfg.data.name and not cfg.data.generator
+    cfg = compose(["+recipe=increment_env", "environment.factory={a: asyncgrpo_cli.envs.increment:IncrementEnv}"])
+    assert agent_objects(cfg)[1] == {"a": IncrementEnv}
+    with pytest.raises(ConfigError, match="environment.factory"):
+        agent_objects(compose(["environment.factory=asyncgrpo_cli.envs.increment:Missing"]))
+    assert calculate("(3 + 4) * 2") == "14" and calculate("7 / 2") == "3.5"
+    with pytest.raises(ValueError, match="unsupported"):
+        calculate("__import__('os')")
