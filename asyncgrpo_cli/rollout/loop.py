@@ -173,7 +173,7 @@ class AsyncRolloutLoop:
             turns.append(turn)
             completion_ids.extend(turn.output_ids)
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            reply = parse_assistant_reply(text, self.tokenizer, toolbox.schemas)
+            reply = parse_assistant_reply(text, self.tokenizer, toolbox.schemas, prefix=prompt_ids)
             messages.append(reply.message)
             completion.append(reply.message)
             if not reply.calls or turn.finish_reason == "length":

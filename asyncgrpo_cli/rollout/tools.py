@@ -157,11 +157,12 @@ def _split_reasoning(text: str) -> tuple[str | None, str]:
     return head.replace("<think>", "", 1).strip("\n"), tail.lstrip("\n")
 
 
-def parse_assistant_reply(text: str, tokenizer: Any = None, schemas: list[dict] | None = None) -> ParsedReply:
+def parse_assistant_reply(text: str, tokenizer: Any = None, schemas: list[dict] | None = None,
+                          prefix: list[int] | str | None = None) -> ParsedReply:
     """Split one generated reply into an assistant message and its tool calls (SPEC §13.1).
 
-    With a tokenizer carrying ``response_schema``, transformers' ``parse_response`` reads the reply (a reply
-    it cannot parse yields one malformed call). Otherwise the Qwen3/Hermes format is read: every
+    With a tokenizer carrying a ``response_template``, transformers' ``parse_response`` reads the reply with
+    the turn's prompt as ``prefix`` (a reply it cannot parse yields one malformed call). Otherwise the Qwen3/Hermes format is read: every
     ``<tool_call>{json}</tool_call>`` block (an unclosed last block counts) is one call; ``content`` is the
     text before the first block, one trailing newline removed (the template writes it back between content
     and the first call). When the chat template renders ``reasoning_content``, a ``<think>...</think>``
@@ -171,13 +172,14 @@ def parse_assistant_reply(text: str, tokenizer: Any = None, schemas: list[dict] 
         text: the decoded reply (special tokens skipped).
         tokenizer: the worker's tokenizer, or None.
         schemas: the rollout's tool schemas (``parse_response`` casts arguments with them).
+        prefix: the turn's prompt (token ids or text), which ``parse_response`` needs; None = ``""``.
 
     Returns:
         A `ParsedReply`; malformed calls carry ``error`` and are not in the message's ``tool_calls``.
     """
-    if tokenizer is not None and getattr(tokenizer, "response_schema", None):
+    if tokenizer is not None and getattr(tokenizer, "response_template", None):
         try:
-            parsed = tokenizer.parse_response(text, tools=schemas or None)
+            parsed = tokenizer.parse_response(text, prefix=prefix if prefix is not None else "", tools=schemas or None)
         except Exception as exc:  # noqa: BLE001 - a reply the schema cannot read is the policy's error
             return ParsedReply({"role": "assistant", "content": text},
                                [ToolCall(None, error=f"the reply could not be parsed ({type(exc).__name__}: {exc})")]

@@ -375,3 +375,23 @@ def test_training_template_is_prefix_preserving_with_thinking_and_tools(tokenize
     assert training_chat_template(types.SimpleNamespace(chat_template=smollm2_like)) == TOOLS_CHATML_TEMPLATE
     assert training_chat_template(types.SimpleNamespace(chat_template=TOOLS_CHATML_TEMPLATE)) is None
     assert training_chat_template(types.SimpleNamespace(chat_template="[INST]{{ tools }}[/INST]")) is None
+
+
+def test_tokenizer_response_template_is_used_with_the_prompt_as_prefix():
+    """A tokenizer with transformers' response parsing is read through ``parse_response`` (its result shape)."""
+    seen = {}
+
+    class Parsing:
+        response_template = {"fields": "set"}
+
+        def parse_response(self, text, prefix=None, tools=None):
+            seen.update(text=text, prefix=prefix, tools=tools)
+            return {"role": "assistant", "content": "ok",
+                    "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 1, "b": 2}}},
+                                   {"type": "function", "function": {"name": "multiply", "arguments": "{bad"}}]}
+
+    schemas = ToolBox([multiply]).schemas
+    r = parse_assistant_reply("raw", Parsing(), schemas, prefix=[1, 2, 3])
+    assert seen == {"text": "raw", "prefix": [1, 2, 3], "tools": schemas}
+    assert [c.name for c in r.calls] == ["multiply", "multiply"] and r.calls[1].error
+    assert r.message["tool_calls"] == [r.calls[0].as_message_call()] and r.message["content"] == "ok"
