@@ -480,7 +480,10 @@ class AsyncRolloutLoop:
         try:
             t0 = time.monotonic()
             try:
-                text = await loop.run_in_executor(self.tool_executor, functools.partial(env.reset, **kwargs))
+                if is_async_tool(env.reset):
+                    text = await env.reset(**kwargs)
+                else:
+                    text = await loop.run_in_executor(self.tool_executor, functools.partial(env.reset, **kwargs))
             except Exception as exc:
                 raise EnvironmentHookError(f"{cls}.reset raised {type(exc).__name__}: {exc}") from exc
             finally:
