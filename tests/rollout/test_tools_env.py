@@ -245,3 +245,23 @@ def test_cli_groups_import_tools_and_environments():
     assert calculate("(3 + 4) * 2") == "14" and calculate("7 / 2") == "3.5"
     with pytest.raises(ValueError, match="unsupported"):
         calculate("__import__('os')")
+
+
+class BrokenLoop:
+    """A loop class whose constructor raises (stands in for a bad subclass or argument)."""
+
+    def __init__(self, **kwargs):
+        raise ValueError("bad loop argument: max_tool_calling_iterations=-1")
+
+
+def test_worker_that_fails_building_the_loop_reports_its_traceback(tmp_path):
+    from asyncgrpo_cli import AsyncGRPOConfig
+    from asyncgrpo_cli.rollout.worker import RolloutWorker, RolloutWorkerError
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_server_base_url="http://127.0.0.1:9")
+    worker = RolloutWorker(args, "m", EnvironmentOwnedPrompts(), [], make_tiny_tokenizer(), [0], loop_cls=BrokenLoop)
+    try:
+        with pytest.raises(RolloutWorkerError, match="while building the rollout loop BrokenLoop(.|\n)*bad loop"):
+            worker.start(ready_timeout_s=120)
+    finally:
+        worker.stop()
