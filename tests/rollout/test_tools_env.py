@@ -234,8 +234,13 @@ def test_cli_groups_import_tools_and_environments():
     from asyncgrpo_cli.envs.increment import IncrementEnv
     from asyncgrpo_cli.train.main import agent_objects
 
+    from asyncgrpo_cli.imports import reward_functions
+    from asyncgrpo_cli.rollout.reward_runner import check_picklable
+
     cfg = compose(["+recipe=calculator", "rollout.tool_call_timeout=2.5"])
     assert agent_objects(cfg) == ([calculate], None) and to_training_args(cfg).tool_call_timeout == 2.5
+    for func in reward_functions(list(cfg.rewards)):  # list-valued kwargs (tool_names) must reach the worker
+        check_picklable(func, "reward function")
     cfg = compose(["+recipe=increment_env"])
     assert agent_objects(cfg) == ([], IncrementEnv) and not cfg.data.name and not cfg.data.generator
     cfg = compose(["+recipe=increment_env", "environment.factory={a: asyncgrpo_cli.envs.increment:IncrementEnv}"])
