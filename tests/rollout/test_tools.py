@@ -125,10 +125,13 @@ def alternating_reward(completions, **kwargs):
 
 
 class Harness:
-    """The real loop on a thread, fed by a scripted server; collects outcomes and metric snapshots."""
+    """The real loop on a thread, fed by a scripted server; collects outcomes and metric snapshots.
+
+    ``allowance=0`` lets exactly one group run (B.4: the first group may always start; its kept samples are
+    never consumed here, so no token allowance is left for a second one): its metrics are then exact."""
 
     def __init__(self, tokenizer, script, dataset, tools=None, environment_factory=None, reward_funcs=None,
-                 **config):
+                 allowance=1e12, **config):
         self.server = ScriptedServer(tokenizer, script).start()
         base = dict(output_dir="/tmp/asyncgrpo-test-tools", num_generations=2, max_completion_length=64,
                     num_sampler_logprobs=1, vllm_server_base_url=self.server.url, max_concurrent_rollouts=8,
@@ -139,7 +142,7 @@ class Harness:
         self.loop = AsyncRolloutLoop(
             AsyncGRPOConfig(**base), "scripted", dataset,
             [alternating_reward] if reward_funcs is None else reward_funcs, tokenizer, [tokenizer.eos_token_id],
-            self.buffer, types.SimpleNamespace(value=0), types.SimpleNamespace(value=1e12),
+            self.buffer, types.SimpleNamespace(value=0), types.SimpleNamespace(value=allowance),
             types.SimpleNamespace(value=0.0), self.failed, self.errors, self.metrics_q, tools=tools,
             environment_factory=environment_factory)
         self.loop.freeze_startup_heap = False
@@ -169,9 +172,7 @@ class Harness:
     def metrics(self):
         from asyncgrpo_cli.metrics import MetricsWindow
 
-        self.loop.ship_metrics()
-        window = MetricsWindow()
-        time.sleep(0)
+        window = MetricsWindow()  # a group's metrics are shipped before its outcome is queued
         while True:
             try:
                 window.merge(self.metrics_q.get_nowait())
@@ -207,7 +208,7 @@ def multiply_script(prompt):
 
 
 def test_clean_chain_is_one_sample_with_tool_tokens_masked(harness, tokenizer):
-    h = harness(multiply_script, tools=[multiply])
+    h = harness(multiply_script, tools=[multiply], allowance=0)
     (out,) = h.outcomes(1, kind="kept")
     assert len(out.samples) == 2  # G = 2 rollouts, one sample each
     eos = tokenizer.eos_token_id
@@ -222,7 +223,7 @@ def test_clean_chain_is_one_sample_with_tool_tokens_masked(harness, tokenizer):
     first = tokenizer.decode(h.server.prompts[0])
     assert '"name": "multiply"' in first and "<tools>" in first
     m = h.metrics()
-    assert m["tools/multiply/call_count"] >= 2 and m["tools/multiply/failure_count"] == 0
+    assert m["tools/multiply/call_count"] == 2 and m["tools/multiply/failure_count"] == 0
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
     assert m["rollout/fork_frac"] == 0.0 and m["rollout/samples_per_rollout"] == 1.0
     assert m["rollout/turns_mean"] == 2.0 and m["tools/loop_exhausted_frac"] == 0.0
@@ -267,7 +268,7 @@ def failures_script(prompt):
 
 
 def test_failures_are_tool_messages_and_counted(harness, tokenizer):
-    h = harness(failures_script, tools=[explode, hang, async_add], tool_call_timeout=0.5)
+    h = harness(failures_script, tools=[explode, hang, async_add], tool_call_timeout=0.5, allowance=0)
     (out,) = h.outcomes(1, kind="kept")
     text = tokenizer.decode(out.samples[-1].input_ids)  # the malformed call is not re-rendered: a fork
     assert "not valid JSON" in text and "no tool named 'nope'" in text and "explode', 'hang', 'async_add'" not in text
@@ -287,7 +288,7 @@ def always_calls(prompt):
 
 
 def test_cap_counts_loop_exhausted(harness):
-    h = harness(always_calls, tools=[multiply], max_tool_calling_iterations=2)
+    h = harness(always_calls, tools=[multiply], max_tool_calling_iterations=2, allowance=0)
     (out,) = h.outcomes(1, kind="kept")
     assert all(len(s.input_ids) > 0 for s in out.samples)
     m = h.metrics()

@@ -162,11 +162,11 @@ def test_failing_reset_fails_only_that_rollout(harness, caplog):
     BrokenEnv.episodes = 0
     h = harness(lambda prompt: "fine", EnvironmentOwnedPrompts(), environment_factory=BrokenEnv, reward_funcs=[],
                 num_generations=4)
-    outs = h.outcomes(3)
+    outs = h.outcomes(6)
     kept = [o for o in outs if o.kind == "kept"]
-    assert kept and all(len(o.samples) <= 2 for o in kept)  # odd episodes failed: no samples from them
+    assert kept and all(len(o.samples) <= 3 for o in kept)  # odd episodes failed: no samples from them
     m = h.metrics()
-    assert m["env/failure_count"] >= 6 and "rewards/BrokenEnv/mean" in m
+    assert m["env/failure_count"] >= 12 and "rewards/BrokenEnv/mean" in m
 
 
 def test_trainer_refuses_no_dataset_without_max_steps(tmp_path):
