@@ -164,7 +164,8 @@ def test_failing_reset_fails_only_that_rollout(harness, caplog):
                 num_generations=4)
     outs = h.outcomes(6)
     kept = [o for o in outs if o.kind == "kept"]
-    assert kept and all(len(o.samples) <= 3 for o in kept)  # odd episodes failed: no samples from them
+    assert kept  # the worker goes on; failed rollouts are unscored and give no sample
+    assert sum(len(o.samples) for o in outs) < 4 * len(outs)
     m = h.metrics()
     assert m["env/failure_count"] >= 12 and "rewards/BrokenEnv/mean" in m
 
