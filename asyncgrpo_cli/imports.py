@@ -40,6 +40,11 @@ def reward_functions(specs: list[Any]) -> list[Any]:
         func = import_object(str(spec["func"]), f"rewards[{i}].func")
         if not callable(func):
             raise ConfigError(f"rewards[{i}].func={spec['func']!r} is not callable. Fix: name a function")
-        kwargs = dict(spec.get("kwargs") or {})
+        kwargs = spec.get("kwargs") or {}
+        if hasattr(kwargs, "_metadata"):  # an OmegaConf node: plain containers, or the partial cannot be pickled
+            from omegaconf import OmegaConf
+
+            kwargs = OmegaConf.to_container(kwargs, resolve=True)
+        kwargs = dict(kwargs)
         funcs.append(functools.partial(func, **kwargs) if kwargs else func)
     return funcs

@@ -33,11 +33,13 @@ def _corpus(seed: int, lines: int) -> list[str]:
     return out
 
 
-def make_tiny_tokenizer(vocab_size: int = 384, seed: int = 0):
+def make_tiny_tokenizer(vocab_size: int = 384, seed: int = 0, tool_template: bool = False):
     """Train a byte-level BPE tokenizer offline and wrap it as a `PreTrainedTokenizerFast`.
 
     Returns a tokenizer with ``<|im_end|>`` as EOS, ``<|endoftext|>`` as pad (left padding) and a
-    ChatML chat template. ``vocab_size`` is a target; the trained vocabulary may be smaller.
+    ChatML chat template; ``tool_template=True`` gives it the Qwen3-style ChatML template with tools
+    (`asyncgrpo_cli.rollout.chat_templates.TOOLS_CHATML_TEMPLATE`). ``vocab_size`` is a target; the
+    trained vocabulary may be smaller.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -61,6 +63,10 @@ def make_tiny_tokenizer(vocab_size: int = 384, seed: int = 0):
         padding_side="left",
     )
     fast.chat_template = CHATML_TEMPLATE
+    if tool_template:
+        from .rollout.chat_templates import TOOLS_CHATML_TEMPLATE
+
+        fast.chat_template = TOOLS_CHATML_TEMPLATE
     return fast
 
 
@@ -74,18 +80,20 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     dtype: str = "float32",
+    tool_template: bool = False,
 ) -> Path:
     """Write a tiny random Qwen3 causal LM plus tokenizer to ``out_dir`` and return the path.
 
     The model has ``hidden_size`` (default 64) hidden units, ``num_layers`` decoder layers and a
-    vocabulary equal to the tokenizer's length; weights are random (seeded) in ``dtype``.
+    vocabulary equal to the tokenizer's length; weights are random (seeded) in ``dtype``;
+    ``tool_template`` as in `make_tiny_tokenizer`.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(seed=seed)
+    tokenizer = make_tiny_tokenizer(seed=seed, tool_template=tool_template)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

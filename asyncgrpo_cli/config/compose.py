@@ -27,7 +27,8 @@ FIELD_PATHS: dict[str, str] = {
     "router_aux_loss_coef": "model.router_aux_loss_coef",
     **{n: f"rollout.{n}" for n in (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
-        "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations")},
+        "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
+        "tool_call_timeout")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max")},

@@ -107,6 +107,15 @@ class RewardFuncConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """The ``environment_factory`` (SPEC §13.2): one import path (``module:Class``), or a dict of names to
+    import paths routed by the dataset's ``environment`` column; null = no environment."""
+
+    factory: Any = None
+    """``module:Class`` (a zero-argument callable), or ``{name: module:Class, ...}``."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation settings (SPEC §16.3 'Generation')."""
 
@@ -130,6 +139,8 @@ class RolloutConfig:
     """Extra keyword arguments for ``apply_chat_template``."""
     max_tool_calling_iterations: Optional[int] = None
     """Max tool-calling turns per rollout (None = no limit)."""
+    tool_call_timeout: Optional[float] = 300.0
+    """Seconds one tool call may run; past it the model reads a timeout error (None = no limit)."""
     loop_cls: Optional[str] = None
     """Import path of an ``AsyncRolloutLoop`` subclass (None = the default loop)."""
 
@@ -320,6 +331,8 @@ class AppConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardFuncConfig] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)

@@ -364,6 +364,29 @@ def duplicates(history: MetricsHistory, settings: RunSettings = RunSettings(),
     return Diagnosis("duplicates", f"duplicates at {dup:.0%} (short completions can repeat by chance)", INFO)
 
 
+def tool_use(m: Mapping[str, Any], th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """Agent runs (SPEC §13, §15.4): failing tool calls, rollouts cut at ``max_tool_calling_iterations``,
+    turns that fork because the chat template re-renders the history. None without tool metrics."""
+    fail = num(m, "tools/failure_frequency")
+    exhausted = num(m, "tools/loop_exhausted_frac")
+    fork = num(m, "rollout/fork_frac")
+    if fail is None and exhausted is None and num(m, "tools/call_frequency") is None:
+        return None
+    if fail is not None and fail >= th.high_wait_frac:
+        unknown = num(m, "tools/unknown_name_count")
+        extra = f", {unknown:.0f} to unknown names" if unknown else ""
+        return Diagnosis("tool_failures", f"tool failures {fail:.0%}{extra}: read the tool messages "
+                         "(log_completions) and the tools' docstrings", WARN)
+    if exhausted is not None and exhausted >= th.high_wait_frac:
+        return Diagnosis("tool_loop_exhausted", f"{exhausted:.0%} of rollouts cut at max_tool_calling_iterations "
+                         "while still calling tools: raise rollout.max_tool_calling_iterations", WARN)
+    if fork is not None and fork >= th.high_wait_frac:
+        return Diagnosis("tool_forks", f"{fork:.0%} of turns fork (the chat template re-renders the history): "
+                         "forward cost grows; use a prefix-preserving template", INFO)
+    calls = num(m, "tools/call_frequency")
+    return Diagnosis("tools_ok", f"tools {calls:.2g} calls/rollout" if calls is not None else "tools ok", OK)
+
+
 def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
              th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The ONE diagnosis line of the dashboard for the newest window of ``history``.
@@ -378,7 +401,7 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
         return Diagnosis("waiting", "waiting for the first logged step", OK)
     limit = active_limit(m, settings, th)
     found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th),
-                         bottleneck(m, settings, th), limit) if d is not None]
+                         bottleneck(m, settings, th), limit, tool_use(m, th)) if d is not None]
     if not found:
         return Diagnosis("no_data", "no diagnosable metrics in this step", OK)
     best = max(found, key=lambda d: d.rank)  # max keeps the first of equal ranks

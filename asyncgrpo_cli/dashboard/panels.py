@@ -258,6 +258,42 @@ def throughput_panel(view: DashboardView) -> Panel:
     return Panel(_kv_table(rows), title="throughput", border_style="blue")
 
 
+def has_tool_metrics(metrics: Mapping[str, Any] | None) -> bool:
+    """True when the run logs tool or environment metrics (a tool or environment is configured, SPEC §15.4)."""
+    return any(k.startswith(("tools/", "env/")) for k in (metrics or {}))
+
+
+def tools_panel(view: DashboardView) -> Panel:
+    """Tools and environments (SPEC §13, §15.4, §15.5): calls per rollout, failures, unknown names, the
+    iteration cap, reconciliation (forks, drift, samples per rollout), environment times, per-tool calls."""
+    m = view.metrics
+    fail = num(m, "tools/failure_frequency")
+    exhausted = num(m, "tools/loop_exhausted_frac")
+    fork = num(m, "rollout/fork_frac")
+    rows: list[tuple[str, Any]] = [
+        ("tool calls / rollout", fmt(num(m, "tools/call_frequency"), ".3g")),
+        ("calls / tool turn", fmt(num(m, "tools/parallel_calls_mean"), ".3g")),
+        ("tool failures", Text(fmt_pct(fail), style="yellow" if fail is not None and fail > 0.2 else "")),
+        ("unknown tool names", fmt(num(m, "tools/unknown_name_count"), ".0f")),
+        ("cut at iteration cap", Text(fmt_pct(exhausted),
+                                      style="yellow" if exhausted is not None and exhausted > 0.2 else "")),
+        ("tool latency", fmt_s(num(m, "tools/latency_s"), ".3f")),
+        ("turns mean / max", f"{fmt(num(m, 'rollout/turns_mean'), '.3g')} / {fmt(num(m, 'rollout/turns_max'), '.0f')}"),
+        ("forks / drift tokens", Text(f"{fmt_pct(fork)} / {fmt(num(m, 'rollout/drift_tokens_mean'), '.3g')}",
+                                      style="yellow" if fork is not None and fork > 0.2 else "")),
+        ("samples / rollout", fmt(num(m, "rollout/samples_per_rollout"), ".3g")),
+    ]
+    if num(m, "env/reset_s") is not None or num(m, "env/reward_s") is not None:
+        rows.append(("env reset / reward", f"{fmt_s(num(m, 'env/reset_s'), '.3f')} / "
+                                           f"{fmt_s(num(m, 'env/reward_s'), '.3f')}"))
+    for name in sorted(k for k in (m or {}) if re.fullmatch(r"tools/[^/]+/call_count", k)):
+        tool = name.split("/")[1]
+        rows.append((f"  {tool}", f"{fmt(num(m, name), '.0f')} calls, "
+                                  f"{fmt(num(m, f'tools/{tool}/failure_count'), '.0f')} failed, "
+                                  f"{fmt_s(num(m, f'tools/{tool}/latency_s'), '.3f')}"))
+    return Panel(_kv_table(rows), title="tools & environments", border_style="blue")
+
+
 def processes_panel(view: DashboardView) -> Panel:
     """The process table, the rollout worker's heartbeat age and the trainer's last error."""
     table = Table.grid(padding=(0, 1))
@@ -300,6 +336,8 @@ def render_dashboard(view: DashboardView) -> RenderableType:
     grid.add_row(run_panel(view), processes_panel(view))
     grid.add_row(queue_panel(view), staleness_panel(view))
     grid.add_row(rewards_panel(view), throughput_panel(view))
+    if has_tool_metrics(view.metrics):
+        grid.add_row(tools_panel(view), Text(""))
     return Panel(Group(grid, diagnosis_text(view.diagnosis)), title=f"[bold]{view.title}[/]", border_style="cyan")
 
 

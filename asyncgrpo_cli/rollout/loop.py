@@ -22,9 +22,11 @@ import asyncio
 import functools
 import gc
 import json
+import logging
 import math
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -33,9 +35,14 @@ from ..metrics import MetricsWindow
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
+from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, EnvironmentPool, compose_prompt,
+                           environment_tools, route_environment)
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
+from .tools import ToolBox, ToolResult, is_async_tool, parse_assistant_reply, run_tool_call
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
+
+logger = logging.getLogger(__name__)
 
 METRICS_POLL_S = 5.0       # SPEC §4.2: /metrics every 5 seconds
 HEARTBEAT_S = 1.0          # heartbeat and consumption-counter period, seconds
@@ -68,9 +75,10 @@ class AsyncRolloutLoop:
             run in threads, so with ``scorers > 1`` one may be called for two batches at once: keep it
             thread-safe, or pass ``scorers=1``.
 
-    Raises:
-        NotImplementedError: ``tools`` or ``environment_factory`` given (agent training is not in this
-            version of the worker).
+    Agent training (SPEC §13): ``tools`` are shown to the model through the chat template and run between
+    turns (sync ones on a thread pool of ``max_concurrent_rollouts`` threads, async ones on the loop);
+    ``environment_factory`` gives each in-flight rollout an environment instance whose public methods are
+    tools, whose ``reset`` makes the prompt and whose ``get_reward`` is one more reward source.
     """
 
     metrics_poll_s: float = METRICS_POLL_S
@@ -89,9 +97,6 @@ class AsyncRolloutLoop:
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
                  consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
                  scorers: int = SCORERS, server_values=None) -> None:
-        if tools or environment_factory:
-            raise NotImplementedError("tools and environment_factory are not supported by this version of the "
-                                      "rollout worker; train without them or override generate_one")
         self.config = config
         self.model_name = model_name
         self.dataset = dataset
@@ -105,7 +110,11 @@ class AsyncRolloutLoop:
         self.failed_event = failed_event
         self.exception_info_queue = exception_info_queue
         self.metrics_queue = metrics_queue
-        self.tools = tools or []
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.environments: EnvironmentPool | None = None
+        self.tool_executor: ThreadPoolExecutor | None = None
+        self._toolboxes: dict[tuple, ToolBox] = {}
         self.score_queue_maxsize = score_queue_maxsize
         if int(scorers) < 1:
             raise ValueError(f"scorers={scorers!r}: at least one group must be scored at a time; use 1 or more")
@@ -140,21 +149,106 @@ class AsyncRolloutLoop:
         return True
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list, group_id: int = 0) -> Rollout:
-        """One rollout of ``prompt``: render it with the chat template and sample one reply (one turn)."""
-        turn = await self.generate_one_turn(self.render_prompt(prompt))
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
-                       turns=[turn])
+        """One rollout of ``prompt``: the multi-turn tool loop (SPEC §13.1, §16.5).
 
-    def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``prompt`` through the chat template with a generation prompt. The last few renderings
-        are cached: the ``num_generations`` rollouts of a group render the same prompt."""
-        key = json.dumps(prompt, sort_keys=True, default=str)
-        ids = self._rendered.get(key)
+        Each turn renders the whole conversation with the chat template (``tools`` passed to it) and samples
+        one reply. Without tools that single reply is the rollout. With tools, the reply's calls run one after
+        the other in emitted order, each result appended as a ``tool`` message, and the next turn is generated;
+        the loop ends at a reply without calls, a reply cut at ``max_completion_length``, or when a reply still
+        calls tools after ``max_tool_calling_iterations`` tool turns (``Rollout.loop_exhausted``; its calls
+        are not run). Tool failures (unknown name, malformed JSON, an exception, a timeout) are tool messages
+        the model reads, counted in ``Rollout.tool_failure_count``.
+        """
+        toolbox = self.toolbox(tools)
+        if not toolbox:
+            turn = await self.generate_one_turn(self.render_prompt(prompt))
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
+                           turns=[turn])
+        cap = self.config.max_tool_calling_iterations
+        messages = [dict(m) for m in prompt]
+        completion: list[dict[str, Any]] = []
+        turns: list[TurnRecord] = []
+        completion_ids: list[int] = []
+        calls = failures = iterations = 0
+        exhausted = False
+        while True:
+            prompt_ids = self.render_prompt(messages, toolbox.schemas, cache=not turns)  # later turns: one-off
+            turn = await self.generate_one_turn(prompt_ids)
+            turns.append(turn)
+            completion_ids.extend(turn.output_ids)
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            reply = parse_assistant_reply(text, self.tokenizer, toolbox.schemas, prefix=prompt_ids)
+            messages.append(reply.message)
+            completion.append(reply.message)
+            if not reply.calls or turn.finish_reason == "length":
+                break
+            if cap is not None and iterations >= cap:
+                exhausted = True
+                break
+            iterations += 1
+            self.metrics.add("tools/parallel_calls_mean", len(reply.calls))
+            for call in reply.calls:  # sequentially, in the order the model emitted them (SPEC §13.1)
+                result = await run_tool_call(call, toolbox, self.tool_executor, self.tool_call_timeout)
+                self._record_tool_call(result)
+                calls += 1
+                failures += int(result.failed)
+                message = {"role": "tool", "content": result.content}
+                if result.name is not None:
+                    message["name"] = result.name
+                messages.append(message)
+                completion.append(message)
+        return Rollout(completion=completion, completion_ids=completion_ids, turns=turns, tool_call_count=calls,
+                       tool_failure_count=failures, loop_exhausted=exhausted)
+
+    @property
+    def tool_call_timeout(self) -> float | None:
+        """Seconds a tool call may run (``tool_call_timeout``; None = no limit)."""
+        return getattr(self.config, "tool_call_timeout", None)
+
+    def toolbox(self, tools: list) -> ToolBox:
+        """The `ToolBox` of ``tools`` (cached for the standalone tools; environment methods are bound per
+        instance, their schemas cached per class)."""
+        if not tools:
+            return ToolBox()
+        key = tuple(id(t) if not hasattr(t, "__self__") else (id(t.__self__), t.__name__) for t in tools)
+        box = self._toolboxes.get(key)
+        if box is None:
+            box = ToolBox(tools)
+            if len(self._toolboxes) >= 4096:
+                self._toolboxes.pop(next(iter(self._toolboxes)))
+            self._toolboxes[key] = box
+        return box
+
+    def _record_tool_call(self, result: ToolResult) -> None:
+        m = self.metrics
+        m.add("tools/failure_frequency", float(result.failed))
+        if result.unknown:
+            m.add("tools/unknown_name_count", 1)
+            return
+        if result.name is None:  # malformed call: no tool ran
+            return
+        m.add("tools/latency_s", result.latency_s)
+        m.add(f"tools/{result.name}/latency_s", result.latency_s)
+        m.add(f"tools/{result.name}/call_count", 1)
+        m.add(f"tools/{result.name}/failure_count", int(result.failed))
+
+    def render_prompt(self, prompt: list[dict[str, Any]], tools: list[dict] | None = None,
+                      cache: bool = True) -> list[int]:
+        """Token ids of ``prompt`` through the chat template with a generation prompt; ``tools`` are the tool
+        schemas shown to the model (the template's ``tools=``). The last few renderings are cached: the
+        ``num_generations`` rollouts of a group render the same prompt (``cache=False``: a one-off rendering)."""
+        key = json.dumps([prompt, [t["function"]["name"] for t in tools or []]], sort_keys=True, default=str) \
+            if cache else None
+        ids = self._rendered.get(key) if cache else None
         if ids is None:
             kwargs = dict(self.config.chat_template_kwargs or {})
+            if tools:
+                kwargs["tools"] = tools
             encoded = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
             ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            if not cache:
+                return ids
             if len(self._rendered) >= 256:
                 self._rendered.pop(next(iter(self._rendered)))
             self._rendered[key] = ids
@@ -242,6 +336,17 @@ class AsyncRolloutLoop:
         self._stop_event = asyncio.Event()
         tasks: list[asyncio.Task] = []
         frozen = False
+        if self.tools or self.environment_factory is not None:
+            # SPEC §13.1: sync tools (and reset/get_reward) on a pool of max_concurrent_rollouts threads.
+            self.tool_executor = ThreadPoolExecutor(max_workers=int(self.config.max_concurrent_rollouts),
+                                                    thread_name_prefix="asyncgrpo-tool")
+            from .chat_templates import training_chat_template
+
+            patched = training_chat_template(self.tokenizer)
+            if patched is not None:
+                self.tokenizer.chat_template = patched
+        if self.environment_factory is not None:
+            self.environments = EnvironmentPool(self.environment_factory, self.tool_executor)
         try:
             await self.client.wait_until_ready(self.config.vllm_server_timeout)
             load = await self._poll_load()
@@ -277,6 +382,8 @@ class AsyncRolloutLoop:
                     gc.unfreeze()  # back to the oldest generation: collectable again
                 if self._own_client and self.client is not None:
                     await self.client.aclose()
+                if self.tool_executor is not None:  # a hung sync tool must not hold the worker's exit
+                    self.tool_executor.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
         """Ask a running loop to stop (thread-safe); ``run_async`` then cancels its tasks and calls ``close``."""
@@ -408,43 +515,97 @@ class AsyncRolloutLoop:
             self._in_flight -= 1
             self._slot_changed.notify_all()
 
-    async def _one_rollout(self, prompt, group_id: int, stamp: list[int]) -> tuple[Rollout, float]:
+    async def _one_rollout(self, row: dict[str, Any], group_id: int, stamp: list[int]) -> "_RolloutResult":
         await self._acquire_slot()
         if not stamp:  # the group's model version: the policy when its first rollout starts (SPEC §3.1)
             stamp.append(int(self.model_version_value.value))
         start = time.monotonic()
         try:
-            rollout = await self.generate_one(prompt, self.tools, group_id)
+            if self.environments is None:
+                prompt = row["prompt"]
+                result = _RolloutResult(await self.generate_one(prompt, self.tools, group_id), prompt)
+            else:
+                result = await self._environment_rollout(row, group_id)
         finally:
             await self._release_slot()
         self.cap.on_rollout_completed()
-        return rollout, time.monotonic() - start
+        result.duration = time.monotonic() - start
+        return result
+
+    async def _environment_rollout(self, row: dict[str, Any], group_id: int) -> "_RolloutResult":
+        """One rollout with an environment (SPEC §13.2): take an instance, ``reset(**columns)``, generate
+        with its tools, ``get_reward()``, give the instance back. A raising ``reset``/``get_reward`` fails
+        only this rollout (logged, no samples, unscored); its instance is dropped, not reused."""
+        name = route_environment(self.environment_factory, row)
+        env = await self.environments.acquire(name)
+        loop = asyncio.get_running_loop()
+        cls = type(env).__name__
+        kwargs = {k: v for k, v in row.items() if k not in ("prompt", ENVIRONMENT_COLUMN)}  # B.1; env consumed
+        try:
+            t0 = time.monotonic()
+            try:
+                if is_async_tool(env.reset):
+                    text = await env.reset(**kwargs)
+                else:
+                    text = await loop.run_in_executor(self.tool_executor, functools.partial(env.reset, **kwargs))
+            except Exception as exc:
+                raise EnvironmentHookError(f"{cls}.reset raised {type(exc).__name__}: {exc}") from exc
+            finally:
+                self.metrics.add("env/reset_s", time.monotonic() - t0)
+            prompt = compose_prompt(row.get("prompt"), text)
+            rollout = await self.generate_one(prompt, [*self.tools, *environment_tools(env)], group_id)
+            env_reward = None
+            get_reward = getattr(env, "get_reward", None)
+            if callable(get_reward):
+                t0 = time.monotonic()
+                try:
+                    if is_async_tool(get_reward):
+                        value = await get_reward()
+                    else:
+                        value = await loop.run_in_executor(self.tool_executor, get_reward)
+                    value = float(value)
+                except Exception as exc:
+                    raise EnvironmentHookError(f"{cls}.get_reward raised {type(exc).__name__}: {exc}") from exc
+                finally:
+                    self.metrics.add("env/reward_s", time.monotonic() - t0)
+                env_reward = (type(env), value)
+        except EnvironmentHookError as exc:
+            logger.warning("rollout of group %d failed, it is left unscored and untrained: %s", group_id, exc)
+            self.metrics.add("env/failure_count", 1)
+            return _RolloutResult(Rollout(completion=[], completion_ids=[], turns=[]), list(row.get("prompt") or []),
+                                  failed=str(exc))
+        self.environments.release(name, env)
+        return _RolloutResult(rollout, prompt, env_reward=env_reward)
 
     async def _run_group(self, group_id: int, position: int, row_index: int, row: dict[str, Any],
                          score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations
-        prompt = row["prompt"]
         stamp: list[int] = []
-        results = await asyncio.gather(*(self._one_rollout(prompt, group_id, stamp) for _ in range(G)))
+        results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
         model_version = stamp[0]
         sequences, stats = [], []
-        for rollout, duration in results:
+        for res in results:
+            rollout = res.rollout
             seqs, st = rollout_to_sequences(rollout, group_id=group_id, row_index=row_index,
                                             model_version=model_version)
+            if res.failed:
+                seqs = []
             sequences.append(seqs)
             stats.append(st)
             self.allowance.on_rollout_finished(sum(s.num_tokens for s in seqs))
-            self.metrics.add("rollout/duration_s", duration)
+            self.metrics.add("rollout/duration_s", res.duration)
             self._generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.allowance.on_group_finished()
-        rollouts = [r for r, _ in results]
-        columns = {k: [v] * G for k, v in row.items() if k != "prompt"}
-        group = RolloutGroup(prompts=[prompt] * G, reward_kwargs=columns, completions=[r.completion for r in rollouts],
+        rollouts = [r.rollout for r in results]
+        columns = {k: [v] * G for k, v in row.items() if k != "prompt"}  # B.1 (``environment`` included)
+        group = RolloutGroup(prompts=[r.prompt for r in results], reward_kwargs=columns,
+                             completions=[r.completion for r in rollouts],
                              completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
                              tool_call_counts=[r.tool_call_count for r in rollouts],
                              tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=model_version,
-                             group_id=group_id, row_index=row_index, env_rewards=[None] * G,
-                             rollout_rewards=[r.reward for r in rollouts])
+                             group_id=group_id, row_index=row_index, env_rewards=[r.env_reward for r in results],
+                             rollout_rewards=[r.reward for r in rollouts],
+                             failed=[r.failed is not None for r in results])
         self._record_rollout_metrics(rollouts, stats, sequences)
         blocked = time.monotonic()
         group.queued_at = blocked
@@ -484,7 +645,12 @@ class AsyncRolloutLoop:
     def _finish_group(self, group: RolloutGroup, rollouts: list[Rollout], position: int, result) -> None:
         """Advantages, the drop rule, metrics and the rollout-queue entry of one scored group (SPEC §3.2)."""
         G = len(rollouts)
-        group.rewards = total_rewards(list(result.per_function.values()), None, group.rollout_rewards, G)
+        env_rewards = [None if e is None else e[1] for e in group.env_rewards]
+        group.rewards = total_rewards(list(result.per_function.values()),
+                                      env_rewards if any(e is not None for e in env_rewards) else None,
+                                      group.rollout_rewards, G)
+        failed = group.failed or [False] * G
+        group.rewards[np.asarray(failed, dtype=bool)] = np.nan  # a failed environment rollout is unscored
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (G,):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage "
@@ -495,6 +661,9 @@ class AsyncRolloutLoop:
         m.add_many("reward", scored.tolist())
         for name, values in result.per_function.items():
             m.add_many(f"rewards/{name}/mean", [v for v in values if v is not None])
+        for env_reward in group.env_rewards:  # SPEC §13.2: logged under the environment's class name
+            if env_reward is not None:
+                m.add(f"rewards/{env_reward[0].__name__}/mean", env_reward[1])
         m.add("frac_reward_zero_std", 1.0 if dropped else 0.0)
         tokens = sum(s.num_tokens for seqs in group.completions_sequences for s in seqs)
         if dropped:
@@ -549,6 +718,11 @@ class AsyncRolloutLoop:
         m.add_many("rollout/turns_mean", [len(r.turns) for r in rollouts])
         m.add("rollout/turns_max", max(len(r.turns) for r in rollouts))
         m.add_many("rollout/samples_per_rollout", [len(s) for s in sequences])
+        if self.tools or self.environment_factory is not None:  # SPEC §15.2, §15.4: only with tools
+            m.add_many("tools/call_frequency", [r.tool_call_count for r in rollouts])
+            m.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in rollouts])
+            if not any(r.tool_call_count for r in rollouts):
+                m.add("tools/failure_frequency", math.nan)  # NaN in a window without calls (SPEC §15.2)
         transitions = sum(s.transitions for s in stats)
         if transitions:
             m.add_many("rollout/fork_frac", [1.0] * sum(s.forks for s in stats) +
@@ -617,3 +791,18 @@ class AsyncRolloutLoop:
         self._generated_tokens = 0
         self._last_ship = now
         self.metrics_queue.put(self.metrics.snapshot(reset=True))
+
+
+class _RolloutResult:
+    """One rollout of a group with what the group needs beside it: its prompt (an environment's ``reset``
+    may make it), the environment reward, the failure reason of a failed environment hook, its wall time."""
+
+    __slots__ = ("rollout", "prompt", "env_reward", "failed", "duration")
+
+    def __init__(self, rollout: Rollout, prompt: list[dict[str, Any]], env_reward: tuple[type, float] | None = None,
+                 failed: str | None = None) -> None:
+        self.rollout = rollout
+        self.prompt = prompt
+        self.env_reward = env_reward
+        self.failed = failed
+        self.duration = 0.0

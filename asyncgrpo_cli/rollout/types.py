@@ -55,6 +55,9 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=_new_rollout_id)
+    loop_exhausted: bool = False
+    """True when the rollout was cut off at ``max_tool_calling_iterations`` while still calling tools
+    (``tools/loop_exhausted_frac``, SPEC §15.4). An extension of SPEC §16.6's fields."""
 
 
 @dataclass
@@ -126,6 +129,9 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
+    failed: list[bool] | None = None
+    """Per rollout, True when its environment's ``reset``/``get_reward`` raised: it is unscored and yields no
+    sample. An extension of SPEC §16.8's fields; ``None`` = none failed."""
 
 
 @dataclass

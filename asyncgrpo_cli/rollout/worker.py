@@ -142,7 +142,18 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, paren
 
 
 def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
-    loop = loop_cls(**kwargs)
+    import traceback
+
+    try:
+        loop = loop_cls(**kwargs)
+    except BaseException as exc:  # noqa: BLE001 - a loop that cannot be built must still reach the trainer
+        try:
+            kwargs["exception_info_queue"].put("while building the rollout loop "
+                                               f"{getattr(loop_cls, '__qualname__', loop_cls)}:\n"
+                                               + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        finally:
+            kwargs["failed_event"].set()
+        return
     loop.ready_event = ready_event
 
     def watch_stop() -> None:

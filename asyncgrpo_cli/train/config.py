@@ -20,7 +20,7 @@ ASYNC_GRPO_FIELDS = (
     "max_concurrent_rollouts", "max_staleness", "weight_sync_steps", "rollout_worker_timeout",
     "log_completions", "num_completions_to_print",
     # Extensions of this project (not in SPEC §16.2's signature):
-    "tree_attention",
+    "tree_attention", "tool_call_timeout",
 )
 
 
@@ -69,6 +69,8 @@ class AsyncGRPOConfig(TrainingArguments):
         "help": "Extra keyword arguments for apply_chat_template, e.g. {'enable_thinking': False}."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={
         "help": "Max tool-calling turns per rollout; None = until a reply calls no tool."})
+    tool_call_timeout: float | None = field(default=300.0, metadata={
+        "help": "Seconds one tool call may run before the model is told it timed out; None = no limit (extension)."})
     # vLLM server.
     vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "Base URL of the sampler."})
     vllm_server_timeout: float = field(default=1800.0, metadata={

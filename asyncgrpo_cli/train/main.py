@@ -35,8 +35,27 @@ def build_trainer(cfg):
         loop_cls = import_object(str(cfg.rollout.loop_cls), "rollout.loop_cls")
         trainer_cls = type("ConfiguredAsyncGRPOTrainer", (AsyncGRPOTrainer,), {"loop_cls": loop_cls})
     model = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    tools, environment_factory = agent_objects(cfg)
+    # An environment without data source owns the data (SPEC §13.2): no train_dataset, max_steps bounds training.
+    owns_data = environment_factory is not None and not cfg.data.name and not cfg.data.generator
     return trainer_cls(model=model, reward_funcs=reward_functions(list(cfg.rewards)), args=args,
-                       train_dataset=load_prompts(cfg), peft_config=peft_config)
+                       train_dataset=None if owns_data else load_prompts(cfg), peft_config=peft_config,
+                       tools=tools or None, environment_factory=environment_factory)
+
+
+def agent_objects(cfg):
+    """``(tools, environment_factory)`` of the ``tools`` and ``environment`` groups, imported (SPEC §13)."""
+    from omegaconf import DictConfig
+
+    from ..imports import import_object
+
+    tools = [import_object(str(path), f"tools[{i}]") for i, path in enumerate(cfg.get("tools") or [])]
+    factory = (cfg.get("environment") or {}).get("factory")
+    if isinstance(factory, DictConfig):
+        factory = {str(name): import_object(str(path), f"environment.factory.{name}") for name, path in factory.items()}
+    elif factory is not None:
+        factory = import_object(str(factory), "environment.factory")
+    return tools, factory
 
 
 def load_config(path: str):

@@ -88,16 +88,22 @@ class AsyncGRPOTrainer(Trainer):
         model: Hub id or local folder (loaded per SPEC §16.3), or a `PreTrainedModel`.
         reward_funcs: one reward callable or a list (sync or async; module-level, partial or callable instance).
         args: `AsyncGRPOConfig` (None = defaults with ``output_dir="outputs/asyncgrpo"``).
-        train_dataset: `datasets.Dataset` with a conversational ``prompt`` column; other columns reach rewards.
+        train_dataset: `datasets.Dataset` with a conversational ``prompt`` column; other columns reach rewards
+            (and ``reset()``). None only with ``environment_factory`` and ``max_steps > 0``: the environment
+            owns the data and ``reset()`` returns each rollout's prompt (SPEC §13.2).
         processing_class: the tokenizer (None = loaded from ``model``); padding is set to the left.
         callbacks, optimizers: as in `transformers.Trainer`.
         peft_config: a `peft.PeftConfig` to wrap the model (merged weight sync).
-        tools, environment_factory: agent training (not supported by this version's worker).
+        tools: sync or async module-level functions with type hints and a Google-style docstring (SPEC §13.1).
+        environment_factory: a zero-argument callable (typically a class) or a dict name -> callable; one
+            instance per in-flight rollout, its public methods become tools (SPEC §13.2).
 
     Class attribute ``loop_cls``: the `AsyncRolloutLoop` subclass the worker runs.
 
     Raises:
-        ValueError: no dataset, no reward source, or a bad model/config combination (message names it).
+        ValueError: no dataset (or ``train_dataset=None`` without ``max_steps``), no reward source, a tool
+            without schema, or a bad model/config combination (message names it).
+        TypeError: a tool or ``environment_factory`` that is not a callable of the supported kind.
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -105,14 +111,36 @@ class AsyncGRPOTrainer(Trainer):
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None) -> None:
+        from ..rollout.environments import EnvironmentOwnedPrompts, check_environment_factory
+        from ..rollout.tools import check_tools
+
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
+        check_tools(tools)
+        if environment_factory is not None:
+            check_environment_factory(environment_factory)
         if train_dataset is None:
-            raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
-                             "column). Fix: pass train_dataset=...")
+            if environment_factory is None:
+                raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
+                                 "column), or an environment_factory whose reset() returns them. Fix: pass "
+                                 "train_dataset=...")
+            if args.max_steps is None or args.max_steps <= 0:
+                raise ValueError(f"train_dataset=None with environment_factory: the environment owns the data, so "
+                                 f"there are no epochs to count and max_steps must be set (got max_steps="
+                                 f"{args.max_steps}). Fix: pass AsyncGRPOConfig(max_steps=N), on the command line "
+                                 "trainer.max_steps=N (SPEC §13.2)")
+            train_dataset = EnvironmentOwnedPrompts()
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
         if not funcs and environment_factory is None:
             raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
-        if train_dataset.column_names is not None and "prompt" not in train_dataset.column_names:
+        if not funcs and environment_factory is not None:
+            factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+            unscored = [f.__name__ for f in factories
+                        if isinstance(f, type) and not callable(getattr(f, "get_reward", None))]
+            if unscored:
+                raise ValueError(f"reward_funcs is empty and environment {unscored} has no get_reward(): its rollouts "
+                                 "could not be scored. Fix: pass reward_funcs=[...] or define get_reward (SPEC §13.2)")
+        if (environment_factory is None and train_dataset.column_names is not None
+                and "prompt" not in train_dataset.column_names):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")
         if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
@@ -140,8 +168,11 @@ class AsyncGRPOTrainer(Trainer):
         install_loss_head(model)
         if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
-        super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
-                         callbacks=callbacks, optimizers=optimizers, data_collator=lambda rows: rows)
+        super().__init__(model=model, args=args,
+                         train_dataset=None if isinstance(train_dataset, EnvironmentOwnedPrompts) else train_dataset,
+                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers,
+                         data_collator=lambda rows: rows)
+        self.train_dataset = train_dataset
         if args.torch_compile:
             from accelerate.utils import DynamoBackend
 
