@@ -417,7 +417,7 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     log = (out.parent / "run.log").read_text()
     assert rc == 0, log[-4000:]
     assert "TRAINED 3" in log
-    assert steps_logged(out) == 3 and status_of(out).get("state") == "done"
+    assert steps_logged(out) == 3 and status_of(out).get("state") == "finished"
     assert status_of(out).get("server_status") is None  # the outage is over
     routes = [line.split()[1] for line in events.read_text().splitlines() if line.split()[0] == str(second.pid)]
     generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
