@@ -250,6 +250,8 @@ def serve_cmd(
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
+    if not dry_run:
+        _check_port(cfg)
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
         command = build_server_command(cfg)
@@ -271,10 +273,21 @@ def serve_cmd(
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
     env = {**os.environ, **command.env}
-    err.print(f"[dim]$ {command.shell_line()}[/]", highlight=False)
+    err.print(Text(f"$ {command.shell_line()}", style="dim"), highlight=False, soft_wrap=True, crop=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, env)
+
+
+def _check_port(cfg) -> None:
+    """`serve`: refuse a busy ``sampler.port`` before the model is exported or loaded."""
+    from .launch.supervisor import check_server_port
+
+    try:
+        check_server_port(cfg)
+    except ConfigError as exc:
+        err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("doctor", context_settings={"allow_extra_args": True})

@@ -182,6 +182,8 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self.model_version = int(self.state.global_step // args.weight_sync_steps)
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
+        if self.live is not None and resume_from_checkpoint:
+            self.live.mark_resume(self.state.global_step, resume_from_checkpoint)
         previous = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGINT, self._on_sigint)
         start = time.time()
@@ -195,6 +197,8 @@ class AsyncGRPOTrainer(Trainer):
         finally:
             signal.signal(signal.SIGINT, previous)
             self._teardown_rollouts()
+        if not self._stop_requested:  # the final policy (or adapter) + tokenizer: from_pretrained(output_dir)
+            self.save_model(args.output_dir)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="done" if not self._stop_requested else "interrupted")
@@ -501,6 +505,7 @@ class AsyncGRPOTrainer(Trainer):
             qs = self._queue_size()
             if qs is not None:
                 self.window.add("rollout/queue_size", qs)
+        self.window.add("sample/dropped_stale_count", 0)  # present (0) in windows without drops
         logs = {k: v for k, v in self.window.flush().items() if v is not None}
         if not self.is_world_process_zero():
             return
