@@ -48,7 +48,12 @@ def field_docs(cls: type) -> dict[str, str]:
     if missing:
         from ..train.config import AsyncGRPOConfig
 
-        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(AsyncGRPOConfig)}
+        helps: dict[str, str] = {}
+        for base in AsyncGRPOConfig.__mro__:  # a field redefined without help keeps TrainingArguments' help
+            if dataclasses.is_dataclass(base):
+                for f in dataclasses.fields(base):
+                    if not helps.get(f.name):
+                        helps[f.name] = f.metadata.get("help", "")
         for name in missing:
             if helps.get(name):
                 docs[name] = " ".join(str(helps[name]).split())

@@ -33,6 +33,7 @@ from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
+from .server_checks import check_server
 from .run_state import LiveFiles, TrainedPosition, load_rollout_state, save_rollout_state
 from .tree_attention import apply_tree_attention
 
@@ -223,7 +224,7 @@ class AsyncGRPOTrainer(Trainer):
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-            self.sampler.wait_until_ready(args.vllm_server_timeout)
+            check_server(self.sampler, args, self.model_id, self.model)  # waits (saying so), then doctor's checks
             if budget is None:
                 budget = int(self.sampler.max_model_len())
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
