@@ -111,7 +111,7 @@ class AsyncGRPOTrainer(Trainer):
             raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
         if "prompt" not in (train_dataset.column_names or []):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
-                             "conversational messages (SPEC §2). Fix: add a 'prompt' column")
+                             "conversational messages (README: Supported setups). Fix: add a 'prompt' column")
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
@@ -123,7 +123,7 @@ class AsyncGRPOTrainer(Trainer):
 
             targets = peft_config.target_modules
             if targets == "lm_head" or (isinstance(targets, (list, set, tuple)) and "lm_head" in targets):
-                raise ValueError("peft_config targets lm_head, which is not supported (SPEC §2.7)")
+                raise ValueError("peft_config targets lm_head, which is not supported (README: Supported setups)")
             model = get_peft_model(model, peft_config)
         model.config.use_cache = False
         self.model_id = model_id
