@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .config.rules import ConfigError
 
@@ -19,9 +20,11 @@ app = typer.Typer(
          "composed from Hydra configs and recipes.\n\nExamples:\n\n"
          "  asyncgrpo train +recipe=smoke\n\n"
          "  asyncgrpo serve +recipe=deepmath --dry-run\n\n"
-         "  asyncgrpo config +recipe=deepmath rollout.num_generations=16",
+         "  asyncgrpo config +recipe=deepmath rollout.num_generations=16\n\n"
+         "  asyncgrpo train -m +recipe=smoke rollout.temperature=0.7,1.0   (a sweep: one job after another)",
+    epilog=None,  # set by _groups_epilog below
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
@@ -29,6 +32,26 @@ out = Console()
 
 OVERRIDES_HELP = "Hydra overrides, e.g. +recipe=deepmath rollout.temperature=0.8 trainer.max_steps=100"
 RECIPES_DIR_HELP = "Extra folder of recipes (NAME.yaml) for +recipe=NAME; may be repeated."
+MULTIRUN_HELP = ("Sweep: run one job per combination of the swept values (key=a,b  key=range(1,4)  group=a,b), "
+                 "one after another, each in its own folder <trainer.output_dir>/<job number> "
+                 "(or <hydra.sweep.dir>/<job number>).")
+CFG_HELP = "Print the config and exit (Hydra's --cfg): job = the composed config, hydra = Hydra's own, all = both."
+
+
+def _groups_epilog() -> str | None:
+    """The config groups and their options, for the end of ``--help``."""
+    try:
+        from .config.hydra_conventions import config_groups
+
+        groups = config_groups()
+    except Exception:  # noqa: BLE001 - --help must work even when the config folders are broken
+        return None
+    lines = ", ".join(f"{g} ({'|'.join(opts)})" if opts else g for g, opts in groups.items())
+    return (f"Config groups (group=option, +recipe=NAME): {lines}. `asyncgrpo --info` shows where they are read "
+            "from; `asyncgrpo config --doc` describes every key. hydra.run.dir=DIR is trainer.output_dir=DIR.")
+
+
+app.info.epilog = _groups_epilog()
 
 
 def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
@@ -63,16 +86,139 @@ def _resolve_model(cfg, export: bool = True) -> str | None:
     return note
 
 
+def _version_option(value: bool) -> None:
+    if value:
+        _print_version()
+        raise typer.Exit(0)
+
+
+def _info_option(value: bool) -> None:
+    if value:
+        _print_info()
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version_option,
+                                 help="Print the version and exit."),
+    info: bool = typer.Option(False, "--info", is_eager=True, callback=_info_option,
+                              help="Print the config search path, the config groups and the recipes, and exit."),
+) -> None:
+    """Options of the `asyncgrpo` command itself."""
+
+
+def _print_version() -> None:
+    import importlib.metadata
+
+    def v(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    out.print(f"asyncgrpo {v('asyncgrpo')} (python {sys.version.split()[0]}, torch {v('torch')}, transformers "
+              f"{v('transformers')}, hydra-core {v('hydra-core')}, vllm {v('vllm')})", highlight=False, soft_wrap=True)
+
+
+def _print_info() -> None:
+    from .config.hydra_conventions import config_groups, search_path
+    from .config.compose import list_recipes
+
+    out.print("[bold]config search path[/]")
+    for what, folder in search_path():
+        out.print(f"  {what:<24} {folder}", highlight=False, soft_wrap=True)
+    out.print("[bold]config groups[/] (group=option; the defaults are in conf/config.yaml)")
+    for group, options in config_groups().items():
+        if group != "recipe":
+            out.print(f"  {group:<10} {', '.join(options)}", highlight=False, soft_wrap=True)
+    out.print("[bold]recipes[/] (+recipe=NAME; add a folder with --recipes-dir DIR)")
+    for r in list_recipes():
+        out.print(f"  {r.name:<10} {r.description}", highlight=False, soft_wrap=True)
+
+
+def _hydra_args(overrides: list[str] | None, *, multirun: bool = False, command: str = "train"):
+    """Overrides with Hydra's own keys handled (`config.hydra_conventions`): ``hydra.run.dir`` becomes
+    ``trainer.output_dir``, other ``hydra.*`` keys and (without ``-m``) sweeps are refused."""
+    from .config.hydra_conventions import refuse_sweeps, take_hydra_keys
+
+    try:
+        args = take_hydra_keys(overrides, multirun=multirun)
+        if not multirun:
+            refuse_sweeps(args.overrides, command)
+    except ConfigError as exc:
+        err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    for note in args.notes:
+        err.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
+    return args
+
+
+def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs) -> None:
+    """``--cfg job|hydra|all``: print the composed config and/or Hydra's own config."""
+    from .config.compose import to_yaml
+
+    if which not in ("job", "hydra", "all"):
+        err.print(f"[bold red]error:[/] --cfg {which}: unknown. Fix: --cfg job, --cfg hydra or --cfg all",
+                  highlight=False)
+        raise typer.Exit(2)
+    if which in ("hydra", "all"):
+        from .config.hydra_conventions import hydra_config_yaml
+
+        try:
+            sys.stdout.write(hydra_config_yaml(overrides, recipes_dirs))
+        except ConfigError as exc:
+            err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+    if which in ("job", "all"):
+        sys.stdout.write(to_yaml(cfg))
+
+
+def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
+    """The jobs of a ``-m`` sweep with their composed configs; each job's ``trainer.output_dir`` is
+    ``<hydra.sweep.dir or trainer.output_dir>/<job number>`` unless the sweep varies it itself."""
+    from .config.hydra_conventions import OUTPUT_KEY, expand_sweep, job_output_dir, swept_keys
+    from .launch.plan import output_dir_of
+
+    try:
+        jobs = expand_sweep(overrides)
+        output_swept = OUTPUT_KEY in swept_keys(overrides)
+    except ConfigError as exc:
+        err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    composed = []
+    for job in jobs:
+        cfg = _compose(job.overrides, recipes_dirs)
+        if not output_swept:
+            base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg))
+            cfg.trainer.output_dir = str(job_output_dir(base, job))
+        composed.append((job, cfg))
+    return composed
+
+
 @app.command("config")
 def config_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+    doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
+    cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
+    multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
 ) -> None:
-    """Print the composed, validated config as YAML."""
+    """Print the composed, validated config as YAML (--doc: with each key's description)."""
     from .config.compose import to_yaml
+    from .config.docs import documented_yaml
 
-    cfg = _compose(overrides, recipes_dir)
-    sys.stdout.write(to_yaml(cfg))
+    hargs = _hydra_args(overrides, multirun=multirun, command="config")
+    if multirun:
+        for job, cfg in _sweep_jobs(hargs.overrides, hargs.sweep_dir, recipes_dir):
+            sys.stdout.write(f"# job {job.num}: {' '.join(job.swept) or '(no swept key)'}\n")
+            sys.stdout.write((documented_yaml(cfg) if doc else to_yaml(cfg)) + "---\n")
+        return
+    cfg = _compose(hargs.overrides, recipes_dir)
+    if cfg_kind is not None:
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        return
+    sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
 
 
 @app.command("recipes")
@@ -103,7 +249,9 @@ def serve_cmd(
     from .launch.server_command import build_server_command
     from .launch.supervisor import server_exec_argv
 
-    cfg = _compose(overrides, recipes_dir)
+    cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
+    if not dry_run:
+        _check_port(cfg)
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
         command = build_server_command(cfg)
@@ -135,10 +283,21 @@ def serve_cmd(
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
     env = {**os.environ, **command.env}
-    err.print(f"[dim]$ {command.shell_line()}[/]", highlight=False)
+    err.print(Text(f"$ {command.shell_line()}", style="dim"), highlight=False, soft_wrap=True, crop=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, env)
+
+
+def _check_port(cfg) -> None:
+    """`serve`: refuse a busy ``sampler.port`` before the model is exported or loaded."""
+    from .launch.supervisor import check_server_port
+
+    try:
+        check_server_port(cfg)
+    except ConfigError as exc:
+        err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("doctor", context_settings={"allow_extra_args": True})
@@ -153,7 +312,7 @@ def doctor_cmd(
     except ImportError:
         err.print("asyncgrpo doctor: not yet available in this version.")
         raise typer.Exit(1) from None
-    cfg = _compose(overrides, recipes_dir)
+    cfg = _compose(_hydra_args(overrides, command="doctor").overrides, recipes_dir)
     try:
         _resolve_model(cfg)  # compare against the folder `serve` and `train` give the server
     except ConfigError as exc:
@@ -167,6 +326,8 @@ def train_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan only."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+    multirun: bool = typer.Option(False, "--multirun", "-m", help=MULTIRUN_HELP),
+    cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
 ) -> None:
     """Run the main job: the sampler, the FSDP2 trainer and its rollout worker, with live panels."""
     try:
@@ -176,8 +337,45 @@ def train_cmd(
         err.print("asyncgrpo train: not yet available in this version; `asyncgrpo config` shows the composed config "
                   "and `asyncgrpo serve` starts the sampler.")
         raise typer.Exit(1) from None
-    cfg = _compose(overrides, recipes_dir)
+    hargs = _hydra_args(overrides, multirun=multirun, command="train")
+    if multirun:
+        raise typer.Exit(_train_sweep(hargs, recipes_dir, dry_run, cfg_kind))
+    cfg = _compose(hargs.overrides, recipes_dir)
+    if cfg_kind is not None:
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        raise typer.Exit(0)
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
+
+
+def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int:
+    """``train -m``: every job of the sweep, one after another; stops at an interrupt (130 / 143).
+
+    Returns:
+        0 when every job succeeded, else the first non-zero exit status.
+    """
+    from .config.compose import to_yaml
+    from .launch.supervisor import run_train
+
+    jobs = _sweep_jobs(hargs.overrides, hargs.sweep_dir, recipes_dir)
+    results: list[tuple[int, str, str, int]] = []
+    for job, cfg in jobs:
+        out.print(f"[bold cyan]sweep job {job.num + 1}/{len(jobs)}[/]: {' '.join(job.swept) or '(no swept key)'} "
+                  f"-> {cfg.trainer.output_dir}", highlight=False, soft_wrap=True)
+        if cfg_kind is not None:
+            sys.stdout.write(to_yaml(cfg) + "---\n")
+            rc = 0
+        else:
+            rc = run_train(cfg, dry_run=dry_run)
+        results.append((job.num, " ".join(job.swept), str(cfg.trainer.output_dir), rc))
+        if rc in (130, 143):
+            break
+    table = Table("job", "swept values", "output", "exit", title="sweep", box=None, header_style="bold")
+    for num, swept, folder, rc in results:
+        table.add_row(str(num), swept, folder, str(rc))
+    if len(results) < len(jobs):
+        table.caption = f"stopped after job {results[-1][0]}: {len(jobs) - len(results)} job(s) not run"
+    out.print(table, soft_wrap=True)
+    return next((rc for *_, rc in results if rc != 0), 0)
 
 
 def main() -> None:

@@ -114,3 +114,24 @@ def make_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def machine_slowdown() -> float:
+    """How many times slower than idle this machine runs right now (>= 1): the larger of the 1-minute load
+    average and the processes runnable at this instant (``/proc/loadavg``), per CPU core. Tests multiply
+    their deadlines by it so a loaded machine (CI, other jobs) does not turn slowness into a failure."""
+    import os
+
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    try:
+        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1  # minus this reader
+    except (OSError, ValueError, IndexError):
+        running = 0
+    return max(1.0, max(load, float(running)) / cores)
+
+
+def deadline_s(idle_s: float, *, floor_s: float | None = None) -> float:
+    """A test deadline for work taking up to ``idle_s`` seconds on an idle machine: ``idle_s`` times
+    (1 + `machine_slowdown`), at least ``floor_s`` (default ``idle_s``)."""
+    return max(floor_s if floor_s is not None else idle_s, idle_s * (1.0 + machine_slowdown()))

@@ -251,7 +251,7 @@ def validate_config(cfg: DictConfig) -> None:
         tm = cfg.peft.target_modules
         names = [tm] if isinstance(tm, str) else list(tm or [])
         if "lm_head" in names:
-            raise ConfigError("peft.target_modules includes 'lm_head': adapters on lm_head are not supported (SPEC §2). "
+            raise ConfigError("peft.target_modules includes 'lm_head': adapters on lm_head are not supported (README: Supported setups). "
                               "Fix: drop lm_head, e.g. peft.target_modules=all-linear")
     if cfg.sampler.max_model_len is not None and cfg.sampler.max_model_len < 1:
         raise ConfigError(f"sampler.max_model_len={cfg.sampler.max_model_len}: must be >= 1 token. "
@@ -277,7 +277,7 @@ def validate_config(cfg: DictConfig) -> None:
         if both:
             raise ConfigError(
                 f"launch.server_gpus={list(server)} and launch.trainer_gpus={list(trainer)} share GPU(s) {both}: "
-                "vLLM and the trainer must use different GPUs for NCCL weight transfer (SPEC §8.4). "
+                "vLLM and the trainer must use different GPUs for NCCL weight transfer (README: GPUs, weight sync and LoRA). "
                 "Fix: launch.colocate=true to share one GPU (CUDA-IPC weight sync), or separate GPUs, e.g. "
                 f"launch.server_gpus=[{server[0]}] launch.trainer_gpus="
                 f"[{','.join(str(g) for g in trainer if g not in set(server)) or server[0] + 1}]")

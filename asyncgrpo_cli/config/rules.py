@@ -52,10 +52,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
         _fail(p("min_p"), min_p, "must lie in [0, 1]", f"set {p('min_p')}=null to disable it")
     if top_p < 1 and top_k <= 0:
         _fail(p("top_p"), top_p, f"nucleus filtering needs {p('top_k')} > 0: vLLM bounds the candidate set "
-              "with top_k (SPEC §7)", f"also set {p('top_k')}=512, or set {p('top_p')}=1.0")
+              "with top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('top_p')}=1.0")
     if min_p is not None and min_p > 0 and top_k <= 0:
         _fail(p("min_p"), min_p, f"min-p filtering needs {p('top_k')} > 0: vLLM bounds the candidate set with "
-              "top_k (SPEC §7)", f"also set {p('top_k')}=512, or set {p('min_p')}=null")
+              "top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('min_p')}=null")
     if g("repetition_penalty", 1.0) <= 0:
         _fail(p("repetition_penalty"), g("repetition_penalty"), "must be > 0", f"set {p('repetition_penalty')}=1.0")
     nlp = g("num_sampler_logprobs", 8)
@@ -63,7 +63,7 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
         _fail(p("num_sampler_logprobs"), nlp, "must be >= 0", f"set {p('num_sampler_logprobs')}=8")
     if g("score_centering", True) and nlp < 1:
         _fail(p("num_sampler_logprobs"), nlp, "score centering needs the sampler's top log-probs to take the "
-              "expectation over (SPEC §3.3.2)",
+              "expectation over (README: Log-probabilities and the loss)",
               f"set {p('num_sampler_logprobs')}=8, or {p('score_centering')}=false for the clipped objective")
     if g("epsilon", 0.2) < 0:
         _fail(p("epsilon"), g("epsilon"), "must be >= 0", f"set {p('epsilon')}=0.2")
@@ -97,13 +97,13 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
     if g("use_liger_kernel", False):
-        _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (SPEC §2)",
+        _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (README: Supported setups)",
               f"set {p('use_liger_kernel')}=false")
     if g("remove_unused_columns", False):
-        _fail(p("remove_unused_columns"), True, "every dataset column must reach the reward functions (SPEC §2)",
+        _fail(p("remove_unused_columns"), True, "every dataset column must reach the reward functions (README: Supported setups)",
               f"set {p('remove_unused_columns')}=false")
     if g("deepspeed", None):
-        _fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (SPEC §2)",
+        _fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (README: Supported setups)",
               f"remove {p('deepspeed')}")
 
 

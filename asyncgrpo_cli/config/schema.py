@@ -316,7 +316,7 @@ def _make_trainer_config() -> type:
             tp = Optional[tp]
         specs.append((f.name, tp, spec))
     cls = dataclasses.make_dataclass("TrainerConfig", specs)
-    cls.__doc__ = ("Every other TrainingArguments field, by name, with SPEC §16.4's defaults "
+    cls.__doc__ = ("Every other TrainingArguments field, by name, with changed defaults (README: Defaults) "
                    "(see `transformers.TrainingArguments` for each field's meaning).")
     return cls
 

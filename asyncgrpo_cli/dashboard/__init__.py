@@ -172,7 +172,8 @@ class Dashboard:
 
     def renderable(self):
         """The rich renderable of the current frame."""
-        return render_dashboard(self.view())
+        width, height = self.console.size
+        return render_dashboard(self.view(), width=width, height=height)
 
     def poll(self, processes: Sequence[ProcessInfo] | None = None) -> list[dict[str, Any]]:
         """Read what the trainer wrote since the last call and draw it.
@@ -192,8 +193,12 @@ class Dashboard:
             if self.mode == "plain" and outage and outage != getattr(self, "_printed_outage", None):
                 self.console.print(str(outage), markup=False, highlight=False, soft_wrap=True)
             self._printed_outage = outage
-        new = self._metrics.read_new()
-        for row in new:
+        new = []
+        for row in self._metrics.read_new():
+            if "event" in row:  # a marker such as {"event": "resume", "step": N, "from": ...}, not a window
+                self._print_event(row)
+                continue
+            new.append(row)
             self.history.push(row)
             self.rows.append(row)
             self.diagnosis = diagnose(self.history, self.settings)
@@ -205,6 +210,11 @@ class Dashboard:
         if self._live is not None:
             self._live.update(self.renderable(), refresh=True)
         return new
+
+    def _print_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "resume" and self.mode != "off":
+            self.console.print(f"resumed at step {event.get('step')} from {event.get('from')}", markup=False,
+                               highlight=False, soft_wrap=True)
 
     def _print_completions(self, records: list[dict[str, Any]]) -> None:
         by_step: dict[Any, list[dict[str, Any]]] = defaultdict(list)

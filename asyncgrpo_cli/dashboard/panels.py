@@ -328,8 +328,21 @@ def diagnosis_text(diagnosis: Diagnosis) -> Text:
     return Text.assemble(("diagnosis: ", "bold"), (diagnosis.text, SEVERITY_STYLE.get(diagnosis.severity, "")))
 
 
-def render_dashboard(view: DashboardView) -> RenderableType:
-    """The whole frame: run | processes, queue | staleness, rewards | throughput, then the diagnosis line."""
+#: Below this terminal width or height (lines) the dashboard uses the compact one-panel layout.
+WIDE_MIN_WIDTH = 110
+WIDE_MIN_HEIGHT = 36
+
+
+def render_dashboard(view: DashboardView, width: int | None = None, height: int | None = None) -> RenderableType:
+    """The whole frame: run | processes, queue | staleness, rewards | throughput, then the diagnosis line.
+
+    With the terminal's ``width`` / ``height`` (characters / lines) below `WIDE_MIN_WIDTH` /
+    `WIDE_MIN_HEIGHT` (plus the per-function reward rows), the compact layout (`compact_dashboard`) is
+    drawn instead: it fits 80x24 without truncating or wrapping a value. None = wide.
+    """
+    extra = len(reward_names(view.metrics))
+    if (width is not None and width < WIDE_MIN_WIDTH) or (height is not None and height < WIDE_MIN_HEIGHT + extra):
+        return compact_dashboard(view)
     grid = Table.grid(expand=True, padding=(0, 1))
     grid.add_column(ratio=1)
     grid.add_column(ratio=1)
@@ -339,6 +352,77 @@ def render_dashboard(view: DashboardView) -> RenderableType:
     if has_tool_metrics(view.metrics):
         grid.add_row(tools_panel(view), Text(""))
     return Panel(Group(grid, diagnosis_text(view.diagnosis)), title=f"[bold]{view.title}[/]", border_style="cyan")
+
+
+def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
+    """(label, value) pairs of the compact layout: short labels, values as short as the wide panels'."""
+    s, m = view.status or {}, view.metrics
+    step, max_steps = view.live("step", "step"), num(s, "max_steps")
+    conc = view.live("concurrency", "rollout/concurrency")
+    cap = view.live("concurrency_cap", "rollout/concurrency_cap")
+    ceiling = view.live("max_concurrent_rollouts") or view.settings.max_concurrent_rollouts
+    kv = view.live("kv_cache_usage_frac", "rollout/vllm_kv_cache_usage_frac")
+    limit = view.settings.max_staleness
+    state = str(s.get("state") or "starting")
+    state_style = {"running": "green", "saving": "cyan", "done": "bold green", "failed": "bold red"}.get(state, "yellow")
+    rows: list[tuple[str, Any]] = [
+        ("state", Text(state, style=state_style)),
+        ("step", fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")),
+        ("elapsed", fmt_duration(view.now - view.started_at)),
+        ("ETA", fmt_duration(eta_seconds(view))),
+        ("reward", fmt(num(m, "reward"), ".4g")),
+        ("kept / dropped", f"{fmt(num(m, 'reward_kept'), '.3g')} / {fmt(num(m, 'reward_dropped'), '.3g')}"),
+        ("no-signal groups", fmt_pct(num(m, "frac_reward_zero_std"))),
+        ("clipped", fmt_pct(num(m, "completions/clipped_ratio"))),
+        ("entropy", fmt(num(m, "entropy"), ".3g")),
+        ("duplicates", fmt_pct(num(m, "completions/duplicate_frac"))),
+    ]
+    rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    rows += [
+        ("queue", fmt(view.live("queue_size", "rollout/queue_size"), ".0f")),
+        ("in flight/cap/max", f"{fmt(conc, '.0f')}/{fmt(cap, '.0f')}/{ceiling:.0f}"),
+        ("trainer waits", fmt_s(num(m, "perf/rollout_wait_s"))),
+        ("gen waits", fmt_s(num(m, "rollout/backpressure_s"))),
+        ("KV cache", fmt_pct(kv)),
+        ("engine run/wait", f"{fmt(view.live('requests_running', 'rollout/vllm_running_requests'), '.0f')}/"
+                            f"{fmt(view.live('requests_waiting', 'rollout/vllm_queued_requests'), '.0f')}"),
+        ("staleness", f"{fmt(num(m, 'sample/staleness_mean'), '.2f')} (max {fmt(num(m, 'sample/staleness_max'), '.0f')})"
+                      f" / {limit}"),
+        ("dropped stale", fmt(num(m, "sample/dropped_stale_count"), ".0f")),
+        ("gen tok/s", fmt_rate(num(m, "rollout/generated_tokens_per_s"))),
+        ("train tok/s", fmt_rate(num(m, "perf/wall_clock_trained_tokens_per_s"))),
+        ("step time", fmt_s(num(m, "perf/step_s"))),
+        ("model version", fmt(num(s, "model_version"), ".0f")),
+    ]
+    for p in view.processes:
+        state_txt = "external" if p.alive is None else "alive" if p.alive else "exited"
+        rows.append((p.name, Text(f"{state_txt} {p.pid or ''}".rstrip(),
+                                  style="cyan" if p.alive is None else "green" if p.alive else "red")))
+    age = num(view.status, "worker_heartbeat_age_s")
+    rows.append(("worker heartbeat", DASH if age is None else f"{age:.1f} s ago"))
+    return rows
+
+
+def compact_dashboard(view: DashboardView) -> RenderableType:
+    """One panel of label/value pairs in two columns (fits 80x24: about 20 lines), then the diagnosis and
+    the trainer's last error folded onto whole lines; no value is cut or wrapped."""
+    rows = _compact_rows(view)
+    table = Table.grid(padding=(0, 1), expand=True)
+    for _ in range(2):
+        table.add_column(style="dim", no_wrap=True)
+        table.add_column(no_wrap=True, overflow="fold", ratio=1)
+    half = (len(rows) + 1) // 2
+    left, right = rows[:half], rows[half:]
+    for i, (label, value) in enumerate(left):
+        r_label, r_value = right[i] if i < len(right) else ("", "")
+        table.add_row(label, value if isinstance(value, Text) else str(value), r_label,
+                      r_value if isinstance(r_value, Text) else str(r_value))
+    parts: list[RenderableType] = [table, diagnosis_text(view.diagnosis)]
+    error = (view.status or {}).get("last_error")
+    if error:
+        parts.append(Text(f"last error: {str(error)[-300:]}", style="red"))
+    title = view.title if len(view.title) <= 60 else view.title.rstrip("/").rsplit("/", 1)[-1]
+    return Panel(Group(*parts), title=Text(title, style="bold"), border_style="cyan")
 
 
 def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, max_steps: float | None = None) -> str:
@@ -448,6 +532,31 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
                       checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None)
+
+
+def summary_rows(summary: RunSummary) -> list[tuple[str, Any]]:
+    """(label, value) rows of the end-of-run summary, every checkpoint path in full."""
+    style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
+    rows: list[tuple[str, Any]] = [
+        ("outcome", Text(summary.outcome, style=style)),
+        ("steps", DASH if summary.steps is None else str(summary.steps)),
+        ("time", fmt_duration(summary.elapsed_s)),
+        ("final reward", fmt(summary.final_reward, ".4g")),
+        ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
+        ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
+        ("mean step time", fmt_s(summary.mean_step_s)),
+        ("output", summary.output_dir),
+    ]
+    rows += [("checkpoint", c) for c in summary.checkpoints[-3:]] or [("checkpoints", "none")]
+    if summary.plot_path:
+        rows.append(("training curves", summary.plot_path))
+    return rows
+
+
+def summary_lines(summary: RunSummary) -> list[str]:
+    """The summary as plain lines (no box) for output that is not a terminal: a path is never cut."""
+    rows = summary_rows(summary)
+    return ["asyncgrpo train: summary"] + [f"  {label:<21} {value}" for label, value in rows]
 
 
 def summary_panel(summary: RunSummary) -> Panel:

@@ -1,10 +1,18 @@
-"""``<output_dir>/training_curves.png``: reward and throughput over steps, drawn from ``metrics.jsonl``
-with matplotlib's Agg backend (no display needed)."""
+"""``<output_dir>/training_curves.png``: the panels a user reads after a run, drawn from ``metrics.jsonl``
+with matplotlib's Agg backend (no display needed).
+
+The whole run shows, across resumes: `run_history` keeps the windows of the latest run in the folder and,
+at each resume marker (``{"event": "resume", "step": N, ...}``, written by the trainer when it resumes),
+replaces the windows after step N that the resumed run trains again; the plot marks each resume with a
+vertical line. A step without a value leaves a gap in that curve (no line drawn across it).
+"""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +23,21 @@ from .panels import reward_names
 REWARD_CURVES = ("reward", "reward_kept")
 THROUGHPUT_CURVES = ("rollout/generated_tokens_per_s", "perf/fwd_bwd_forwarded_tokens_per_s",
                      "perf/wall_clock_trained_tokens_per_s")
+RESUME_EVENT = "resume"
+
+#: (panel title, y label, metric names) of the fixed panels after the reward panel.
+PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("loss", "loss", ("loss",)),
+    ("entropy", "nats / token", ("entropy",)),
+    ("clipped share", "fraction", ("completions/clipped_ratio", "clip_ratio/region_mean", "frac_reward_zero_std")),
+    ("staleness", "model versions", ("sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_count")),
+    ("completion length", "tokens", ("completions/mean_length", "completions/max_length",
+                                     "completions/mean_terminated_length")),
+    ("throughput", "tokens / s", THROUGHPUT_CURVES),
+    ("KV cache usage vs cap", "fraction of the KV cache", ("rollout/vllm_kv_cache_usage_frac",)),
+)
+#: Drawn on a second y axis of the KV panel: in-flight rollouts against the adaptive cap.
+CONCURRENCY_CURVES = ("rollout/concurrency", "rollout/concurrency_cap")
 
 
 def load_metrics(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
@@ -28,54 +51,140 @@ def load_metrics(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
         return parse_json_lines(fh.read())
 
 
+@dataclass
+class RunHistory:
+    """The metrics windows of one run, oldest first, and the steps it resumed at."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[tuple[float, str]] = field(default_factory=list)  # (step, checkpoint)
+
+
+def is_event(record: Mapping[str, Any]) -> bool:
+    """Whether a ``metrics.jsonl`` record is an event marker (``{"event": ...}``) rather than a window."""
+    return "event" in record
+
+
+def run_history(records: Sequence[Mapping[str, Any]]) -> RunHistory:
+    """The latest run of a ``metrics.jsonl`` file, across its resumes.
+
+    A resume marker at step N drops the kept windows after step N (the resumed run logs them again); a
+    window whose step does not grow without a marker before it starts a new run (a reused folder), so
+    everything before it is dropped.
+    """
+    out = RunHistory()
+    last_step: float | None = None
+    for rec in records:
+        if is_event(rec):
+            if rec.get("event") == RESUME_EVENT:
+                at = num(rec, "step") or 0.0
+                out.rows = [r for r in out.rows if (num(r, "step") or 0.0) <= at]
+                out.resumes = [r for r in out.resumes if r[0] <= at] + [(at, str(rec.get("from") or ""))]
+                last_step = at
+            continue
+        step = num(rec, "step")
+        if step is not None and last_step is not None and step <= last_step:
+            out = RunHistory()
+        out.rows.append(dict(rec))
+        if step is not None:
+            last_step = step
+    return out
+
+
 def _series(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """(steps, values) over every window: NaN where ``name`` has no value, so the line has a gap."""
     xs, ys = [], []
     for i, r in enumerate(rows):
-        y = num(r, name)
-        if y is None:
-            continue
         x = num(r, "step")
+        y = num(r, name)
         xs.append(float(i + 1) if x is None else x)
-        ys.append(y)
+        ys.append(math.nan if y is None else y)
     return xs, ys
 
 
-def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path) -> Path | None:
-    """Draw reward (``reward``, ``reward_kept``, each ``rewards/*/mean``) and throughput (generated,
-    fwd+bwd forwarded and wall-clock trained tokens per second) against ``step``; save as PNG.
+def _has(series: tuple[list[float], list[float]]) -> bool:
+    return any(not math.isnan(y) for y in series[1])
+
+
+def _same(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]]) -> bool:
+    return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a[1], b[1]))
+
+
+def reward_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[list[float], list[float]]]]:
+    """(label, series) of the reward panel: ``reward``, ``reward_kept`` and each ``rewards/<f>/mean``; a
+    per-function curve identical to ``reward`` (one reward function) is folded into its label."""
+    base = _series(rows, "reward")
+    curves: list[tuple[str, tuple[list[float], list[float]]]] = []
+    same_as_reward: list[str] = []
+    for name in sorted({n for r in rows for n in reward_names(r)}):
+        s = _series(rows, name)
+        if _has(base) and _same(s, base):
+            same_as_reward.append(name)
+        elif _has(s):
+            curves.append((name, s))
+    if _has(base):
+        label = "reward" + (f" (= {', '.join(same_as_reward)})" if same_as_reward else "")
+        curves.insert(0, (label, base))
+    kept = _series(rows, "reward_kept")
+    if _has(kept):
+        curves.insert(1 if _has(base) else 0, ("reward_kept", kept))
+    return curves
+
+
+def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path,
+                         resumes: Sequence[tuple[float, str]] = ()) -> Path | None:
+    """Draw the run's panels against ``step`` and save them as a PNG: reward (and each reward function),
+    loss, entropy, clipped share, staleness, completion length, throughput, KV cache usage against the
+    concurrency cap. Each resume step gets a dashed vertical line. Event records in ``rows`` are skipped.
 
     Returns:
         The PNG path, or None when ``rows`` hold none of these metrics (nothing is written then).
     """
-    reward_keys = [*REWARD_CURVES, *sorted({n for r in rows for n in reward_names(r)})]
-    curves = {k: _series(rows, k) for k in (*reward_keys, *THROUGHPUT_CURVES)}
-    if not any(xs for xs, _ in curves.values()):
+    rows = [r for r in rows if not is_event(r)]
+    rewards = reward_curves(rows)
+    panels = [("reward", "reward", rewards)]
+    for title, ylabel, names in PANELS:
+        panels.append((title, ylabel, [(n, s) for n in names if _has(s := _series(rows, n))]))
+    concurrency = [(n, s) for n in CONCURRENCY_CURVES if _has(s := _series(rows, n))]
+    if not any(curves for _, _, curves in panels) and not concurrency:
         return None
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:
         matplotlib.use("Agg")
     from matplotlib.figure import Figure  # Figure + Agg canvas: no pyplot global state
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 7), dpi=100)
-    ax_r, ax_t = fig.subplots(2, 1, sharex=True)
-    for key in reward_keys:
-        xs, ys = curves[key]
-        if xs:
-            ax_r.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-    ax_r.set_ylabel("reward")
-    ax_r.set_title("reward")
-    for key in THROUGHPUT_CURVES:
-        xs, ys = curves[key]
-        if xs:
-            ax_t.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-    ax_t.set_ylabel("tokens / s")
-    ax_t.set_xlabel("step")
-    ax_t.set_title("throughput")
-    for ax in (ax_r, ax_t):
+    ncols = 2
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig = Figure(figsize=(13, 3.2 * nrows), dpi=100)
+    axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False).ravel()
+    marker = "o" if len(rows) < 30 else None
+    for ax, (title, ylabel, curves) in zip(axes, panels):
+        for label, (xs, ys) in curves:
+            ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+        if title.startswith("KV") and concurrency:
+            twin = ax.twinx()
+            for label, (xs, ys) in concurrency:
+                twin.plot(xs, ys, marker=marker, markersize=3, linestyle="--", label=label,
+                          color="tab:red" if label.endswith("cap") else "tab:green")
+            twin.set_ylabel("rollouts in flight")
+            twin.legend(fontsize=7, loc="upper right")
+        if not curves and not (title.startswith("KV") and concurrency):
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
+        for step, checkpoint in resumes:
+            ax.axvline(step, color="gray", linestyle=":", linewidth=1,
+                       label=f"resumed from {Path(checkpoint).name or 'a checkpoint'}")
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
+            ax.legend(fontsize=7, loc="upper left")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[-ncols:]:
+        ax.set_xlabel("step")
+        ax.tick_params(labelbottom=True)
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,3 +192,9 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path
     fig.savefig(tmp, format="png")
     tmp.replace(out)
     return out
+
+
+def plot_run(output_dir: str | Path, out_path: str | Path) -> Path | None:
+    """`plot_training_curves` of the whole latest run in ``output_dir/metrics.jsonl`` (`run_history`)."""
+    history = run_history(load_metrics(Path(output_dir) / "metrics.jsonl"))
+    return plot_training_curves(history.rows, out_path, history.resumes)

@@ -145,7 +145,7 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
         add(Check("logprobs mode", PASS, "processed_logprobs (after temperature and filtering)"))
     else:
         add(Check("logprobs mode", FAIL, f"logprobs mode is {mode!r}: importance ratios would compare different "
-                  "distributions (SPEC §3.3.1)", "restart with --logprobs-mode processed_logprobs"))
+                  "distributions (README: Log-probabilities and the loss)", "restart with --logprobs-mode processed_logprobs"))
     max_lp = _dig(info, "model_config", "max_logprobs")
     need = cfg.rollout.num_sampler_logprobs
     if max_lp is None:
@@ -173,7 +173,7 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
         elif version is not None and version < (0, 28):
             add(Check("sampling mask", WARN, f"vLLM {'.'.join(map(str, version))} cannot return candidate sets "
                       "(needs >= 0.28): the trainer normalises over the full vocabulary and its ratios are biased "
-                      "(SPEC §7)", "upgrade to vLLM >= 0.28 and restart with --return-sampling-mask"))
+                      "(README: Sampling filters)", "upgrade to vLLM >= 0.28 and restart with --return-sampling-mask"))
         else:
             add(Check("sampling mask", FAIL, "top-k/top-p/min-p is on but the server does not return sampling masks",
                       "restart with --return-sampling-mask (and --enable-scale-out where the vLLM has it)"))
@@ -196,7 +196,7 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
             servers = f"{count} API server(s)" if count is not None else "API servers"
             add(Check("api servers", WARN, f"{servers} on vLLM {(facts.version or {}).get('version')}: "
                       f"top-{need} log-probs are serialised on the CPU of the API servers and can cost 50–90% of "
-                      "generation throughput before vLLM 0.32 (SPEC §8.2, device/README.md)",
+                      "generation throughput before vLLM 0.32 (README: GPUs, weight sync and LoRA)",
                       "use --api-server-count 8 and vLLM >= 0.32 where you can"))
         elif count is not None:
             add(Check("api servers", PASS, f"{count} API servers"))
@@ -259,7 +259,7 @@ def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], coun
     loras = lora.get("max_loras") or 0
     if loras < loras_needed:
         add(Check("lora slots", FAIL, f"--max-loras {loras} < staleness.max_staleness + 2 = {loras_needed} "
-                  "(max_staleness + 1 versions stay loaded, and the next loads before the oldest unloads, SPEC §9)",
+                  "(max_staleness + 1 versions stay loaded, and the next loads before the oldest unloads, README: GPUs, weight sync and LoRA)",
                   f"restart with --max-loras {loras_needed}"))
     else:
         add(Check("lora slots", PASS, f"{loras} >= {loras_needed}"))

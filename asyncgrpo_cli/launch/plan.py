@@ -194,12 +194,12 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
                 trainer = list(held)
                 notes.append(f"the sampler shares GPU(s) {','.join(map(str, held))} with the trainer")
             else:
-                problems.append(f"vLLM and the trainer need different GPUs (NCCL weight transfer, SPEC §8.4) but "
+                problems.append(f"vLLM and the trainer need different GPUs (NCCL weight transfer, README: GPUs, weight sync and LoRA) but "
                                 f"all {n} visible GPU(s) go to the server (GPUs {held}). Fix: use a machine with "
                                 f"at least {len(held) + 1} GPUs, share one GPU with vLLM through CUDA IPC "
                                 f"(launch.colocate=true), or use sampler.backend=embedded")
     if backend == "vllm" and set(held) & set(trainer):
-        problems.append(f"launch.trainer_gpus={trainer} overlaps the vLLM server's GPUs {held} (SPEC §8.4). Fix: "
+        problems.append(f"launch.trainer_gpus={trainer} overlaps the vLLM server's GPUs {held} (README: GPUs, weight sync and LoRA). Fix: "
                         f"launch.trainer_gpus={[g for g in trainer if g not in set(held)] or [max(held) + 1]}")
     if trainer and n == 0:
         problems.append(f"launch.trainer_gpus={trainer}: no CUDA GPU is visible here. Fix: leave launch.trainer_gpus "

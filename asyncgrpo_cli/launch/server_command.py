@@ -215,7 +215,7 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
                 argv += ["--enable-scale-out"]
         else:
             notes.append(f"vLLM {version} cannot return sampling masks (needs >= 0.28): the trainer normalises over "
-                         "the full vocabulary and its importance ratios are biased (SPEC §7)")
+                         "the full vocabulary and its importance ratios are biased (README: Sampling filters)")
     if cfg.peft.enabled:
         rank, loras = lora_limits(cfg)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"

@@ -3,8 +3,9 @@
 It prints the launch plan, then starts, in order:
 
 1. the sampler: vLLM or the embedded server with the ONE builder's command
-   (`launch.server_command.build_server_command`); nothing for ``sampler.backend=external`` or when a
-   server already answers ``/health`` at the configured URL;
+   (`launch.server_command.build_server_command`); nothing for ``sampler.backend=external``. Before the
+   model is loaded, `check_server_port` refuses a ``sampler.port`` another process holds, or where a
+   server this job did not start already answers (use it with ``sampler.backend=external``);
 2. waits until ``/health`` answers (deadline ``sampler.timeout``; a server that dies meanwhile stops
    the run with its last log lines);
 3. runs the doctor checks (`doctor.checks.read_facts` + `evaluate`): any failure prints the table and
@@ -126,6 +127,47 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another process holds ``host:port`` (binding it fails; ``SO_REUSEADDR`` is set as servers
+    do, so only a socket that listens there counts, not one in TIME_WAIT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_server_port(cfg: DictConfig, *, answering: bool | None = None) -> None:
+    """Before the model is loaded: the server this job starts can take ``sampler.host:sampler.port``.
+
+    Args:
+        cfg: composed config (nothing is checked for ``sampler.backend=external``).
+        answering: whether a server already answers ``/health`` at the URL (None = probe it now).
+
+    Raises:
+        ConfigError: a server this job did not start already answers there (use it with
+            ``sampler.backend=external sampler.url=URL``), or another process holds the port; the
+            message names ``sampler.port`` and suggests a free port.
+    """
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    if backend == "external":
+        return
+    host, port, url = str(cfg.sampler.host), int(cfg.sampler.port), server_url(cfg)
+    if answering is None:
+        answering = probe_health(url, timeout=1.0)
+    if answering:
+        raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health. "
+                          f"Fix: to train against it, add sampler.backend=external sampler.url={url} (asyncgrpo "
+                          f"doctor checks it matches the config); to start a new one, use a free port, e.g. "
+                          f"sampler.port={free_port()}")
+    if port_in_use(host, port):
+        raise ConfigError(f"sampler.port={port}: another process already listens on {host}:{port}. Fix: use a free "
+                          f"port, e.g. sampler.port={free_port()}, or stop that process")
 
 
 def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
@@ -685,17 +727,21 @@ class Supervisor:
 
     def _finish(self, outcome: str) -> None:
         """Summary panel and training curves (from this run's metrics.jsonl lines)."""
-        from ..dashboard.panels import summarize, summary_panel
-        from ..dashboard.plot import plot_training_curves
+        from ..dashboard.panels import summarize, summary_lines, summary_panel
+        from ..dashboard.plot import plot_run
 
         rows = self.dashboard.rows if self.dashboard is not None else []
         plot = None
-        try:
-            plot = plot_training_curves(rows, self.plan.output_dir / PLOT_NAME)
+        try:  # the whole run, across resumes (metrics.jsonl's resume markers)
+            plot = plot_run(self.plan.output_dir, self.plan.output_dir / PLOT_NAME)
         except Exception as exc:  # a plotting problem must not hide the run's outcome
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
         summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)
-        self.console.print(summary_panel(summary))
+        if self.console.is_terminal:
+            self.console.print(summary_panel(summary))
+        else:  # no box: a box of the console's width would cut long paths
+            for line in summary_lines(summary):
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
         newest = self._newest_checkpoint()
         if outcome == "interrupted" and newest:
             self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={newest}",
@@ -728,6 +774,12 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     url = server_url(cfg)
     running = backend != "external" and probe_health(url, timeout=1.0)
+    if not dry_run and int(cfg.launch.machine_rank) == 0:
+        try:
+            check_server_port(cfg, answering=running)
+        except ConfigError as exc:
+            console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
+            return 2
     try:
         plan = build_launch_plan(cfg, gpu_count, server_running=running)
     except ConfigError as exc:

@@ -434,7 +434,7 @@ class AsyncRolloutLoop:
             if index >= n:
                 if accepted_this_epoch == 0:
                     raise EpochExhaustedError(f"filter_prompt rejected every one of the {n} prompts of epoch {epoch}; "
-                                              "no batch could ever reach the trainer (SPEC §11)")
+                                              "no batch could ever reach the trainer (README: Packing and the token budget)")
                 epoch, index, accepted_this_epoch = epoch + 1, 0, 0
             row = self.dataset[index]
             position = epoch * n + index

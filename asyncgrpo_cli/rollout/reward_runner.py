@@ -197,7 +197,7 @@ class RewardRunner:
             if not callable(func):
                 raise TypeError(
                     f"reward_funcs[{i}] is {type(func).__name__} {func!r}, not a callable; reward "
-                    "models given as ids or models are not supported (SPEC §2), pass a function"
+                    "models given as ids or models are not supported (README: Supported setups), pass a function"
                 )
         self.funcs: list[Callable[..., Any]] = funcs
         self.names: list[str] = []

@@ -52,19 +52,19 @@ class AsyncGRPOConfig(TrainingArguments):
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments for `from_pretrained` when the model is given by name."})
     dtype: str = field(default="float32", metadata={
-        "help": "dtype the weights are loaded in: auto, bfloat16, float16 or float32 (SPEC §16.3)."})
+        "help": "dtype the weights are loaded in: auto, bfloat16, float16 or float32 (README: Defaults)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow models/tokenizers with custom code."})
     router_aux_loss_coef: float | None = field(default=None, metadata={
-        "help": "MoE load-balancing loss coefficient; None = the model config's, 0.0 disables (SPEC §3.3.5)."})
+        "help": "MoE load-balancing loss coefficient; None = the model config's, 0.0 disables (README: Log-probabilities and the loss)."})
     # Generation.
     num_generations: int = field(default=8, metadata={"help": "Rollouts per prompt (G)."})
     max_completion_length: int = field(default=2048, metadata={"help": "Max generated tokens per vLLM request (turn)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; the trainer divides logits by it."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus threshold in (0, 1]; < 1 needs top_k (SPEC §7)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus threshold in (0, 1]; < 1 needs top_k (README: Sampling filters)."})
     top_k: int = field(default=0, metadata={"help": "Top-k filter; 0 disables it."})
     min_p: float | None = field(default=None, metadata={"help": "Min-p filter in [0, 1]; > 0 needs top_k."})
     repetition_penalty: float = field(default=1.0, metadata={
-        "help": "Passed to the sampler; != 1.0 warns that log-probs include a penalty the trainer ignores (B.11)."})
+        "help": "Passed to the sampler; != 1.0 warns that log-probs include a penalty the trainer ignores."})
     chat_template_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
         "help": "Extra keyword arguments for apply_chat_template, e.g. {'enable_thinking': False}."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={
@@ -78,15 +78,15 @@ class AsyncGRPOConfig(TrainingArguments):
     # Training.
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping epsilon; None = epsilon."})
-    score_centering: bool = field(default=True, metadata={"help": "Score-centering objective (SPEC §3.3.2)."})
+    score_centering: bool = field(default=True, metadata={"help": "Score-centering objective (README: Log-probabilities and the loss)."})
     vllm_importance_sampling_clip_min: float = field(default=0.5, metadata={"help": "C_min of masked IS."})
     vllm_importance_sampling_clip_max: float = field(default=5.0, metadata={"help": "C_max of masked IS."})
     num_sampler_logprobs: int = field(default=8, metadata={"help": "Top log-probs requested per generated token."})
     token_budget: int | None = field(default=None, metadata={
-        "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (SPEC §6.4)."})
+        "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (README: Packing and the token budget)."})
     # Async pipeline.
-    max_concurrent_rollouts: int = field(default=512, metadata={"help": "Ceiling on rollouts in flight (SPEC §4.3)."})
-    max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (SPEC §4.1, B.6)."})
+    max_concurrent_rollouts: int = field(default=512, metadata={"help": "Ceiling on rollouts in flight (README: Staleness and concurrency)."})
+    max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (README: Staleness and concurrency)."})
     weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
     rollout_worker_timeout: float = field(default=300.0, metadata={"help": "Seconds without a worker heartbeat."})
     # Logging.
@@ -94,7 +94,7 @@ class AsyncGRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})
     # Extension: tree-attention backend of packed rows (CONFIG.md `packing.attention`).
     tree_attention: str = field(default="auto", metadata={
-        "help": "Tree-attention backend: auto (flex on CUDA, sdpa elsewhere), sdpa, flex or flash (SPEC §6)."})
+        "help": "Tree-attention backend: auto (flex on CUDA, sdpa elsewhere), sdpa, flex or flash (README: Packing and the token budget)."})
 
     def __post_init__(self) -> None:
         import torch

@@ -69,13 +69,13 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.epsilon < 1.0:
-            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon!r}; SPEC default 0.2")
+            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon!r}; default 0.2")
         if self.epsilon_high is not None and not self.epsilon_high >= 0.0:
             raise ValueError(f"epsilon_high must be >= 0 or None (= epsilon), got {self.epsilon_high!r}")
         if not (0.0 <= self.clip_min <= self.clip_max):
             raise ValueError(
                 f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max, got "
-                f"min={self.clip_min!r}, max={self.clip_max!r}; SPEC defaults 0.5 and 5.0"
+                f"min={self.clip_min!r}, max={self.clip_max!r}; defaults 0.5 and 5.0"
             )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")

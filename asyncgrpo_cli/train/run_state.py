@@ -174,6 +174,12 @@ class LiveFiles:
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(clean, default=_jsonable) + "\n")
 
+    def mark_resume(self, step: int, checkpoint: str) -> None:
+        """Append the resume marker ``{"event": "resume", "step": N, "from": "checkpoint-N", "time": ...}`` to
+        ``metrics.jsonl``: the windows after step N that an earlier run logged are trained again."""
+        self.append_metrics({"event": "resume", "step": int(step), "from": Path(str(checkpoint)).name,
+                             "path": str(checkpoint), "time": time.time()})
+
     def append_completions(self, records: list[dict[str, Any]]) -> None:
         """Append completion records to ``completions.jsonl``."""
         with open(self.dir / "completions.jsonl", "a") as f:

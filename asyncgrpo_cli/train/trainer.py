@@ -35,6 +35,7 @@ from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition
+from .server_checks import check_server
 from .tree_attention import apply_tree_attention
 
 POLL_S = 0.25  # rollout-queue poll while waiting, seconds
@@ -142,7 +143,7 @@ class AsyncGRPOTrainer(Trainer):
         if (environment_factory is None and train_dataset.column_names is not None
                 and "prompt" not in train_dataset.column_names):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
-                             "conversational messages (SPEC §2). Fix: add a 'prompt' column")
+                             "conversational messages (README: Supported setups). Fix: add a 'prompt' column")
         if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
             raise ValueError(f"train_dataset is an IterableDataset (streaming) and max_steps={args.max_steps}: "
                              "epochs of a stream have no known length. Fix: set max_steps > 0")
@@ -157,7 +158,7 @@ class AsyncGRPOTrainer(Trainer):
 
             targets = peft_config.target_modules
             if targets == "lm_head" or (isinstance(targets, (list, set, tuple)) and "lm_head" in targets):
-                raise ValueError("peft_config targets lm_head, which is not supported (SPEC §2.7)")
+                raise ValueError("peft_config targets lm_head, which is not supported (README: Supported setups)")
             model = get_peft_model(model, peft_config)
         model.config.use_cache = False
         self.model_id = model_id
@@ -271,6 +272,8 @@ class AsyncGRPOTrainer(Trainer):
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
         self.position = None
         self._last_loss = 0.0
+        if self.live is not None and checkpoint is not None:
+            self.live.mark_resume(self.state.global_step, resume_from_checkpoint)
         start = time.time()
         if args.max_steps > 0 and self.state.global_step >= args.max_steps:
             if self.live is not None:
@@ -293,6 +296,8 @@ class AsyncGRPOTrainer(Trainer):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._teardown_rollouts()
+        if not self._stop_requested:  # the final policy (or adapter) + tokenizer: from_pretrained(output_dir)
+            self.save_model(args.output_dir)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
@@ -367,7 +372,7 @@ class AsyncGRPOTrainer(Trainer):
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-            self.sampler.wait_until_ready(args.vllm_server_timeout)
+            check_server(self.sampler, args, self.model_id, self.model)  # waits (saying so), then doctor's checks
             if budget is None:
                 budget = int(self.sampler.max_model_len())
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
@@ -721,6 +726,7 @@ class AsyncGRPOTrainer(Trainer):
             qs = self._queue_size()
             if qs is not None:
                 self.window.add("rollout/queue_size", qs)
+        self.window.add("sample/dropped_stale_count", 0)  # present (0) in windows without drops
         logs = {k: v for k, v in self.window.flush().items() if v is not None}
         if not self.is_world_process_zero():
             return

@@ -138,7 +138,7 @@ def test_dashboard_plain_prints_one_line_per_step(tmp_path):
 def test_dashboard_rich_mode_runs_a_live_panel(tmp_path):
     out = tmp_path / "run"
     write_run(out)
-    console = Console(record=True, width=160, force_terminal=True)
+    console = Console(record=True, width=160, height=60, force_terminal=True)  # tall enough for the panel grid
     dash = Dashboard(out, mode="rich", console=console, started_at=T0 - 1)
     dash._metrics.offset = 0  # read the lines written before it started
     with dash:
@@ -227,5 +227,5 @@ def test_training_curves_png(tmp_path):
     assert len(rows) == 4
     png = plot_training_curves(rows, tmp_path / "training_curves.png")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
-    assert plot_training_curves([{"step": 1, "loss": 0.3}], tmp_path / "none.png") is None
+    assert plot_training_curves([{"step": 1, "grad_norm": 0.3}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()

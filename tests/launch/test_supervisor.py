@@ -105,7 +105,7 @@ def test_normal_completion(make_cfg, tmp_path):
 
 def test_rich_dashboard_run(make_cfg):
     cfg, out = make_cfg("logging.dashboard=rich")
-    console = Console(record=True, width=160, force_terminal=True)
+    console = Console(record=True, width=160, height=60, force_terminal=True)  # tall enough for the panel grid
     rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok"))
     text = console.export_text()
     assert rc == 0, text

@@ -15,6 +15,7 @@ from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
 from asyncgrpo_cli.rollout.types import PromptOutcome
 from asyncgrpo_cli.rollout.worker import RolloutWorker, RolloutWorkerError
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
+from asyncgrpo_cli.testing import deadline_s as machine_deadline
 from asyncgrpo_cli.testing import make_tiny_model
 from asyncgrpo_cli.train.config import AsyncGRPOConfig
 from asyncgrpo_cli.train.model_loading import prepare_tokenizer
@@ -80,6 +81,7 @@ def config(tmp_path, url, **kw):
 
 
 def pull(worker, n, deadline_s=120.0):
+    deadline_s = machine_deadline(deadline_s)
     got, end = [], time.monotonic() + deadline_s
     while len(got) < n:
         assert time.monotonic() < end, f"only {len(got)} outcomes after {deadline_s} s"
@@ -95,7 +97,7 @@ def test_worker_streams_scored_groups(server, tokenizer, tmp_path):
     cfg = config(tmp_path, server.url)
     worker = RolloutWorker(cfg, "tiny", prompts(), [length_parity_reward, answer_seen_reward], tokenizer,
                            [tokenizer.eos_token_id], initial_allowance=10**9)
-    worker.start(ready_timeout_s=120)
+    worker.start(ready_timeout_s=machine_deadline(120))
     try:
         outcomes = pull(worker, 5)
         kept = [o for o in outcomes if o.kind == "kept"]
@@ -113,7 +115,7 @@ def test_worker_streams_scored_groups(server, tokenizer, tmp_path):
                 assert s.model_version == 0 and s.queued_at > 0
         time.sleep(0)  # metrics are shipped once a second by the worker
         names = set()
-        end = time.monotonic() + 60
+        end = time.monotonic() + machine_deadline(60)
         wanted = {"reward", "rewards/length_parity_reward/mean", "frac_reward_zero_std", "completions/mean_length",
                   "completions/clipped_ratio", "completions/duplicate_frac", "rollout/concurrency",
                   "rollout/concurrency_cap", "rollout/generated_tokens_per_s", "rollout/score_s",
@@ -143,9 +145,9 @@ def test_hung_worker_is_detected(server, tokenizer, tmp_path):
     cfg = config(tmp_path, server.url, rollout_worker_timeout=2.0)
     worker = RolloutWorker(cfg, "tiny", prompts(), [length_parity_reward], tokenizer, [0], loop_cls=FrozenLoop,
                            initial_allowance=10**9)
-    worker.start(ready_timeout_s=120)
+    worker.start(ready_timeout_s=machine_deadline(120))
     try:
-        end = time.monotonic() + 60
+        end = time.monotonic() + machine_deadline(60)
         with pytest.raises(RolloutWorkerError, match="heartbeat"):
             while time.monotonic() < end:
                 worker.check_alive()
@@ -158,7 +160,7 @@ def test_failure_carries_the_child_traceback(tokenizer, tmp_path):
     cfg = config(tmp_path, "http://127.0.0.1:9", vllm_server_timeout=1.0)
     worker = RolloutWorker(cfg, "tiny", prompts(), [length_parity_reward], tokenizer, [0])
     with pytest.raises(RolloutWorkerError, match="Traceback"):
-        worker.start(ready_timeout_s=60)
+        worker.start(ready_timeout_s=machine_deadline(60))
     worker.stop()
 
 
@@ -185,8 +187,8 @@ def test_generation_holds_when_allowance_is_used_up(server, tokenizer, tmp_path)
     loop, buf, metrics, thread = _in_process_loop(server.url, tokenizer, tmp_path, allowance=1.0)
     thread.start()
     try:
-        first = buf.get(timeout=120)  # the first group may always start (nothing is committed)
-        end = time.monotonic() + 60
+        first = buf.get(timeout=machine_deadline(120))  # the first group may always start (nothing is committed)
+        end = time.monotonic() + machine_deadline(60)
         while not loop.allowance.first_group_finished or loop.allowance.groups_in_flight:
             assert time.monotonic() < end
             time.sleep(0.05)
@@ -198,7 +200,7 @@ def test_generation_holds_when_allowance_is_used_up(server, tokenizer, tmp_path)
         # The trainer consumes everything and raises the allowance: generation resumes.
         loop.consumed_tokens_value.value = float(sum(s.num_tokens for o in queued for s in o.samples))
         loop.token_allowance.value = 10**9
-        buf.get(timeout=120)
+        buf.get(timeout=machine_deadline(120))
     finally:
         loop.stop()
         thread.join(timeout=30)
@@ -213,7 +215,7 @@ def test_cap_shrinks_when_kv_usage_passes_80_percent(model_dir, tokenizer, tmp_p
         loop, buf, metrics, thread = _in_process_loop(handle.url, tokenizer, tmp_path, allowance=10**9,
                                                       max_completion_length=40, max_concurrent_rollouts=16)
         thread.start()
-        end = time.monotonic() + 120
+        end = time.monotonic() + machine_deadline(120)
         while loop.cap is None:
             assert time.monotonic() < end
             time.sleep(0.05)
@@ -258,7 +260,7 @@ def test_groups_are_scored_concurrently(server, tokenizer, tmp_path):
     thread = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)
     thread.start()
     try:
-        outcomes = [buf.get(timeout=120) for _ in range(2)]
+        outcomes = [buf.get(timeout=machine_deadline(120)) for _ in range(2)]
         assert all(o.kind == "kept" for o in outcomes) and not _two_groups.broken
     finally:
         loop.stop()

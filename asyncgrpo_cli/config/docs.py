@@ -1,0 +1,141 @@
+"""`asyncgrpo config --doc`: the composed config as YAML with each field's description as a comment.
+
+Descriptions come from the schema itself: the attribute docstring under each field of the group dataclasses
+(`schema.py`, read with the standard library's `ast` from the class source) and, for the ``trainer`` group
+(generated from `AsyncGRPOConfig`), each `TrainingArguments` field's ``metadata["help"]``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+import typing
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+COMMENT_WIDTH = 100
+
+#: Section of the (unshipped) specification -> the README section ("Rules and limits") that covers it.
+README_SECTIONS: tuple[tuple[str, str], ...] = (
+    (r"2(\.\d+)?", "Supported setups"), (r"7", "Sampling filters"), (r"3\.3(\.\d)?", "Log-probabilities and the loss"),
+    (r"4(\.\d)?", "Staleness and concurrency"), (r"(6|11)(\.\d)?", "Packing and the token budget"),
+    (r"(8|9)(\.\d)?", "GPUs, weight sync and LoRA"), (r"12", "Resuming"), (r"16(\.\d)?", "Defaults"),
+)
+_SPEC_REF = re.compile(r"SPEC §([\d.]*\d)(?: '[^']*')?(?:, §?[\d.]*\d)*")
+_UNSHIPPED_REFS = (re.compile(r"\s*\((?:DESIGN\.md|CONFIG\.md|VLLM\.md|Appendix B)[^)]*\)"),
+                   re.compile(r",?\s*(?:DESIGN\.md|CONFIG\.md|VLLM\.md)(?: §[\d.]*\d(?:, §[\d.]*\d)*)?"),
+                   re.compile(r",?\s*(?:Appendix )?\bB\.\d+"))
+
+
+def cite_shipped(text: str) -> str:
+    """``text`` with references to the specification's sections pointed at the README's sections, and
+    references to documents that do not ship with the package dropped."""
+    def readme(match: re.Match) -> str:
+        section = match.group(1).rstrip(".")
+        for pattern, name in README_SECTIONS:
+            if re.fullmatch(pattern, section):
+                return f"README: {name}"
+        return "README"
+
+    text = _SPEC_REF.sub(readme, text)
+    for ref in _UNSHIPPED_REFS:
+        text = ref.sub("", text)
+    text = re.sub(r"[ \t]{2,}", " ", re.sub(r"\(\s*\)", "", text))
+    return text.replace(" .", ".").strip()
+
+
+@functools.lru_cache(maxsize=None)
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in ``cls``'s body (``x: int = 0`` then ``\"\"\"...\"\"\"``).
+
+    Returns {} when the source cannot be read (e.g. a class made with ``make_dataclass``).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
+                and isinstance(after.value.value, str):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> description for a schema dataclass: attribute docstrings, else ``metadata["help"]``
+    of the same-named `AsyncGRPOConfig` field (the generated ``trainer`` group)."""
+    docs = dict(attribute_docstrings(cls))
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+    if missing:
+        from ..train.config import AsyncGRPOConfig
+
+        helps: dict[str, str] = {}
+        for base in AsyncGRPOConfig.__mro__:  # a field redefined without help keeps TrainingArguments' help
+            if dataclasses.is_dataclass(base):
+                for f in dataclasses.fields(base):
+                    if not helps.get(f.name):
+                        helps[f.name] = f.metadata.get("help", "")
+        for name in missing:
+            if helps.get(name):
+                docs[name] = " ".join(str(helps[name]).split())
+    return docs
+
+
+def _group_classes() -> dict[str, tuple[type, str]]:
+    """Group name -> (the dataclass of its fields, the group's description)."""
+    from .schema import AppConfig
+
+    hints = typing.get_type_hints(AppConfig)
+    out: dict[str, tuple[type, str]] = {}
+    for f in dataclasses.fields(AppConfig):
+        tp = hints[f.name]
+        if typing.get_origin(tp) is list:  # rewards: a list of RewardFuncConfig
+            tp = typing.get_args(tp)[0]
+        out[f.name] = (tp, inspect.cleandoc(tp.__doc__ or ""))
+    return out
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    lines: list[str] = []
+    for para in cite_shipped(text).splitlines() or [""]:
+        lines += textwrap.wrap(para, COMMENT_WIDTH - len(indent) - 2) or [""]
+    return [f"{indent}# {line}".rstrip() for line in lines]
+
+
+def _yaml_of(key: str, value: Any, indent: str) -> list[str]:
+    text = OmegaConf.to_yaml(OmegaConf.create({key: value})).rstrip("\n")
+    return [f"{indent}{line}" for line in text.splitlines()]
+
+
+def documented_yaml(cfg: DictConfig) -> str:
+    """The composed config as YAML, each group and field preceded by its description as ``#`` comments
+    (still valid YAML: ``asyncgrpo config --doc > my.yaml`` loads back)."""
+    from .compose import to_plain
+
+    plain = to_plain(cfg)
+    lines: list[str] = []
+    for group, (cls, group_doc) in _group_classes().items():
+        docs = field_docs(cls)
+        lines += _comment(f"{group}: {group_doc}" if group_doc else group, "")
+        value = plain.get(group)
+        if isinstance(value, list):  # rewards: document the fields of one entry, then the list
+            for name in (f.name for f in dataclasses.fields(cls)):
+                if docs.get(name):
+                    lines += _comment(f"- {name}: {docs[name]}", "")
+            lines += _yaml_of(group, value, "")
+        else:
+            lines.append(f"{group}:")
+            for name, v in (value or {}).items():
+                if docs.get(name):
+                    lines += _comment(docs[name], "  ")
+                lines += _yaml_of(name, v, "  ")
+        lines.append("")
+    return "\n".join(lines)

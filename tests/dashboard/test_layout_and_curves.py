@@ -1,0 +1,95 @@
+"""The dashboard at 80x24, the plain summary, and what training_curves.png draws (gaps, duplicates, resumes)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from rich.console import Console
+
+from asyncgrpo_cli.dashboard import Dashboard
+from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
+from asyncgrpo_cli.dashboard.plot import _series, plot_run, reward_curves, run_history
+
+from .test_panels import STATUS, view_of, window
+
+
+def render(renderable, width: int, height: int) -> list[str]:
+    console = Console(record=True, width=width, height=height, force_terminal=False)
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def test_dashboard_fits_80x24_without_cutting_or_wrapping_a_value():
+    view = view_of(status={**STATUS, "max_concurrent_rollouts": 16, "concurrency": 11, "concurrency_cap": 16})
+    lines = render(render_dashboard(view, width=80, height=24), 80, 24)
+    text = "\n".join(lines)
+    assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+    assert "…" not in text and "..." not in text
+    # Every value is whole on one line next to its label.
+    for label, value in (("step", "3 / 10"), ("in flight/cap/max", "11/16/16"), ("trainer waits", "0.02 s"),
+                         ("staleness", "1.25 (max 3) / 4"), ("gen tok/s", "12.3k"), ("accuracy_reward", "0.3"),
+                         ("dropped stale", "2"), ("KV cache", "50%"), ("worker heartbeat", "0.4 s ago")):
+        assert any(label in line and value in line for line in lines), (label, value)
+
+
+def test_wide_terminal_keeps_the_panel_grid():
+    text = "\n".join(render(render_dashboard(view_of(), width=160, height=60), 160, 60))
+    assert "rollout queue & concurrency" in text and "throughput" in text
+
+
+def test_live_dashboard_picks_the_layout_from_the_console(tmp_path):
+    small = Dashboard(tmp_path, mode="plain", console=Console(width=80, height=24, force_terminal=False))
+    assert "rollout queue" not in "\n".join(render(small.renderable(), 80, 24))
+    big = Dashboard(tmp_path, mode="plain", console=Console(width=150, height=50, force_terminal=False))
+    assert "rollout queue" in "\n".join(render(big.renderable(), 150, 50))
+
+
+def test_plain_summary_never_cuts_a_long_path(tmp_path):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "run"
+    (deep / "checkpoint-8").mkdir(parents=True)
+    summary = summarize([window(1)], 10.0, deep, "finished", deep / "training_curves.png")
+    lines = summary_lines(summary)
+    assert any(str(deep) in line for line in lines)
+    assert any(str(deep / "checkpoint-8") in line for line in lines)
+    assert any(str(deep / "training_curves.png") in line for line in lines)
+
+
+def test_reward_identical_to_the_only_reward_function_is_folded_into_its_label():
+    rows = [{"step": s, "reward": 0.1 * s, "rewards/accuracy_reward/mean": 0.1 * s} for s in (1, 2, 3)]
+    labels = [label for label, _ in reward_curves(rows)]
+    assert labels == ["reward (= rewards/accuracy_reward/mean)"]
+    rows2 = [{**r, "rewards/format_reward/mean": 0.5} for r in rows]
+    assert [label for label, _ in reward_curves(rows2)] == ["reward (= rewards/accuracy_reward/mean)",
+                                                            "rewards/format_reward/mean"]
+
+
+def test_a_step_without_a_value_is_a_gap():
+    rows = [{"step": 1, "reward_kept": 0.5}, {"step": 2}, {"step": 3, "reward_kept": 0.7}]
+    xs, ys = _series(rows, "reward_kept")
+    assert xs == [1, 2, 3] and ys[0] == 0.5 and math.isnan(ys[1]) and ys[2] == 0.7
+
+
+def test_resume_keeps_the_whole_run_and_marks_it(tmp_path):
+    records = [window(s) for s in range(1, 8)]  # the first run got to step 7, its last checkpoint was 4
+    records.append({"event": "resume", "step": 4, "from": "checkpoint-4"})
+    records += [window(s) for s in range(5, 9)]
+    history = run_history(records)
+    assert [r["step"] for r in history.rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert history.resumes == [(4.0, "checkpoint-4")]
+    # A new run from scratch in a reused folder (steps restart without a marker) replaces the old one.
+    assert [r["step"] for r in run_history([window(1), window(2), window(1)]).rows] == [1]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = plot_run(tmp_path, tmp_path / "training_curves.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dashboard_skips_event_records(tmp_path):
+    console = Console(record=True, width=200, force_terminal=False)
+    dash = Dashboard(tmp_path, mode="plain", console=console)
+    with (tmp_path / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"event": "resume", "step": 4, "from": "checkpoint-4"}) + "\n")
+        fh.write(json.dumps(window(5)) + "\n")
+    new = dash.poll()
+    assert [r["step"] for r in new] == [5] and [r["step"] for r in dash.history.rows] == [5]
+    assert "resumed at step 4 from checkpoint-4" in console.export_text()
