@@ -129,7 +129,7 @@ class AsyncGRPOTrainer(Trainer):
         self.reward_funcs = list(funcs)
         self.tools = tools
         self.environment_factory = environment_factory
-        self.tree_backend = apply_tree_attention(model, args.tree_attention)
+        self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id)
         install_loss_head(model)
         if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
