@@ -28,6 +28,7 @@ from ..rollout.types import PromptOutcome, TrainingSequence
 from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
+from .moe_aux import MoeAuxLoss
 from .packed_loss import install_loss_head, row_loss
 from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
@@ -131,6 +132,7 @@ class AsyncGRPOTrainer(Trainer):
         self.environment_factory = environment_factory
         self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id)
         install_loss_head(model)
+        self.moe_aux = MoeAuxLoss.for_model(model, args.router_aux_loss_coef)  # SPEC §3.3.5
         if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
@@ -385,7 +387,7 @@ class AsyncGRPOTrainer(Trainer):
             for m, rows in enumerate(plan.rows):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
-                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc)
+                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux)
                 self.accelerator.backward(loss / ga)
                 loss_sum += float(loss.detach()) / ga
                 contributions.append(metrics)
