@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..metrics import MetricsWindow
+from ..multimodal import check_text_only
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
@@ -147,6 +148,7 @@ class AsyncRolloutLoop:
         key = json.dumps(prompt, sort_keys=True, default=str)
         ids = self._rendered.get(key)
         if ids is None:
+            check_text_only([prompt], "prompt")  # images are not supported (SPEC §14)
             kwargs = dict(self.config.chat_template_kwargs or {})
             encoded = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
             ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -27,7 +27,8 @@ from ..rollout.loop import AsyncRolloutLoop
 from ..rollout.types import PromptOutcome, TrainingSequence
 from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
-from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
+from ..multimodal import check_text_only
+from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import install_loss_head, row_loss
 from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
@@ -112,11 +113,14 @@ class AsyncGRPOTrainer(Trainer):
         if "prompt" not in (train_dataset.column_names or []):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")
+        check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # SPEC §14; the worker checks all
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
         else:
             model_id = getattr(model.config, "_name_or_path", None) or type(model).__name__
+            if getattr(model.config, "vision_config", None) is not None:
+                freeze_outside_text_model(model)  # as load_policy does (SPEC §14)
         tokenizer = prepare_tokenizer(processing_class) if processing_class is not None else load_tokenizer(model_id, args)
         if peft_config is not None:
             from peft import get_peft_model
