@@ -443,6 +443,21 @@ _ORIGINALS: dict[str, dict[str, Callable[..., Any]]] = {}
 _KERNEL: dict[str, str] = {}
 
 
+# Regionally compiled layers (train/compile.py) break their graph here, as at tree attention: the per-row plans
+# (Python lists, cached on the row's TreeAttentionInputs) never reach dynamo.
+@torch.compiler.disable
+def _tree_conv(hidden_states, weight, bias, activation, ctx):
+    return tree_causal_conv1d(hidden_states, weight, bias, activation, TreeLinearPlan.of(ctx, weight.shape[-1]))
+
+
+@torch.compiler.disable
+def _tree_rule(query, key, value, g, beta, ctx, kernel, reference, use_qk_l2norm_in_kernel):
+    plan = TreeLinearPlan.of(ctx, 0)  # the kernel size does not matter for the delta rule's levels
+    out = tree_gated_delta_rule(query, key, value, g, beta, plan, kernel, reference=reference,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return out.to(query.dtype), None
+
+
 def _make_conv(module_name: str) -> Callable[..., Any]:
     original = _ORIGINALS[module_name][_CONV_NAME]
 
@@ -451,7 +466,7 @@ def _make_conv(module_name: str) -> Callable[..., Any]:
         ctx = kwargs.get("tree_attention")
         if ctx is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return tree_causal_conv1d(hidden_states, weight, bias, activation, TreeLinearPlan.of(ctx, weight.shape[-1]))
+        return _tree_conv(hidden_states, weight, bias, activation, ctx)
 
     return causal_conv1d_fn
 
@@ -469,11 +484,8 @@ def _make_rule(module_name: str) -> Callable[..., Any]:
                             **kwargs)
         if initial_state is not None or output_final_state:
             raise ValueError("packed forwards cannot use a cache (pass use_cache=False)")
-        plan = TreeLinearPlan.of(ctx, 0)  # kernel size does not matter for the delta rule's levels
         kernel = _KERNEL.get(module_name) or resolve_gdn_kernel(query.device)
-        out = tree_gated_delta_rule(query, key, value, g, beta, plan, kernel, reference=inspect.unwrap(original),
-                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return out.to(query.dtype), None
+        return _tree_rule(query, key, value, g, beta, ctx, kernel, inspect.unwrap(original), use_qk_l2norm_in_kernel)
 
     return torch_chunk_gated_delta_rule
 
