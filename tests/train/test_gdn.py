@@ -173,6 +173,48 @@ def _depth(row, s):
     return d
 
 
+def _fake_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+              cu_seqlens=None, **kwargs):
+    """fla-core's varlen contract (B = 1, ``cu_seqlens`` [N + 1], ``initial_state`` [N, HV, K, V]) on the CPU, one
+    sequence at a time through transformers' torch reference."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as ref
+
+    import inspect
+
+    ref = inspect.unwrap(ref)
+    assert q.shape[0] == 1 and cu_seqlens is not None and cu_seqlens.dtype == torch.long
+    outs, finals = [], []
+    cu = cu_seqlens.tolist()
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        h0 = None if initial_state is None else initial_state[i : i + 1]
+        o, h = ref(q[:, sl], k[:, sl], v[:, sl], g=g[:, sl], beta=beta[:, sl], initial_state=h0,
+                   output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(h)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+@pytest.mark.parametrize("make", [_qwen35, _qwen3_next])
+def test_fla_path_varlen_plumbing_is_exact_on_cpu(monkeypatch, make):
+    """The CUDA path's layout (one varlen call per trie depth, one initial state per segment, final states handed to
+    the children) with a CPU stand-in of fla's kernel: packed = unpacked in fp32, gradients included."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(len(kwargs["cu_seqlens"]) - 1)
+        return _fake_fla(*args, **kwargs)
+
+    monkeypatch.setattr(gdn, "_fla_rule", lambda: fake)
+    monkeypatch.setattr(gdn, "resolve_gdn_kernel", lambda device: "fla")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    try:
+        _check_exact(make)
+    finally:
+        gdn._KERNEL.clear()
+    assert calls and max(calls) > 1  # segments of one depth went into one call
+
+
 def test_kernel_selection(monkeypatch):
     monkeypatch.delenv("ASYNCGRPO_GDN_KERNEL", raising=False)
     assert gdn.resolve_gdn_kernel("cpu") == "torch"
