@@ -32,6 +32,16 @@ def _moe(kind="qwen3_moe"):
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                 num_experts=6, num_experts_per_tok=2, router_aux_loss_coef=0.01)
         model = Qwen3MoeForCausalLM(config)
+    elif kind == "qwen3_5_moe":  # the Qwen3.5-MoE / Qwen3.6 text stack: Gated DeltaNet hybrid with MoE
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        config = Qwen3_5MoeTextConfig(vocab_size=89, hidden_size=32, num_hidden_layers=2,
+                                      layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=16)
+        model = Qwen3_5MoeForCausalLM(config)
     else:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -70,7 +80,7 @@ def _unpacked(model, samples):
     return torch.stack(lps), out.aux_loss
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def test_packed_aux_loss_and_gradients_equal_unpacked(kind):
     ref = _moe(kind)
     samples = _samples(ref.config.vocab_size)
