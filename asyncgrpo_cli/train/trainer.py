@@ -113,7 +113,8 @@ class AsyncGRPOTrainer(Trainer):
         if "prompt" not in (train_dataset.column_names or []):
             raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
                              "conversational messages (SPEC §2). Fix: add a 'prompt' column")
-        check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # SPEC §14; the worker checks all
+        if hasattr(train_dataset, "__len__"):  # SPEC §14: images refused; the worker checks every prompt it renders
+            check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
