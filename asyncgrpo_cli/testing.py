@@ -101,8 +101,8 @@ def _family_config(family: str, vocab: int, hidden: int, layers: int, heads: int
         return tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True,
                                 **media), tf.Qwen3_5ForConditionalGeneration
     if family == "qwen3_5_moe_vl":
-        text = tf.Qwen3_5MoeTextConfig(tie_word_embeddings=True, shared_expert_intermediate_size=hidden, router_aux_loss_coef=0.01, **gdn,
-                                       **moe, **common)
+        text = tf.Qwen3_5MoeTextConfig(tie_word_embeddings=True, shared_expert_intermediate_size=hidden,
+                                       router_aux_loss_coef=0.01, **gdn, **moe, **common)
         return tf.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True,
                                    **media), tf.Qwen3_5MoeForConditionalGeneration
     if family == "qwen3_vl":

@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     mem = (f", peak memory {m_tree / 2**30:.2f} vs {m_plain / 2**30:.2f} GiB ({result['memory_ratio']:.2f}x)"
            if m_tree and m_plain else "")
-    print(f"{args.shape} on {meta['device']} (GDN kernel {meta['gdn_kernel']}): packing ratio {ratio:.2f}, trained "
-          f"tokens/s tree {trained / t_tree:,.0f} vs plain {trained / t_plain:,.0f} ({speedup:.2f}x){mem}\nwrote {path}")
+    print(f"{args.shape} on {meta['device']} (GDN kernel {meta['gdn_kernel']}): packing ratio {ratio:.2f}, "
+          f"trained tokens/s tree {trained / t_tree:,.0f} vs plain {trained / t_plain:,.0f} ({speedup:.2f}x){mem}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -126,6 +126,26 @@ def test_qwen3_next_packed_equals_unpacked_logprobs_and_grads():
     _check_exact(_qwen3_next)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_vlm_checkpoints_of_testing_are_exact(tmp_path, family):
+    """The tiny Qwen3.5 / Qwen3.6 (MoE) vision-language checkpoints of asyncgrpo_cli.testing, loaded as the trainer
+    loads them (tower frozen): packed = unpacked log-probs through the wrapper's text stack."""
+    from asyncgrpo_cli.testing import make_tiny_model
+    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.train.model_loading import load_policy
+
+    path = make_tiny_model(tmp_path / family, family=family, num_layers=4, hidden_size=32)
+    model = load_policy(str(path), AsyncGRPOConfig(output_dir=str(tmp_path / "o"), report_to=[], dtype="float32"))
+    assert len(gdn.gated_deltanet_layers(model)) == 3
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    samples = _samples(model.config.get_text_config().vocab_size)
+    apply_tree_attention(model, "sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(_packed_loss(model, pack_row(samples)), _unpacked_loss(model, samples),
+                                   atol=1e-5, rtol=0)
+
+
 def test_without_tree_kwarg_the_model_is_unchanged():
     """Generation/evaluation (no tree_attention keyword) runs the model's own kernels."""
     model = _sharpen(_qwen35())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from asyncgrpo_cli.multimodal import ImagesUnsupported, check_text_only, image_part
 from asyncgrpo_cli.train.model_loading import freeze_outside_text_model
