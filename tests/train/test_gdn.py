@@ -203,6 +203,8 @@ def _fake_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, us
 
     ref = inspect.unwrap(ref)
     assert q.shape[0] == 1 and cu_seqlens is not None and cu_seqlens.dtype == torch.long
+    if q.shape[2] != v.shape[2]:  # grouped value attention, as fla does it (older transformers' reference does not)
+        q, k = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
     outs, finals = [], []
     cu = cu_seqlens.tolist()
     for i in range(len(cu) - 1):
