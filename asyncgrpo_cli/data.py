@@ -11,12 +11,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .config.rules import ConfigError
+from .multimodal import image_part
 
 
 def _as_messages(value: Any, system_prompt: str | None) -> list[dict[str, str]]:
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
     elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        found = image_part(value)
+        if found is not None:
+            raise ConfigError(f"data.prompt_column: a prompt contains image content ({found}); images are not "
+                              "supported (SPEC §14). Fix: use a text-only dataset or drop the image parts")
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
     else:
         raise ConfigError(f"data.prompt_column: a prompt must be a string or a list of {{role, content}} messages, "

@@ -70,6 +70,57 @@ def make_tiny_tokenizer(vocab_size: int = 384, seed: int = 0, tool_template: boo
     return fast
 
 
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "qwen3_vl")
+
+
+def _family_config(family: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                   max_pos: int, special: dict):
+    """The transformers config of a tiny ``family`` model (see :func:`make_tiny_model`)."""
+    import transformers as tf
+
+    head_dim = hidden // heads
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=max_pos, **special)
+    # Gated DeltaNet hybrids: three linear_attention layers per full_attention one, as the released checkpoints
+    hybrid = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    gdn = dict(layer_types=hybrid, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim,
+               linear_value_head_dim=head_dim, linear_conv_kernel_dim=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=hidden, num_position_embeddings=64)
+    media = dict(image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
+                 vision_end_token_id=vocab - 4)
+    if family == "qwen3":
+        return tf.Qwen3Config(tie_word_embeddings=True, **common), tf.Qwen3ForCausalLM
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(tie_word_embeddings=True, router_aux_loss_coef=0.01, **moe, **common), \
+            tf.Qwen3MoeForCausalLM
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(tie_word_embeddings=True, **gdn, **common), tf.Qwen3_5ForCausalLM
+    if family == "qwen3_next":
+        config = tf.Qwen3NextConfig(tie_word_embeddings=True, shared_expert_intermediate_size=hidden,
+                                    router_aux_loss_coef=0.01, **gdn, **moe, **common)
+        return config, tf.Qwen3NextForCausalLM
+    if family == "qwen3_5_vl":
+        text = tf.Qwen3_5TextConfig(tie_word_embeddings=True, **gdn, **common)
+        return tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True,
+                                **media), tf.Qwen3_5ForConditionalGeneration
+    if family == "qwen3_5_moe_vl":
+        text = tf.Qwen3_5MoeTextConfig(tie_word_embeddings=True, shared_expert_intermediate_size=hidden,
+                                       router_aux_loss_coef=0.01, **gdn, **moe, **common)
+        return tf.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True,
+                                   **media), tf.Qwen3_5MoeForConditionalGeneration
+    if family == "qwen3_vl":
+        text = tf.Qwen3VLTextConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "mrope_section": [2, 1, 1]}, tie_word_embeddings=True,
+                                    **common)
+        vision_vl = dict(vision, deepstack_visual_indexes=[0])
+        return tf.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision_vl, tie_word_embeddings=True,
+                                **media), tf.Qwen3VLForConditionalGeneration
+    raise ValueError(f"family={family!r} is unknown; use one of {', '.join(FAMILIES)}")
+
+
 def make_tiny_model(
     out_dir: str | Path,
     *,
@@ -81,36 +132,35 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     tool_template: bool = False,
+    family: str = "qwen3",
 ) -> Path:
-    """Write a tiny random Qwen3 causal LM plus tokenizer to ``out_dir`` and return the path.
+    """Write a tiny random causal LM (or vision-language model) plus tokenizer to ``out_dir`` and return the path.
 
     The model has ``hidden_size`` (default 64) hidden units, ``num_layers`` decoder layers and a
     vocabulary equal to the tokenizer's length; weights are random (seeded) in ``dtype``;
     ``tool_template`` as in `make_tiny_tokenizer`.
+
+    ``family`` picks the architecture (:data:`FAMILIES`): ``qwen3`` (dense, default), ``qwen3_moe`` (4 experts,
+    top-2), ``qwen3_5`` (Gated DeltaNet hybrid: every 4th layer full attention, the others ``linear_attention``),
+    ``qwen3_5_vl`` / ``qwen3_5_moe_vl`` (the same text stack inside the vision-language wrapper, as the released
+    Qwen3.5 / Qwen3.6 checkpoints are, with a 2-block vision tower), ``qwen3_next`` (GDN hybrid with MoE) and
+    ``qwen3_vl`` (attention-only VLM).
+
+    Raises:
+        ValueError: unknown ``family``.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer(seed=seed, tool_template=tool_template)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config, model_cls = _family_config(family, len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
+                                       max_position_embeddings, special)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model = model_cls(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..metrics import MetricsWindow
+from ..multimodal import check_text_only
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
@@ -242,6 +243,7 @@ class AsyncRolloutLoop:
             if cache else None
         ids = self._rendered.get(key) if cache else None
         if ids is None:
+            check_text_only([prompt], "prompt")  # images are not supported (SPEC §14)
             kwargs = dict(self.config.chat_template_kwargs or {})
             if tools:
                 kwargs["tools"] = tools

@@ -27,12 +27,11 @@ def load_policy(model_id: str, args) -> torch.nn.Module:
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     config = AutoConfig.from_pretrained(model_id, trust_remote_code=kwargs["trust_remote_code"],
                                         revision=kwargs.get("revision"))
-    if args.router_aux_loss_coef is not None:
-        if not hasattr(config, "router_aux_loss_coef"):
+    if args.router_aux_loss_coef is not None:  # the trainer adds the loss itself (train/moe_aux.py)
+        text = getattr(config, "text_config", None)
+        if not hasattr(config, "router_aux_loss_coef") and not hasattr(text, "router_aux_loss_coef"):
             raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef}: {model_id} is not a mixture-of-experts "
                              "model (its config has no router_aux_loss_coef). Fix: leave router_aux_loss_coef unset")
-        kwargs["router_aux_loss_coef"] = args.router_aux_loss_coef
-        kwargs["output_router_logits"] = args.router_aux_loss_coef > 0
     if getattr(config, "vision_config", None) is not None:
         from transformers import AutoModelForImageTextToText
 

@@ -9,6 +9,7 @@ Outside a request the head behaves as before (generation, evaluation).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import types
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .loss import LossConfig, loss_and_metrics
+from .moe_aux import MoeAuxLoss
 from .packing import PackedRow
 from .tree_attention import packed_forward_kwargs
 
@@ -82,13 +84,22 @@ def install_loss_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def _routes(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return any(getattr(c, "output_router_logits", False) for c in (config, getattr(config, "text_config", None)))
+
+
 def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_trained_tokens: int,
-             num_processes: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+             num_processes: int = 1, moe_aux: MoeAuxLoss | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Forward one packed row through ``model`` (tree attention + loss head) and return ``(loss, metrics)``.
 
     The model must have been switched with ``apply_tree_attention`` and ``install_loss_head``. For an
     empty row (an idle rank in this micro-batch) one dummy token is forwarded and the loss is a zero that
     still reaches every parameter.
+
+    With ``moe_aux`` (a MoE policy with a non-zero ``router_aux_loss_coef``, SPEC §3.3.5) the router logits of the
+    row's forwarded tokens are recorded, ``coef × aux`` is added to the loss and ``aux_loss`` (unscaled) to the
+    metrics (``moe_aux`` module).
 
     Returns:
         ``loss``: 0-dim float32 tensor (per B.9: this rank's token-loss sum / global trained tokens ×
@@ -100,11 +111,19 @@ def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_
     request = LossRequest(row=row, config=config, global_trained_tokens=global_trained_tokens,
                           num_processes=num_processes)
     token = _ACTIVE.set(request)
+    recording = moe_aux.recorder.recording() if moe_aux is not None else contextlib.nullcontext([])
     try:
-        model(**kwargs, logits_to_keep=0)
+        if moe_aux is not None or _routes(model):  # the model's own aux-loss code would read the placeholder mask
+            kwargs["output_router_logits"] = False
+        with recording as router_logits:
+            model(**kwargs, logits_to_keep=0)
     finally:
         _ACTIVE.reset(token)
     if request.loss is None:
         raise RuntimeError(f"{type(model).__name__}'s forward did not call its output embeddings; "
                            "install_loss_head(model) must run before row_loss")
+    if moe_aux is not None:
+        aux = moe_aux.of_row(row, router_logits)
+        request.loss = request.loss + moe_aux.coef * aux
+        request.metrics = {**request.metrics, "aux_loss": (float(aux.detach()), 1.0)}
     return request.loss, request.metrics

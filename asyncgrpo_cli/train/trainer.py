@@ -28,7 +28,9 @@ from ..rollout.loop import AsyncRolloutLoop
 from ..rollout.types import PromptOutcome, TrainingSequence
 from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
-from .model_loading import eos_token_ids, load_policy, load_tokenizer, prepare_tokenizer
+from ..multimodal import check_text_only
+from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
+from .moe_aux import MoeAuxLoss
 from .packed_loss import install_loss_head, row_loss
 from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
@@ -147,11 +149,15 @@ class AsyncGRPOTrainer(Trainer):
         if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
             raise ValueError(f"train_dataset is an IterableDataset (streaming) and max_steps={args.max_steps}: "
                              "epochs of a stream have no known length. Fix: set max_steps > 0")
+        if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, EnvironmentOwnedPrompts):
+            check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # images refused (SPEC §14)
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
         else:
             model_id = getattr(model.config, "_name_or_path", None) or type(model).__name__
+            if getattr(model.config, "vision_config", None) is not None:
+                freeze_outside_text_model(model)  # as load_policy does (SPEC §14)
         tokenizer = prepare_tokenizer(processing_class) if processing_class is not None else load_tokenizer(model_id, args)
         if peft_config is not None:
             from peft import get_peft_model
@@ -165,8 +171,9 @@ class AsyncGRPOTrainer(Trainer):
         self.reward_funcs = list(funcs)
         self.tools = tools
         self.environment_factory = environment_factory
-        self.tree_backend = apply_tree_attention(model, args.tree_attention)
+        self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id)
         install_loss_head(model)
+        self.moe_aux = MoeAuxLoss.for_model(model, args.router_aux_loss_coef)  # SPEC §3.3.5
         if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args,
@@ -584,7 +591,7 @@ class AsyncGRPOTrainer(Trainer):
             for m, rows in enumerate(plan.rows):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
-                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc)
+                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux)
                 self.accelerator.backward(loss / ga)
                 loss_sum += float(loss.detach()) / ga
                 contributions.append(metrics)

@@ -26,8 +26,10 @@ placeholder ``attention_mask``, which transformers' mask creation returns as is.
 ``tree_attention`` keyword (generation, evaluation) the registered functions behave like plain ``sdpa``
 with transformers' standard masks, which are registered for the tree names in ``AttentionMaskInterface``.
 
-Not covered: models whose non-attention layers mix tokens (Gated DeltaNet convolutions / recurrent
-states, SPEC §6.5) need their own trie-aware kernels; attention sinks and logit soft-capping are refused.
+Models whose non-attention layers mix tokens: Gated DeltaNet layers (Qwen3.5 / Qwen3.6 / Qwen3-Next) are switched
+to trie-aware kernels by ``asyncgrpo_cli.train.gated_deltanet`` from :func:`apply_tree_attention`; any other such
+layer (Mamba, short convolutions, other linear attention) is refused there. Attention sinks and logit soft-capping
+are refused.
 """
 
 from __future__ import annotations
@@ -464,21 +466,30 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_tree_attention(model: torch.nn.Module, backend: str = "auto") -> str:
+def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id: str | None = None) -> str:
     """Switch a ``PreTrainedModel`` (or a PEFT wrapper of one) to tree attention; returns the backend.
 
     Args:
         model: the policy model; its parameters' device decides ``auto``.
         backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"flash"`` (module docstring).
+        model_id: the model's name, for refusal messages.
+
+    Also checks the model's non-attention token mixers and switches Gated DeltaNet layers to their trie-aware
+    kernels (``gated_deltanet.prepare_gated_deltanet``).
 
     Raises:
         ValueError: unknown backend, a model without ``config``, or one that refuses the implementation.
         TreeAttentionUnavailable: ``flash`` on a non-CUDA model or without a loadable kernel.
+        UnsupportedTokenMixer: a token-mixing layer tree packing does not support (SPEC §2.8).
+        GatedDeltaNetUnavailable: the Gated DeltaNet kernel cannot run here (e.g. fla's refused backward).
 
     ``flex`` is accepted on CPU (its forward runs eagerly) but torch 2.13 has no CPU backward for it.
     """
+    from asyncgrpo_cli.train.gated_deltanet import prepare_gated_deltanet
+
     device = _model_device(model)
     backend = resolve_backend(backend, device)
+    prepare_gated_deltanet(model, model_id)
     if backend == "flash":
         if device.type != "cuda":
             raise TreeAttentionUnavailable(

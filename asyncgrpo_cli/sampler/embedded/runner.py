@@ -171,7 +171,18 @@ class ModelRunner:
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
         if gguf_file:
             kwargs["gguf_file"] = gguf_file
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        model = None
+        if not gguf_file:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path)
+            if getattr(config, "vision_config", None) is not None:
+                # a vision-language checkpoint is served whole, as vLLM does: the trainer syncs its HF names
+                from transformers import AutoModelForImageTextToText
+
+                model = AutoModelForImageTextToText.from_pretrained(model_path, **kwargs)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
         model.to(device)
         model.eval()
         model.requires_grad_(False)

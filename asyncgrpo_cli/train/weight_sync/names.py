@@ -21,7 +21,8 @@ _PEFT_PREFIX = "base_model.model."
 ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
 MODULES_TO_SAVE = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 ORIGINAL_MODULE = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
-_VISION_MODULES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+_VISION_MODULES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder",
+                   "multi_modal_projector", "mm_projector", "vision_projector")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import logging
 from ...sampler.protocol import SamplerConnectionLost, SamplerUnavailableError
 from .base import SyncTimings, WeightSyncBackend, WeightSyncError, now
 from .lora import AdapterSource
-from .names import SkipFn
+from .names import SkipFn, vision_tower_skip
 from .params import DEFAULT_BUCKET_BYTES, FullWeightSource
 
 MODES = ("full", "adapter")
@@ -86,7 +86,8 @@ class WeightSync:
         backend: the rank-0 backend (`make_weight_sync`), ``None`` on every other rank.
         mode: ``"full"`` or ``"adapter"``; required when ``backend`` is None (use rank 0's
             ``backend.mode``), checked against it otherwise.
-        bucket_bytes / dtype / skip: of the `FullWeightSource` (full mode).
+        bucket_bytes / dtype / skip: of the `FullWeightSource` (full mode); ``skip=None`` skips the frozen vision
+            tower (`vision_tower_skip`, SPEC §14).
         barrier: called before each sync on every rank and timed as
             ``perf/weight_sync_barrier_s`` (e.g. `dist_barrier`); None = no barrier.
 
@@ -116,7 +117,7 @@ class WeightSync:
         self.barrier = barrier
         if mode == "full":
             self.source: FullWeightSource | AdapterSource = FullWeightSource(
-                model, bucket_bytes=bucket_bytes, dtype=dtype, skip=skip)
+                model, bucket_bytes=bucket_bytes, dtype=dtype, skip=skip if skip is not None else vision_tower_skip(model))
         else:
             self.source = AdapterSource(model)
 
