@@ -31,14 +31,37 @@ OVERRIDES_HELP = "Hydra overrides, e.g. +recipe=deepmath rollout.temperature=0.8
 RECIPES_DIR_HELP = "Extra folder of recipes (NAME.yaml) for +recipe=NAME; may be repeated."
 
 
+def _print_error(exc: BaseException, label: str = "config error") -> None:
+    """One user error, without a traceback; its text is printed as is (a value like ``[a, b]`` is not markup)."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]{label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+
+
 def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
     from .config.compose import compose
 
     try:
         return compose(overrides or [], extra_recipe_dirs=recipes_dirs)
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        _print_error(exc)
         raise typer.Exit(2) from None
+
+
+def _validate(cfg, command: str) -> None:
+    """The deep pass of `asyncgrpo_cli.config.validate` before anything starts: exit 2 on a problem,
+    print its warnings otherwise."""
+    from rich.markup import escape
+
+    from .config.validate import validate_run
+
+    try:
+        warnings = validate_run(cfg, command)
+    except ConfigError as exc:
+        _print_error(exc)
+        raise typer.Exit(2) from None
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
 
 def _resolve_model(cfg, export: bool = True) -> str | None:
@@ -104,11 +127,12 @@ def serve_cmd(
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(overrides, recipes_dir)
+    _validate(cfg, "serve")
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
         command = build_server_command(cfg)
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     if export_note:
         command.notes.append(export_note)
@@ -147,7 +171,7 @@ def doctor_cmd(
     try:
         _resolve_model(cfg)  # compare against the folder `serve` and `train` give the server
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     raise typer.Exit(run_doctor(cfg, as_json=as_json))
 
@@ -167,6 +191,7 @@ def train_cmd(
                   "and `asyncgrpo serve` starts the sampler.")
         raise typer.Exit(1) from None
     cfg = _compose(overrides, recipes_dir)
+    _validate(cfg, "train")
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
 
 

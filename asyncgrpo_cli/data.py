@@ -59,6 +59,9 @@ def load_prompts(cfg: DictConfig):
 
     data = cfg.data
     if data.generator:
+        if int(data.size) < 1:
+            raise ConfigError(f"data.size={data.size}: a generator must make at least one prompt. Fix: data.size=1000",
+                              key="data.size")
         if data.generator != "reasoning_gym":
             raise ConfigError(f"data.generator={data.generator!r}: unknown generator. Fix: use reasoning_gym, "
                               "or set data.name to a dataset")
@@ -68,9 +71,16 @@ def load_prompts(cfg: DictConfig):
     if not data.name:
         raise ConfigError("data.name=None and data.generator=None: there are no prompts. Fix: add +recipe=NAME, "
                           "data.name=HUB_ID_OR_PATH, or data.generator=reasoning_gym data.task=basic_arithmetic")
+    from .config.validate import check_data_source
+
+    check_data_source(str(data.name))
     ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
     column = str(data.prompt_column)
     names = ds.column_names or []
+    if not data.streaming and len(ds) == 0:
+        raise ConfigError(f"data.name={str(data.name)!r}: split {data.split!r} has no rows, so no prompt could ever "
+                          "be sampled. Fix: check the file and data.split; it needs at least one prompt",
+                          key="data.name")
     if names and column not in names:
         raise ConfigError(f"data.prompt_column={column!r}: the dataset has columns {names}. "
                           "Fix: set data.prompt_column to the column that holds the prompt")
@@ -81,6 +91,6 @@ def load_prompts(cfg: DictConfig):
 
     if column != "prompt":
         ds = ds.map(convert, remove_columns=[column])
-    elif data.system_prompt or (names and not isinstance(next(iter(ds))["prompt"], list)):
+    elif data.system_prompt or (names and not isinstance(next(iter(ds), {}).get("prompt", []), list)):
         ds = ds.map(convert)
     return ds

@@ -27,7 +27,8 @@ FIELD_PATHS: dict[str, str] = {
     "router_aux_loss_coef": "model.router_aux_loss_coef",
     **{n: f"rollout.{n}" for n in (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
-        "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations")},
+        "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
+        "sampling_mask_fallback", "max_groups_without_signal")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max")},
@@ -110,7 +111,40 @@ def _register(extra_recipe_dirs: list[str | Path] | None) -> None:
     cs = ConfigStore.instance()
     cs.store(name="asyncgrpo_schema", node=AppConfig)
     for recipe in list_recipes(extra_recipe_dirs):
-        cs.store(group="recipe", name=recipe.name, node=OmegaConf.load(recipe.path), package="_global_")
+        cs.store(group="recipe", name=recipe.name, node=load_recipe(recipe.path), package="_global_")
+
+
+def load_recipe(path: Path) -> DictConfig:
+    """One recipe file as a config.
+
+    Raises:
+        ConfigError: a YAML syntax error (names the file, the line and column, and the parser's message),
+            or a file whose top level is not a mapping.
+    """
+    import yaml
+
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x) \
+            or str(exc).splitlines()[0]
+        line = ""
+        if mark is not None:
+            lines = path.read_text().splitlines()
+            if 0 <= mark.line < len(lines):
+                line = f" (the line reads: {lines[mark.line].strip()!r})"
+        raise ConfigError(f"recipe {where}: YAML syntax error: {problem}{line}. Fix: correct that line (indent "
+                          "with spaces, put a space after each ':', quote values holding ':' or '#')",
+                          key=f"recipe:{path.stem}") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe {path}: cannot be read ({exc}). Fix: check the file", key=f"recipe:{path.stem}") \
+            from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"recipe {path}: its top level is a list, not a mapping of groups. Fix: write it as "
+                          "'model:', 'data:', ... keys", key=f"recipe:{path.stem}")
+    return node
 
 
 def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Path] | None = None,
@@ -156,6 +190,9 @@ def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
         return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
     if "Key" in msg and "not in" in msg:
         return _unknown_key_message(msg)
+    if "Invalid value" in msg and "expected one of" in msg:
+        key = _UNKNOWN_KEY.search(msg)
+        return f"{msg}\nFix: set {key.group(1) if key else 'the key'} to one of the values listed above"
     if "Could not override" in msg or "Could not append" in msg:
         return f"{msg}\nFix: an existing key is changed with key=value; a new group option is added with +group=option"
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"

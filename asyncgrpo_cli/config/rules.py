@@ -14,11 +14,31 @@ ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and the fix."""
+    """A configuration value is invalid. The message names the key, the value and the fix.
+
+    Attributes:
+        key: the config key at fault (``rollout.top_p``, ``num_generations`` ...), None when not one key.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigTypeError(TypeError):
+    """A configuration value has the wrong type (``num_generations="8"``). Same message form as `ConfigError`.
+
+    Attributes:
+        key: the config key at fault.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _fail(key: str, value: Any, problem: str, fix: str) -> None:
-    raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
+    raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}", key=key)
 
 
 def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
@@ -96,6 +116,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     dtype = g("dtype", "float32")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
+    mg = g("max_groups_without_signal", 64)
+    if mg is not None and mg < 0:
+        _fail(p("max_groups_without_signal"), mg, "must be >= 0 groups (0 never stops)",
+              f"set {p('max_groups_without_signal')}=64")
     if g("use_liger_kernel", False):
         _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (SPEC §2)",
               f"set {p('use_liger_kernel')}=false")

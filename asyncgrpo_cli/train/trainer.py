@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,10 @@ class AsyncGRPOTrainer(Trainer):
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None) -> None:
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
+        from ..config.validate import validate_trainer_inputs
+
+        for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory):
+            warnings.warn(warning, UserWarning, stacklevel=2)
         if train_dataset is None:
             raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
                              "column). Fix: pass train_dataset=...")

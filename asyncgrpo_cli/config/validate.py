@@ -1,0 +1,755 @@
+"""The validation pass that runs before any process starts (CLI and Python API alike, issue #19).
+
+Everything a user can get wrong is checked here, before a server, a trainer or a worker exists:
+
+- `check_types`: the type of every scalar field of `AsyncGRPOConfig` (the CLI gets this from OmegaConf).
+- `check_training_arguments`: ranges and cross-field rules of the `TrainingArguments` fields the async
+  trainer reads (gradient accumulation, learning rate, steps, schedule, checkpoints).
+- `check_lengths`: ``max_completion_length`` against the sampler's ``max_model_len`` (else HTTP 400 on the
+  first request) and the token budget.
+- `check_model_source`: a local folder that exists and holds a chat template, or a well-formed Hub id
+  (looked up in the local cache only; nothing is downloaded).
+- `check_prompt_rows` / `check_reward_funcs`: a non-empty dataset whose prompt column is chat or text, and
+  reward functions that accept what the worker passes them and find the columns they ask for.
+- `check_imports`: every ``module:function`` of the config, with the closest names on a typo.
+
+`validate_run` is the CLI's deep pass over a composed config; `validate_trainer_inputs` is the Python
+API's (called by `AsyncGRPOTrainer.__init__`). Each problem is one line naming the key, the value, why
+and the fix; several independent problems are reported together (`ConfigErrors`). Warnings (B.11's
+``repetition_penalty``, SPEC §7's biased fallback) are returned, not raised.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .rules import ConfigError, ConfigTypeError
+
+RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
+ROWS_CHECKED = 64  # prompt rows whose form is checked (the whole column would cost seconds on big datasets)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
+_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt", ".tsv")
+
+
+class ConfigErrors(ConfigError):
+    """Several independent configuration problems, one per line (each a `ConfigError`).
+
+    Attributes:
+        errors: the individual errors, in the order found.
+    """
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = list(errors)
+        text = str(self.errors[0]) if len(self.errors) == 1 else \
+            f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
+        super().__init__(text, key=self.errors[0].key if len(self.errors) == 1 else None)
+
+
+def _err(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    shown = value
+    if isinstance(shown, str) and len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"{key}={shown!r}: {problem}. Fix: {fix}", key=key)
+
+
+class _Collector:
+    """Runs independent checks and keeps every `ConfigError` they raise."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+        self.warnings: list[str] = []
+
+    def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(*args, **kwargs)
+        except ConfigErrors as exc:
+            self.errors.extend(exc.errors)
+        except ConfigError as exc:
+            self.errors.append(exc)
+        return None
+
+    def raise_if_any(self) -> None:
+        if self.errors:
+            raise ConfigErrors(self.errors) if len(self.errors) > 1 else self.errors[0]
+
+
+# ------------------------------------------------------------------------------------------ types
+def _scalar_types(tp: Any) -> tuple[tuple[type, ...], bool] | None:
+    """(accepted scalar types, None allowed) of an annotation, or None when it is not a plain scalar."""
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = list(typing.get_args(tp))
+        optional = type(None) in args
+        args = [a for a in args if a is not type(None)]
+        if len(args) != 1:
+            return None
+        tp = args[0]
+    if tp in (bool, int, float, str):
+        return (tp,), optional
+    return None
+
+
+def _type_ok(value: Any, accepted: tuple[type, ...]) -> bool:
+    tp = accepted[0]
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _suggest_value(value: Any, tp: type) -> str:
+    if isinstance(value, str):
+        try:
+            converted = tp(float(value)) if tp is int else tp(value) if tp is float else None
+        except ValueError:
+            converted = None
+        if tp is bool and value.lower() in ("true", "false"):
+            converted = value.lower() == "true"
+        if converted is not None:
+            return repr(converted)
+    return f"a {tp.__name__}"
+
+
+def check_types(obj: Any, names: Iterable[str] | None = None,
+                path_of: Callable[[str], str] = lambda n: n) -> None:
+    """Check the type of every plain-scalar field of a dataclass instance (e.g. an `AsyncGRPOConfig`).
+
+    Args:
+        obj: the dataclass instance.
+        names: the fields to check (default: every field whose annotation is bool/int/float/str, optional or not).
+        path_of: maps a field name to the name the user typed.
+
+    Raises:
+        ConfigTypeError: on the first field of the wrong type, naming it, its value and the type wanted.
+    """
+    import dataclasses
+
+    hints = typing.get_type_hints(type(obj))
+    wanted = set(names) if names is not None else None
+    for f in dataclasses.fields(obj):
+        if not f.init or (wanted is not None and f.name not in wanted):
+            continue
+        spec = _scalar_types(hints.get(f.name))
+        if spec is None:
+            continue
+        accepted, optional = spec
+        value = getattr(obj, f.name)
+        if value is None and optional:
+            continue
+        if value is None or not _type_ok(value, accepted):
+            key = path_of(f.name)
+            tp = accepted[0]
+            raise ConfigTypeError(f"{key}={value!r}: must be {'an' if tp is int else 'a'} {tp.__name__}"
+                                  f"{' or None' if optional else ''}, got {type(value).__name__}. "
+                                  f"Fix: pass {key}={_suggest_value(value, tp)}", key=key)
+
+
+# ------------------------------------------------------------------------------------------ TrainingArguments
+def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
+    """Ranges and cross-field rules of the `TrainingArguments` fields the async trainer reads.
+
+    Args:
+        values: field name → value (`TrainingArguments` names, e.g. ``gradient_accumulation_steps``).
+        path_of: maps a field name to the name the user typed (``trainer.learning_rate`` in the CLI).
+
+    Raises:
+        ConfigErrors: every rule broken, each naming the key, the value and the fix.
+    """
+    p, g = path_of, values.get
+    errors: list[ConfigError] = []
+
+    def bad(name: str, problem: str, fix: str) -> None:
+        errors.append(_err(p(name), g(name), problem, fix))
+
+    def number(name: str) -> float | None:
+        v = g(name)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    ga = number("gradient_accumulation_steps")
+    if ga is not None and ga < 1:
+        bad("gradient_accumulation_steps", "a step needs at least one micro-batch (SPEC §6.3)",
+            f"set {p('gradient_accumulation_steps')}=1 (or more micro-batches per optimizer step)")
+    lr = number("learning_rate")
+    if lr is not None and (not math.isfinite(lr) or lr < 0):
+        bad("learning_rate", "must be a finite number >= 0", f"set {p('learning_rate')}=1e-6")
+    max_steps = number("max_steps")
+    epochs = number("num_train_epochs")
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
+        bad("max_steps", "trains nothing; -1 means: train num_train_epochs passes over the prompts",
+            f"set {p('max_steps')} to the number of optimizer steps, or -1 with {p('num_train_epochs')}")
+    if max_steps is not None and max_steps < 0 and epochs is not None and epochs <= 0:
+        bad("num_train_epochs", f"with {p('max_steps')}=-1 the run length is num_train_epochs, which must be > 0",
+            f"set {p('num_train_epochs')}=1, or {p('max_steps')} to a number of steps")
+    schedule = g("lr_scheduler_type")
+    schedule = getattr(schedule, "value", schedule)
+    if max_steps is not None and max_steps < 0 and schedule is not None and str(schedule) not in CONSTANT_SCHEDULES:
+        bad("lr_scheduler_type", f"a decaying schedule needs the number of steps in advance, and with "
+            f"{p('max_steps')}=-1 it is unknown (a step is a token budget of rows, not a number of prompts)",
+            f"set {p('max_steps')} to the number of steps, or {p('lr_scheduler_type')}=constant")
+    warmup = number("warmup_steps")
+    if warmup is not None and warmup < 0:
+        bad("warmup_steps", "must be >= 0", f"set {p('warmup_steps')}=0")
+    elif warmup is not None and 0 < warmup < 1 and max_steps is not None and max_steps < 0:
+        bad("warmup_steps", f"a warmup below 1 is a fraction of the run, unknown with {p('max_steps')}=-1",
+            f"give {p('warmup_steps')} as a number of steps (e.g. 10), or set {p('max_steps')}")
+    for name, fix in (("weight_decay", "0.0"), ("max_grad_norm", "1.0")):
+        v = number(name)
+        if v is not None and (not math.isfinite(v) or v < 0):
+            bad(name, "must be a finite number >= 0", f"set {p(name)}={fix}")
+    for name, fix in (("adam_beta1", "0.9"), ("adam_beta2", "0.999")):
+        v = number(name)
+        if v is not None and not 0 <= v < 1:
+            bad(name, "must lie in [0, 1)", f"set {p(name)}={fix}")
+    eps = number("adam_epsilon")
+    if eps is not None and eps <= 0:
+        bad("adam_epsilon", "must be > 0", f"set {p('adam_epsilon')}=1e-8")
+    logging_steps = number("logging_steps")
+    if logging_steps is not None and logging_steps <= 0:
+        bad("logging_steps", "must be > 0 (steps between metric windows)", f"set {p('logging_steps')}=1")
+    save_strategy = g("save_strategy")
+    save_strategy = getattr(save_strategy, "value", save_strategy)
+    save_steps = number("save_steps")
+    if save_steps is not None and save_steps <= 0 and str(save_strategy or "steps") == "steps":
+        bad("save_steps", "must be > 0 with save_strategy=steps", f"set {p('save_steps')}=100, or "
+            f"{p('save_strategy')}=no")
+    limit = number("save_total_limit")
+    if limit is not None and limit < 1:
+        bad("save_total_limit", "must be >= 1 checkpoint kept (or null for all)",
+            f"set {p('save_total_limit')}=1, or null to keep every checkpoint")
+    seed = number("seed")
+    if seed is not None and seed < 0:
+        bad("seed", "must be >= 0", f"set {p('seed')}=42")
+    bs = number("per_device_train_batch_size")
+    if bs is not None and bs < 1:
+        bad("per_device_train_batch_size", "must be >= 1 (it is unused: rows are filled by token budget)",
+            f"remove {p('per_device_train_batch_size')}")
+    if errors:
+        raise ConfigErrors(errors)
+
+
+# ------------------------------------------------------------------------------------------ lengths
+def check_lengths(max_completion_length: int, max_model_len: int | None, token_budget: int | None = None, *,
+                  completion_key: str = "rollout.max_completion_length", len_key: str = "sampler.max_model_len",
+                  budget_key: str = "packing.token_budget", len_source: str = "") -> list[str]:
+    """A completion must leave room for a prompt under ``max_model_len``; the token budget should hold a sample.
+
+    Args:
+        max_completion_length: max generated tokens per request.
+        max_model_len: the server's length limit in tokens (None: unknown, nothing is checked).
+        token_budget: forwarded tokens per row (None = ``max_model_len``).
+        len_source: where ``max_model_len`` came from when it is not the config (e.g. the model's config.json).
+
+    Returns:
+        Warnings (a token budget below ``max_model_len`` drops the longest samples, SPEC §6.4).
+
+    Raises:
+        ConfigError: ``max_completion_length >= max_model_len`` (vLLM answers HTTP 400 to every request).
+    """
+    warnings: list[str] = []
+    if max_model_len is None:
+        return warnings
+    if max_completion_length >= max_model_len:
+        src = f" ({len_source})" if len_source else ""
+        raise _err(completion_key, max_completion_length,
+                   f"not below {len_key}={max_model_len}{src}: no prompt fits, and the server answers HTTP 400 "
+                   "to every request", f"set {completion_key} <= {max_model_len} minus your longest prompt (e.g. "
+                   f"{max(1, max_model_len // 2)}), or raise {len_key} to the longest prompt + {max_completion_length}")
+    if token_budget is not None and token_budget < max_model_len:
+        warnings.append(f"{budget_key}={token_budget} is below {len_key}={max_model_len}: samples longer than "
+                        "the budget are dropped, not trained (batch/dropped_oversize_count)")
+    return warnings
+
+
+# ------------------------------------------------------------------------------------------ model
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~", "\\")) or name.count("/") > 1 or os.sep + os.sep in name
+            or (os.altsep is not None and os.altsep in name) or Path(name).suffix in (".gguf", ".safetensors"))
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    if (folder / "additional_chat_templates").is_dir():
+        return True
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            return bool(json.loads(config.read_text()).get("chat_template"))
+        except (ValueError, OSError):
+            return False
+    return False
+
+
+def model_max_len(folder: Path) -> int | None:
+    """``max_position_embeddings`` of a local model folder's config.json (vLLM's default max_model_len), or None."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_model_source(name: Any, key: str = "model.name", *, needs_chat_template: bool = True) -> tuple[Path | None, list[str]]:
+    """Check that ``name`` is a local model folder or a well-formed Hub id (no network is used).
+
+    Args:
+        name: a local folder or a Hub id ``owner/name``.
+        key: the key to name in errors.
+        needs_chat_template: the prompts are rendered with the tokenizer's chat template (SPEC §2).
+
+    Returns:
+        ``(folder, notes)``: the local folder (the Hub cache's snapshot for a cached Hub id; None when
+        only the Hub has it) and notes for the user.
+
+    Raises:
+        ConfigError: not a string; a path that does not exist or holds no model; a malformed Hub id;
+            a folder whose tokenizer has no chat template.
+    """
+    notes: list[str] = []
+    if not isinstance(name, str) or not name.strip():
+        raise _err(key, name, "the model is a local folder or a Hub id", f"set {key}=HUB_ID_OR_DIR, e.g. "
+                   "Qwen/Qwen3-0.6B")
+    folder = Path(name).expanduser()
+    if folder.exists():
+        if not folder.is_dir():
+            raise _err(key, name, "is a file, not a model folder", f"set {key} to the folder holding config.json")
+        if not (folder / "config.json").is_file():
+            raise _err(key, name, "the folder holds no config.json, so it is not a transformers model",
+                       f"point {key} at the folder written by save_pretrained")
+    elif _looks_like_path(name):
+        parent = folder.parent
+        near = difflib.get_close_matches(folder.name, [p.name for p in parent.iterdir()] if parent.is_dir() else [],
+                                         n=3, cutoff=0.6)
+        hint = f" (in {parent}: did you mean {', '.join(near)}?)" if near else ""
+        raise _err(key, name, f"no such folder{hint}", f"set {key} to an existing model folder or a Hub id owner/name")
+    elif not _HUB_ID.match(name) or ".." in name or "--" in name:
+        raise _err(key, name, "neither an existing folder nor a Hub id of the form owner/name",
+                   f"set {key} to a Hub id such as Qwen/Qwen3-0.6B or to an existing folder")
+    else:
+        folder = _hub_cache_folder(name)
+        if folder is None:
+            notes.append(f"{key}={name!r} is not in the local Hugging Face cache: it is downloaded when the server "
+                         "and the trainer start (its chat template is checked then)")
+            return None, notes
+    if needs_chat_template and not _has_chat_template(folder):
+        raise _err(key, name, "its tokenizer has no chat template, and prompts are chat messages rendered with it "
+                   "(SPEC §2)", "use an instruct/chat model, or add a chat_template to its tokenizer_config.json")
+    return folder, notes
+
+
+def _hub_cache_folder(repo_id: str) -> Path | None:
+    """The cached snapshot folder of ``repo_id`` (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - a transformers dependency
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - a malformed id answers like an absent one
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+# ------------------------------------------------------------------------------------------ dataset
+def looks_like_local_data(name: str) -> bool:
+    """Whether a ``data.name`` means a local file or folder (not a Hub dataset id)."""
+    return _looks_like_path(name) or Path(name).suffix in _DATA_SUFFIXES or Path(name).expanduser().exists()
+
+
+def check_data_source(name: Any, key: str = "data.name") -> None:
+    """A local dataset path must exist (a Hub id is left to ``datasets``, which may need the network).
+
+    Raises:
+        ConfigError: the path does not exist (names close file names in its folder).
+    """
+    if not isinstance(name, str) or not name:
+        return
+    path = Path(name).expanduser()
+    if looks_like_local_data(name) and not path.exists():
+        parent = path.parent
+        near = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()] if parent.is_dir() else [],
+                                         n=3, cutoff=0.6)
+        hint = f"; in {parent}: {', '.join(near)}" if near else ""
+        raise _err(key, name, f"no such file or folder{hint}", f"set {key} to an existing data file or folder "
+                   "(json, jsonl, csv, parquet) or a Hub dataset id")
+
+
+def _prompt_form(value: Any, *, allow_text: bool) -> str | None:
+    """None when ``value`` is a valid prompt, else what is wrong with it."""
+    if isinstance(value, str):
+        if not allow_text:
+            return "a plain string, but the trainer takes conversational prompts (a list of {role, content} messages)"
+        return "an empty string" if not value.strip() else None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "an empty list of messages"
+        for i, m in enumerate(value):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                return f"message {i} is {type(m).__name__} {str(m)[:60]!r}, not a {{role, content}} dict"
+            if m["role"] not in CHAT_ROLES:
+                return f"message {i} has role {m['role']!r} (roles: {', '.join(CHAT_ROLES)})"
+        return None
+    return f"a {type(value).__name__}, not a string or a list of {{role, content}} messages"
+
+
+def check_prompt_rows(dataset: Any, column: str = "prompt", *, key: str = "data.prompt_column",
+                      dataset_key: str = "data.name", allow_text: bool = True) -> list[str]:
+    """Check a prompt dataset: not empty, ``column`` present, its first rows of chat (or text) form.
+
+    Args:
+        dataset: a `datasets.Dataset` / IterableDataset, or any sequence of row dicts.
+        column: the prompt column.
+        key, dataset_key: keys named in errors.
+        allow_text: a plain string is a prompt (the CLI wraps it as one user message); the API wants messages.
+
+    Returns:
+        The dataset's column names.
+
+    Raises:
+        ConfigError: the dataset is empty, has no such column, or a prompt has another form.
+    """
+    names = list(getattr(dataset, "column_names", None) or [])
+    rows: list[Any] = []
+    for i, row in enumerate(dataset):
+        rows.append(row)
+        if i + 1 >= ROWS_CHECKED:
+            break
+    if not rows:
+        raise _err(dataset_key, getattr(dataset, "info", None) and getattr(dataset.info, "dataset_name", None) or
+                   "(dataset)", "the dataset has no rows, so no prompt could ever be sampled",
+                   "check the file, the split and any filter; it needs at least one prompt")
+    if not names and isinstance(rows[0], Mapping):
+        names = list(rows[0])
+    if column not in names:
+        close = difflib.get_close_matches(column, names, n=2, cutoff=0.5)
+        raise _err(key, column, f"the dataset has no such column (its columns: {', '.join(names) or 'none'})",
+                   f"set {key} to the column holding the prompt" + (f", e.g. {close[0]}" if close else ""))
+    for i, row in enumerate(rows):
+        problem = _prompt_form(row[column], allow_text=allow_text)
+        if problem:
+            shown = str(row[column])[:60]
+            fix = ("map it to messages: dataset.map(lambda r: {'prompt': [{'role': 'user', 'content': r['prompt']}]})"
+                   if isinstance(row[column], str) else f"point {key} at the column holding the prompt")
+            raise ConfigError(f"{key}={column!r}: row {i} holds {shown!r}, {problem}. Fix: {fix}", key=key)
+    return names
+
+
+# ------------------------------------------------------------------------------------------ rewards
+def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_of: Callable[[int], str] = lambda i: f"reward_funcs[{i}]",
+                       names: Sequence[str] | None = None) -> None:
+    """Each reward function must be a callable that accepts what the worker passes it (SPEC §10.1):
+    ``prompts``, ``completions``, ``completion_ids`` and every dataset column except ``prompt``, by keyword.
+
+    Args:
+        funcs: the reward callables (functions, partials, callable instances).
+        columns: the dataset's columns (None: unknown, only the callables are checked).
+        key_of: maps the index of a function to the key named in errors (``rewards[0].func`` in the CLI).
+        names: how each function was named (its import path), for the messages.
+
+    Raises:
+        ConfigErrors: a string instead of a callable; a required argument that no column provides; a
+            function without ``**kwargs`` that does not accept every argument it is given.
+    """
+    errors: list[ConfigError] = []
+    passed = set(RESERVED_REWARD_KWARGS) | {c for c in columns or [] if c != "prompt"}
+    for i, func in enumerate(funcs):
+        key = key_of(i)
+        shown = names[i] if names and i < len(names) else getattr(func, "__name__", repr(func))
+        if isinstance(func, str):
+            errors.append(_err(key, func, "a string: reward models by Hub id are not supported by this trainer; "
+                               "reward functions are Python callables", "pass a function (or its import path "
+                               "module:function in a recipe's rewards list), e.g. asyncgrpo_cli.rewards:accuracy_reward"))
+            continue
+        if not callable(func):
+            errors.append(_err(key, shown, f"a {type(func).__name__} is not callable", "pass a reward function"))
+            continue
+        try:
+            sig = inspect.signature(func)
+        except (TypeError, ValueError):
+            continue  # builtins and C callables: nothing to check
+        if columns is None:
+            continue
+        params = sig.parameters.values()
+        has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        accepted = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                          inspect.Parameter.KEYWORD_ONLY)}
+        required = [p.name for p in params if p.default is inspect.Parameter.empty and p.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_ONLY)]
+        missing = [n for n in required if n not in passed]
+        if missing:
+            close = {m: difflib.get_close_matches(m, list(columns), n=1, cutoff=0.6) for m in missing}
+            hints = ", ".join(f"{m} (closest column: {c[0]})" if c else m for m, c in close.items())
+            errors.append(_err(key, shown, f"needs argument(s) {hints} that no dataset column provides (columns: "
+                               f"{', '.join(columns) or 'none'}); the worker passes prompts, completions, "
+                               "completion_ids and every column by keyword", "add the column to the dataset, rename "
+                               "it, or give the argument a default"))
+            continue
+        extra = sorted(passed - accepted)
+        if not has_var_kw and extra:
+            errors.append(_err(key, shown, f"takes no **kwargs, but the worker also passes {', '.join(extra)} "
+                               "(SPEC §10.1: prompts, completions, completion_ids and every dataset column)",
+                               "add **kwargs to its signature"))
+    if errors:
+        raise ConfigErrors(errors)
+
+
+# ------------------------------------------------------------------------------------------ imports
+def check_import(path: Any, key: str) -> Any:
+    """Import ``module:attr`` (or ``module.attr``) and return the object; on a typo name the closest names.
+
+    Raises:
+        ConfigError: not an import path, the module cannot be imported (closest module names of its package),
+            or it has no such attribute (closest attribute names).
+    """
+    import importlib
+    import pkgutil
+
+    if not isinstance(path, str) or not path:
+        raise _err(key, path, "not an import path", "write it as package.module:function")
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise _err(key, path, "not an import path", "write it as package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        parent, _, leaf = missing.rpartition(".")
+        candidates: list[str] = []
+        if parent:
+            try:
+                pkg = importlib.import_module(parent)
+                candidates = [m.name for m in pkgutil.iter_modules(getattr(pkg, "__path__", []))]
+            except ImportError:
+                candidates = []
+        close = difflib.get_close_matches(leaf, candidates, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(f'{parent}.{c}' for c in close)}?" if close else ""
+        if missing != module_name and not module_name.startswith(missing):
+            raise _err(key, path, f"importing {module_name!r} failed: it needs {missing!r}, which is not installed",
+                       f"pip install the package that provides {missing}") from None
+        raise _err(key, path, f"no module named {missing!r}{hint}",
+                   "correct the module path, or install the package (or add its folder to PYTHONPATH)") from None
+    except Exception as exc:  # noqa: BLE001 - the module itself failed on import
+        raise _err(key, path, f"importing {module_name!r} raised {type(exc).__name__}: {exc}",
+                   "fix that module (import it in python to see the traceback)") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise _err(key, path, f"{module_name!r} has no attribute {part!r}{hint}", "correct the name")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_imports(cfg: Any) -> tuple[list[Any], list[str]]:
+    """Import every reward function and the loop class of a composed config and bind the rewards' kwargs.
+
+    Returns:
+        ``(reward callables, their import paths)``.
+
+    Raises:
+        ConfigErrors: every import that fails, every reward that is not callable or refuses its kwargs,
+            a ``rollout.loop_cls`` that is not an `AsyncRolloutLoop` subclass.
+    """
+    import functools
+
+    from omegaconf import OmegaConf
+
+    errors: list[ConfigError] = []
+    funcs, paths = [], []
+    for i, spec in enumerate(cfg.rewards):
+        key = f"rewards[{i}].func"
+        try:
+            func = check_import(str(spec.func), key)
+        except ConfigError as exc:
+            errors.append(exc)
+            continue
+        if not callable(func):
+            errors.append(_err(key, str(spec.func), f"is a {type(func).__name__}, not callable", "name a function"))
+            continue
+        kwargs = OmegaConf.to_container(spec.kwargs, resolve=True) if spec.kwargs else {}
+        if kwargs:
+            try:
+                inspect.signature(func).bind_partial(**kwargs)
+            except TypeError as exc:
+                errors.append(_err(f"rewards[{i}].kwargs", kwargs, f"{spec.func} refuses them ({exc})",
+                                   "use the function's own argument names"))
+                continue
+            except ValueError:
+                pass
+            func = functools.partial(func, **kwargs)
+        funcs.append(func)
+        paths.append(str(spec.func))
+    if cfg.rollout.loop_cls:
+        try:
+            loop_cls = check_import(str(cfg.rollout.loop_cls), "rollout.loop_cls")
+            from ..rollout.loop import AsyncRolloutLoop
+
+            if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
+                errors.append(_err("rollout.loop_cls", str(cfg.rollout.loop_cls), "is not a subclass of "
+                                   "AsyncRolloutLoop", "name a class defined as class MyLoop(AsyncRolloutLoop)"))
+        except ConfigError as exc:
+            errors.append(exc)
+    if errors:
+        raise ConfigErrors(errors)
+    return funcs, paths
+
+
+# ------------------------------------------------------------------------------------------ warnings
+def start_warnings(repetition_penalty: float, uses_candidate_sets: bool, fallback: bool, *,
+                   penalty_key: str = "rollout.repetition_penalty",
+                   fallback_key: str = "rollout.sampling_mask_fallback") -> list[str]:
+    """Warnings to print at start: B.11's repetition penalty and SPEC §7's biased fallback."""
+    out = []
+    if repetition_penalty != 1.0:
+        out.append(f"{penalty_key}={repetition_penalty:g}: the sampler's processed log-probs include a repetition "
+                   "penalty the trainer does not reproduce, so importance ratios are biased (SPEC B.11). Set it to "
+                   "1.0 unless you accept that")
+    if fallback and uses_candidate_sets:
+        out.append(f"{fallback_key}=true: if the server cannot return candidate sets, the trainer normalises over "
+                   "the full vocabulary and every importance ratio is biased (SPEC §7); watch the importance ratio "
+                   "in the panels (sampling/importance_sampling_ratio/mean should stay near 1)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the CLI pass
+def validate_run(cfg: Any, command: str = "train") -> list[str]:
+    """The CLI's deep pass over a composed (already type- and rule-checked) config, before anything starts.
+
+    Args:
+        cfg: the composed `DictConfig`.
+        command: ``train`` (everything), ``serve`` (model and lengths) or ``doctor`` (model name only).
+
+    Returns:
+        Warnings and notes to print.
+
+    Raises:
+        ConfigErrors: every problem found (model, lengths, TrainingArguments, imports, dataset, rewards).
+    """
+    c = _Collector()
+    trainer_values = {k: v for k, v in cfg.trainer.items()}
+    if command == "train":
+        c.run(check_training_arguments, trainer_values, lambda n: f"trainer.{n}")
+    folder = None
+    if cfg.model.name:
+        result = c.run(_model_for_cli, cfg)
+        if result is not None:
+            folder, notes = result
+            c.warnings.extend(notes)
+    max_len, src = cfg.sampler.max_model_len, ""
+    if max_len is None and folder is not None:
+        max_len, src = model_max_len(folder), "the model's max_position_embeddings"
+    w = c.run(check_lengths, int(cfg.rollout.max_completion_length), max_len, cfg.packing.token_budget,
+              len_source=src)
+    c.warnings.extend(w or [])
+    r = cfg.rollout
+    uses_sets = r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
+    c.warnings.extend(start_warnings(float(r.repetition_penalty), uses_sets, bool(r.sampling_mask_fallback)))
+    if command != "train":
+        c.raise_if_any()
+        return c.warnings
+    imported = c.run(check_imports, cfg)
+    c.run(check_data_source, cfg.data.name)
+    if not c.errors:  # the dataset is loaded only when its source and the rewards are sound
+        from ..data import load_prompts
+
+        ds = c.run(_load_for_check, load_prompts, cfg)
+        if ds is not None:
+            columns = c.run(check_prompt_rows, ds, "prompt", key="data.prompt_column",
+                            dataset_key="data.name" if cfg.data.name else "data.task")
+            if columns is not None and imported is not None:
+                funcs, paths = imported
+                c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
+    c.raise_if_any()
+    return c.warnings
+
+
+def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
+    from ..models import plan_model_path
+
+    path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    if gguf is not None:  # exported on the first start; the GGUF carries the chat template
+        return None, []
+    return check_model_source(path, "model.name")
+
+
+def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:
+    try:
+        return load_prompts(cfg)
+    except ConfigError:
+        raise
+    except FileNotFoundError as exc:
+        raise _err("data.name", cfg.data.name, f"datasets could not find it ({exc})",
+                   "set data.name to an existing file or folder, or a Hub dataset id") from None
+    except Exception as exc:  # noqa: BLE001 - datasets' errors are many; name the key and the cause
+        key = "data.name" if cfg.data.name else "data.task"
+        raise _err(key, cfg.data.name or cfg.data.task, f"loading the prompts failed ({type(exc).__name__}: "
+                   f"{str(exc)[:300]})", "check the path, data.subset and data.split") from None
+
+
+# ------------------------------------------------------------------------------------------ the API pass
+def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_dataset: Any,
+                            environment_factory: Any = None) -> list[str]:
+    """The Python API's pass (`AsyncGRPOTrainer.__init__`): model, dataset and reward functions.
+
+    The config's own fields were checked when the `AsyncGRPOConfig` was built (`check_types`,
+    `check_training_arguments` and the rules of SPEC §2/§3/§7).
+
+    Returns:
+        Warnings to log.
+
+    Raises:
+        ConfigErrors (a ValueError): every problem, each naming the argument, the value and the fix.
+        ConfigTypeError: ``args`` is not an `AsyncGRPOConfig`.
+    """
+    from ..train.config import AsyncGRPOConfig
+
+    if args is not None and not isinstance(args, AsyncGRPOConfig):
+        raise ConfigTypeError(f"args={type(args).__name__}: must be an AsyncGRPOConfig. Fix: "
+                              "args=AsyncGRPOConfig(output_dir=..., ...)", key="args")
+    c = _Collector()
+    if isinstance(model, str):
+        c.run(check_model_source, model, "model")
+    elif model is None:
+        c.errors.append(_err("model", None, "no model", "pass a Hub id, a local folder or a PreTrainedModel"))
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
+    if not funcs and environment_factory is None:
+        c.errors.append(_err("reward_funcs", reward_funcs, "rollouts could not be scored",
+                             "pass reward_funcs=[a function]"))
+    columns = None
+    if train_dataset is None:
+        c.errors.append(_err("train_dataset", None, "the async GRPO trainer needs prompts",
+                             "pass a datasets.Dataset with a 'prompt' column of chat messages"))
+    else:
+        columns = c.run(check_prompt_rows, train_dataset, "prompt", key="train_dataset['prompt']",
+                        dataset_key="train_dataset", allow_text=False)
+    if funcs:
+        c.run(check_reward_funcs, funcs, columns,
+              lambda i: f"reward_funcs[{i}]" if isinstance(reward_funcs, (list, tuple)) else "reward_funcs")
+    c.raise_if_any()
+    if args is not None:
+        c.warnings.extend(start_warnings(float(args.repetition_penalty), args.uses_candidate_sets,
+                                         bool(args.sampling_mask_fallback), penalty_key="repetition_penalty",
+                                         fallback_key="sampling_mask_fallback"))
+    return c.warnings
