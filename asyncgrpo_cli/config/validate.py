@@ -527,8 +527,10 @@ def check_import(path: Any, key: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise _err(key, path, "not an import path", "write it as package.module:function")
+    if not module_name or not attr or "/" in path:
+        why = ("not an import path (a Hub id? reward models by Hub id are not supported: rewards are Python "
+               "functions)" if "/" in path else "not an import path")
+        raise _err(key, path, why, "write it as package.module:function, e.g. asyncgrpo_cli.rewards:accuracy_reward")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -728,7 +730,12 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
     if args is not None and not isinstance(args, AsyncGRPOConfig):
         raise ConfigTypeError(f"args={type(args).__name__}: must be an AsyncGRPOConfig. Fix: "
                               "args=AsyncGRPOConfig(output_dir=..., ...)", key="args")
+    from ..rollout.worker import main_guard_message, unguarded_main_call
+
     c = _Collector()
+    where = unguarded_main_call()
+    if where is not None:
+        c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
     if isinstance(model, str):
         c.run(check_model_source, model, "model")
     elif model is None:

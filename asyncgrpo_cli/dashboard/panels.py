@@ -207,6 +207,12 @@ def queue_panel(view: DashboardView) -> Panel:
     return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
 
 
+def _ratio_text(ratio: float | None) -> Text:
+    """The mean importance ratio, red when far from 1 (a biased ratio masks tokens, SPEC §7)."""
+    style = "" if ratio is None else "green" if 0.8 <= ratio <= 1.25 else "red" if not 0.5 <= ratio <= 2 else "yellow"
+    return Text(fmt(ratio, ".3f"), style=style)
+
+
 def staleness_panel(view: DashboardView) -> Panel:
     """Staleness of trained samples against ``max_staleness`` and the samples dropped for it (SPEC §4.1)."""
     m = view.metrics
@@ -218,6 +224,7 @@ def staleness_panel(view: DashboardView) -> Panel:
                                style="yellow" if smax is not None and smax >= limit else "")),
         ("dropped stale (step)", fmt(num(m, "sample/dropped_stale_count"), ".0f")),
         ("time in queue", fmt_s(num(m, "sample/time_in_queue_s"))),
+        ("importance ratio", _ratio_text(num(m, "sampling/importance_sampling_ratio/mean"))),
     ]
     return Panel(_kv_table(rows), title="staleness", border_style="blue")
 

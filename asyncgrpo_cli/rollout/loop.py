@@ -33,6 +33,7 @@ from ..metrics import MetricsWindow
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
+from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -114,6 +115,7 @@ class AsyncRolloutLoop:
         self.client = client
         self._own_client = client is None
         self.allowance = TokenAllowance()
+        self.no_signal = NoSignalWatch(int(getattr(config, "max_groups_without_signal", 0) or 0))
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
         self._in_flight = 0
@@ -201,7 +203,10 @@ class AsyncRolloutLoop:
 
     def report_failure(self, exc: BaseException) -> None:
         """Queue the traceback for the trainer and set the failure event."""
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if getattr(exc, "report_without_traceback", False):  # a diagnosis for the user, not a bug
+            text = f"{type(exc).__name__}: {exc}"
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
             self.exception_info_queue.put(text)
         finally:
@@ -427,6 +432,9 @@ class AsyncRolloutLoop:
                              f"per rollout, shape ({G},)")
         dropped = should_drop_group(group.rewards)
         scored = group.rewards[~np.isnan(group.rewards)]
+        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function)
+        if diagnosis is not None:
+            raise NoLearningSignalError(diagnosis)
         m = self.metrics
         m.add_many("reward", scored.tolist())
         for name, values in result.per_function.items():

@@ -225,6 +225,7 @@ class AsyncGRPOTrainer(Trainer):
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             self.sampler.wait_until_ready(args.vllm_server_timeout)
+            self._check_sampling_mask()
             if budget is None:
                 budget = int(self.sampler.max_model_len())
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
@@ -251,6 +252,23 @@ class AsyncGRPOTrainer(Trainer):
         self.worker.start()
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
+
+    def _check_sampling_mask(self) -> None:
+        """SPEC §7's start-up check: with top-k/top-p/min-p the server must return candidate sets, unless
+        ``sampling_mask_fallback`` accepts biased ratios (then a warning). Raises ConfigError."""
+        from ..doctor.sampling_mask import require_sampling_mask
+
+        args = self.args
+        if not args.uses_candidate_sets:
+            return
+        try:
+            version = self.sampler.version()
+        except Exception:  # noqa: BLE001 - a server without /version: judged from /server_info alone
+            version = None
+        warning = require_sampling_mask(True, self.sampler.server_info(), version,
+                                        fallback=args.sampling_mask_fallback, url=args.vllm_server_base_url)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
 
     def _make_weight_sync(self):
         """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
