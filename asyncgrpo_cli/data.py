@@ -6,11 +6,17 @@ the other columns, which reach the reward functions by name (SPEC §10.1).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from .config.rules import ConfigError
+
+
+# A single local data file is loaded with the `datasets` builder of its format (its split is "train").
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet",
+                  ".arrow": "arrow", ".txt": "text"}
 
 
 def _as_messages(value: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -74,7 +80,12 @@ def load_prompts(cfg: DictConfig):
     from .config.validate import check_data_source
 
     check_data_source(str(data.name))
-    ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
+    path = Path(str(data.name)).expanduser()
+    builder = _FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    if builder is not None:  # one data file: datasets loads it with the builder of its format
+        ds = datasets.load_dataset(builder, data_files=str(path), split=str(data.split), streaming=bool(data.streaming))
+    else:
+        ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
     column = str(data.prompt_column)
     names = ds.column_names or []
     if not data.streaming and len(ds) == 0:

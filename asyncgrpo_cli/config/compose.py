@@ -103,15 +103,34 @@ def list_recipes(extra_dirs: list[str | Path] | None = None) -> list[RecipeInfo]
     return list(found.values())
 
 
-def _register(extra_recipe_dirs: list[str | Path] | None) -> None:
+def _register(extra_recipe_dirs: list[str | Path] | None) -> dict[str, ConfigError]:
+    """Store the schema and every readable recipe; returns the recipes that could not be read, by name
+    (their error is raised only when one of them is selected)."""
     from hydra.core.config_store import ConfigStore
 
     from .schema import AppConfig
 
     cs = ConfigStore.instance()
     cs.store(name="asyncgrpo_schema", node=AppConfig)
+    broken: dict[str, ConfigError] = {}
     for recipe in list_recipes(extra_recipe_dirs):
-        cs.store(group="recipe", name=recipe.name, node=load_recipe(recipe.path), package="_global_")
+        try:
+            cs.store(group="recipe", name=recipe.name, node=load_recipe(recipe.path), package="_global_")
+        except ConfigError as exc:
+            broken[recipe.name] = exc
+    return broken
+
+
+_RECIPE_OVERRIDE = re.compile(r"^\+{0,2}recipe=(.+)$")
+
+
+def _selected_recipes(overrides: list[str]) -> list[str]:
+    names = []
+    for o in overrides:
+        m = _RECIPE_OVERRIDE.match(o.strip())
+        if m:
+            names.extend(n.strip() for n in m.group(1).strip("[]").split(","))
+    return names
 
 
 def load_recipe(path: Path) -> DictConfig:
@@ -164,7 +183,10 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(overrides or [])
-    _register(extra_recipe_dirs)
+    broken = _register(extra_recipe_dirs)
+    for name in _selected_recipes(overrides):
+        if name in broken:
+            raise broken[name]
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -190,6 +212,15 @@ def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
         return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
     if "Key" in msg and "not in" in msg:
         return _unknown_key_message(msg)
+    if "could not be converted to" in msg:
+        key = _UNKNOWN_KEY.search(msg)
+        kind = re.search(r"could not be converted to (\w+)", msg)
+        return (f"{msg}\nFix: set {key.group(1) if key else 'the key'} to "
+                f"{'an' if kind and kind.group(1)[0] in 'AEIOU' else 'a'} {kind.group(1).lower() if kind else 'value of its type'}"
+                " (`asyncgrpo config` shows every key with its current value)")
+    if "LexerNoViableAltException" in msg or "token recognition error" in msg or "mismatched input" in msg:
+        return (f"{msg}\nFix: quote a value holding spaces or special characters, e.g. "
+                "'model.name=\"my model\"' (see https://hydra.cc/docs/advanced/override_grammar/basic)")
     if "Invalid value" in msg and "expected one of" in msg:
         key = _UNKNOWN_KEY.search(msg)
         return f"{msg}\nFix: set {key.group(1) if key else 'the key'} to one of the values listed above"

@@ -697,6 +697,10 @@ def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
 
 
 def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:
+    from datasets.utils import logging as ds_logging
+
+    bars = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()  # a check prints its verdict, not "Generating train split"
     try:
         return load_prompts(cfg)
     except ConfigError:
@@ -708,6 +712,9 @@ def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:
         key = "data.name" if cfg.data.name else "data.task"
         raise _err(key, cfg.data.name or cfg.data.task, f"loading the prompts failed ({type(exc).__name__}: "
                    f"{str(exc)[:300]})", "check the path, data.subset and data.split") from None
+    finally:
+        if bars:
+            ds_logging.enable_progress_bar()
 
 
 # ------------------------------------------------------------------------------------------ the API pass

@@ -185,6 +185,7 @@ class AsyncGRPOTrainer(Trainer):
                                   resume_from_checkpoint, trial)
         model, _ = self._prepare_for_training(state_max_steps, None, resume_from_checkpoint)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._update_progress_total()
         self.model_version = int(self.state.global_step // args.weight_sync_steps)
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
         previous = signal.getsignal(signal.SIGINT)
@@ -500,6 +501,27 @@ class AsyncGRPOTrainer(Trainer):
         self.worker.set_model_version(self.model_version)
         self.state.epoch = self.position.value / max(1, self.num_prompts)
         self._update_status(force=True)
+        self._update_progress_total()
+
+    def _update_progress_total(self) -> None:
+        """Epoch-based runs (``max_steps=-1``): the number of steps is not known in advance (a step is a token
+        budget of rows), so the progress bar shows no total, then the steps projected from the share of the
+        epochs done (``state.max_steps`` stays a large bound for transformers' own stop rule)."""
+        from transformers.trainer_callback import ProgressCallback
+
+        if self.args.max_steps > 0:
+            return
+        bar = next((getattr(cb, "training_bar", None) for cb in self.callback_handler.callbacks
+                    if isinstance(cb, ProgressCallback)), None)
+        if bar is None:
+            return
+        epochs = float(self.args.num_train_epochs or 0)
+        done = (self.state.epoch or 0.0) / epochs if epochs > 0 else 0.0
+        total = max(self.state.global_step, math.ceil(self.state.global_step / done)) \
+            if done > 0 and self.state.global_step > 0 else None
+        if bar.total != total:
+            bar.total = total
+            bar.refresh()
 
     def _update_status(self, force: bool = False) -> None:
         if self.live is None or self.worker is None:
