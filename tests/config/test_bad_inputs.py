@@ -309,11 +309,8 @@ def _env():
                                                          os.environ.get("PYTHONPATH", "")])}
 
 
-@pytest.mark.parametrize("args,key", [
-    (["train", "+recipe=smoke", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
-    (["train", "+recipe=smoke", "sampler.backend=foo"], "vllm, embedded, external"),
-], ids=["ga_zero", "backend_foo"])
-def test_subprocess_cli_exit_code_and_no_traceback(args, key):
+def test_subprocess_cli_exit_code_and_no_traceback():
+    args, key = ["train", "+recipe=smoke", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli", *args], capture_output=True, text=True,
                           timeout=120, env=_env())
