@@ -103,14 +103,25 @@ def _scalar_types(tp: Any) -> tuple[tuple[type, ...], bool] | None:
 
 
 def _type_ok(value: Any, accepted: tuple[type, ...]) -> bool:
+    import numbers
+
     tp = accepted[0]
     if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, (bool, np_bool_types()))
+    if tp is int:  # numpy integers count as ints
+        return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np_bool_types()))
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, (bool, np_bool_types()))
     return isinstance(value, str)
+
+
+def np_bool_types() -> tuple[type, ...]:
+    """numpy's bool type when numpy is importable (it is a numbers.Integral look-alike that is not a count)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - a core dependency
+        return ()
+    return (np.bool_,)
 
 
 def _suggest_value(value: Any, tp: type) -> str:
