@@ -356,9 +356,7 @@ def check_model_source(name: Any, key: str = "model.name", *, needs_chat_templat
                    f"set {key} to a Hub id such as Qwen/Qwen3-0.6B or to an existing folder")
     else:
         folder = _hub_cache_folder(name)
-        if folder is None:
-            notes.append(f"{key}={name!r} is not in the local Hugging Face cache: it is downloaded when the server "
-                         "and the trainer start (its chat template is checked then)")
+        if folder is None:  # downloaded when the server and the trainer start; its template is checked then
             return None, notes
     if needs_chat_template and not _has_chat_template(folder):
         raise _err(key, name, "its tokenizer has no chat template, and prompts are chat messages rendered with it "
@@ -701,7 +699,10 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
 def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
     from ..models import plan_model_path
 
-    path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    try:
+        path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    except ConfigError:  # a missing GGUF package: serve and train report it themselves (a dry run as a note)
+        return None, []
     if gguf is not None:  # exported on the first start; the GGUF carries the chat template
         return None, []
     return check_model_source(path, "model.name")
