@@ -682,7 +682,8 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
         return c.warnings
     imported = c.run(check_imports, cfg)
     c.run(check_data_source, cfg.data.name)
-    if not c.errors:  # the dataset is loaded only when its source and the rewards are sound
+    local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
+    if not c.errors and local:  # loaded only when local (a Hub dataset is never downloaded by a check) and sound
         from ..data import load_prompts
 
         ds = c.run(_load_for_check, load_prompts, cfg)
