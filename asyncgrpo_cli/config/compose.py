@@ -288,7 +288,10 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the Hydra path, the value and the fix.
     """
+    from .validate import check_groups
+
     check_fields(_flat_fields(cfg), hydra_path)
+    check_groups(cfg)
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")
         tm = cfg.peft.target_modules

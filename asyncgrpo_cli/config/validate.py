@@ -79,6 +79,8 @@ class _Collector:
             self.errors.extend(exc.errors)
         except ConfigError as exc:
             self.errors.append(exc)
+        except ConfigTypeError as exc:
+            self.errors.append(ConfigError(str(exc), key=exc.key))
         return None
 
     def raise_if_any(self) -> None:
@@ -250,6 +252,47 @@ def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str],
     if bs is not None and bs < 1:
         bad("per_device_train_batch_size", "must be >= 1 (it is unused: rows are filled by token budget)",
             f"remove {p('per_device_train_batch_size')}")
+    if errors:
+        raise ConfigErrors(errors)
+
+
+# ------------------------------------------------------------------------------------------ other CLI groups
+def check_groups(cfg: Any) -> None:
+    """Ranges of the composed config's fields that `AsyncGRPOConfig` does not carry (sampler, peft, launch,
+    data, logging, the tool-calling limit).
+
+    Raises:
+        ConfigErrors: every field out of range, each naming the Hydra path, the value and the fix.
+    """
+    errors: list[ConfigError] = []
+
+    def rule(ok: bool, key: str, value: Any, problem: str, fix: str) -> None:
+        if not ok:
+            errors.append(_err(key, value, problem, fix))
+
+    s, pe, la, lo, r = cfg.sampler, cfg.peft, cfg.launch, cfg.logging, cfg.rollout
+    rule(1 <= s.port <= 65535, "sampler.port", s.port, "a TCP port lies in 1..65535", "set sampler.port=8000")
+    rule(s.gpu_memory_utilization is None or 0 < s.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization",
+         s.gpu_memory_utilization, "a share of the GPU memory lies in (0, 1]", "set it to 0.9, or null for vLLM's default")
+    rule(s.kv_cache_tokens is None or s.kv_cache_tokens >= 1, "sampler.kv_cache_tokens", s.kv_cache_tokens,
+         "must be >= 1 token", "set it to a few times sampler.max_model_len, or null")
+    rule(str(s.device) == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", str(s.device)) is not None, "sampler.device",
+         s.device, "must be cpu, cuda, cuda:N or auto", "set sampler.device=auto")
+    rule(pe.lora_alpha > 0, "peft.lora_alpha", pe.lora_alpha, "must be > 0", "set peft.lora_alpha to 2 * peft.r")
+    rule(0 <= pe.lora_dropout < 1, "peft.lora_dropout", pe.lora_dropout, "must lie in [0, 1)", "set peft.lora_dropout=0.0")
+    rule(la.cpu_processes >= 1, "launch.cpu_processes", la.cpu_processes, "must be >= 1 process",
+         "set launch.cpu_processes=1")
+    rule(la.num_machines >= 1, "launch.num_machines", la.num_machines, "must be >= 1", "set launch.num_machines=1")
+    rule(0 <= la.machine_rank < max(1, la.num_machines), "launch.machine_rank", la.machine_rank,
+         f"must lie in 0..launch.num_machines-1 (= {la.num_machines - 1})", "set launch.machine_rank=0 on the first machine")
+    rule(la.main_process_port is None or 1 <= la.main_process_port <= 65535, "launch.main_process_port",
+         la.main_process_port, "a TCP port lies in 1..65535", "set launch.main_process_port=29500, or null")
+    rule(lo.num_completions_to_print is None or lo.num_completions_to_print >= 0, "logging.num_completions_to_print",
+         lo.num_completions_to_print, "must be >= 0", "set it to 4, or null for all")
+    rule(r.max_tool_calling_iterations is None or r.max_tool_calling_iterations >= 0,
+         "rollout.max_tool_calling_iterations", r.max_tool_calling_iterations, "must be >= 0 turns",
+         "set it to 10, or null for no limit")
+    rule(cfg.data.seed >= 0, "data.seed", cfg.data.seed, "must be >= 0", "set data.seed=0")
     if errors:
         raise ConfigErrors(errors)
 
@@ -680,6 +723,8 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
     if command != "train":
         c.raise_if_any()
         return c.warnings
+    if not c.errors:
+        c.run(check_training_args_build, cfg)
     imported = c.run(check_imports, cfg)
     c.run(check_data_source, cfg.data.name)
     local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
@@ -695,6 +740,39 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
                 c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
     c.raise_if_any()
     return c.warnings
+
+
+_ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "SaveStrategy": "save_strategy",
+              "IntervalStrategy": "eval_strategy", "HubStrategy": "hub_strategy", "FSDPOption": "fsdp"}
+
+
+def check_training_args_build(cfg: Any) -> None:
+    """Build the `AsyncGRPOConfig` the trainer process will build, so transformers' own refusals (an unknown
+    optimizer or schedule, bf16 without a GPU, ...) come now, with the key, instead of from the trainer.
+
+    Raises:
+        ConfigError: naming the ``trainer.`` key transformers refused (guessed from its message), its value
+            and the fix.
+    """
+    from .compose import to_training_args
+
+    try:
+        to_training_args(cfg)
+    except (ConfigError, ConfigTypeError):
+        raise
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        name = next((k for enum, k in _ENUM_KEYS.items() if f"valid {enum}" in text), None)
+        if name is None:
+            name = next((k for k, v in cfg.trainer.items() if isinstance(v, str) and v and v in text), None)
+        if name is None:
+            name = next((k for k in ("bf16", "fp16", "use_cpu", "torch_compile") if k in text.lower()), None)
+        key = f"trainer.{name}" if name else "trainer"
+        value = cfg.trainer.get(name) if name else None
+        fix = ("set trainer.bf16=false (this machine has no CUDA GPU), or trainer.use_cpu=true"
+               if name == "bf16" or "bf16" in text else "use one of the values transformers lists"
+               if "please select one of" in text else "see transformers.TrainingArguments for the field")
+        raise _err(key, value, f"transformers refuses it: {text[:400]}", fix) from None
 
 
 def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
@@ -732,7 +810,7 @@ def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ the API pass
 def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_dataset: Any,
-                            environment_factory: Any = None) -> list[str]:
+                            environment_factory: Any = None, processing_class: Any = None) -> list[str]:
     """The Python API's pass (`AsyncGRPOTrainer.__init__`): model, dataset and reward functions.
 
     The config's own fields were checked when the `AsyncGRPOConfig` was built (`check_types`,
@@ -757,7 +835,12 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
     if where is not None:
         c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
     if isinstance(model, str):
-        c.run(check_model_source, model, "model")
+        c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+    if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
+            not getattr(processing_class, "chat_template", None):
+        c.errors.append(_err("processing_class", type(processing_class).__name__, "the tokenizer has no chat template, "
+                             "and prompts are chat messages rendered with it (SPEC §2)",
+                             "use an instruct/chat model's tokenizer, or set tokenizer.chat_template"))
     elif model is None:
         c.errors.append(_err("model", None, "no model", "pass a Hub id, a local folder or a PreTrainedModel"))
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])

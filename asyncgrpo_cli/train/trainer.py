@@ -22,6 +22,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from ..config.rules import ConfigError
 from ..metrics import MetricsWindow
 from ..rollout.allowance import allowance_after_step, initial_allowance
 from ..rollout.loop import AsyncRolloutLoop
@@ -105,7 +106,8 @@ class AsyncGRPOTrainer(Trainer):
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
         from ..config.validate import validate_trainer_inputs
 
-        for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory):
+        for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory,
+                                               processing_class):
             warnings.warn(warning, UserWarning, stacklevel=2)
         if train_dataset is None:
             raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
@@ -229,6 +231,14 @@ class AsyncGRPOTrainer(Trainer):
             self._check_sampling_mask()
             if budget is None:
                 budget = int(self.sampler.max_model_len())
+                self._check_server_lengths(budget)
+            else:
+                try:
+                    self._check_server_lengths(int(self.sampler.max_model_len()))
+                except ConfigError:
+                    raise
+                except Exception:  # noqa: BLE001 - a server that does not report it: nothing to compare
+                    pass
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
                              max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version)
@@ -253,6 +263,16 @@ class AsyncGRPOTrainer(Trainer):
         self.worker.start()
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
+
+    def _check_server_lengths(self, server_len: int) -> None:
+        """A completion must leave room for a prompt under the server's max_model_len (else HTTP 400 on the
+        first request); a token budget below it drops the longest samples (a warning). Raises ConfigError."""
+        from ..config.validate import check_lengths
+
+        for warning in check_lengths(self.args.max_completion_length, server_len, self.args.token_budget,
+                                     completion_key="max_completion_length", len_key="the server's max_model_len",
+                                     budget_key="token_budget"):
+            warnings.warn(warning, UserWarning, stacklevel=2)
 
     def _check_sampling_mask(self) -> None:
         """SPEC §7's start-up check: with top-k/top-p/min-p the server must return candidate sets, unless

@@ -186,6 +186,14 @@ CLI_CASES = [
     ("loop_cls_typo", [R, "rollout.loop_cls=asyncgrpo_cli.rollout.loop:AsyncRolloutLop"], "rollout.loop_cls",
      "AsyncRolloutLoop"),
     ("recipe_yaml_error", ["+recipe=broken"], "broken.yaml:4", "YAML"),
+    ("scheduler_unknown", [R, "trainer.lr_scheduler_type=foo"], "trainer.lr_scheduler_type", "cosine"),
+    ("optimizer_unknown", [R, "trainer.optim=foo"], "trainer.optim", "adamw_torch"),
+    ("port_out_of_range", [R, "sampler.port=70000"], "sampler.port", "1..65535"),
+    ("gpu_memory_above_one", [R, "sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization", ""),
+    ("device_unknown", [R, "sampler.device=tpu"], "sampler.device", "cuda:N"),
+    ("lora_dropout_one", [R, "peft.lora_dropout=1.0"], "peft.lora_dropout", ""),
+    ("cpu_processes_zero", [R, "launch.cpu_processes=0"], "launch.cpu_processes", ""),
+    ("machine_rank_too_big", [R, "launch.num_machines=2", "launch.machine_rank=2"], "launch.machine_rank", ""),
 ]
 
 
@@ -284,6 +292,7 @@ TRAINER_CASES = [
     ("no_dataset", "tiny", [_good_reward], lambda: None, "train_dataset", ""),
     ("model_folder_missing", "/nonexistent/models/tiny", [_good_reward], _chat, "model", "no such folder"),
     ("model_id_malformed", "not a model id!", [_good_reward], _chat, "model", "owner/name"),
+    ("model_without_chat_template", "bare", [_good_reward], _chat, "model", "chat template"),
 ]
 
 
@@ -292,7 +301,7 @@ TRAINER_CASES = [
 def test_api_trainer_bad_input(world, tmp_path, case_id, model, rewards, make_dataset, key, text):
     from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
 
-    model = str(world["model"]) if model == "tiny" else model
+    model = {"tiny": str(world["model"]), "bare": str(world["root"] / "no_template")}.get(model, model)
     args = _args(tmp_path)
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
