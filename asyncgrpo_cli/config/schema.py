@@ -140,7 +140,8 @@ class RolloutConfig:
     (default) refuses such a server at start with the command that fixes it; true warns at start."""
     max_groups_without_signal: int = 64
     """Stop the run when this many consecutive groups are dropped without a learning signal (every reward
-    equal, or no reward at all), with a diagnosis naming the reward functions and their last values.
+    equal, or no reward at all), with a diagnosis naming the reward functions and their last values;
+    groups where no reward scored anything (all None/NaN) stop it after a quarter of this (at least 4).
     0 never stops. Raise it for a task so hard that most groups score the same."""
 
 

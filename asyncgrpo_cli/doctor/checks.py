@@ -259,15 +259,18 @@ def _local_checks(cfg: DictConfig) -> list[Check]:
 
 def restart_config(cfg: DictConfig) -> DictConfig:
     """``cfg`` with ``sampler.host``/``sampler.port`` taken from ``sampler.url`` when it is set, so a restart
-    line brings the server back where the config looks for it (a copy; ``cfg`` is not changed)."""
+    line brings the server back where the config looks for it, and without ``--no-return-sampling-mask``
+    when the config filters (a copy; ``cfg`` is not changed)."""
     from urllib.parse import urlsplit
 
     from omegaconf import OmegaConf
 
-    if not cfg.sampler.url:
-        return cfg
-    parts = urlsplit(str(cfg.sampler.url))
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    if uses_candidate_sets(cfg) and "--no-return-sampling-mask" in list(out.sampler.extra_args):
+        out.sampler.extra_args = [a for a in out.sampler.extra_args if a != "--no-return-sampling-mask"]
+    elif not cfg.sampler.url:
+        return cfg
+    parts = urlsplit(str(cfg.sampler.url or ""))
     if parts.hostname:
         out.sampler.host = parts.hostname
     if parts.port:

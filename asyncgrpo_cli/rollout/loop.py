@@ -433,6 +433,8 @@ class AsyncRolloutLoop:
         dropped = should_drop_group(group.rewards)
         scored = group.rewards[~np.isnan(group.rewards)]
         diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function)
+        if getattr(self, "no_signal_value", None) is not None:  # shared with the trainer (its panels)
+            self.no_signal_value.value = self.no_signal.consecutive
         if diagnosis is not None:
             raise NoLearningSignalError(diagnosis)
         m = self.metrics

@@ -41,12 +41,21 @@ class NoSignalWatch:
 
     Args:
         limit: consecutive signal-less groups that end the run (0 = never).
+
+    Groups where fewer than two completions got any reward (all None / NaN) are unambiguous, a reward that
+    cannot score anything: ``unscored_limit`` (``min(limit, max(4, limit // 4))``, 16 for the default 64)
+    consecutive ones end the run sooner.
     """
 
     limit: int
     consecutive: int = 0
     unscored: int = 0  # of the consecutive groups: those with fewer than two scored completions
+    unscored_run: int = 0  # consecutive unscored groups
     _stats: dict[str, _FunctionStats] = field(default_factory=dict)
+
+    @property
+    def unscored_limit(self) -> int:
+        return min(self.limit, max(4, self.limit // 4)) if self.limit > 0 else 0
 
     def observe(self, has_signal: bool, num_scored: int, per_function: Mapping[str, Sequence[float | None]]) -> str | None:
         """Account one scored group.
@@ -60,11 +69,12 @@ class NoSignalWatch:
             None, or the diagnosis when this group makes ``limit`` consecutive groups without signal.
         """
         if has_signal:
-            self.consecutive, self.unscored = 0, 0
+            self.consecutive, self.unscored, self.unscored_run = 0, 0, 0
             self._stats.clear()
             return None
         self.consecutive += 1
         self.unscored += int(num_scored < 2)
+        self.unscored_run = self.unscored_run + 1 if num_scored < 2 else 0
         for name, values in per_function.items():
             st = self._stats.setdefault(name, _FunctionStats())
             for v in values:
@@ -75,7 +85,7 @@ class NoSignalWatch:
                     if len(st.values) < 8:
                         st.values.add(round(float(v), 6))
             st.last = list(values)
-        if self.limit <= 0 or self.consecutive < self.limit:
+        if self.limit <= 0 or (self.consecutive < self.limit and self.unscored_run < self.unscored_limit):
             return None
         return self.diagnosis()
 

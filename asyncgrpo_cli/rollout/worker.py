@@ -112,7 +112,7 @@ def main_guard_message(script: str, line: int) -> str:
             "`if __name__ == \"__main__\":` (or in a main() function called from there)")
 
 
-def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
+def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signal_value=None) -> None:
     """Entry point of the spawned process: build the loop and run it until stopped or failed. An error while
     building it reaches the trainer through ``failed_event`` like a run-time one."""
     import threading
@@ -123,6 +123,7 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> No
         _report_startup_failure(kwargs, exc)
         raise SystemExit(1) from None
     loop.ready_event = ready_event
+    loop.no_signal_value = no_signal_value
 
     def watch_stop() -> None:
         # A polled flag, not an mp.Event: setting an Event whose waiter died can block the setter forever.
@@ -179,6 +180,7 @@ class RolloutWorker:
         self.heartbeat_value = ctx.Value("d", 0.0)
         self.concurrency_value = ctx.Value("q", 0)
         self.cap_value = ctx.Value("q", 0)
+        self.no_signal_value = ctx.Value("q", 0)  # consecutive groups without learning signal (rollout/no_signal.py)
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
         self.stop_flag = ctx.Value("b", 0)
@@ -217,7 +219,8 @@ class RolloutWorker:
         if ready_timeout_s is None:
             ready_timeout_s = float(self.config.vllm_server_timeout) + 60.0
         # Not a daemon: the accuracy reward runs math-verify in its own process pool (daemons cannot fork).
-        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event, self.stop_flag),
+        self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event, self.stop_flag,
+                                                                        self.no_signal_value),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         with worker_environment():
             self.process.start()

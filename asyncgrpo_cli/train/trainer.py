@@ -551,6 +551,8 @@ class AsyncGRPOTrainer(Trainer):
                          concurrency=int(self.worker.concurrency_value.value),
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
+                         groups_without_signal=int(self.worker.no_signal_value.value),
+                         max_groups_without_signal=self.args.max_groups_without_signal,
                          dataset_start_index=self.position.value)
 
     def _queue_size(self) -> int | None:

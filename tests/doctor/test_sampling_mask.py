@@ -108,3 +108,8 @@ def test_doctor_json_against_a_live_embedded_server_without_masks(tmp_path):
     host_port = server.url.split("//")[1]
     host, port = host_port.split(":")
     assert f"--port {port}" in report["restart_command"] and f"--host {host}" in report["restart_command"]
+
+
+def test_restart_line_drops_the_flag_that_turned_masks_off():
+    cfg = compose(["+recipe=smoke", "rollout.top_k=50", "sampler.extra_args=[--no-return-sampling-mask]"])
+    assert "--no-return-sampling-mask" not in restart_command(cfg, _embedded_facts(False)).shell_line()

@@ -44,6 +44,15 @@ def test_watch_names_a_constant_reward_and_a_disabled_limit_never_stops():
     assert all(never.observe(False, 0, {"r": [None] * G}) is None for _ in range(1000))
 
 
+def test_unscored_groups_stop_sooner_than_constant_ones():
+    watch = NoSignalWatch(limit=64)
+    assert watch.unscored_limit == 16
+    assert all(watch.observe(False, G, {"r": [0.0] * G}) is None for _ in range(40))  # constant: 64 needed
+    assert all(watch.observe(False, 0, {"r": [None] * G}) is None for _ in range(15))
+    assert watch.observe(False, 0, {"r": [None] * G}) is not None  # 16 unscored in a row
+    assert watch.consecutive == 56
+
+
 class _Value:
     def __init__(self, value):
         self.value = value
@@ -152,7 +161,7 @@ def test_a_run_without_signal_stops_with_the_diagnosis(tmp_path):
                 worker.check_alive()
                 out = worker.get_outcome(0.2)
                 dropped += out is not None and out.kind == "dropped"
-        assert dropped <= 5
+        assert dropped <= 5 and worker.no_signal_value.value == 4  # 4 unscored groups in a row (limit 5)
         text = str(info.value)
         assert "no learning signal" in text and "none_reward" in text and "Traceback" not in text, text
     finally:
