@@ -77,7 +77,7 @@ def load_prompts(cfg: DictConfig):
     if not data.name:
         raise ConfigError("data.name=None and data.generator=None: there are no prompts. Fix: add +recipe=NAME, "
                           "data.name=HUB_ID_OR_PATH, or data.generator=reasoning_gym data.task=basic_arithmetic")
-    from .config.validate import check_data_source
+    from .config.sources import check_data_source
 
     check_data_source(str(data.name))
     path = Path(str(data.name)).expanduser()

@@ -6,7 +6,7 @@ same check says ``top_p`` to a Python user and ``rollout.top_p`` to a CLI user.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
@@ -35,6 +35,28 @@ class ConfigTypeError(TypeError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class ConfigErrors(ConfigError):
+    """Several independent configuration problems, one per line (each a `ConfigError`).
+
+    Attributes:
+        errors: the individual errors, in the order found.
+    """
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = list(errors)
+        text = str(self.errors[0]) if len(self.errors) == 1 else \
+            f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
+        super().__init__(text, key=self.errors[0].key if len(self.errors) == 1 else None)
+
+
+def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    """A `ConfigError` ``KEY=VALUE: problem. Fix: fix`` (long string values shortened)."""
+    shown = value
+    if isinstance(shown, str) and len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"{key}={shown!r}: {problem}. Fix: {fix}", key=key)
 
 
 def _fail(key: str, value: Any, problem: str, fix: str) -> None:
