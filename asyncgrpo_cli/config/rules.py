@@ -42,13 +42,15 @@ class ConfigErrors(ConfigError):
 
     Attributes:
         errors: the individual errors, in the order found.
+        keys: their keys (``key`` is the first one).
     """
 
     def __init__(self, errors: Sequence[ConfigError]) -> None:
         self.errors = list(errors)
         text = str(self.errors[0]) if len(self.errors) == 1 else \
             f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
-        super().__init__(text, key=self.errors[0].key if len(self.errors) == 1 else None)
+        super().__init__(text, key=self.errors[0].key)
+        self.keys = [e.key for e in self.errors]
 
 
 def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
