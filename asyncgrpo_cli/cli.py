@@ -54,14 +54,37 @@ def _groups_epilog() -> str | None:
 app.info.epilog = _groups_epilog()
 
 
+def _print_error(exc: BaseException, label: str = "config error") -> None:
+    """One user error, without a traceback; its text is printed as is (a value like ``[a, b]`` is not markup)."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]{label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+
+
 def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
     from .config.compose import compose
 
     try:
         return compose(overrides or [], extra_recipe_dirs=recipes_dirs)
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        _print_error(exc)
         raise typer.Exit(2) from None
+
+
+def _validate(cfg, command: str) -> None:
+    """The deep pass of `asyncgrpo_cli.config.validate` before anything starts: exit 2 on a problem,
+    print its warnings otherwise."""
+    from rich.markup import escape
+
+    from .config.validate import validate_run
+
+    try:
+        warnings = validate_run(cfg, command)
+    except ConfigError as exc:
+        _print_error(exc)
+        raise typer.Exit(2) from None
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
 
 def _resolve_model(cfg, export: bool = True) -> str | None:
@@ -250,13 +273,14 @@ def serve_cmd(
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
+    _validate(cfg, "serve")
     if not dry_run:
         _check_port(cfg)
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
         command = build_server_command(cfg)
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     if export_note:
         command.notes.append(export_note)
@@ -316,7 +340,7 @@ def doctor_cmd(
     try:
         _resolve_model(cfg)  # compare against the folder `serve` and `train` give the server
     except ConfigError as exc:
-        err.print(f"[bold red]config error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     raise typer.Exit(run_doctor(cfg, as_json=as_json))
 
@@ -344,6 +368,7 @@ def train_cmd(
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
         raise typer.Exit(0)
+    _validate(cfg, "train")
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
 
 

@@ -6,12 +6,18 @@ the other columns, which reach the reward functions by name (SPEC §10.1).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from .config.rules import ConfigError
 from .multimodal import image_part
+
+
+# A single local data file is loaded with the `datasets` builder of its format (its split is "train").
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet",
+                  ".arrow": "arrow", ".txt": "text"}
 
 
 def _as_messages(value: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -64,6 +70,9 @@ def load_prompts(cfg: DictConfig):
 
     data = cfg.data
     if data.generator:
+        if int(data.size) < 1:
+            raise ConfigError(f"data.size={data.size}: a generator must make at least one prompt. Fix: data.size=1000",
+                              key="data.size")
         if data.generator != "reasoning_gym":
             raise ConfigError(f"data.generator={data.generator!r}: unknown generator. Fix: use reasoning_gym, "
                               "or set data.name to a dataset")
@@ -73,9 +82,21 @@ def load_prompts(cfg: DictConfig):
     if not data.name:
         raise ConfigError("data.name=None and data.generator=None: there are no prompts. Fix: add +recipe=NAME, "
                           "data.name=HUB_ID_OR_PATH, or data.generator=reasoning_gym data.task=basic_arithmetic")
-    ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
+    from .config.sources import check_data_source
+
+    check_data_source(str(data.name))
+    path = Path(str(data.name)).expanduser()
+    builder = _FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    if builder is not None:  # one data file: datasets loads it with the builder of its format
+        ds = datasets.load_dataset(builder, data_files=str(path), split=str(data.split), streaming=bool(data.streaming))
+    else:
+        ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
     column = str(data.prompt_column)
     names = ds.column_names or []
+    if not data.streaming and len(ds) == 0:
+        raise ConfigError(f"data.name={str(data.name)!r}: split {data.split!r} has no rows, so no prompt could ever "
+                          "be sampled. Fix: check the file and data.split; it needs at least one prompt",
+                          key="data.name")
     if names and column not in names:
         raise ConfigError(f"data.prompt_column={column!r}: the dataset has columns {names}. "
                           "Fix: set data.prompt_column to the column that holds the prompt")
@@ -86,6 +107,6 @@ def load_prompts(cfg: DictConfig):
 
     if column != "prompt":
         ds = ds.map(convert, remove_columns=[column])
-    elif data.system_prompt or (names and not isinstance(next(iter(ds))["prompt"], list)):
+    elif data.system_prompt or (names and not isinstance(next(iter(ds), {}).get("prompt", []), list)):
         ds = ds.map(convert)
     return ds

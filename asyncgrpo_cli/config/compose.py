@@ -28,7 +28,7 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"rollout.{n}" for n in (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
-        "tool_call_timeout")},
+        "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max")},
@@ -103,15 +103,67 @@ def list_recipes(extra_dirs: list[str | Path] | None = None) -> list[RecipeInfo]
     return list(found.values())
 
 
-def _register(extra_recipe_dirs: list[str | Path] | None) -> None:
+def _register(extra_recipe_dirs: list[str | Path] | None) -> dict[str, ConfigError]:
+    """Store the schema and every readable recipe; returns the recipes that could not be read, by name
+    (their error is raised only when one of them is selected)."""
     from hydra.core.config_store import ConfigStore
 
     from .schema import AppConfig
 
     cs = ConfigStore.instance()
     cs.store(name="asyncgrpo_schema", node=AppConfig)
+    broken: dict[str, ConfigError] = {}
     for recipe in list_recipes(extra_recipe_dirs):
-        cs.store(group="recipe", name=recipe.name, node=OmegaConf.load(recipe.path), package="_global_")
+        try:
+            cs.store(group="recipe", name=recipe.name, node=load_recipe(recipe.path), package="_global_")
+        except ConfigError as exc:
+            broken[recipe.name] = exc
+    return broken
+
+
+_RECIPE_OVERRIDE = re.compile(r"^\+{0,2}recipe=(.+)$")
+
+
+def _selected_recipes(overrides: list[str]) -> list[str]:
+    names = []
+    for o in overrides:
+        m = _RECIPE_OVERRIDE.match(o.strip())
+        if m:
+            names.extend(n.strip() for n in m.group(1).strip("[]").split(","))
+    return names
+
+
+def load_recipe(path: Path) -> DictConfig:
+    """One recipe file as a config.
+
+    Raises:
+        ConfigError: a YAML syntax error (names the file, the line and column, and the parser's message),
+            or a file whose top level is not a mapping.
+    """
+    import yaml
+
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x) \
+            or str(exc).splitlines()[0]
+        line = ""
+        if mark is not None:
+            lines = path.read_text().splitlines()
+            if 0 <= mark.line < len(lines):
+                line = f" (the line reads: {lines[mark.line].strip()!r})"
+        raise ConfigError(f"recipe {where}: YAML syntax error: {problem}{line}. Fix: correct that line (indent "
+                          "with spaces, put a space after each ':', quote values holding ':' or '#')",
+                          key=f"recipe:{path.stem}") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe {path}: cannot be read ({exc}). Fix: check the file", key=f"recipe:{path.stem}") \
+            from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"recipe {path}: its top level is a list, not a mapping of groups. Fix: write it as "
+                          "'model:', 'data:', ... keys", key=f"recipe:{path.stem}")
+    return node
 
 
 def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Path] | None = None,
@@ -131,7 +183,10 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(overrides or [])
-    _register(extra_recipe_dirs)
+    broken = _register(extra_recipe_dirs)
+    for name in _selected_recipes(overrides):
+        if name in broken:
+            raise broken[name]
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -157,6 +212,18 @@ def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
         return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
     if "Key" in msg and "not in" in msg:
         return _unknown_key_message(msg)
+    if "could not be converted to" in msg:
+        key = _UNKNOWN_KEY.search(msg)
+        kind = re.search(r"could not be converted to (\w+)", msg)
+        return (f"{msg}\nFix: set {key.group(1) if key else 'the key'} to "
+                f"{'an' if kind and kind.group(1)[0] in 'AEIOU' else 'a'} {kind.group(1).lower() if kind else 'value of its type'}"
+                " (`asyncgrpo config` shows every key with its current value)")
+    if "LexerNoViableAltException" in msg or "token recognition error" in msg or "mismatched input" in msg:
+        return (f"{msg}\nFix: quote a value holding spaces or special characters, e.g. "
+                "'model.name=\"my model\"' (see https://hydra.cc/docs/advanced/override_grammar/basic)")
+    if "Invalid value" in msg and "expected one of" in msg:
+        key = _UNKNOWN_KEY.search(msg)
+        return f"{msg}\nFix: set {key.group(1) if key else 'the key'} to one of the values listed above"
     if "Could not override" in msg or "Could not append" in msg:
         return f"{msg}\nFix: an existing key is changed with key=value; a new group option is added with +group=option"
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
@@ -245,7 +312,10 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the Hydra path, the value and the fix.
     """
+    from .validate import check_groups
+
     check_fields(_flat_fields(cfg), hydra_path)
+    check_groups(cfg)
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")
         tm = cfg.peft.target_modules

@@ -6,7 +6,7 @@ same check says ``top_p`` to a Python user and ``rollout.top_p`` to a CLI user.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
@@ -14,11 +14,55 @@ ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and the fix."""
+    """A configuration value is invalid. The message names the key, the value and the fix.
+
+    Attributes:
+        key: the config key at fault (``rollout.top_p``, ``num_generations`` ...), None when not one key.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigTypeError(TypeError):
+    """A configuration value has the wrong type (``num_generations="8"``). Same message form as `ConfigError`.
+
+    Attributes:
+        key: the config key at fault.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigErrors(ConfigError):
+    """Several independent configuration problems, one per line (each a `ConfigError`).
+
+    Attributes:
+        errors: the individual errors, in the order found.
+        keys: their keys (``key`` is the first one).
+    """
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = list(errors)
+        text = str(self.errors[0]) if len(self.errors) == 1 else \
+            f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
+        super().__init__(text, key=self.errors[0].key)
+        self.keys = [e.key for e in self.errors]
+
+
+def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    """A `ConfigError` ``KEY=VALUE: problem. Fix: fix`` (long string values shortened)."""
+    shown = value
+    if isinstance(shown, str) and len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"{key}={shown!r}: {problem}. Fix: {fix}", key=key)
 
 
 def _fail(key: str, value: Any, problem: str, fix: str) -> None:
-    raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
+    raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}", key=key)
 
 
 def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
@@ -96,6 +140,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     dtype = g("dtype", "float32")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
+    mg = g("max_groups_without_signal", 64)
+    if mg is not None and mg < 0:
+        _fail(p("max_groups_without_signal"), mg, "must be >= 0 groups (0 never stops)",
+              f"set {p('max_groups_without_signal')}=64")
     if g("use_liger_kernel", False):
         _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (README: Supported setups)",
               f"set {p('use_liger_kernel')}=false")

@@ -132,7 +132,8 @@ class RolloutConfig:
     min_p: Optional[float] = None
     """Min-p filter; > 0 needs ``top_k`` > 0."""
     repetition_penalty: float = 1.0
-    """Passed to the sampler (Appendix B.11)."""
+    """Passed to the sampler; != 1.0 warns at start: processed log-probs then include a penalty the trainer
+    does not reproduce (Appendix B.11)."""
     num_sampler_logprobs: int = 8
     """Top log-probs asked per generated token (score centering); capped by the server's --max-logprobs."""
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -143,6 +144,16 @@ class RolloutConfig:
     """Seconds one tool call may run; past it the model reads a timeout error (None = no limit)."""
     loop_cls: Optional[str] = None
     """Import path of an ``AsyncRolloutLoop`` subclass (None = the default loop)."""
+    sampling_mask_fallback: bool = False
+    """SPEC §7's fallback: with top-k/top-p/min-p on, accept a server that cannot return candidate sets
+    (vLLM < 0.28, or started without --return-sampling-mask). The trainer then normalises over the full
+    vocabulary, so every importance ratio is biased (often far below 1, masking most tokens). False
+    (default) refuses such a server at start with the command that fixes it; true warns at start."""
+    max_groups_without_signal: int = 64
+    """Stop the run when this many consecutive groups are dropped without a learning signal (every reward
+    equal, or no reward at all), with a diagnosis naming the reward functions and their last values;
+    groups where no reward scored anything (all None/NaN) stop it after a quarter of this (at least 4).
+    0 never stops. Raise it for a task so hard that most groups score the same."""
 
 
 @dataclass

@@ -208,6 +208,12 @@ def queue_panel(view: DashboardView) -> Panel:
     return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
 
 
+def _ratio_text(ratio: float | None) -> Text:
+    """The mean importance ratio, red when far from 1 (a biased ratio masks tokens, SPEC §7)."""
+    style = "" if ratio is None else "green" if 0.8 <= ratio <= 1.25 else "red" if not 0.5 <= ratio <= 2 else "yellow"
+    return Text(fmt(ratio, ".3f"), style=style)
+
+
 def staleness_panel(view: DashboardView) -> Panel:
     """Staleness of trained samples against ``max_staleness`` and the samples dropped for it (SPEC §4.1)."""
     m = view.metrics
@@ -219,6 +225,7 @@ def staleness_panel(view: DashboardView) -> Panel:
                                style="yellow" if smax is not None and smax >= limit else "")),
         ("dropped stale (step)", fmt(num(m, "sample/dropped_stale_count"), ".0f")),
         ("time in queue", fmt_s(num(m, "sample/time_in_queue_s"))),
+        ("importance ratio", _ratio_text(num(m, "sampling/importance_sampling_ratio/mean"))),
     ]
     return Panel(_kv_table(rows), title="staleness", border_style="blue")
 
@@ -228,6 +235,16 @@ def reward_names(metrics: Mapping[str, Any] | None) -> list[str]:
     return sorted(k for k in (metrics or {}) if re.fullmatch(r"rewards/.+/mean", k))
 
 
+def _no_signal_text(view: DashboardView) -> Text:
+    """Consecutive groups dropped without signal against ``rollout.max_groups_without_signal`` (issue #19)."""
+    n, limit = num(view.status, "groups_without_signal"), num(view.status, "max_groups_without_signal")
+    if n is None:
+        return Text(DASH)
+    share = n / limit if limit else 0.0
+    style = "red" if share >= 0.5 else "yellow" if share >= 0.25 else ""
+    return Text(f"{n:.0f} / {limit:.0f}" if limit else f"{n:.0f} / never", style=style)
+
+
 def rewards_panel(view: DashboardView) -> Panel:
     """Reward, kept/dropped, zero-std fraction, duplicates and every reward function's mean (SPEC §5.2)."""
     m = view.metrics
@@ -235,6 +252,7 @@ def rewards_panel(view: DashboardView) -> Panel:
         ("reward", fmt(num(m, "reward"), ".4g")),
         ("reward kept / dropped", f"{fmt(num(m, 'reward_kept'), '.3g')} / {fmt(num(m, 'reward_dropped'), '.3g')}"),
         ("groups without signal", fmt_pct(num(m, "frac_reward_zero_std"))),
+        ("  in a row / stop at", _no_signal_text(view)),
         ("duplicates", fmt_pct(num(m, "completions/duplicate_frac"))),
         ("clipped completions", fmt_pct(num(m, "completions/clipped_ratio"))),
         ("entropy", fmt(num(m, "entropy"), ".3g")),

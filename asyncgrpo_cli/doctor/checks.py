@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..sampler.protocol import vllm_config_of
+from .sampling_mask import sampling_mask_verdict
 from ..launch.server_command import (
     MIN_VLLM,
     build_server_command,
@@ -165,18 +166,10 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     else:
         add(Check("weight transfer", FAIL, f"weight transfer backend is {backend!r}",
                   "restart with --weight-transfer-config '{\"backend\": \"nccl\"}'"))
-    if uses_candidate_sets(cfg):
-        has_mask = bool(_dig(info, "model_config", "return_sampling_mask"))
-        version = facts.vllm_version
-        if has_mask or facts.embedded:
-            add(Check("sampling mask", PASS, "candidate sets are returned for top-k/top-p/min-p"))
-        elif version is not None and version < (0, 28):
-            add(Check("sampling mask", WARN, f"vLLM {'.'.join(map(str, version))} cannot return candidate sets "
-                      "(needs >= 0.28): the trainer normalises over the full vocabulary and its ratios are biased "
-                      "(README: Sampling filters)", "upgrade to vLLM >= 0.28 and restart with --return-sampling-mask"))
-        else:
-            add(Check("sampling mask", FAIL, "top-k/top-p/min-p is on but the server does not return sampling masks",
-                      "restart with --return-sampling-mask (and --enable-scale-out where the vLLM has it)"))
+    verdict = sampling_mask_verdict(uses_candidate_sets(cfg), info, facts.version,
+                                    fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)))
+    if verdict is not None:
+        add(Check("sampling mask", verdict.status, verdict.message, verdict.fix))
     dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg)
     dtype = dtype.replace("torch.", "")
     if not dtype:
@@ -302,6 +295,38 @@ def _local_checks(cfg: DictConfig) -> list[Check]:
     return checks
 
 
+def restart_config(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``sampler.host``/``sampler.port`` taken from ``sampler.url`` when it is set, so a restart
+    line brings the server back where the config looks for it, and without ``--no-return-sampling-mask``
+    when the config filters (a copy; ``cfg`` is not changed)."""
+    from urllib.parse import urlsplit
+
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    if uses_candidate_sets(cfg) and "--no-return-sampling-mask" in list(out.sampler.extra_args):
+        out.sampler.extra_args = [a for a in out.sampler.extra_args if a != "--no-return-sampling-mask"]
+    elif not cfg.sampler.url:
+        return cfg
+    parts = urlsplit(str(cfg.sampler.url or ""))
+    if parts.hostname:
+        out.sampler.host = parts.hostname
+    if parts.port:
+        out.sampler.port = parts.port
+    elif parts.scheme in ("http", "https"):
+        out.sampler.port = 443 if parts.scheme == "https" else 80
+    from ..config.schema import AppConfig
+
+    return OmegaConf.merge(OmegaConf.structured(AppConfig), out)
+
+
+def restart_command(cfg: DictConfig, facts: ServerFacts):
+    """The `ServerCommand` that starts a server matching ``cfg`` at the address the config uses
+    (`restart_config`), for the vLLM version ``facts`` reports."""
+    version = (facts.version or {}).get("version") if not facts.embedded else None
+    return build_server_command(restart_config(cfg), vllm_version=version)
+
+
 def read_facts(url: str, timeout: float) -> ServerFacts:
     """Read health, version, models, server info and metrics from ``url`` (each route once, ``timeout`` s)."""
     import httpx
@@ -353,10 +378,7 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
         facts = read_facts(server_url(cfg), timeout=min(float(cfg.sampler.timeout), 10.0))
     checks = evaluate(cfg, facts, colocated=_expected_colocation(cfg))
     failed = any(c.status == FAIL for c in checks)
-    restart = None
-    if failed and cfg.model.name:
-        restart = build_server_command(cfg, vllm_version=(facts.version or {}).get("version")
-                                       if not facts.embedded else None)
+    restart = restart_command(cfg, facts) if failed and cfg.model.name else None
     if as_json:
         payload = {"url": facts.url, "ok": not failed, "checks": [asdict(c) for c in checks],
                    "restart_command": restart.shell_line() if restart else None}

@@ -571,8 +571,7 @@ class Supervisor:
         return ""
 
     def _doctor(self) -> int | None:
-        from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts
-        from .server_command import build_server_command
+        from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts, restart_command
 
         try:
             facts = read_facts(self.plan.url, timeout=min(self.timeouts.doctor_s, float(self.cfg.sampler.timeout)))
@@ -588,8 +587,7 @@ class Supervisor:
             for c in checks:
                 table.add_row(c.name, Text(c.status, style=style.get(c.status, "")), c.message, c.fix)
             self.console.print(table)
-            version = None if facts.embedded else (facts.version or {}).get("version")
-            restart = build_server_command(self.cfg, vllm_version=version)
+            restart = restart_command(self.cfg, facts)
             self.console.print(Text("The server does not match the config. Restart it with:", style="bold"))
             self.console.print(Text(restart.shell_line()), soft_wrap=True)
             return self._fail(f"doctor: {len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")

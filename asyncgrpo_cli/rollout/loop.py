@@ -38,6 +38,7 @@ from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
 from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, EnvironmentPool, compose_prompt,
                            environment_tools, route_environment)
+from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
 from .tools import ToolBox, ToolResult, is_async_tool, parse_assistant_reply, run_tool_call
@@ -129,6 +130,7 @@ class AsyncRolloutLoop:
         self._own_client = client is None
         self.server_values = server_values
         self.allowance = TokenAllowance()
+        self.no_signal = NoSignalWatch(int(getattr(config, "max_groups_without_signal", 0) or 0))
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
         self._in_flight = 0
@@ -317,7 +319,10 @@ class AsyncRolloutLoop:
 
     def report_failure(self, exc: BaseException) -> None:
         """Queue the traceback for the trainer and set the failure event."""
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if getattr(exc, "report_without_traceback", False):  # a diagnosis for the user, not a bug
+            text = f"{type(exc).__name__}: {exc}"
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
             self.exception_info_queue.put(text)
         finally:
@@ -659,6 +664,11 @@ class AsyncRolloutLoop:
                              f"per rollout, shape ({G},)")
         dropped = should_drop_group(group.rewards)
         scored = group.rewards[~np.isnan(group.rewards)]
+        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function)
+        if getattr(self, "no_signal_value", None) is not None:  # shared with the trainer (its panels)
+            self.no_signal_value.value = self.no_signal.consecutive
+        if diagnosis is not None:
+            raise NoLearningSignalError(diagnosis)
         m = self.metrics
         m.add_many("reward", scored.tolist())
         for name, values in result.per_function.items():

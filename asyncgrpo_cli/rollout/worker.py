@@ -129,32 +129,92 @@ def worker_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _report_startup_failure(kwargs: dict[str, Any], exc: BaseException) -> None:
+    """Send an error raised while the child builds its loop to the trainer, as `AsyncRolloutLoop.report_failure`
+    does for run-time errors (the traceback, or the message alone for a diagnosis meant for the user)."""
+    import traceback
+
+    if getattr(exc, "report_without_traceback", False):
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = ("while building the rollout loop:\n"
+                + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    try:
+        kwargs["exception_info_queue"].put(text)
+    finally:
+        kwargs["failed_event"].set()
+
+
+def unguarded_main_call() -> tuple[str, int] | None:
+    """``(script, line)`` when the caller runs at the top level of the main script outside an
+    ``if __name__ == "__main__":`` block, else None.
+
+    The worker is started with ``spawn``, which imports the main script again in the child: code at its top
+    level runs a second time there (a second trainer, a second worker) and the child dies while starting.
+    Found from the main module's frame and the script's syntax tree (no file, or no readable source: None).
+    """
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+                                     and os.path.abspath(frame.f_code.co_filename) == os.path.abspath(path)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+    def is_main_test(test: ast.expr) -> bool:
+        if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and \
+            any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
+
+    for node in tree.body:
+        if isinstance(node, ast.If) and is_main_test(node.test) and node.lineno <= line <= (node.end_lineno or line):
+            return None
+    return str(path), line
+
+
+def main_guard_message(script: str, line: int) -> str:
+    """The error for `unguarded_main_call`."""
+    return (f"{script}, line {line}, starts training at the top level of the script, outside "
+            "`if __name__ == \"__main__\":`. The rollout worker is a spawned process, which imports the script "
+            "again: that line would run a second time inside it. Fix: put the training code under "
+            "`if __name__ == \"__main__\":` (or in a main() function called from there)")
+
+
 def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, parent_pid: int | None = None,
-                 death_signal: bool = True) -> None:
+                 death_signal: bool = True, no_signal_value=None) -> None:
     """Entry point of the spawned process: bind its lifetime to the trainer's (`bind_to_parent`), build
-    the loop and run it until stopped or failed; the processes it started are reaped on the way out."""
+    the loop and run it until stopped or failed; the processes it started are reaped on the way out. An
+    error while building the loop reaches the trainer through ``failed_event`` like a run-time one."""
     if parent_pid is not None:
         bind_to_parent(parent_pid, death_signal)
     try:
-        _run_loop(loop_cls, kwargs, ready_event, stop_flag)
+        _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value)
     finally:
         _reap_children()
 
 
-def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag) -> None:
-    import traceback
-
+def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signal_value=None) -> None:
     try:
         loop = loop_cls(**kwargs)
-    except BaseException as exc:  # noqa: BLE001 - a loop that cannot be built must still reach the trainer
-        try:
-            kwargs["exception_info_queue"].put("while building the rollout loop "
-                                               f"{getattr(loop_cls, '__qualname__', loop_cls)}:\n"
-                                               + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        finally:
-            kwargs["failed_event"].set()
-        return
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
+        _report_startup_failure(kwargs, exc)
+        raise SystemExit(1) from None
     loop.ready_event = ready_event
+    loop.no_signal_value = no_signal_value
 
     def watch_stop() -> None:
         # A polled flag, not an mp.Event: setting an Event whose waiter died can block the setter forever.
@@ -221,6 +281,7 @@ class RolloutWorker:
         self.heartbeat_value = ctx.Value("d", 0.0)
         self.concurrency_value = ctx.Value("q", 0)
         self.cap_value = ctx.Value("q", 0)
+        self.no_signal_value = ctx.Value("q", 0)  # consecutive groups without learning signal (rollout/no_signal.py)
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
         self.stop_flag = ctx.Value("b", 0)
@@ -254,12 +315,21 @@ class RolloutWorker:
             RolloutWorkerError: the child failed, died, or was not ready within ``ready_timeout_s``
                 (default: ``vllm_server_timeout`` + 60 s).
         """
+        if getattr(mp.current_process(), "_inheriting", False):  # we are a spawned child importing the script
+            where = unguarded_main_call()
+            raise RolloutWorkerError(main_guard_message(*where) if where else
+                                     "the rollout worker was started while a spawned process imported the main "
+                                     "script. Fix: put the training code under `if __name__ == \"__main__\":`")
+        where = unguarded_main_call()
+        if where is not None:
+            raise RolloutWorkerError(main_guard_message(*where))
         if ready_timeout_s is None:
             ready_timeout_s = float(self.config.vllm_server_timeout) + 60.0
         # Not a daemon: the accuracy reward runs math-verify in its own process pool (daemons cannot fork).
         death_signal = threading.current_thread() is threading.main_thread()
         self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event,
-                                                                    self.stop_flag, os.getpid(), death_signal),
+                                                                    self.stop_flag, os.getpid(), death_signal,
+                                                                    self.no_signal_value),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         with worker_environment():
             self.process.start()
@@ -327,7 +397,10 @@ class RolloutWorker:
             raise RolloutWorkerError(f"the rollout worker failed:\n{text}")
         if self.process is not None and not self.process.is_alive():
             raise RolloutWorkerError(f"the rollout worker exited with code {self.process.exitcode} "
-                                     "without reporting an error")
+                                     "without reporting an error: it died before running any code of ours (its "
+                                     "stderr, above in this log, has the cause: often the main script runs training "
+                                     "outside `if __name__ == \"__main__\":`, or something passed to the worker "
+                                     "could not be imported in a fresh process)")
         age = self.heartbeat_age_s()
         if self.ready_event.is_set() and age > self.timeout_s:
             raise RolloutWorkerError(f"the rollout worker has not sent a heartbeat for {age:.0f} s "

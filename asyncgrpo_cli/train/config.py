@@ -8,6 +8,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..config.rules import check_fields
+from ..config.validate import check_training_arguments, check_types
 
 # Fields this class adds to TrainingArguments, in SPEC §16.2's signature order.
 ASYNC_GRPO_FIELDS = (
@@ -20,7 +21,7 @@ ASYNC_GRPO_FIELDS = (
     "max_concurrent_rollouts", "max_staleness", "weight_sync_steps", "rollout_worker_timeout",
     "log_completions", "num_completions_to_print",
     # Extensions of this project (not in SPEC §16.2's signature):
-    "tree_attention", "tool_call_timeout",
+    "tree_attention", "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal",
 )
 
 
@@ -35,7 +36,9 @@ class AsyncGRPOConfig(TrainingArguments):
     (must stay so), optimizer ``adamw_torch_fused`` on CUDA and ``adamw_torch`` elsewhere (Appendix B.20).
 
     Raises:
-        ConfigError (a ValueError): when a value breaks a rule of SPEC §2/§3/§7 (message names the field and fix).
+        ConfigTypeError (a TypeError): a field of the wrong type (``num_generations="8"``); names it and the fix.
+        ConfigError (a ValueError): when a value breaks a rule of SPEC §2/§3/§7 or a `TrainingArguments`
+            range (message names the field and fix; `ConfigErrors` when several are broken).
     """
 
     # Changed TrainingArguments defaults (SPEC §16.4).
@@ -95,9 +98,19 @@ class AsyncGRPOConfig(TrainingArguments):
     # Extension: tree-attention backend of packed rows (CONFIG.md `packing.attention`).
     tree_attention: str = field(default="auto", metadata={
         "help": "Tree-attention backend: auto (flex on CUDA, sdpa elsewhere), sdpa, flex or flash (README: Packing and the token budget)."})
+    # Extensions: start-up checks of issue #19.
+    sampling_mask_fallback: bool = field(default=False, metadata={
+        "help": "With top-k/top-p/min-p, accept a server that cannot return candidate sets and normalise over "
+                "the full vocabulary (biased importance ratios, README: Sampling filters); False refuses such a server at start."})
+    max_groups_without_signal: int = field(default=64, metadata={
+        "help": "Stop after this many consecutive groups dropped for zero reward spread or no reward, with a "
+                "diagnosis of the reward functions; 0 never stops."})
 
     def __post_init__(self) -> None:
         import torch
+
+        check_types(self)  # before any comparison: num_generations="8" must not reach a `<`
+        check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
 
         if self.bf16 is None:
             # SPEC §16.4: bf16 unless fp16. Without CUDA, TrainingArguments refuses bf16 unless use_cpu,

@@ -83,14 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="composed config YAML written by `asyncgrpo train`")
     parser.add_argument("--resume", default=None, help="checkpoint folder, or 'last'")
     ns = parser.parse_args(argv)
+    from ..config.rules import ConfigError, ConfigTypeError
+    from ..rollout.worker import RolloutWorkerError
+
     try:
         cfg = load_config(ns.config)
         trainer = build_trainer(cfg)
         resume = True if ns.resume == "last" else ns.resume
         trainer.train(resume_from_checkpoint=resume)
-    except (ConfigError, CheckpointError, RolloutStateError, RunLockedError) as exc:
+    except (ConfigError, ConfigTypeError) as exc:  # a user error found late (e.g. the server's answers): no traceback
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (CheckpointError, RolloutStateError, RunLockedError) as exc:
         print(f"asyncgrpo trainer: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except RolloutWorkerError as exc:
+        if "Traceback (most recent call last)" in str(exc):
+            raise  # a bug or a failing reward function: the traceback is the information
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return trainer.exit_code
 
 

@@ -14,6 +14,7 @@ import math
 import re
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from ..config.rules import ConfigError
 from ..metrics import MetricsWindow
 from ..rollout.allowance import allowance_after_step, initial_allowance
 from ..rollout.loop import AsyncRolloutLoop
@@ -121,6 +123,11 @@ class AsyncGRPOTrainer(Trainer):
         check_tools(tools)
         if environment_factory is not None:
             check_environment_factory(environment_factory)
+        from ..config.validate import validate_trainer_inputs
+
+        for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory,
+                                               processing_class):
+            warnings.warn(warning, UserWarning, stacklevel=2)
         if train_dataset is None:
             if environment_factory is None:
                 raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
@@ -275,6 +282,7 @@ class AsyncGRPOTrainer(Trainer):
                                              if self._is_iterable else ""), flush=True)
         self._last_saved_step = self.state.global_step
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._update_progress_total()
         self.model_version = int(self.state.global_step // args.weight_sync_steps)
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
         self.position = None
@@ -380,8 +388,17 @@ class AsyncGRPOTrainer(Trainer):
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             check_server(self.sampler, args, self.model_id, self.model)  # waits (saying so), then doctor's checks
+            self._check_sampling_mask()
             if budget is None:
                 budget = int(self.sampler.max_model_len())
+                self._check_server_lengths(budget)
+            else:
+                try:
+                    self._check_server_lengths(int(self.sampler.max_model_len()))
+                except ConfigError:
+                    raise
+                except Exception:  # noqa: BLE001 - a server that does not report it: nothing to compare
+                    pass
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
                              max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version,
@@ -415,6 +432,33 @@ class AsyncGRPOTrainer(Trainer):
         self.watch = WorkerWatch(self.worker).start()
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
+
+    def _check_server_lengths(self, server_len: int) -> None:
+        """A completion must leave room for a prompt under the server's max_model_len (else HTTP 400 on the
+        first request); a token budget below it drops the longest samples (a warning). Raises ConfigError."""
+        from ..config.validate import check_lengths
+
+        for warning in check_lengths(self.args.max_completion_length, server_len, self.args.token_budget,
+                                     completion_key="max_completion_length", len_key="the server's max_model_len",
+                                     budget_key="token_budget"):
+            warnings.warn(warning, UserWarning, stacklevel=2)
+
+    def _check_sampling_mask(self) -> None:
+        """SPEC §7's start-up check: with top-k/top-p/min-p the server must return candidate sets, unless
+        ``sampling_mask_fallback`` accepts biased ratios (then a warning). Raises ConfigError."""
+        from ..doctor.sampling_mask import require_sampling_mask
+
+        args = self.args
+        if not args.uses_candidate_sets:
+            return
+        try:
+            version = self.sampler.version()
+        except Exception:  # noqa: BLE001 - a server without /version: judged from /server_info alone
+            version = None
+        warning = require_sampling_mask(True, self.sampler.server_info(), version,
+                                        fallback=args.sampling_mask_fallback, url=args.vllm_server_base_url)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
 
     def _make_weight_sync(self):
         """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
@@ -707,6 +751,27 @@ class AsyncGRPOTrainer(Trainer):
         if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
             self.state.epoch = self.position.value / self.num_prompts
         self._update_status(force=True)
+        self._update_progress_total()
+
+    def _update_progress_total(self) -> None:
+        """Epoch-based runs (``max_steps=-1``): the number of steps is not known in advance (a step is a token
+        budget of rows), so the progress bar shows no total, then the steps projected from the share of the
+        epochs done (``state.max_steps`` stays a large bound for transformers' own stop rule)."""
+        from transformers.trainer_callback import ProgressCallback
+
+        if self.args.max_steps > 0:
+            return
+        bar = next((getattr(cb, "training_bar", None) for cb in self.callback_handler.callbacks
+                    if isinstance(cb, ProgressCallback)), None)
+        if bar is None:
+            return
+        epochs = float(self.args.num_train_epochs or 0)
+        done = (self.state.epoch or 0.0) / epochs if epochs > 0 else 0.0
+        total = max(self.state.global_step, math.ceil(self.state.global_step / done)) \
+            if done > 0 and self.state.global_step > 0 else None
+        if bar.total != total:
+            bar.total = total
+            bar.refresh()
 
     def _update_status(self, force: bool = False) -> None:
         if self.live is None or self.worker is None:
@@ -718,6 +783,8 @@ class AsyncGRPOTrainer(Trainer):
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
                          server_status=self._server_status(),
+                         groups_without_signal=int(self.worker.no_signal_value.value),
+                         max_groups_without_signal=self.args.max_groups_without_signal,
                          dataset_start_index=self.position.value)
 
     def _queue_size(self) -> int | None:

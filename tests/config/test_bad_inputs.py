@@ -1,0 +1,356 @@
+"""A table of wrong inputs as a user types them (CLI overrides, recipes, datasets, rewards, Python API), issue #19.
+
+Every case must fail before anything starts, in bounded time, with exit code 2 (CLI) or a TypeError/ValueError
+subclass carrying the key (API), naming the key, printing a fix and no traceback. The CLI cases run in-process
+(typer's CliRunner) with the launcher replaced by a tripwire, so no server or trainer can start; a few run as
+real subprocesses at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from typer.testing import CliRunner
+
+from asyncgrpo_cli.cli import app
+from asyncgrpo_cli.config.rules import ConfigError, ConfigTypeError
+from asyncgrpo_cli.testing import make_tiny_model
+
+FAIL_WITHIN_S = 60.0  # generous: a loaded 2-core machine; an in-process case takes well under a second idle
+runner = CliRunner()
+
+REWARDS_MODULE = '''
+def good_reward(completions, answer, **kwargs):
+    return [float(len(str(c)) % 2) for c in completions]
+
+def needs_gold(completions, gold, **kwargs):
+    return [0.0 for _ in completions]
+
+def no_kwargs(completions, answer):
+    return [0.0 for _ in completions]
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny model, data files, a rewards module on sys.path and a recipes folder with a good base recipe."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    model = make_tiny_model(root / "model")
+    bare = root / "no_template"
+    bare.mkdir()
+    (bare / "config.json").write_text((model / "config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    (root / "empty_folder").mkdir()
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}?"}], "answer": str(2 * i)} for i in range(6)]
+    (root / "good.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (root / "text.jsonl").write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": "x"}) for i in range(3)))
+    (root / "ints.jsonl").write_text("\n".join(json.dumps({"prompt": i, "answer": "x"}) for i in range(3)))
+    (root / "empty.jsonl").write_text("")
+    (root / "rewards_mod").mkdir()
+    (root / "rewards_mod" / "badrewards.py").write_text(REWARDS_MODULE)
+    sys.path.insert(0, str(root / "rewards_mod"))
+    recipes = root / "recipes"
+    recipes.mkdir()
+    base = {
+        "model": {"name": str(model), "gguf_file": None},
+        "data": {"name": str(root / "good.jsonl"), "generator": None},
+        "rewards": [{"func": "badrewards:good_reward"}],
+        "rollout": {"num_generations": 4, "max_completion_length": 32, "num_sampler_logprobs": 4},
+        "sampler": {"backend": "embedded", "device": "cpu", "max_model_len": 256},
+        "trainer": {"output_dir": str(root / "out"), "max_steps": 2},
+    }
+    import yaml
+
+    (recipes / "good.yaml").write_text("# @package _global_\n" + yaml.safe_dump(base))
+
+    def variant(name, **groups):
+        cfg = json.loads(json.dumps(base))
+        for k, v in groups.items():
+            cfg[k] = v
+        (recipes / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(cfg))
+
+    variant("typo_func", rewards=[{"func": "badrewards:good_rewrd"}])
+    variant("typo_module", rewards=[{"func": "asyncgrpo_cli.reward:accuracy_reward"}])
+    variant("hub_reward", rewards=[{"func": "OpenAssistant/reward-model-deberta"}])
+    variant("missing_column", rewards=[{"func": "badrewards:needs_gold"}])
+    variant("no_kwargs", rewards=[{"func": "badrewards:no_kwargs"}])
+    variant("not_callable", rewards=[{"func": "badrewards:NOT_CALLABLE"}])
+    variant("bad_kwargs", rewards=[{"func": "badrewards:no_kwargs", "kwargs": {"tolerance": 0.1}}])
+    (recipes / "broken.yaml").write_text("# @package _global_\nrollout:\n  num_generations: 4\n   top_k: 8\n")
+    yield {"root": root, "model": model, "recipes": recipes}
+    sys.path.remove(str(root / "rewards_mod"))
+
+
+@pytest.fixture
+def tripwire(monkeypatch):
+    """Replace the launcher: a config error must never reach it."""
+    import asyncgrpo_cli.launch.supervisor as supervisor
+
+    started = []
+
+    def run_train(cfg, dry_run=False, **kw):
+        started.append(cfg)
+        return 0
+
+    monkeypatch.setattr(supervisor, "run_train", run_train)
+    return started
+
+
+def _cli(world, args):
+    argv = ["train", "--recipes-dir", str(world["recipes"]), *args]
+    start = time.monotonic()
+    result = runner.invoke(app, argv)
+    return result, time.monotonic() - start
+
+
+def test_the_good_base_passes(world, tripwire):
+    result, _ = _cli(world, ["+recipe=good"])
+    assert result.exit_code == 0, result.output
+    assert len(tripwire) == 1
+
+
+R = "+recipe=good"
+CLI_CASES = [
+    # (id, overrides, key named, extra text expected)
+    ("ga_zero", [R, "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps", ""),
+    ("lr_negative", [R, "trainer.learning_rate=-1e-5"], "trainer.learning_rate", ""),
+    ("completion_over_max_len", [R, "rollout.max_completion_length=300"], "rollout.max_completion_length",
+     "HTTP 400"),
+    ("completion_over_model_len", [R, "sampler.max_model_len=null", "rollout.max_completion_length=4096"],
+     "rollout.max_completion_length", "max_position_embeddings"),
+    ("one_generation", [R, "rollout.num_generations=1"], "rollout.num_generations", ""),
+    ("generations_not_int", [R, "rollout.num_generations=abc"], "rollout.num_generations", ""),
+    ("temperature_zero", [R, "rollout.temperature=0"], "rollout.temperature", ""),
+    ("top_p_without_top_k", [R, "rollout.top_p=0.9"], "rollout.top_p", "rollout.top_k"),
+    ("top_p_above_one", [R, "rollout.top_p=1.5"], "rollout.top_p", ""),
+    ("top_k_negative", [R, "rollout.top_k=-1"], "rollout.top_k", ""),
+    ("min_p_above_one", [R, "rollout.min_p=2", "rollout.top_k=8"], "rollout.min_p", ""),
+    ("repetition_penalty_zero", [R, "rollout.repetition_penalty=0"], "rollout.repetition_penalty", ""),
+    ("no_signal_limit_negative", [R, "rollout.max_groups_without_signal=-1"], "rollout.max_groups_without_signal", ""),
+    ("backend_unknown", [R, "sampler.backend=foo"], "sampler.backend", "vllm, embedded, external"),
+    ("max_model_len_zero", [R, "sampler.max_model_len=0"], "sampler.max_model_len", ""),
+    ("max_logprobs_too_low", [R, "sampler.max_logprobs=2"], "sampler.max_logprobs", ""),
+    ("external_without_url", [R, "sampler.backend=external"], "sampler.url", ""),
+    ("staleness_negative", [R, "staleness.max_staleness=-1"], "staleness.max_staleness", ""),
+    ("weight_sync_zero", [R, "staleness.weight_sync_steps=0"], "staleness.weight_sync_steps", ""),
+    ("concurrency_zero", [R, "staleness.max_concurrent_rollouts=0"], "staleness.max_concurrent_rollouts", ""),
+    ("epsilon_negative", [R, "loss.epsilon=-0.1"], "loss.epsilon", ""),
+    ("clip_min_above_max", [R, "loss.vllm_importance_sampling_clip_min=6"], "loss.vllm_importance_sampling_clip_min", ""),
+    ("token_budget_zero", [R, "packing.token_budget=0"], "packing.token_budget", ""),
+    ("max_steps_zero", [R, "trainer.max_steps=0"], "trainer.max_steps", ""),
+    ("cosine_without_steps", [R, "trainer.max_steps=-1", "trainer.lr_scheduler_type=cosine"],
+     "trainer.lr_scheduler_type", ""),
+    ("warmup_negative", [R, "trainer.warmup_steps=-1"], "trainer.warmup_steps", ""),
+    ("beta1_one", [R, "trainer.adam_beta1=1.0"], "trainer.adam_beta1", ""),
+    ("save_limit_zero", [R, "trainer.save_total_limit=0"], "trainer.save_total_limit", ""),
+    ("logging_steps_zero", [R, "trainer.logging_steps=0"], "trainer.logging_steps", ""),
+    ("seed_negative", [R, "trainer.seed=-3"], "trainer.seed", ""),
+    ("liger", [R, "trainer.use_liger_kernel=true"], "trainer.use_liger_kernel", ""),
+    ("lora_rank_too_big", [R, "peft.enabled=true", "peft.r=1024"], "peft.r", ""),
+    ("lora_on_lm_head", [R, "peft.enabled=true", "peft.target_modules=lm_head"], "peft.target_modules", ""),
+    ("shared_gpus", [R, "sampler.backend=vllm", "launch.server_gpus=[0]", "launch.trainer_gpus=[0]"],
+     "launch.server_gpus", ""),
+    ("unknown_key", [R, "rollout.num_generation=4"], "rollout.num_generation", "rollout.num_generations"),
+    ("unknown_group", [R, "rolout.top_k=3"], "rolout", "rollout"),
+    ("unknown_recipe", ["+recipe=nonexistent"], "recipe", "good"),
+    ("model_folder_missing", [R, "model.name=/nonexistent/models/tiny"], "model.name", "no such folder"),
+    ("model_id_malformed", [R, "model.name=-bad-id"], "model.name", "owner/name"),
+    ("override_grammar", [R, "model.name=not a model id!"], "model.name", "quote"),
+    ("model_folder_empty", [R, "model.name={root}/empty_folder"], "model.name", "config.json"),
+    ("model_without_chat_template", [R, "model.name={root}/no_template"], "model.name", "chat template"),
+    ("data_missing", [R, "data.name=/nonexistent/prompts.jsonl"], "data.name", "no such file"),
+    ("data_empty", [R, "data.name={root}/empty.jsonl"], "data.name", ""),
+    ("prompt_column_missing", [R, "data.name={root}/text.jsonl"], "data.prompt_column", "question"),
+    ("prompt_not_text", [R, "data.name={root}/ints.jsonl"], "data.prompt_column", "int"),
+    ("generator_unknown", [R, "data.name=null", "data.generator=foo"], "data.generator", "reasoning_gym"),
+    ("generator_size_zero", [R, "data.name=null", "data.generator=reasoning_gym", "data.task=basic_arithmetic",
+                             "data.size=0"], "data.size", ""),
+    ("reward_attr_typo", ["+recipe=typo_func"], "rewards[0].func", "good_reward"),
+    ("reward_module_typo", ["+recipe=typo_module"], "rewards[0].func", "asyncgrpo_cli.rewards"),
+    ("reward_hub_id", ["+recipe=hub_reward"], "rewards[0].func", "Hub id"),
+    ("reward_missing_column", ["+recipe=missing_column"], "rewards[0].func", "gold"),
+    ("reward_without_kwargs", ["+recipe=no_kwargs"], "rewards[0].func", "**kwargs"),
+    ("reward_not_callable", ["+recipe=not_callable"], "rewards[0].func", "not callable"),
+    ("reward_bad_kwargs", ["+recipe=bad_kwargs"], "rewards[0].kwargs", "tolerance"),
+    ("loop_cls_not_a_loop", [R, "rollout.loop_cls=badrewards:good_reward"], "rollout.loop_cls", "AsyncRolloutLoop"),
+    ("loop_cls_typo", [R, "rollout.loop_cls=asyncgrpo_cli.rollout.loop:AsyncRolloutLop"], "rollout.loop_cls",
+     "AsyncRolloutLoop"),
+    ("recipe_yaml_error", ["+recipe=broken"], "broken.yaml:4", "YAML"),
+    ("scheduler_unknown", [R, "trainer.lr_scheduler_type=foo"], "trainer.lr_scheduler_type", "cosine"),
+    ("optimizer_unknown", [R, "trainer.optim=foo"], "trainer.optim", "adamw_torch"),
+    ("port_out_of_range", [R, "sampler.port=70000"], "sampler.port", "1..65535"),
+    ("gpu_memory_above_one", [R, "sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization", ""),
+    ("device_unknown", [R, "sampler.device=tpu"], "sampler.device", "cuda:N"),
+    ("lora_dropout_one", [R, "peft.lora_dropout=1.0"], "peft.lora_dropout", ""),
+    ("cpu_processes_zero", [R, "launch.cpu_processes=0"], "launch.cpu_processes", ""),
+    ("machine_rank_too_big", [R, "launch.num_machines=2", "launch.machine_rank=2"], "launch.machine_rank", ""),
+]
+
+
+@pytest.mark.parametrize("case_id,overrides,key,extra", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input(world, tripwire, case_id, overrides, key, extra):
+    overrides = [o.replace("{root}", str(world["root"])) for o in overrides]
+    result, elapsed = _cli(world, overrides)
+    out = result.output
+    assert result.exit_code == 2, out
+    assert key in out, out
+    assert "Fix" in out, out
+    if extra:
+        assert extra in out, out
+    assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit), out
+    assert elapsed < FAIL_WITHIN_S
+    assert not tripwire, "a config error reached the launcher"
+
+
+def test_cli_reports_several_problems_at_once(world, tripwire):
+    result, _ = _cli(world, [R, "trainer.gradient_accumulation_steps=0", "trainer.learning_rate=-1",
+                             "data.name=/nonexistent/p.jsonl"])
+    assert result.exit_code == 2
+    for key in ("trainer.gradient_accumulation_steps", "trainer.learning_rate", "data.name"):
+        assert key in result.output
+
+
+def test_cli_repetition_penalty_warns(world, tripwire):
+    result, _ = _cli(world, [R, "rollout.repetition_penalty=1.3"])
+    assert result.exit_code == 0, result.output
+    assert "warning" in result.output and "B.11" in result.output
+
+
+def test_cli_fallback_warns(world, tripwire):
+    result, _ = _cli(world, [R, "rollout.top_k=8", "rollout.sampling_mask_fallback=true"])
+    assert result.exit_code == 0, result.output
+    assert "biased" in result.output
+
+
+# ---------------------------------------------------------------------------------------------- Python API
+def _args(tmp_path, **kw):
+    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **kw)
+
+
+CONFIG_CASES = [
+    ("num_generations_str", {"num_generations": "8"}, ConfigTypeError, "num_generations", "8"),
+    ("learning_rate_str", {"learning_rate": "1e-5"}, ConfigTypeError, "learning_rate", "1e-05"),
+    ("score_centering_str", {"score_centering": "yes"}, ConfigTypeError, "score_centering", "bool"),
+    ("top_k_float", {"top_k": 8.5}, ConfigTypeError, "top_k", "int"),
+    ("ga_zero", {"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps", ""),
+    ("lr_negative", {"learning_rate": -1e-5}, ConfigError, "learning_rate", ""),
+    ("top_p_without_top_k", {"top_p": 0.9}, ConfigError, "top_p", "top_k"),
+    ("temperature_zero", {"temperature": 0.0}, ConfigError, "temperature", ""),
+    ("cosine_without_steps", {"max_steps": -1, "lr_scheduler_type": "cosine"}, ConfigError, "lr_scheduler_type", ""),
+    ("max_steps_zero", {"max_steps": 0}, ConfigError, "max_steps", ""),
+]
+
+
+@pytest.mark.parametrize("case_id,kwargs,exc_type,key,extra", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_api_config_bad_input(tmp_path, case_id, kwargs, exc_type, key, extra):
+    start = time.monotonic()
+    with pytest.raises(exc_type) as info:
+        _args(tmp_path, **kwargs)
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    assert info.value.key == key or key in str(info.value)
+    assert f"{key}=" in str(info.value) and "Fix" in str(info.value) and extra in str(info.value)
+    assert isinstance(info.value, (TypeError, ValueError))
+
+
+def _chat(n=4, **cols):
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}?"}], "answer": str(i), **cols}
+                                       for i in range(n)])
+
+
+def _good_reward(completions, answer, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def _needs_gold(completions, gold, **kwargs):
+    return [0.0 for _ in completions]
+
+
+TRAINER_CASES = [
+    # (id, model ("tiny" = the tiny folder), rewards, dataset factory, key, text)
+    ("string_prompts", "tiny", [_good_reward], lambda: datasets.Dataset.from_list([{"prompt": "2+2?", "answer": "4"}]),
+     "train_dataset['prompt']", "plain string"),
+    ("empty_dataset", "tiny", [_good_reward], lambda: _chat().select([]), "train_dataset", "no rows"),
+    ("no_prompt_column", "tiny", [_good_reward],
+     lambda: datasets.Dataset.from_list([{"question": [{"role": "user", "content": "x"}], "answer": "1"}]),
+     "train_dataset['prompt']", "question"),
+    ("reward_hub_string", "tiny", ["OpenAssistant/reward-model"], _chat, "reward_funcs[0]", "Hub id"),
+    ("reward_missing_column", "tiny", [_needs_gold], _chat, "reward_funcs[0]", "gold"),
+    ("reward_not_callable", "tiny", [42], _chat, "reward_funcs[0]", "not callable"),
+    ("no_rewards", "tiny", [], _chat, "reward_funcs", ""),
+    ("no_dataset", "tiny", [_good_reward], lambda: None, "train_dataset", ""),
+    ("model_folder_missing", "/nonexistent/models/tiny", [_good_reward], _chat, "model", "no such folder"),
+    ("model_id_malformed", "not a model id!", [_good_reward], _chat, "model", "owner/name"),
+    ("model_without_chat_template", "bare", [_good_reward], _chat, "model", "chat template"),
+]
+
+
+@pytest.mark.parametrize("case_id,model,rewards,make_dataset,key,text", TRAINER_CASES,
+                         ids=[c[0] for c in TRAINER_CASES])
+def test_api_trainer_bad_input(world, tmp_path, case_id, model, rewards, make_dataset, key, text):
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    model = {"tiny": str(world["model"]), "bare": str(world["root"] / "no_template")}.get(model, model)
+    args = _args(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        AsyncGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=make_dataset())
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    message = str(info.value)
+    assert key in message and "Fix" in message and text in message, message
+    assert isinstance(info.value, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------- real processes
+def _env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+
+
+def test_subprocess_cli_exit_code_and_no_traceback():
+    args, key = ["train", "+recipe=smoke", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli", *args], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert key in out and "Fix" in out and "Traceback" not in out, out
+    assert time.monotonic() - start < 120
+
+
+def test_subprocess_yaml_error_names_file_and_line(world):
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli", "config", "+recipe=broken", "--recipes-dir",
+                           str(world["recipes"])], capture_output=True, text=True, timeout=120, env=_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "broken.yaml:4" in out and "Traceback" not in out, out
+    assert len(out.splitlines()) < 10
+
+
+def test_script_without_main_guard_is_refused(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from asyncgrpo_cli.rollout.worker import unguarded_main_call
+
+        def start():
+            return unguarded_main_call()
+
+        print("TOP", start())
+        if __name__ == "__main__":
+            print("GUARDED", start())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    top, guarded = proc.stdout.splitlines()
+    assert top.startswith("TOP (") and "unguarded.py" in top and ", 7)" in top, top
+    assert guarded == "GUARDED None"
