@@ -89,17 +89,22 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _group_classes() -> dict[str, tuple[type, str]]:
-    """Group name -> (the dataclass of its fields, the group's description)."""
+def _group_classes() -> dict[str, tuple[type | None, str]]:
+    """Group name -> (the dataclass of its fields, the group's description); a group that is a plain value
+    (``tools``: a list of import paths) has no dataclass, and its description is ``AppConfig``'s for it."""
     from .schema import AppConfig
 
     hints = typing.get_type_hints(AppConfig)
-    out: dict[str, tuple[type, str]] = {}
+    own = attribute_docstrings(AppConfig)
+    out: dict[str, tuple[type | None, str]] = {}
     for f in dataclasses.fields(AppConfig):
         tp = hints[f.name]
         if typing.get_origin(tp) is list:  # rewards: a list of RewardFuncConfig
             tp = typing.get_args(tp)[0]
-        out[f.name] = (tp, inspect.cleandoc(tp.__doc__ or ""))
+        if dataclasses.is_dataclass(tp):
+            out[f.name] = (tp, inspect.cleandoc(tp.__doc__ or ""))
+        else:
+            out[f.name] = (None, own.get(f.name, ""))
     return out
 
 
@@ -123,9 +128,13 @@ def documented_yaml(cfg: DictConfig) -> str:
     plain = to_plain(cfg)
     lines: list[str] = []
     for group, (cls, group_doc) in _group_classes().items():
-        docs = field_docs(cls)
         lines += _comment(f"{group}: {group_doc}" if group_doc else group, "")
         value = plain.get(group)
+        if cls is None:  # a plain value (a list of import paths)
+            lines += _yaml_of(group, value, "")
+            lines.append("")
+            continue
+        docs = field_docs(cls)
         if isinstance(value, list):  # rewards: document the fields of one entry, then the list
             for name in (f.name for f in dataclasses.fields(cls)):
                 if docs.get(name):

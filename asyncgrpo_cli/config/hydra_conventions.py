@@ -24,10 +24,13 @@ def _parse(overrides: list[str]):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from .compose import _explain_hydra_error
+
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        raise ConfigError(f"could not parse the overrides {' '.join(overrides)}: {exc}") from exc
+        raise ConfigError(f"could not parse the overrides {' '.join(overrides)}: "
+                          f"{_explain_hydra_error(exc, overrides)}") from exc
 
 
 def _key(override) -> str:

@@ -343,6 +343,8 @@ class AppConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardFuncConfig] = field(default_factory=list)
     tools: list[str] = field(default_factory=list)
+    """Tools the model may call, by import path (``module:function``; sync or async functions with type hints
+    and a Google-style docstring, SPEC §13.1); empty = no tools."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -129,7 +129,7 @@ def worker_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _report_startup_failure(kwargs: dict[str, Any], exc: BaseException) -> None:
+def _report_startup_failure(kwargs: dict[str, Any], exc: BaseException, loop_cls: Any = None) -> None:
     """Send an error raised while the child builds its loop to the trainer, as `AsyncRolloutLoop.report_failure`
     does for run-time errors (the traceback, or the message alone for a diagnosis meant for the user)."""
     import traceback
@@ -137,7 +137,8 @@ def _report_startup_failure(kwargs: dict[str, Any], exc: BaseException) -> None:
     if getattr(exc, "report_without_traceback", False):
         text = f"{type(exc).__name__}: {exc}"
     else:
-        text = ("while building the rollout loop:\n"
+        name = getattr(loop_cls, "__qualname__", None)
+        text = (f"while building the rollout loop{' ' + name if name else ''}:\n"
                 + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     try:
         kwargs["exception_info_queue"].put(text)
@@ -211,7 +212,7 @@ def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signa
     try:
         loop = loop_cls(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
-        _report_startup_failure(kwargs, exc)
+        _report_startup_failure(kwargs, exc, loop_cls)
         raise SystemExit(1) from None
     loop.ready_event = ready_event
     loop.no_signal_value = no_signal_value

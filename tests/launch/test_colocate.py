@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate
@@ -113,7 +114,7 @@ def test_unknown_model_gets_the_default_share(tmp_path):
 
 
 def test_colocated_server_must_stay_on_loopback(tmp_path):
-    plan = build_launch_plan(cfg_of(tmp_path, "sampler.host=0.0.0.0"), gpu_count=1, gpu_memory=H200)
+    plan = build_launch_plan(cfg_of(tmp_path, "sampler.host=0.0.0.0", "sampler.allow_public=true"), gpu_count=1, gpu_memory=H200)
     assert any("sampler.host=0.0.0.0" in p and "127.0.0.1" in p for p in plan.problems)
 
 
@@ -193,12 +194,17 @@ def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
         raise AssertionError("serve started a server despite a problem")
 
     monkeypatch.setattr(os, "execvpe", no_exec)
-    args = ["serve", f"model.name={model_dir(tmp_path)}", "sampler.max_model_len=2048",
-            "staleness.max_concurrent_rollouts=64"]
+    folder = model_dir(tmp_path)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with socket.socket() as s:  # a free port: a server on the default one would be refused first
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["serve", f"model.name={folder}", "sampler.max_model_len=2048", "rollout.max_completion_length=512",
+            "staleness.max_concurrent_rollouts=64", f"sampler.port={port}"]
     dry = CliRunner().invoke(app, [*args, "--dry-run"])
     assert dry.exit_code == 0, dry.output
     line = [ln for ln in dry.output.splitlines() if ln and not ln.startswith("#")][0]
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in line and '{"backend": "ipc"}' in line
     assert "--gpu-memory-utilization 0.1" in line and "# memory split: vLLM" in dry.output
-    refused = CliRunner().invoke(app, [*args, "sampler.host=0.0.0.0"])
+    refused = CliRunner().invoke(app, [*args, "sampler.host=0.0.0.0", "sampler.allow_public=true"])
     assert refused.exit_code == 1 and "sampler.host=0.0.0.0" in refused.output

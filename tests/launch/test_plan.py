@@ -131,9 +131,12 @@ def test_multi_node():
 
 
 def test_multi_node_needs_main_ip_and_valid_rank():
-    plan = build_launch_plan(cfg_of("launch.num_machines=2", "launch.machine_rank=2"), gpu_count=2)
+    from asyncgrpo_cli.config.rules import ConfigError
+
+    plan = build_launch_plan(cfg_of("launch.num_machines=2"), gpu_count=2)
     assert any("main_process_ip" in p for p in plan.problems)
-    assert any("launch.machine_rank=2" in p for p in plan.problems)
+    with pytest.raises(ConfigError, match="launch.machine_rank=2"):  # refused when composed, before any plan
+        cfg_of("launch.num_machines=2", "launch.machine_rank=2")
 
 
 def test_mixed_precision_follows_compute_dtype():

@@ -62,4 +62,4 @@ def test_deepmath_recipe_on_a_tiny_qwen35_vlm(tmp_path):
     # they agree on the sampled tokens' log-probs (the first step's policy is the sampler's)
     assert lines[0]["batch/packing_ratio"] > 1.5
     assert lines[0]["sampling/sampling_logp_difference/mean"] < 1e-4
-    assert json.loads((out / "status.json").read_text())["state"] == "done"
+    assert json.loads((out / "status.json").read_text())["state"] == "finished"
