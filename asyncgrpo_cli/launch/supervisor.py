@@ -142,6 +142,29 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _check_run_lock(cfg: DictConfig) -> None:
+    """Refuse at once when another live job holds ``trainer.output_dir``'s run lock (`RunLock`; taken for
+    real when the supervisor starts).
+
+    Raises:
+        ConfigError: naming the running job's pid and the fix.
+    """
+    from ..train.run_state import LOCK_NAME, RunLock, RunLockedError
+
+    out = Path(str(cfg.trainer.output_dir))
+    if not (out / LOCK_NAME).exists():
+        return
+    lock = RunLock(out)
+    try:
+        lock.acquire()
+    except RunLockedError as exc:
+        raise ConfigError(f"trainer.output_dir={out}: {exc}") from None
+    except OSError:
+        return  # an unwritable folder is reported with its own fix when the job starts
+    finally:
+        lock.release()
+
+
 def check_server_port(cfg: DictConfig, *, answering: bool | None = None) -> None:
     """Before the model is loaded: the server this job starts can take ``sampler.host:sampler.port``.
 
@@ -556,7 +579,7 @@ class Supervisor:
                     self.console.print(f"  still loading ({last_report - t0:.0f} s)" + (f": {status}" if status else ""),
                                        markup=False, highlight=False, soft_wrap=True)
                 self._stop.wait(min(self.timeouts.poll_s, max(0.0, deadline - time.monotonic())))
-        self.console.print(Text(f"{what} ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
+        self.console.print(Text(f"{what} is ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
         return None
 
     def _server_status_line(self, width: int = 110) -> str:
@@ -774,6 +797,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     running = backend != "external" and probe_health(url, timeout=1.0)
     if not dry_run and int(cfg.launch.machine_rank) == 0:
         try:
+            _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
             check_server_port(cfg, answering=running)
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)

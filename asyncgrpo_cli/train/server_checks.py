@@ -18,7 +18,8 @@ class ServerMismatchError(RuntimeError):
 
 
 def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    # A line of its own: the trainer's progress bar may hold the cursor mid-line on the same terminal.
+    print(f"\n{text}" if sys.stderr.isatty() else text, file=sys.stderr, flush=True)
 
 
 def wait_for_server(sampler, url: str, deadline_s: float, say: Callable[[str], None] = _say,
@@ -48,9 +49,12 @@ def wait_for_server(sampler, url: str, deadline_s: float, say: Callable[[str], N
         try:
             sampler.wait_until_ready(max(0.0, min(every_s, left)))
             return time.monotonic() - start
-        except SamplerUnavailableError:
+        except SamplerUnavailableError as exc:
             if time.monotonic() - start >= deadline_s:
-                raise
+                raise SamplerUnavailableError(
+                    f"no server answered at {url} within {deadline_s:g} s (vllm_server_timeout; CLI: sampler.timeout)"
+                    f": {exc}. Fix: start it with `asyncgrpo serve` and the same settings, or point "
+                    "vllm_server_base_url (CLI: sampler.url) at a running one", "/health") from None
 
 
 def doctor_config(args: Any, model_id: str, lora_rank: int | None = None):
@@ -73,6 +77,9 @@ def doctor_config(args: Any, model_id: str, lora_rank: int | None = None):
             continue
         cfg[group][key] = getattr(value, "value", value)
     cfg.sampler.backend = "external"
+    # The compute dtype doctor compares with the server's (`compute_dtype`): the trainer's own precision flags.
+    cfg.trainer.bf16 = bool(getattr(args, "bf16", False))
+    cfg.trainer.fp16 = bool(getattr(args, "fp16", False))
     if lora_rank is not None:
         cfg.peft.enabled = True
         cfg.peft.r = int(lora_rank)
