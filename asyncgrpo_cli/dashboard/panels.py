@@ -552,8 +552,9 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
                       checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None)
 
 
-def summary_rows(summary: RunSummary) -> list[tuple[str, Any]]:
-    """(label, value) rows of the end-of-run summary, every checkpoint path in full."""
+def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
+    """(label, value) rows of the end-of-run summary: every checkpoint path in full, or (``compact``, for the
+    boxed panel) the last three checkpoint names on one row."""
     style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
     rows: list[tuple[str, Any]] = [
         ("outcome", Text(summary.outcome, style=style)),
@@ -565,7 +566,11 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, Any]]:
         ("mean step time", fmt_s(summary.mean_step_s)),
         ("output", summary.output_dir),
     ]
-    rows += [("checkpoint", c) for c in summary.checkpoints[-3:]] or [("checkpoints", "none")]
+    if compact:
+        ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
+        rows.append(("checkpoints", f"… {ckpts}" if len(summary.checkpoints) > 3 else ckpts))
+    else:
+        rows += [("checkpoint", c) for c in summary.checkpoints[-3:]] or [("checkpoints", "none")]
     if summary.plot_path:
         rows.append(("training curves", summary.plot_path))
     return rows
@@ -580,20 +585,5 @@ def summary_lines(summary: RunSummary) -> list[str]:
 def summary_panel(summary: RunSummary) -> Panel:
     """The end-of-run panel: steps, time, final reward, mean throughput, checkpoints, curves."""
     style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
-    ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
-    if len(summary.checkpoints) > 3:
-        ckpts = f"… {ckpts}"
-    rows: list[tuple[str, Any]] = [
-        ("outcome", Text(summary.outcome, style=style)),
-        ("steps", DASH if summary.steps is None else str(summary.steps)),
-        ("time", fmt_duration(summary.elapsed_s)),
-        ("final reward", fmt(summary.final_reward, ".4g")),
-        ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
-        ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
-        ("mean step time", fmt_s(summary.mean_step_s)),
-        ("output", summary.output_dir),
-        ("checkpoints", ckpts),
-    ]
-    if summary.plot_path:
-        rows.append(("training curves", summary.plot_path))
+    rows = summary_rows(summary, compact=True)
     return Panel(_kv_table(rows), title="[bold]asyncgrpo train: summary[/]", border_style=style or "blue")
