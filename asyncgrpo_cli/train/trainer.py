@@ -316,7 +316,7 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
-                             step=self.state.global_step)
+                             step=self.state.global_step, server_status=None)  # nothing retries any more
         self.is_in_train = False
         runtime = time.time() - start
         return TrainOutput(self.state.global_step, float(self._last_loss),

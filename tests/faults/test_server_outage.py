@@ -406,7 +406,9 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     port, events = free_port(), tmp_path / "events.txt"
     first = start_server(procs, model_dir, port, events, tmp_path / "server1.log")
     out = tmp_path / "run"
-    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "3", "--timeout", "90")
+    # 8 steps: with max_staleness=2 the samples queued before the kill cover at most 3 more steps, so the
+    # run cannot end before it meets the outage (with 3 steps it sometimes did).
+    trainer = start_trainer(procs, model_dir, port, out, "--max-steps", "8", "--timeout", "90")
     wait_for(lambda: steps_logged(out) >= 1 or trainer.poll() is not None, RUN_DEADLINE_S, "a synced step")
     assert trainer.poll() is None, (out.parent / "run.log").read_text()[-3000:]
     kill9(first)
@@ -416,8 +418,8 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     rc = trainer.wait(RUN_DEADLINE_S)
     log = (out.parent / "run.log").read_text()
     assert rc == 0, log[-4000:]
-    assert "TRAINED 3" in log
-    assert steps_logged(out) == 3 and status_of(out).get("state") == "finished"
+    assert "TRAINED 8" in log
+    assert steps_logged(out) == 8 and status_of(out).get("state") == "finished"
     assert status_of(out).get("server_status") is None  # the outage is over
     routes = [line.split()[1] for line in events.read_text().splitlines() if line.split()[0] == str(second.pid)]
     generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
