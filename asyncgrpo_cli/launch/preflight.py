@@ -1,0 +1,94 @@
+"""Checks before a job starts anything: the server's port (free, not answered by a server this job did not
+start) and the run folder's lock (`train.run_state.RunLock`). Pure of the supervisor's state; the CLI's `serve`
+and `run_train` call them before the model is exported or loaded."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..config.compose import server_url
+from ..config.rules import ConfigError
+
+
+def probe_health(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET {url}/health`` answers 200 within ``timeout`` seconds."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now (for the single-machine rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another process holds ``host:port`` (binding it fails; ``SO_REUSEADDR`` is set as servers
+    do, so only a socket that listens there counts, not one in TIME_WAIT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def _check_run_lock(cfg: DictConfig) -> None:
+    """Refuse at once when another live job holds ``trainer.output_dir``'s run lock (`RunLock`; taken for
+    real when the supervisor starts).
+
+    Raises:
+        ConfigError: naming the running job's pid and the fix.
+    """
+    from ..train.run_state import LOCK_NAME, RunLock, RunLockedError
+
+    out = Path(str(cfg.trainer.output_dir))
+    if not (out / LOCK_NAME).exists():
+        return
+    lock = RunLock(out)
+    try:
+        lock.acquire()
+    except RunLockedError as exc:
+        raise ConfigError(f"trainer.output_dir={out}: {exc}") from None
+    except OSError:
+        return  # an unwritable folder is reported with its own fix when the job starts
+    finally:
+        lock.release()
+
+
+def check_server_port(cfg: DictConfig, *, answering: bool | None = None) -> None:
+    """Before the model is loaded: the server this job starts can take ``sampler.host:sampler.port``.
+
+    Args:
+        cfg: composed config (nothing is checked for ``sampler.backend=external``).
+        answering: whether a server already answers ``/health`` at the URL (None = probe it now).
+
+    Raises:
+        ConfigError: a server this job did not start already answers there (use it with
+            ``sampler.backend=external sampler.url=URL``), or another process holds the port; the
+            message names ``sampler.port`` and suggests a free port.
+    """
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    if backend == "external":
+        return
+    host, port, url = str(cfg.sampler.host), int(cfg.sampler.port), server_url(cfg)
+    if answering is None:
+        answering = probe_health(url, timeout=1.0)
+    if answering:
+        raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health. "
+                          f"Fix: to train against it, add sampler.backend=external sampler.url={url} (asyncgrpo "
+                          f"doctor checks it matches the config); to start a new one, use a free port, e.g. "
+                          f"sampler.port={free_port()}")
+    if port_in_use(host, port):
+        raise ConfigError(f"sampler.port={port}: another process already listens on {host}:{port}. Fix: use a free "
+                          f"port, e.g. sampler.port={free_port()}, or stop that process")
