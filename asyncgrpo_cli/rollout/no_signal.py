@@ -51,6 +51,7 @@ class NoSignalWatch:
     consecutive: int = 0
     unscored: int = 0  # of the consecutive groups: those with fewer than two scored completions
     unscored_run: int = 0  # consecutive unscored groups
+    fired: str | None = None  # the diagnosis once given: the run stops, later groups change nothing
     _stats: dict[str, _FunctionStats] = field(default_factory=dict)
 
     @property
@@ -66,8 +67,12 @@ class NoSignalWatch:
             per_function: reward function name → its G values for this group.
 
         Returns:
-            None, or the diagnosis when this group makes ``limit`` consecutive groups without signal.
+            None, or the diagnosis when this group makes ``limit`` consecutive groups without signal. Once
+            given, every later call returns the same diagnosis and counts nothing (another scorer may finish a
+            group before the stop reaches it).
         """
+        if self.fired is not None:
+            return self.fired
         if has_signal:
             self.consecutive, self.unscored, self.unscored_run = 0, 0, 0
             self._stats.clear()
@@ -87,7 +92,8 @@ class NoSignalWatch:
             st.last = list(values)
         if self.limit <= 0 or (self.consecutive < self.limit and self.unscored_run < self.unscored_limit):
             return None
-        return self.diagnosis()
+        self.fired = self.diagnosis()
+        return self.fired
 
     def diagnosis(self) -> str:
         """What the last consecutive groups looked like and what to check."""

@@ -31,6 +31,9 @@ def test_watch_counts_consecutive_groups_and_resets_on_signal():
     assert text is not None and "last 3 groups" in text and "accuracy_reward" in text
     assert "None/NaN for all 12 completions" in text and "ground truth" in text
     assert "rollout.max_groups_without_signal" in text
+    # a group another scorer finishes after the stop changes nothing, not even a kept one
+    assert watch.observe(True, G, {"accuracy_reward": [0.0, 1.0, 0.0, 1.0]}) == text
+    assert watch.observe(False, 0, none) == text and watch.consecutive == 3
 
 
 def test_watch_names_a_constant_reward_and_a_disabled_limit_never_stops():
