@@ -62,10 +62,10 @@ from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
 from .job_files import finalize_status, newest_checkpoint, stop_grace
+from .log_tail import LOG_TAIL_LINES, failure_tail, tail_lines
 from .preflight import _check_run_lock, check_server_port, free_port, port_in_use, probe_health  # noqa: F401
 from .server_command import ServerCommand
 
-LOG_TAIL_LINES = 30
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(INFO|WARNING|DEBUG|ERROR)?\s*(\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?)?\s*"
                          r"(\[[^\]]*\]\s*)?")
@@ -99,19 +99,6 @@ class Timeouts:
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``n`` lines of a text file ([] when it does not exist); reads at most the last 256 KiB."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        with p.open("rb") as fh:
-            fh.seek(max(0, size - 262144))
-            data = fh.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", errors="replace").splitlines()[-n:]
-
-
 def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
     """The config the trainer gets: ``model.name`` = the resolved path (``model.gguf_file`` cleared),
     ``sampler.url`` = the server URL, ``trainer.output_dir`` = the absolute output folder."""
@@ -248,8 +235,9 @@ class Child:
                 continue
 
     def tail(self, n: int = LOG_TAIL_LINES) -> list[str]:
-        """The last ``n`` lines of its log."""
-        return tail_lines(self.log_path, n)
+        """The last ``n`` lines of its log, without the launcher's report of a non-zero exit
+        (`log_tail.launcher_report_removed`)."""
+        return failure_tail(self.log_path, n)
 
 
 # ------------------------------------------------------------------------------------------ printing

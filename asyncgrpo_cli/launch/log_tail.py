@@ -1,0 +1,81 @@
+"""The last lines of a child's log, as the supervisor shows them when that child failed.
+
+A trainer that fails has already printed its own error; `accelerate launch` then adds a traceback of its
+own (``subprocess.CalledProcessError`` from its single-process launcher, or torchrun's
+``ChildFailedError`` report with its "Root Cause" table for several processes). That report says only
+"the child exited with code N", which the supervisor already says, and it buries the trainer's error.
+`launcher_report_removed` drops it; the full log keeps everything.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+LOG_TAIL_LINES = 30
+_READ_BYTES = 262144
+
+_TRACEBACK = "Traceback (most recent call last):"
+_CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* returned non-zero exit status")
+_CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
+_RULE = re.compile(r"^=+\s*$")
+
+
+def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``n`` lines of a text file ([] when it does not exist); reads at most the last 256 KiB."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as fh:
+            fh.seek(max(0, size - _READ_BYTES))
+            data = fh.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+def _launcher_block_end(lines: list[str], start: int) -> int | None:
+    """Index after the launcher's report that starts with the traceback at ``start``, or None when that
+    traceback is not the launcher's (it does not go through accelerate / torchrun, or it ends otherwise)."""
+    launcher = False
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if line.startswith("  File ") and ("accelerate" in line or "torch/distributed" in line):
+            launcher = True
+        if line.startswith(_TRACEBACK):
+            return None  # another traceback starts before this one ended
+        if _CALLED_PROCESS.match(line):
+            return i + 1 if launcher else None
+        if _CHILD_FAILED.match(line):
+            if not launcher:
+                return None
+            rules = 0  # the report is framed by two rules of '=' after the exception line
+            for j in range(i + 1, len(lines)):
+                rules += bool(_RULE.match(lines[j]))
+                if rules == 2:
+                    return j + 1
+            return len(lines)
+        if line and not line.startswith(" ") and not line.startswith("During handling"):
+            return None  # the traceback ended with some other exception
+    return None
+
+
+def launcher_report_removed(lines: list[str]) -> list[str]:
+    """``lines`` without the tracebacks `accelerate launch` / torchrun print after the trainer exited
+    non-zero (see the module docstring); every other line, other tracebacks included, is kept."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith(_TRACEBACK):
+            end = _launcher_block_end(lines, i)
+            if end is not None:
+                i = end
+                continue
+        out.append(lines[i])
+        i += 1
+    return out
+
+
+def failure_tail(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``n`` lines of a failed child's log once the launcher's own report is removed."""
+    return launcher_report_removed(tail_lines(path, n + 60))[-n:]

@@ -1,0 +1,60 @@
+"""The failed trainer's log tail, without the launcher's own report of the exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from asyncgrpo_cli.launch.log_tail import failure_tail, launcher_report_removed
+
+TORCHRUN_REPORT = """\
+Traceback (most recent call last):
+  File "/venv/bin/accelerate", line 8, in <module>
+    sys.exit(main())
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 143, in __call__
+    return launch_agent(self._config, self._entrypoint, list(args))
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+asyncgrpo_cli.train.main FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4242)
+============================================================""".splitlines()
+
+
+def test_a_real_accelerate_launch_report_is_removed_and_the_error_kept(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""\
+        import sys
+        print("error: rollout.num_generations: 1 is below 2; fix: set rollout.num_generations=2 or more")
+        sys.exit(1)
+        """))
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert rc == 1
+    raw = log.read_text()
+    assert "CalledProcessError" in raw  # what accelerate prints: the test would mean nothing without it
+    lines = failure_tail(log)
+    assert any("rollout.num_generations: 1 is below 2" in ln for ln in lines)
+    assert not any("CalledProcessError" in ln or ln.startswith("Traceback") for ln in lines), lines
+
+
+def test_torchrun_report_is_removed_and_the_trainers_own_traceback_kept():
+    own = ["Traceback (most recent call last):", '  File "/repo/asyncgrpo_cli/train/main.py", line 9, in main',
+           "    run()", "RuntimeError: CUDA out of memory"]
+    lines = ["step 3 done", *own, *TORCHRUN_REPORT, "W1201 12:00:00 last words"]
+    assert launcher_report_removed(lines) == ["step 3 done", *own, "W1201 12:00:00 last words"]
+
+
+def test_a_traceback_of_something_else_is_kept():
+    other = ["Traceback (most recent call last):", '  File "/venv/lib/python3.11/site-packages/accelerate/x.py"',
+             "ValueError: not the launcher"]
+    assert launcher_report_removed(other) == other
+    cut = TORCHRUN_REPORT[:6]  # the tail ends inside the report: the part that is there goes
+    assert launcher_report_removed(["a", *cut]) == ["a"]
