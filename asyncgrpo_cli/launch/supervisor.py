@@ -62,6 +62,7 @@ from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
 from .job_files import finalize_status, newest_checkpoint, stop_grace
+from ..orphans import die_with_parent
 from .log_tail import LOG_TAIL_LINES, failure_tail, tail_lines
 from .preflight import _check_run_lock, check_server_port, free_port, port_in_use, probe_health  # noqa: F401
 from .server_command import ServerCommand
@@ -143,13 +144,16 @@ class Child:
         self._direct: dict[int, float] = {}  # direct children of the leader -> create time
 
     def start(self) -> Child:
-        """Start the process (its own session / process group)."""
+        """Start the process (its own session / process group). It gets SIGTERM if the supervisor dies, even
+        by SIGKILL (`orphans.die_with_parent`); the trainer also follows the supervisor's pid itself, since
+        the launcher between them dies of that SIGTERM without passing it on."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"\n$ {' '.join(self.argv)}\n".encode())
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **self.env}, start_new_session=True)
+                                          env={**os.environ, **self.env}, start_new_session=True,
+                                          preexec_fn=die_with_parent)
         return self
 
     @property

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..orphans import set_parent_death_signal
 from .loop import AsyncRolloutLoop
 from .reward_runner import check_picklable
 from .types import PromptOutcome
@@ -44,8 +45,6 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
 PARENT_POLL_S = 0.5
 """Seconds between the watchdog's checks that the trainer (the parent) is still alive."""
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 log = logging.getLogger(__name__)
 
 
@@ -55,20 +54,6 @@ def _kill_own_group() -> None:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(1)
-
-
-def _set_parent_death_signal(sig: int) -> bool:
-    """``prctl(PR_SET_PDEATHSIG, sig)``: the kernel sends ``sig`` when the parent thread exits (Linux
-    only; False elsewhere or when it fails)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
@@ -91,7 +76,7 @@ def bind_to_parent(parent_pid: int, death_signal: bool = True) -> None:
         os.setpgid(0, 0)
     except OSError as exc:  # e.g. already a session leader
         log.warning("rollout worker: cannot start its own process group (%s)", exc)
-    if death_signal and _set_parent_death_signal(signal.SIGTERM):
+    if death_signal and set_parent_death_signal(signal.SIGTERM):
         signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
         _kill_own_group()

@@ -70,6 +70,27 @@ def load_config(path: str):
     return cfg
 
 
+def _follow_supervisor() -> None:
+    """Started by `asyncgrpo train`: once the supervisor is gone (even killed by SIGKILL), stop as on SIGTERM,
+    which saves the last completed step, writes the final status and takes the rollout worker down."""
+    import os
+    import signal
+
+    from ..orphans import watch_process
+    from .run_state import LOCK_OWNER_ENV
+
+    owner = os.environ.get(LOCK_OWNER_ENV, "")
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return
+
+    def gone() -> None:
+        print(f"asyncgrpo trainer: the supervisor (pid {owner}) is gone: saving the last completed step and "
+              "stopping, as on SIGTERM", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watch_process(int(owner), gone, name="supervisor-watchdog")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--config``, build the trainer and train. Exit status: 0 on success, 130 / 143 when SIGINT /
     SIGTERM stopped it (after saving), 2 for a user error (printed as one message, no traceback: an
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..config.rules import ConfigError, ConfigTypeError
     from ..rollout.worker import RolloutWorkerError
 
+    _follow_supervisor()
     try:
         cfg = load_config(ns.config)
         trainer = build_trainer(cfg)

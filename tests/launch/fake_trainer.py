@@ -10,6 +10,9 @@ reads the supervisor's composed config (``--config``, as the real trainer does),
   ``checkpoint-1`` folder, state ``saving`` and exits 0. With ``--fake-pid-dir`` each rank writes
   ``rank<R>.pid`` and rank 0 spawns a "rollout worker" that ignores SIGINT and SIGTERM (``worker.pid``),
   so only a group SIGKILL can end it.
+- orphan: as hang, but like the real trainer: it follows the supervisor's pid
+  (`asyncgrpo_cli.train.main._follow_supervisor`), SIGTERM stops it as SIGINT does, and its "rollout worker"
+  is bound to it (`asyncgrpo_cli.rollout.worker.bind_to_parent`) instead of ignoring signals.
 """
 
 import argparse
@@ -70,18 +73,26 @@ def main():
         stop["sig"] = signum
 
     signal.signal(signal.SIGINT, on_sigint)
+    if args.fake_mode == "orphan":
+        from asyncgrpo_cli.train.main import _follow_supervisor
+
+        signal.signal(signal.SIGTERM, on_sigint)
+        _follow_supervisor()
     if args.fake_pid_dir:
         with open(os.path.join(args.fake_pid_dir, f"rank{rank}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
     if rank != 0:
-        while args.fake_mode == "hang" and stop["sig"] is None:
+        while args.fake_mode in ("hang", "orphan") and stop["sig"] is None:
             time.sleep(0.05)
         return 0
     print(f"fake trainer: model {cfg.model.name} gguf {cfg.model.gguf_file} url {cfg.sampler.url}", flush=True)
-    if args.fake_mode == "hang" and args.fake_pid_dir:
+    if args.fake_mode in ("hang", "orphan") and args.fake_pid_dir:
         code = ("import signal, time\n"
                 "signal.signal(signal.SIGINT, signal.SIG_IGN)\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "while True: time.sleep(0.2)\n")
+        if args.fake_mode == "orphan":
+            code = (f"from asyncgrpo_cli.rollout.worker import bind_to_parent\nbind_to_parent({os.getpid()})\n"
+                    "import time\nwhile True: time.sleep(0.2)\n")
         worker = subprocess.Popen([sys.executable, "-c", code])
         with open(os.path.join(args.fake_pid_dir, "worker.pid"), "w") as fh:
             fh.write(str(worker.pid))
@@ -98,11 +109,11 @@ def main():
         print("Traceback (most recent call last):\nRuntimeError: fake trainer failure", file=sys.stderr, flush=True)
         write_status(out, state="failed", step=1, last_error="RuntimeError: fake trainer failure")
         return 3
-    if args.fake_mode == "hang":
+    if args.fake_mode in ("hang", "orphan"):
         while stop["sig"] is None:
             write_status(out, step=1, max_steps=args.fake_steps)
             time.sleep(0.05)
-        print("fake trainer: got SIGINT, saving a checkpoint", flush=True)
+        print(f"fake trainer: got {signal.Signals(stop['sig']).name}, saving a checkpoint", flush=True)
         write_status(out, state="saving", step=1)
         time.sleep(1.0)  # a save that outlives accelerate's single-process launcher (it dies on SIGINT)
         os.makedirs(os.path.join(out, "checkpoint-1"), exist_ok=True)

@@ -258,3 +258,47 @@ def test_refusals_before_anything_starts(tmp_path):
     assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids)) == 2
     assert "not a complete checkpoint" in console.export_text() and not (pids / "server.pid").exists()
     assert RunLock(out).read() is None  # released
+
+
+def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
+    """kill -9 of `asyncgrpo train`: the server gets SIGTERM from the kernel (parent-death signal), the
+    trainer under the real ``accelerate launch`` sees its supervisor gone, saves and stops, and its rollout
+    worker dies with it. Nothing survives."""
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    driver = subprocess.Popen([sys.executable, str(HERE / "drive_supervisor.py"), str(out), str(free_port()),
+                               str(pids), "orphan", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    names = ("server", "worker", "rank0")
+    try:
+        def ready() -> bool:
+            if driver.poll() is not None:
+                raise AssertionError(f"supervisor exited early:\n{driver.stdout.read().decode()}")
+            if not all((pids / f"{n}.pid").is_file() for n in names) or not (out / "status.json").is_file():
+                return False
+            try:
+                return json.loads((out / "status.json").read_text()).get("state") == "running"
+            except ValueError:
+                return False
+
+        wait_until(ready, 120, "the fake trainer to run")
+        procs = {n: read_pid(pids / f"{n}.pid") for n in names}
+        assert all(alive(p) for p in procs.values())
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+        try:
+            wait_until(lambda: not any(alive(p) for p in procs.values()), 60, "every child to be gone")
+        except AssertionError:
+            raise AssertionError(f"still alive 60 s after kill -9: {[n for n, p in procs.items() if alive(p)]}")
+        log = tail_lines(out / "logs" / "trainer.log", 400)
+        assert any(f"the supervisor (pid {driver.pid}) is gone" in ln for ln in log), log
+        assert any("got SIGTERM, saving" in ln for ln in log) and (out / "checkpoint-1").is_dir()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        for f in pids.glob("*.pid"):
+            try:
+                os.kill(read_pid(f), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
