@@ -15,7 +15,7 @@ _EXPORTS = {
     "AsyncGRPOTrainer": "asyncgrpo_cli.train.trainer",
     "AsyncRolloutLoop": "asyncgrpo_cli.rollout.loop",
     "Rollout": "asyncgrpo_cli.rollout.types",
-    "TurnRecord": "asyncgrpo_cli.rollout.types",
+    "TurnRecord": "asyncgrpo_cli.turn_record",
     "RolloutGroup": "asyncgrpo_cli.rollout.types",
     "TrainingSequence": "asyncgrpo_cli.rollout.types",
     "SamplerClient": "asyncgrpo_cli.sampler.client",
