@@ -214,6 +214,17 @@ class SamplerConfig:
     """``--max-model-len``: the one source of the length limit (token_budget defaults to it)."""
     api_server_count: int = 8
     """``--api-server-count`` (forced to 1 with runtime LoRA updating)."""
+    data_parallel_size: int = 1
+    """``--data-parallel-size``: vLLM engines (one GPU each without tensor parallelism) behind the one URL;
+    with ``launch.server_gpus`` unset the server takes the first that many GPUs (README: Several machines)."""
+    weight_transfer_address: Optional[str] = None
+    """Address of this trainer's rank-0 process that the server's workers connect to for the NCCL weight
+    transfer (vLLM's ``master_address``; ``weight_transfer_address``); None = this host's address as the
+    server sees it (the local address of a socket towards the server's host). Set it when the trainer has
+    several networks and the server must use a particular one."""
+    weight_transfer_port: Optional[int] = None
+    """Port of that NCCL rendezvous (vLLM's ``master_port``; ``weight_transfer_port``), e.g. one a firewall
+    lets through; None = a free port picked at start."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""
