@@ -107,3 +107,35 @@ def test_localhost_url_gives_loopback_and_a_hostless_url_names_the_field():
     assert address_facing("http://localhost:8000/v1") in ("127.0.0.1", "::1")
     with pytest.raises(ValueError, match="sampler.weight_transfer_address"):
         address_facing("http://:8000")
+
+
+def test_trainer_passes_the_weight_transfer_fields_to_the_backend(tmp_path, monkeypatch):
+    """`AsyncGRPOTrainer` hands ``weight_transfer_address`` / ``weight_transfer_port`` to `make_weight_sync`."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train import weight_sync
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    seen: dict = {}
+
+    def fake_make(client, **kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(mode="full")
+
+    class FakeSync:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def init(self) -> None:
+            pass
+
+    monkeypatch.setattr(weight_sync, "make_weight_sync", fake_make)
+    monkeypatch.setattr(weight_sync, "read_server_dtype", lambda client: "bfloat16")
+    monkeypatch.setattr(weight_sync, "WeightSync", FakeSync)
+    monkeypatch.setattr(weight_sync, "dist_barrier", lambda: None)
+    args = SimpleNamespace(output_dir=str(tmp_path), max_staleness=4, weight_transfer_address="10.0.1.1",
+                           weight_transfer_port=29600)
+    trainer = SimpleNamespace(args=args, model=object(), sampler=object(), accelerator=SimpleNamespace(device="cpu"),
+                              is_world_process_zero=lambda: True, _broadcast=lambda value: value)
+    assert isinstance(AsyncGRPOTrainer._make_weight_sync(trainer), FakeSync)
+    assert seen["master_address"] == "10.0.1.1" and seen["master_port"] == 29600
