@@ -28,9 +28,6 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncgrpo_cli' has no attribute {name!r}")
-    try:
-        value = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ImportError(f"asyncgrpo_cli.{name} is not available in this version ({exc})") from exc
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

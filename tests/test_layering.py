@@ -145,3 +145,15 @@ def test_a_stale_trainer_field_snapshot_is_not_used(tmp_path):
     stale.write_text(json.dumps(data))
     assert trainer_fields.snapshot_specs(stale) is None
     assert trainer_fields.snapshot_specs(tmp_path / "missing.json") is None
+
+
+def test_every_public_name_resolves_to_its_own_object():
+    """``from asyncgrpo_cli import X`` for every public name: a real import, no 'not available' fallback."""
+    import asyncgrpo_cli
+    from asyncgrpo_cli.rollout.types import TurnRecord as rollout_turn_record
+
+    for name in asyncgrpo_cli.__all__:
+        assert getattr(asyncgrpo_cli, name).__name__ == name
+    assert asyncgrpo_cli.TurnRecord is rollout_turn_record  # one TurnRecord, re-exported by rollout.types
+    with pytest.raises(AttributeError, match="no attribute"):
+        asyncgrpo_cli.NotAName  # noqa: B018
