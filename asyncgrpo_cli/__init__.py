@@ -15,7 +15,7 @@ _EXPORTS = {
     "AsyncGRPOTrainer": "asyncgrpo_cli.train.trainer",
     "AsyncRolloutLoop": "asyncgrpo_cli.rollout.loop",
     "Rollout": "asyncgrpo_cli.rollout.types",
-    "TurnRecord": "asyncgrpo_cli.rollout.types",
+    "TurnRecord": "asyncgrpo_cli.turn_record",
     "RolloutGroup": "asyncgrpo_cli.rollout.types",
     "TrainingSequence": "asyncgrpo_cli.rollout.types",
     "SamplerClient": "asyncgrpo_cli.sampler.client",
@@ -28,9 +28,6 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncgrpo_cli' has no attribute {name!r}")
-    try:
-        value = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ImportError(f"asyncgrpo_cli.{name} is not available in this version ({exc})") from exc
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -331,11 +331,8 @@ def doctor_cmd(
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
 ) -> None:
     """Check a running server against the config (flags, LoRA limits, versions, GPUs) and print the fix."""
-    try:
-        from .doctor.checks import run_doctor
-    except ImportError:
-        err.print("asyncgrpo doctor: not yet available in this version.")
-        raise typer.Exit(1) from None
+    from .doctor.checks import run_doctor
+
     cfg = _compose(_hydra_args(overrides, command="doctor").overrides, recipes_dir)
     try:
         _resolve_model(cfg)  # compare against the folder `serve` and `train` give the server
@@ -354,13 +351,6 @@ def train_cmd(
     cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
 ) -> None:
     """Run the main job: the sampler, the FSDP2 trainer and its rollout worker, with live panels."""
-    try:
-        from .launch.supervisor import run_train
-    except ImportError:
-        cfg = _compose(overrides, recipes_dir)
-        err.print("asyncgrpo train: not yet available in this version; `asyncgrpo config` shows the composed config "
-                  "and `asyncgrpo serve` starts the sampler.")
-        raise typer.Exit(1) from None
     hargs = _hydra_args(overrides, multirun=multirun, command="train")
     if multirun:
         raise typer.Exit(_train_sweep(hargs, recipes_dir, dry_run, cfg_kind))
@@ -368,6 +358,8 @@ def train_cmd(
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
         raise typer.Exit(0)
+    from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
+
     _validate(cfg, "train")
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
 

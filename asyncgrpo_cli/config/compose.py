@@ -38,6 +38,8 @@ FIELD_PATHS: dict[str, str] = {
     "tree_attention": "packing.attention",
     "vllm_server_base_url": "sampler.url",
     "vllm_server_timeout": "sampler.timeout",
+    "weight_transfer_address": "sampler.weight_transfer_address",
+    "weight_transfer_port": "sampler.weight_transfer_port",
     "log_completions": "logging.log_completions",
     "num_completions_to_print": "logging.num_completions_to_print",
 }

@@ -137,6 +137,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if g("vllm_server_timeout", 1800.0) <= 0:
         _fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
               f"set {p('vllm_server_timeout')}=1800")
+    wtp = g("weight_transfer_port", None)
+    if wtp is not None and not 0 < wtp < 65536:
+        _fail(p("weight_transfer_port"), wtp, "must be a TCP port in 1..65535",
+              f"set {p('weight_transfer_port')}=null to pick a free port, or e.g. {p('weight_transfer_port')}=29600")
     dtype = g("dtype", "float32")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")

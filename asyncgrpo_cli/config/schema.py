@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -216,6 +214,17 @@ class SamplerConfig:
     """``--max-model-len``: the one source of the length limit (token_budget defaults to it)."""
     api_server_count: int = 8
     """``--api-server-count`` (forced to 1 with runtime LoRA updating)."""
+    data_parallel_size: int = 1
+    """``--data-parallel-size``: vLLM engines (one GPU each without tensor parallelism) behind the one URL;
+    with ``launch.server_gpus`` unset the server takes the first that many GPUs (README: Several machines)."""
+    weight_transfer_address: Optional[str] = None
+    """Address of this trainer's rank-0 process that the server's workers connect to for the NCCL weight
+    transfer (vLLM's ``master_address``; ``weight_transfer_address``); None = this host's address as the
+    server sees it (the local address of a socket towards the server's host). Set it when the trainer has
+    several networks and the server must use a particular one."""
+    weight_transfer_port: Optional[int] = None
+    """Port of that NCCL rendezvous (vLLM's ``master_port``; ``weight_transfer_port``), e.g. one a firewall
+    lets through; None = a free port picked at start."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""
@@ -288,44 +297,20 @@ class LoggingConfig:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The trainer group: every TrainingArguments field of AsyncGRPOConfig, typed for OmegaConf.
-
-_OMEGACONF_SCALARS = (bool, int, float, str)
-
-
-def _omegaconf_type(tp: Any) -> Any:
-    """Map a TrainingArguments annotation to a type OmegaConf can check (Any where it cannot)."""
-    if tp in _OMEGACONF_SCALARS:
-        return tp
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and args[0] in _OMEGACONF_SCALARS:
-            return Optional[args[0]]
-    return Any
+# The trainer group: every TrainingArguments field of AsyncGRPOConfig, typed for OmegaConf. The field list
+# comes from `trainer_fields` (a stamped snapshot, so composing a config does not import transformers).
 
 
 def _make_trainer_config() -> type:
-    from ..train.config import ASYNC_GRPO_FIELDS, AsyncGRPOConfig
+    from .trainer_fields import resolve_type, trainer_field_specs
 
     specs = []
-    hints = typing.get_type_hints(AsyncGRPOConfig)
-    for f in dataclasses.fields(AsyncGRPOConfig):
-        if not f.init or f.name in ASYNC_GRPO_FIELDS or f.name.startswith("_"):
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-            if isinstance(default, enum.Enum):
-                default = default.value
-            spec = field(default=default)
-        elif f.default_factory is not dataclasses.MISSING:
-            spec = field(default_factory=f.default_factory)
+    for name, type_name, default in trainer_field_specs():
+        if isinstance(default, dict) and default.get("default_factory") == "list":
+            spec = field(default_factory=list)
         else:
-            spec = field(default=None)
-        tp = _omegaconf_type(hints.get(f.name, Any))
-        if spec.default is None and tp is not Any and typing.get_origin(tp) is not typing.Union:
-            tp = Optional[tp]
-        specs.append((f.name, tp, spec))
+            spec = field(default=default)
+        specs.append((name, resolve_type(type_name), spec))
     cls = dataclasses.make_dataclass("TrainerConfig", specs)
     cls.__doc__ = ("Every other TrainingArguments field, by name, with changed defaults (README: Defaults) "
                    "(see `transformers.TrainingArguments` for each field's meaning).")

@@ -7,7 +7,7 @@ Everything here is pure (no process, no file write): `plan_gpus` takes the GPU c
 
 GPU rules (DESIGN.md §2):
 
-- the server gets ``launch.server_gpus`` (default: GPU 0) when it runs on a GPU: always for vLLM, for
+- the server gets ``launch.server_gpus`` (default: GPU 0, or the first ``sampler.data_parallel_size``) when it runs on a GPU: always for vLLM, for
   the embedded sampler when ``sampler.device`` is ``cuda*`` (or ``auto`` with a GPU visible);
 - the trainer gets ``launch.trainer_gpus`` (default: every visible GPU the server does not hold, whether
   the supervisor starts the server or it already runs there, e.g. from `asyncgrpo serve`; on every
@@ -38,7 +38,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .colocate import Layout, decide_layout
-from .server_command import ServerCommand, build_server_command, compute_dtype
+from .server_command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
 CONFIG_NAME = "asyncgrpo_config.yaml"
@@ -169,7 +169,7 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
     if n == 0:
         held: list[int] = []
     elif server_on_gpu:
-        held = explicit_server or [0]
+        held = explicit_server or list(range(max(1, data_parallel_size(cfg))))  # one GPU per vLLM engine
     else:
         held = explicit_server or []
     server = held if start_server and server_on_gpu else []

@@ -131,9 +131,17 @@ def max_logprobs(cfg: DictConfig) -> int:
     return cfg.sampler.max_logprobs if cfg.sampler.max_logprobs is not None else cfg.rollout.num_sampler_logprobs
 
 
+def data_parallel_size(cfg: DictConfig) -> int:
+    """``--data-parallel-size``: ``sampler.data_parallel_size`` (vLLM engines behind the one URL)."""
+    return int(cfg.sampler.get("data_parallel_size", 1))
+
+
 def server_gpus(cfg: DictConfig) -> list[int]:
-    """GPUs of the server: ``launch.server_gpus`` or the first GPU."""
-    return list(cfg.launch.server_gpus) if cfg.launch.server_gpus is not None else [0]
+    """GPUs of the server: ``launch.server_gpus``, else the first ``sampler.data_parallel_size`` GPUs
+    (the first GPU by default)."""
+    if cfg.launch.server_gpus is not None:
+        return list(cfg.launch.server_gpus)
+    return list(range(max(1, data_parallel_size(cfg))))
 
 
 def detect_layout(cfg: DictConfig) -> Any:
@@ -196,11 +204,23 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         ipc = vllm_ipc_problem(version, installed_vllm_version()) if use_installed else None
         if ipc:
             problems.append(ipc)
+    dp = data_parallel_size(cfg)
+    if dp < 1:
+        problems.append(f"sampler.data_parallel_size={dp}: must be >= 1 vLLM engine. Fix: sampler.data_parallel_size=1")
+    elif dp > 1 and layout.colocated:
+        problems.append(f"sampler.data_parallel_size={dp} with the colocated layout: vLLM shares one GPU with the "
+                        "trainer there. Fix: launch.colocate=false with separate GPUs, or sampler.data_parallel_size=1")
+    elif dp > len(gpus):
+        problems.append(f"sampler.data_parallel_size={dp} needs {dp} GPUs (one per engine) but launch.server_gpus="
+                        f"{gpus}. Fix: launch.server_gpus=[{','.join(str(g) for g in range(dp))}], or leave "
+                        "launch.server_gpus unset (the server then takes the first sampler.data_parallel_size GPUs)")
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), **env}
     argv = ["vllm", "serve", str(cfg.model.name), "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
             "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--logprobs-mode", "processed_logprobs",
             "--api-server-count", str(api_server_count(cfg))]
+    if dp > 1:
+        argv += ["--data-parallel-size", str(dp)]
     if cfg.sampler.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
     argv += ["--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg)]

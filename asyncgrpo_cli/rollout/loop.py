@@ -41,7 +41,8 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
-from .tools import ToolBox, ToolResult, is_async_tool, parse_assistant_reply, run_tool_call
+from .tool_loop import run_tool_loop
+from .tools import ToolBox, is_async_tool
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class AsyncRolloutLoop:
         the loop ends at a reply without calls, a reply cut at ``max_completion_length``, or when a reply still
         calls tools after ``max_tool_calling_iterations`` tool turns (``Rollout.loop_exhausted``; its calls
         are not run). Tool failures (unknown name, malformed JSON, an exception, a timeout) are tool messages
-        the model reads, counted in ``Rollout.tool_failure_count``.
+        the model reads, counted in ``Rollout.tool_failure_count``. The tool turns are
+        `asyncgrpo_cli.rollout.tool_loop.run_tool_loop`.
         """
         toolbox = self.toolbox(tools)
         if not toolbox:
@@ -168,41 +170,7 @@ class AsyncRolloutLoop:
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
             return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
                            turns=[turn])
-        cap = self.config.max_tool_calling_iterations
-        messages = [dict(m) for m in prompt]
-        completion: list[dict[str, Any]] = []
-        turns: list[TurnRecord] = []
-        completion_ids: list[int] = []
-        calls = failures = iterations = 0
-        exhausted = False
-        while True:
-            prompt_ids = self.render_prompt(messages, toolbox.schemas, cache=not turns)  # later turns: one-off
-            turn = await self.generate_one_turn(prompt_ids)
-            turns.append(turn)
-            completion_ids.extend(turn.output_ids)
-            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            reply = parse_assistant_reply(text, self.tokenizer, toolbox.schemas, prefix=prompt_ids)
-            messages.append(reply.message)
-            completion.append(reply.message)
-            if not reply.calls or turn.finish_reason == "length":
-                break
-            if cap is not None and iterations >= cap:
-                exhausted = True
-                break
-            iterations += 1
-            self.metrics.add("tools/parallel_calls_mean", len(reply.calls))
-            for call in reply.calls:  # sequentially, in the order the model emitted them (SPEC §13.1)
-                result = await run_tool_call(call, toolbox, self.tool_executor, self.tool_call_timeout)
-                self._record_tool_call(result)
-                calls += 1
-                failures += int(result.failed)
-                message = {"role": "tool", "content": result.content}
-                if result.name is not None:
-                    message["name"] = result.name
-                messages.append(message)
-                completion.append(message)
-        return Rollout(completion=completion, completion_ids=completion_ids, turns=turns, tool_call_count=calls,
-                       tool_failure_count=failures, loop_exhausted=exhausted)
+        return await run_tool_loop(self, prompt, toolbox)
 
     @property
     def tool_call_timeout(self) -> float | None:
@@ -222,19 +190,6 @@ class AsyncRolloutLoop:
                 self._toolboxes.pop(next(iter(self._toolboxes)))
             self._toolboxes[key] = box
         return box
-
-    def _record_tool_call(self, result: ToolResult) -> None:
-        m = self.metrics
-        m.add("tools/failure_frequency", float(result.failed))
-        if result.unknown:
-            m.add("tools/unknown_name_count", 1)
-            return
-        if result.name is None:  # malformed call: no tool ran
-            return
-        m.add("tools/latency_s", result.latency_s)
-        m.add(f"tools/{result.name}/latency_s", result.latency_s)
-        m.add(f"tools/{result.name}/call_count", 1)
-        m.add(f"tools/{result.name}/failure_count", int(result.failed))
 
     def render_prompt(self, prompt: list[dict[str, Any]], tools: list[dict] | None = None,
                       cache: bool = True) -> list[int]:

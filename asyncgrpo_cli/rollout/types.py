@@ -1,6 +1,7 @@
 """Data types that cross the rollout boundary (SPEC §16.6–16.8, Appendix B.24).
 
-`TurnRecord` is one sampling request, `Rollout` one finished conversation, `RolloutGroup` the
+`TurnRecord` is one sampling request (defined in `asyncgrpo_cli.turn_record`, shared with the sampler
+boundary, re-exported here), `Rollout` one finished conversation, `RolloutGroup` the
 `num_generations` rollouts of one prompt, and `TrainingSequence` one sample: the unit the trainer's
 batcher packs into rows. All are plain dataclasses of Python lists so they pickle cheaply through the
 cross-process rollout queue.
@@ -14,34 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from ..turn_record import TurnRecord
+
+__all__ = ["PromptOutcome", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+
 
 def _new_rollout_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass
-class TurnRecord:
-    """One sampling request: the prompt sent to the sampler and what it produced (SPEC §16.7).
-
-    Attributes:
-        prompt_ids: token ids of the full prompt of this turn (all earlier turns included).
-        output_ids: token ids the sampler generated.
-        output_log_probs: sampler (processed) log-prob of each output token, natural log.
-        output_mask: per output token, 1 = trained, 0 = context only; ``None`` = train all.
-        output_sampling_mask: per output token, the candidate token ids under top-k/top-p/min-p;
-            ``None`` = the full vocabulary.
-        output_sampler_logprobs: per output token, the sampler's top-``num_sampler_logprobs``
-            log-probs keyed by token id (score centering, SPEC §3.3.2).
-        finish_reason: ``"stop"`` (EOS or stop token) or ``"length"`` (hit ``max_tokens``).
-    """
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_log_probs: list[float] = field(default_factory=list)
-    output_mask: list[int] | None = None
-    output_sampling_mask: list[list[int]] | None = None
-    output_sampler_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
 
 
 @dataclass

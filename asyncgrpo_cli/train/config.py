@@ -22,6 +22,7 @@ ASYNC_GRPO_FIELDS = (
     "log_completions", "num_completions_to_print",
     # Extensions of this project (not in SPEC §16.2's signature):
     "tree_attention", "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal",
+    "weight_transfer_address", "weight_transfer_port",
 )
 
 
@@ -78,6 +79,13 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "Base URL of the sampler."})
     vllm_server_timeout: float = field(default=1800.0, metadata={
         "help": "Seconds: readiness wait, each generation request (then retried) and each weight-sync call."})
+    # Extensions: where the vLLM server's workers reach the trainer for NCCL weight transfer (multi-node).
+    weight_transfer_address: str | None = field(default=None, metadata={
+        "help": "Address of the trainer's rank-0 process that the vLLM server's workers connect to for the NCCL "
+                "weight-transfer group (vLLM's master_address); None = this host's address as the server sees it "
+                "(the local address of a socket towards vllm_server_base_url's host)."})
+    weight_transfer_port: int | None = field(default=None, metadata={
+        "help": "TCP port of that NCCL rendezvous (vLLM's master_port), e.g. one open in a firewall; None = a free port."})
     # Training.
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping epsilon; None = epsilon."})

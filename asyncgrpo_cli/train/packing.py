@@ -1,7 +1,8 @@
-"""Tree packing of samples into rows, the token-budget batcher and the batch metrics (SPEC §6, §15.7).
+"""Tree packing of samples into rows (SPEC §6); the token-budget batcher and the batch metrics that use it
+are in `asyncgrpo_cli.train.batcher` (which imports this module, never the other way round).
 
 A **row** is what one process forwards in one micro-batch: the samples placed there by
-:class:`TokenBudgetBatcher`, laid out by :func:`pack_row` as a prefix trie in depth-first order.
+`batcher.TokenBudgetBatcher`, laid out by :func:`pack_row` as a prefix trie in depth-first order.
 
 Sharing rule (SPEC §6.2, "branching one token early"): a position predicts the token after it, so a
 token may be forwarded once for several samples only if their paths up to it *and its successor* (its
@@ -38,12 +39,9 @@ import torch
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
 __all__ = [
-    "MicroBatchPlan",
     "PackedRow",
     "RowStats",
-    "TokenBudgetBatcher",
     "attention_cost",
-    "batch_metrics",
     "count_forwarded_tokens",
     "pack_row",
     "packing_ratio",
@@ -563,7 +561,3 @@ def packing_ratio(rows: Iterable[PackedRow | RowStats]) -> float:
         sample_tokens += st.sample_tokens
         forwarded += st.num_tokens
     return sample_tokens / forwarded if forwarded else 1.0
-
-
-# The token-budget batcher and the batch metrics live in `batcher.py` (re-exported here).
-from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics  # noqa: E402,F401

@@ -470,7 +470,9 @@ class AsyncGRPOTrainer(Trainer):
             peft_config = getattr(self.model, "peft_config", None)
             rank = next(iter(peft_config.values())).r if peft_config else None
             backend = make_weight_sync(self.sampler, output_dir=args.output_dir, lora_rank=rank,
-                                       max_staleness=args.max_staleness, device=self.accelerator.device)
+                                       max_staleness=args.max_staleness, device=self.accelerator.device,
+                                       master_address=args.weight_transfer_address,
+                                       master_port=args.weight_transfer_port)
             dtype = read_server_dtype(self.sampler)
             mode = backend.mode
         mode, dtype = self._broadcast((mode, dtype))

@@ -48,7 +48,8 @@ from asyncgrpo_cli.rollout.types import TrainingSequence
 from asyncgrpo_cli.train.gated_deltanet import GatedDeltaNetUnavailable
 from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
 # Qwen3.5-2B text stack as its config.json gives it (random weights are fine for speed): 24 layers, every 4th full

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_packing as bp
 
 from asyncgrpo_cli.train.compile import compile_decoder_layers
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.packing import pack_row
 
 
 def row_of(forwarded: int) -> object:

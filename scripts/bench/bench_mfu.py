@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_packing as bp
 
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
 from asyncgrpo_cli.train.packing import (
     PackedRow,
-    TokenBudgetBatcher,
     count_forwarded_tokens,
     pack_row,
 )

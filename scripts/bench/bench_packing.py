@@ -54,7 +54,8 @@ from asyncgrpo_cli.rollout.types import TrainingSequence
 from asyncgrpo_cli.train.compile import compile_decoder_layers
 from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
 SHAPES = {  # Qwen3 shapes (random weights are fine for speed); "tiny" checks the script on a CPU

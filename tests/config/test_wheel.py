@@ -17,6 +17,7 @@ def test_wheel_carries_conf_and_recipes_and_composes(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "asyncgrpo_cli/_data/conf/config.yaml" in names
     assert "asyncgrpo_cli/_data/recipes/deepmath.yaml" in names and "asyncgrpo_cli/_data/recipes/smoke.yaml" in names
+    assert "asyncgrpo_cli/config/trainer_fields.json" in names  # composing without importing transformers
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, timeout=300)

@@ -16,7 +16,8 @@ import bench_mfu as bm
 import bench_packing as bp
 
 from asyncgrpo_cli.train.loss import LossConfig
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import TreeAttentionInputs
 
 

@@ -18,7 +18,8 @@ from asyncgrpo_cli.testing import make_tiny_model
 from asyncgrpo_cli.train.compile import compile_decoder_layers, decoder_layers
 from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
-from asyncgrpo_cli.train.packing import TokenBudgetBatcher, pack_row
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
 VOCAB = 97

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.train.batcher import TokenBudgetBatcher, batch_metrics
 from asyncgrpo_cli.train.packing import (
     PackedRow,
     RowStats,
-    TokenBudgetBatcher,
     attention_cost,
-    batch_metrics,
     count_forwarded_tokens,
     pack_row,
     packing_ratio,

@@ -19,7 +19,7 @@ from .base import WeightSyncBackend
 from .embedded import EmbeddedPathSync
 from .lora import LoraAdapterSync
 from .vllm_ipc import VllmIpcSync
-from .vllm_nccl import VllmNccl026Sync, VllmNccl028Sync
+from .vllm_nccl import VllmNccl026Sync, VllmNccl028Sync, address_facing
 
 EMBEDDED_SERVER = "asyncgrpo-embedded"
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -84,7 +84,7 @@ def make_weight_sync(
     lora_rank: int | None = None,
     max_staleness: int = 4,
     adapter_sync: bool = True,
-    master_address: str = "127.0.0.1",
+    master_address: str | None = None,
     master_port: int | None = None,
     device: str | torch.device | None = None,
     vllm_api: Any = None,
@@ -98,11 +98,14 @@ def make_weight_sync(
         max_staleness: SPEC §4 staleness limit (adapter window size - 1).
         adapter_sync: False forces merged sync even on a LoRA server.
         master_address / master_port / device / vllm_api: for the NCCL backends (``device`` and
-            ``vllm_api`` for the IPC backend too).
+            ``vllm_api`` for the IPC backend too). ``master_address`` is where the server's workers reach
+            this process (``weight_transfer_address``); None = `address_facing` the client's ``base_url``
+            (this host's address as the server sees it). ``master_port`` None = a free port.
 
     Raises:
         ValueError: an unsupported server (vLLM < 0.26, unreadable version) or LoRA limits the
-            run does not fit (with the restart values).
+            run does not fit (with the restart values); no address towards the server's host can be
+            found for the NCCL backends (names ``sampler.weight_transfer_address``).
     """
     output_dir = Path(output_dir)
     info = client.version()
@@ -116,11 +119,13 @@ def make_weight_sync(
     if info.get("server") == EMBEDDED_SERVER:
         return EmbeddedPathSync(client, output_dir / ".weights")
     version = parse_vllm_version(info["version"])
-    nccl = dict(master_address=master_address, master_port=master_port, device=device, vllm_api=vllm_api)
     if version < (0, 26):
         raise ValueError(f"vLLM {info['version']} is too old for weight transfer; use vLLM >= 0.26")
     if read_transfer_backend(client) == "ipc":
         return VllmIpcSync(client, device=device, vllm_api=vllm_api, send_weight_version=version >= (0, 27))
+    if master_address is None:
+        master_address = address_facing(str(client.base_url))
+    nccl = dict(master_address=master_address, master_port=master_port, device=device, vllm_api=vllm_api)
     if version < (0, 28):
         return VllmNccl026Sync(client, send_weight_version=version >= (0, 27), **nccl)
     return VllmNccl028Sync(client, **nccl)

@@ -39,10 +39,39 @@ _INSTALL_HINT = (
 )
 
 
+def address_facing(base_url: str) -> str:
+    """This host's address as the server at ``base_url`` sees it: the local address the routing table picks
+    for a (UDP, so no packet is sent) socket connected to the server's host. ``http://localhost:8000`` gives
+    ``127.0.0.1``; a server on another machine gives this machine's address on the network that reaches it.
+
+    Raises:
+        ValueError: the URL has no host, or the host cannot be resolved or reached from here; the message
+            names ``sampler.weight_transfer_address`` as the fix.
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+    host = parts.hostname
+    fix = ("Fix: set sampler.weight_transfer_address (weight_transfer_address) to this trainer's address "
+           "that the vLLM server's workers can connect to")
+    if not host:
+        raise ValueError(f"vllm_server_base_url={base_url!r} names no host to find this machine's address towards. {fix}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot find this machine's address towards the vLLM server host {host!r} "
+                         f"(from vllm_server_base_url={base_url!r}): {exc}. {fix}") from exc
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for the NCCL rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    """A TCP port free on ``host`` now (for the NCCL rendezvous; an IPv4 or IPv6 address)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(sockaddr)
         return int(s.getsockname()[1])
 
 

@@ -1,0 +1,159 @@
+"""The layers point one way (DEVELOPERS.md): checked on the source and in fresh interpreters.
+
+- the sampler boundary imports nothing from ``rollout/`` or ``train/`` (AST scan of every import, lazy
+  ones inside functions included, and a fresh interpreter importing every sampler module);
+- ``train/batcher.py`` and ``train/packing.py`` each import on their own (no import circle);
+- composing a config (``asyncgrpo config``, ``train --cfg job``) imports neither transformers nor torch;
+- the trainer-group snapshot matches the installed transformers (else composing would fall back to it).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "asyncgrpo_cli"
+SAMPLER = PKG / "sampler"
+FORBIDDEN_FROM_SAMPLER = ("asyncgrpo_cli.rollout", "asyncgrpo_cli.train")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package_of(path: Path) -> str:
+    return _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+
+
+def _imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement in ``source`` (a module of ``package``),
+    relative ones resolved; lazy imports inside functions included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+            # ``from .. import rollout`` names the forbidden package as an imported attribute.
+            found.extend((node.lineno, f"{name}.{alias.name}") for alias in node.names)
+    return found
+
+
+def _sampler_files() -> list[Path]:
+    return sorted(SAMPLER.rglob("*.py"))
+
+
+def test_import_scan_resolves_relative_imports():
+    """The scanner itself: lazy relative imports of rollout/train from a sampler module are seen."""
+    source = "import json\ndef f():\n    from ..rollout.types import Rollout\n    from .. import train\n"
+    names = [name for _, name in _imported_modules(source, "asyncgrpo_cli.sampler")]
+    assert "asyncgrpo_cli.rollout.types" in names
+    assert "asyncgrpo_cli.train" in names
+    assert not any(n.startswith(FORBIDDEN_FROM_SAMPLER) for _, n in _imported_modules("import json", "x"))
+
+
+def test_sampler_source_imports_nothing_from_rollout_or_train():
+    bad = [f"{path.relative_to(ROOT)}:{line}: imports {name}"
+           for path in _sampler_files() for line, name in _imported_modules(path.read_text(), _package_of(path))
+           if name.startswith(FORBIDDEN_FROM_SAMPLER)]
+    assert not bad, "the sampler boundary must not depend on the rollout or trainer side:\n" + "\n".join(bad)
+
+
+def test_sampler_modules_import_without_rollout_in_a_fresh_interpreter():
+    modules = [_module_name(p) for p in _sampler_files() if p.name != "__main__.py"]
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('asyncgrpo_cli.rollout', "
+        "'asyncgrpo_cli.train')))))\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("module", ["asyncgrpo_cli.train.batcher", "asyncgrpo_cli.train.packing"])
+def test_batcher_and_packing_import_on_their_own(module):
+    proc = _run(f"import {module}")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_packing_does_not_import_the_batcher():
+    proc = _run("import sys, asyncgrpo_cli.train.packing; print('asyncgrpo_cli.train.batcher' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_composing_a_config_imports_no_transformers():
+    code = (
+        "import json, sys\n"
+        "from typer.testing import CliRunner\n"
+        "from asyncgrpo_cli.config.compose import compose, to_yaml, training_args_kwargs\n"
+        "cfg = compose(['+recipe=smoke', 'trainer.learning_rate=3e-6'])\n"
+        "assert 'learning_rate: 3.0e-06' in to_yaml(cfg), to_yaml(cfg)\n"
+        "assert training_args_kwargs(cfg)['learning_rate'] == 3e-6\n"
+        "from asyncgrpo_cli.cli import app\n"
+        "runner = CliRunner()\n"
+        "results = [runner.invoke(app, args) for args in (['config', '+recipe=smoke'], "
+        "['train', '--cfg', 'job', '+recipe=smoke'])]\n"
+        "print(json.dumps({'exit': [r.exit_code for r in results], 'lr_shown': all('learning_rate' in r.output "
+        "for r in results), 'heavy': [m for m in ('transformers', 'torch') if m in sys.modules]}))\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"exit": [0, 0], "lr_shown": True, "heavy": []}, got
+
+
+def test_trainer_field_snapshot_matches_the_installed_transformers():
+    from asyncgrpo_cli.config import trainer_fields
+
+    stored = trainer_fields.snapshot_specs()
+    assert stored is not None, ("asyncgrpo_cli/config/trainer_fields.json is stale for this transformers or "
+                                "train/config.py; regenerate it: python -m asyncgrpo_cli.config.trainer_fields")
+    assert stored == trainer_fields.live_specs()
+
+
+def test_a_stale_trainer_field_snapshot_is_not_used(tmp_path):
+    from asyncgrpo_cli.config import trainer_fields
+
+    data = json.loads(trainer_fields.SNAPSHOT_PATH.read_text())
+    data["stamp"]["transformers"] = "0.0.1"
+    stale = tmp_path / "trainer_fields.json"
+    stale.write_text(json.dumps(data))
+    assert trainer_fields.snapshot_specs(stale) is None
+    assert trainer_fields.snapshot_specs(tmp_path / "missing.json") is None
+
+
+def test_every_public_name_resolves_to_its_own_object():
+    """``from asyncgrpo_cli import X`` for every public name: a real import, no 'not available' fallback."""
+    import asyncgrpo_cli
+    from asyncgrpo_cli.rollout.types import TurnRecord as rollout_turn_record
+
+    for name in asyncgrpo_cli.__all__:
+        assert getattr(asyncgrpo_cli, name).__name__ == name
+    assert asyncgrpo_cli.TurnRecord is rollout_turn_record  # one TurnRecord, re-exported by rollout.types
+    with pytest.raises(AttributeError, match="no attribute"):
+        asyncgrpo_cli.NotAName  # noqa: B018
