@@ -6,7 +6,8 @@ such as ``asyncgrpo config`` that only composes YAML. So the field list is kept 
 next to this module, stamped with the transformers version it was read from and a hash of
 ``train/config.py`` (where the changed defaults live). When both stamps match the installed versions the
 file is used; otherwise the fields are read live from `AsyncGRPOConfig` (correct, only slower), never
-from a stale file.
+from a stale file, and kept in the user cache (``$ASYNCGRPO_CACHE`` or ``~/.cache/asyncgrpo``,
+``trainer_fields.json``, same stamp) so that only the first compose after an upgrade pays for it.
 
 Regenerate the file after upgrading transformers or editing ``train/config.py``::
 
@@ -20,6 +21,7 @@ import enum
 import hashlib
 import importlib.metadata
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -116,16 +118,33 @@ def snapshot_specs(path: Path = SNAPSHOT_PATH) -> list[FieldSpec] | None:
     return [tuple(item) for item in data.get("fields", [])]  # type: ignore[misc]
 
 
+def cache_path() -> Path:
+    """The user-cache copy of the snapshot, written when the shipped one does not match this install."""
+    from ..models import cache_root
+
+    return cache_root() / "trainer_fields.json"
+
+
 def trainer_field_specs() -> list[FieldSpec]:
-    """The trainer group's fields: from the snapshot when it matches this install, else `live_specs`."""
-    specs = snapshot_specs()
+    """The trainer group's fields: from the shipped snapshot or the user-cache copy when one matches this
+    install, else `live_specs` (then stored in the user cache; a cache that cannot be written is skipped)."""
+    for path in (SNAPSHOT_PATH, cache_path()):
+        specs = snapshot_specs(path)
+        if specs is not None:
+            return specs
+    try:
+        write_snapshot(cache_path())
+    except OSError:
+        return live_specs()
+    specs = snapshot_specs(cache_path())
     return specs if specs is not None else live_specs()
 
 
 def write_snapshot(path: Path = SNAPSHOT_PATH) -> Path:
     """Write `live_specs` with `current_stamp` to ``path`` atomically (temp file + rename)."""
     data = {"stamp": current_stamp(), "fields": [list(s) for s in live_specs()]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
     return path
