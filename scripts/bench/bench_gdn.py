@@ -182,6 +182,14 @@ def measure(fn, device: str, steps: int) -> tuple[float, int | None]:
     return statistics.median(times), peak
 
 
+def _progress(path: Path, result: dict, what: str, started: float) -> None:
+    """Write what is measured so far (``"complete": false``) and say so: a call cut short by its time limit
+    (kernel compilation on first use can take minutes) still leaves its figures."""
+    result["elapsed_s"] = round(time.perf_counter() - started, 2)
+    path.write_text(json.dumps({**result, "complete": False, "last_phase": what}, indent=2) + "\n")
+    print(f"bench_gdn: {what} ({result['elapsed_s']:.1f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script")
@@ -199,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     completion, groups, budget = WORKLOADS[args.shape]
     meta["workload"] = dict(group=GROUP, groups=groups, prompt=PROMPT_RATIO * completion, completion=completion,
                             token_budget=budget, steps=args.steps)
+    started = time.perf_counter()
+    partial = dict(meta)
     model = build_model(args.shape, args.device)
+    _progress(path, partial, "model built", started)
     try:
         backend = apply_tree_attention(model, "flex" if args.device == "cuda" else "sdpa")
     except GatedDeltaNetUnavailable as exc:
@@ -220,13 +231,24 @@ def main(argv: list[str] | None = None) -> int:
     sample_tokens = sum(s.num_tokens for s in samples)
     ratio = sample_tokens / sum(r.num_tokens for r in tree)
     tree_fn, plain_fn = step_fn(model, tree, cfg), step_fn(model, plain, cfg)
-    lt, lp = tree_fn(), plain_fn()
+    partial.update(meta, packing_ratio=round(ratio, 3), rows={"tree": len(tree), "plain": len(plain)})
+    first = time.perf_counter()
+    lt = tree_fn()
+    partial["first_step_s"] = {"tree": time.perf_counter() - first}  # includes kernel compilation on first use
+    _progress(path, partial, "first tree step (kernels compiled)", started)
+    first = time.perf_counter()
+    lp = plain_fn()
+    partial["first_step_s"]["plain"] = time.perf_counter() - first
+    partial["loss"] = {"tree": lt, "plain": lp}
+    _progress(path, partial, "first plain step", started)
     tol = 2e-2 if args.device == "cuda" else 1e-4
     if not math.isclose(lt, lp, rel_tol=tol, abs_tol=tol):
         raise SystemExit(f"tree and plain packing disagree on the loss ({lt} vs {lp}); not timing a wrong result")
     if args.device == "cuda":
         torch.cuda.empty_cache()
     t_tree, m_tree = measure(tree_fn, args.device, args.steps)
+    partial.update(step_s={"tree": t_tree}, peak_memory_bytes={"tree": m_tree})
+    _progress(path, partial, "tree steps timed", started)
     if args.device == "cuda":
         torch.cuda.empty_cache()
     t_plain, m_plain = measure(plain_fn, args.device, args.steps)
@@ -244,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_memory_bytes": {"tree": m_tree, "plain": m_plain},
         "memory_ratio": (m_tree / m_plain) if m_tree and m_plain else None,
         "targets": {"speedup_min": TARGET_SPEEDUP, "memory_ratio_max": TARGET_MEMORY},
+        "first_step_s": partial["first_step_s"], "elapsed_s": round(time.perf_counter() - started, 2),
+        "complete": True,
     }
     if args.device == "cuda":
         result["meets_targets"] = bool(speedup >= TARGET_SPEEDUP and result["memory_ratio"] <= TARGET_MEMORY)
