@@ -673,7 +673,8 @@ class Supervisor:
         rows = self.dashboard.rows if self.dashboard is not None else []
         plot = None
         try:  # the whole run, across resumes (metrics.jsonl's resume markers)
-            plot = plot_run(self.plan.output_dir, self.plan.output_dir / PLOT_NAME)
+            plot = plot_run(self.plan.output_dir, self.plan.output_dir / PLOT_NAME,
+                            sampler=getattr(self.cfg.sampler.backend, "value", self.cfg.sampler.backend))
         except Exception as exc:  # a plotting problem must not hide the run's outcome
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
         summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)
