@@ -537,8 +537,10 @@ class Supervisor:
             if c.status == WARN:
                 self.console.print(Text.assemble(("doctor warning ", "yellow"), f"{c.name}: {c.message}",
                                                  f" (fix: {c.fix})" if c.fix else ""), soft_wrap=True)
+        skipped = [c.name for c in checks if c.status not in (PASS, WARN, FAIL)]
         self.console.print(Text(f"doctor: {sum(c.status == PASS for c in checks)} checks passed, "
-                                f"{sum(c.status == WARN for c in checks)} warning(s)", style="green"))
+                                f"{sum(c.status == WARN for c in checks)} warning(s)"
+                                + (f", not applicable here: {', '.join(skipped)}" if skipped else ""), style="green"))
         return None
 
     def _processes(self):
