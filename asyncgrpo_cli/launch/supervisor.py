@@ -599,7 +599,7 @@ class Supervisor:
                     self.server.track()
                 dash.poll(self._processes())
                 self._stop.wait(self.timeouts.poll_s)
-            dash.poll(self._processes())
+            dash.finish(outcome, self._processes())  # the last frame: the outcome, no ETA, nothing "alive"
         finally:
             self._monitoring = False
             dash.stop()
