@@ -294,9 +294,8 @@ def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
 
         gpu_count = visible_gpu_count()
     if gpu_count == 0:
-        checks.append(Check("GPU split", SKIP, "not applicable: this machine sees no CUDA GPU, so the trainer runs "
-                            "on CPU and there are no GPUs to split (launch.server_gpus / launch.trainer_gpus apply "
-                            "on a GPU machine)"))
+        checks.append(Check("GPU split", SKIP, "not applicable: no CUDA GPU visible here, nothing to split "
+                            "(launch.server_gpus / launch.trainer_gpus apply on a GPU machine)"))
     elif server is not None and trainer is not None and set(server) & set(trainer) and not cfg.launch.get("colocate"):
         status = WARN if cfg.sampler.backend.value == "embedded" else FAIL
         checks.append(Check("GPU split", status, f"server GPUs {list(server)} and trainer GPUs {list(trainer)} overlap",
