@@ -30,6 +30,19 @@ app = typer.Typer(
 err = Console(stderr=True)
 out = Console()
 
+
+def _flags_without_type(display_type_rich):
+    """Typer's ``--help`` shows a type after every option, ``<bool>`` after a flag too; a flag takes no
+    value, so it gets none (the rich help table and the plain one)."""
+
+    def display(self, ctx):
+        return None if getattr(self, "is_flag", False) else display_type_rich(self, ctx)
+
+    return display
+
+
+typer.core.TyperOption.display_type_rich = _flags_without_type(typer.core.TyperOption.display_type_rich)
+
 OVERRIDES_HELP = "Hydra overrides, e.g. +recipe=deepmath rollout.temperature=0.8 trainer.max_steps=100"
 RECIPES_DIR_HELP = "Extra folder of recipes (NAME.yaml) for +recipe=NAME; may be repeated."
 MULTIRUN_HELP = ("Sweep: run one job per combination of the swept values (key=a,b  key=range(1,4)  group=a,b), "
@@ -144,20 +157,24 @@ def _print_version() -> None:
               f"{v('transformers')}, hydra-core {v('hydra-core')}, vllm {v('vllm')})", highlight=False, soft_wrap=True)
 
 
+def _info_rows(title: str, rows: list[tuple[str, str]]) -> None:
+    """One ``--info`` section: its title, then its rows with the names padded to the longest one, so the
+    second column lines up (values are printed whole: no wrapping, no cut)."""
+    out.print(title)
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, value in rows:
+        out.print(f"  {name:<{width}}  {value}", markup=False, highlight=False, soft_wrap=True, crop=False)
+
+
 def _print_info() -> None:
     from .config.hydra_conventions import config_groups, search_path
     from .config.compose import list_recipes
 
-    out.print("[bold]config search path[/]")
-    for what, folder in search_path():
-        out.print(f"  {what:<24} {folder}", highlight=False, soft_wrap=True)
-    out.print("[bold]config groups[/] (group=option; the defaults are in conf/config.yaml)")
-    for group, options in config_groups().items():
-        if group != "recipe":
-            out.print(f"  {group:<10} {', '.join(options)}", highlight=False, soft_wrap=True)
-    out.print("[bold]recipes[/] (+recipe=NAME; add a folder with --recipes-dir DIR)")
-    for r in list_recipes():
-        out.print(f"  {r.name:<10} {r.description}", highlight=False, soft_wrap=True)
+    _info_rows("[bold]config search path[/]", search_path())
+    _info_rows("[bold]config groups[/] (group=option; the defaults are in conf/config.yaml)",
+               [(group, ", ".join(options)) for group, options in config_groups().items() if group != "recipe"])
+    _info_rows("[bold]recipes[/] (+recipe=NAME; add a folder with --recipes-dir DIR)",
+               [(r.name, r.description or "(no description)") for r in list_recipes()])
 
 
 def _hydra_args(overrides: list[str] | None, *, multirun: bool = False, command: str = "train"):
@@ -290,6 +307,10 @@ def serve_cmd(
         for problem in command.problems:
             sys.stdout.write(f"# problem: {problem}\n")
         sys.stdout.write(command.shell_line() + "\n")
+        if command.problems:  # the line is shown, but it would not run as configured
+            err.print(f"[bold red]error:[/] {len(command.problems)} problem(s) above: this server would not start "
+                      "as configured", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
         return
     if command.problems:
         for problem in command.problems:

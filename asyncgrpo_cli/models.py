@@ -8,9 +8,11 @@ user cache (``$ASYNCGRPO_CACHE`` or ``~/.cache/asyncgrpo``) that both the traine
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from .config.rules import ConfigError
@@ -98,23 +100,69 @@ def export_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         if (out / _DONE).is_file():
             return out
         from rich.console import Console
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        Console(stderr=True).print(f"[bold]Exporting[/] {gguf.name} to {out} (once; later runs reuse it)")
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF loader marks the model as quantised; rebuild a plain one from its config and weights.
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config)
-        plain.load_state_dict(loaded.state_dict())
-        plain.generation_config = loaded.generation_config
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _DONE).write_text(gguf.name)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        console = Console(stderr=True)
+        print_export_notice(console, gguf, out)
+        with quiet_progress_bars(not console.is_terminal):
+            _export(gguf, out)
     return out
+
+
+def print_export_notice(console, gguf: Path, out: Path) -> None:
+    """The export line, with the folder on a line of its own, printed whole (never wrapped or cut, so it
+    can be copied) whatever the console's width."""
+    console.print(f"[bold]Exporting[/] {gguf.name} once (later runs reuse it) to:", highlight=False, soft_wrap=True)
+    console.print(f"  {out}", markup=False, highlight=False, soft_wrap=True, crop=False)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars(quiet: bool = True) -> Iterator[None]:
+    """Without a terminal (``quiet``), switch off the progress bars of transformers and huggingface_hub
+    ('Loading weights', 'Writing model shards'), which would spill raw tqdm lines into a log or a pipe;
+    their warnings still show. The previous setting is restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    switch = quiet and hf_logging.is_progress_bar_enabled()
+    if switch:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if switch:
+            hf_logging.enable_progress_bar()
+
+
+def quiet_progress_bars_without_terminal(stream=None) -> bool:
+    """For a child process whose stderr is a log file (trainer, embedded sampler): switch off the progress
+    bars of transformers and huggingface_hub for good (`quiet_progress_bars`); True when it did."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    if getattr(stream, "isatty", lambda: False)():
+        return False
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return True
+
+
+def _export(gguf: Path, out: Path) -> None:
+    """The export itself (`export_gguf` holds the lock): de-quantise into ``<out>.partial``, then rename."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF loader marks the model as quantised; rebuild a plain one from its config and weights.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _DONE).write_text(gguf.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

@@ -159,6 +159,9 @@ def test_smoke_recipe_runs(tmp_path):
     assert proc.returncode == 0, stdout
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all("reward" in l for l in lines)
+    assert not (out / ".weights").exists()  # the weight-sync folder is gone once empty
+    for log in (stdout, (out / "logs" / "trainer.log").read_text(), (out / "logs" / "server.log").read_text()):
+        assert "Loading weights" not in log and "Writing model shards" not in log  # no tqdm bars without a tty
 
 
 def test_two_cpu_processes_train_together(tiny, tmp_path):

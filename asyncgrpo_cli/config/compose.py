@@ -213,7 +213,19 @@ def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
         names = ", ".join(r.name for r in list_recipes())
         return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
     if "Key" in msg and "not in" in msg:
-        return _unknown_key_message(msg)
+        from .override_errors import unknown_key_message
+
+        key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, ""])[1]
+        given = re.search(r"Could not (?:override|append to) '([^']+)'", msg)  # the key as the user wrote it
+        user_key = given.group(1) if given and given.group(1).startswith(str(key)) else str(key)
+        return unknown_key_message(user_key) if user_key else _unknown_key_message(msg)
+    if any(t in msg for t in ("could not be converted to", "is not a valid", "Cannot convert", "Invalid value")):
+        from .override_errors import type_error_message
+
+        key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, None])[1]
+        text = type_error_message(str(key), getattr(cause, "value", None)) if key else None
+        if text:
+            return text
     if "could not be converted to" in msg:
         key = _UNKNOWN_KEY.search(msg)
         kind = re.search(r"could not be converted to (\w+)", msg)
@@ -314,8 +326,11 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the Hydra path, the value and the fix.
     """
+    from .override_errors import added_unknown_keys, unknown_key_message
     from .validate import check_groups
 
+    for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
+        raise ConfigError(unknown_key_message(key).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
     check_fields(_flat_fields(cfg), hydra_path)
     check_groups(cfg)
     if cfg.peft.enabled:

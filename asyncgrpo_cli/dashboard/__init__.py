@@ -139,6 +139,7 @@ class Dashboard:
         self._completions = JsonlTail.at_end(self.output_dir / COMPLETIONS_FILE)
         self._live: Live | None = None
         self._processes: list[ProcessInfo] = []
+        self.outcome: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -168,7 +169,7 @@ class Dashboard:
         """The current frame's data."""
         return DashboardView(status=self.status, history=self.history, diagnosis=self.diagnosis,
                              processes=list(self._processes), settings=self.settings, started_at=self.started_at,
-                             now=time.time(), title=self.title)
+                             now=time.time(), title=self.title, outcome=self.outcome)
 
     def renderable(self):
         """The rich renderable of the current frame."""
@@ -210,6 +211,13 @@ class Dashboard:
         if self._live is not None:
             self._live.update(self.renderable(), refresh=True)
         return new
+
+    def finish(self, outcome: str, processes: Sequence[ProcessInfo] | None = None) -> None:
+        """The run has ended with ``outcome`` (``finished``, ``interrupted``, ``failed``): read the last
+        files and draw the final frame, which shows the outcome, no ETA, and the processes still running
+        as being stopped (the supervisor stops them next)."""
+        self.outcome = outcome
+        self.poll(processes)
 
     def _print_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "resume" and self.mode != "off":

@@ -53,6 +53,8 @@ class DashboardView:
         started_at: when the supervisor started the run (unix seconds).
         now: the frame's time (unix seconds).
         title: panel title (run name / output dir).
+        outcome: set on the last frame, once the run has ended (``finished``, ``interrupted``, ``failed``):
+            the state shows it, no ETA is shown, and processes still running are shown as being stopped.
     """
 
     status: Mapping[str, Any] | None
@@ -63,6 +65,14 @@ class DashboardView:
     started_at: float = field(default_factory=time.time)
     now: float = field(default_factory=time.time)
     title: str = "asyncgrpo"
+    outcome: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run is over: an ``outcome``, or a final state in ``status.json`` (finished, stopped,
+        failed)."""
+        state = str((self.status or {}).get("state") or "")
+        return bool(self.outcome) or state in ("finished", "stopped", "done") or state.startswith("failed")
 
     @property
     def metrics(self) -> dict[str, Any] | None:
@@ -146,6 +156,27 @@ def eta_seconds(view: DashboardView) -> float | None:
     return None
 
 
+def run_state(view: DashboardView) -> str:
+    """The state line: the run's outcome on the last frame, else ``status.json``'s state."""
+    if view.outcome:
+        return view.outcome
+    return str((view.status or {}).get("state") or "starting")
+
+
+STATE_STYLES = {"running": "green", "saving": "cyan", "finished": "bold green", "done": "bold green",
+                "failed": "bold red", "interrupted": "yellow"}
+
+
+def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
+    """(text, style) of a process row: ``external``, ``alive``, ``exited``, or ``stopping`` for one still
+    running once the run has ended (``ended``: the supervisor stops it next)."""
+    if p.alive is None:
+        return "external", "cyan"
+    if not p.alive:
+        return "exited", "red"
+    return ("stopping", "yellow") if ended else ("alive", "green")
+
+
 # ---------------------------------------------------------------------------------------------- panels
 def _kv_table(rows: Sequence[tuple[str, Any]]) -> Table:
     table = Table.grid(padding=(0, 1))
@@ -165,11 +196,9 @@ def run_panel(view: DashboardView) -> Panel:
     epochs = num(s, "num_train_epochs")
     step_txt = fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")
     epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs else "")
-    state = str(s.get("state") or "starting")
-    state_style = {"running": "green", "saving": "cyan", "finished": "bold green", "done": "bold green",
-                   "failed": "bold red"}.get(state.split(":")[0], "yellow")
+    state = run_state(view)
     rows = [
-        ("state", Text(state, style=state_style)),
+        ("state", Text(state, style=STATE_STYLES.get(state.split(":")[0], "yellow"))),
         ("step", step_txt),
         ("epoch", epoch_txt),
         ("elapsed", fmt_duration(view.now - view.started_at)),
@@ -177,6 +206,8 @@ def run_panel(view: DashboardView) -> Panel:
         ("model version", fmt(num(s, "model_version"), ".0f")),
         ("trainer processes", fmt(num(s, "num_processes"), ".0f")),
     ]
+    if view.ended:  # the run has ended: nothing is left to estimate
+        rows = [r for r in rows if r[0] != "ETA"]
     return Panel(_kv_table(rows), title="run", border_style="blue")
 
 
@@ -319,10 +350,7 @@ def processes_panel(view: DashboardView) -> Panel:
     table.add_column(no_wrap=True)
     table.add_column()
     for p in view.processes:
-        if p.alive is None:
-            state = Text("external", style="cyan")
-        else:
-            state = Text("alive", style="green") if p.alive else Text("exited", style="red")
+        state = Text(*process_state(p, bool(view.outcome)))
         table.add_row(p.name, Text(f"pid {p.pid}" if p.pid else DASH), Text.assemble(state, " ", p.detail))
     age = num(view.status, "worker_heartbeat_age_s")
     timeout = view.settings.rollout_worker_timeout
@@ -381,13 +409,15 @@ def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
     ceiling = view.live("max_concurrent_rollouts") or view.settings.max_concurrent_rollouts
     kv = view.live("kv_cache_usage_frac", "rollout/vllm_kv_cache_usage_frac")
     limit = view.settings.max_staleness
-    state = str(s.get("state") or "starting")
-    state_style = {"running": "green", "saving": "cyan", "done": "bold green", "failed": "bold red"}.get(state, "yellow")
+    state = run_state(view)
     rows: list[tuple[str, Any]] = [
-        ("state", Text(state, style=state_style)),
+        ("state", Text(state, style=STATE_STYLES.get(state.split(":")[0], "yellow"))),
         ("step", fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")),
         ("elapsed", fmt_duration(view.now - view.started_at)),
-        ("ETA", fmt_duration(eta_seconds(view))),
+    ]
+    if not view.ended:  # no ETA once the run has ended
+        rows.append(("ETA", fmt_duration(eta_seconds(view))))
+    rows += [
         ("reward", fmt(num(m, "reward"), ".4g")),
         ("kept / dropped", f"{fmt(num(m, 'reward_kept'), '.3g')} / {fmt(num(m, 'reward_dropped'), '.3g')}"),
         ("no-signal groups", fmt_pct(num(m, "frac_reward_zero_std"))),
@@ -413,9 +443,8 @@ def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
         ("model version", fmt(num(s, "model_version"), ".0f")),
     ]
     for p in view.processes:
-        state_txt = "external" if p.alive is None else "alive" if p.alive else "exited"
-        rows.append((p.name, Text(f"{state_txt} {p.pid or ''}".rstrip(),
-                                  style="cyan" if p.alive is None else "green" if p.alive else "red")))
+        state_txt, style = process_state(p, bool(view.outcome))
+        rows.append((p.name, Text(f"{state_txt} {p.pid or ''}".rstrip(), style=style)))
     age = num(view.status, "worker_heartbeat_age_s")
     rows.append(("worker heartbeat", DASH if age is None else f"{age:.1f} s ago"))
     return rows

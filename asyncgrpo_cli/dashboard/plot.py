@@ -24,17 +24,21 @@ REWARD_CURVES = ("reward", "reward_kept")
 THROUGHPUT_CURVES = ("rollout/generated_tokens_per_s", "perf/fwd_bwd_forwarded_tokens_per_s",
                      "perf/wall_clock_trained_tokens_per_s")
 RESUME_EVENT = "resume"
+KV_METRIC = "rollout/vllm_kv_cache_usage_frac"
+#: ``sampler.backend`` -> what the KV usage curve is (the metric keeps its SPEC name, the legend says what it is).
+KV_SOURCES = {"vllm": "vLLM", "embedded": "embedded sampler", "external": "server"}
 
 #: (panel title, y label, metric names) of the fixed panels after the reward panel.
 PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("loss", "loss", ("loss",)),
     ("entropy", "nats / token", ("entropy",)),
-    ("clipped share", "fraction", ("completions/clipped_ratio", "clip_ratio/region_mean", "frac_reward_zero_std")),
+    ("clipped share", "fraction", ("completions/clipped_ratio", "clip_ratio/region_mean")),
+    ("groups without reward spread", "fraction of groups", ("frac_reward_zero_std",)),
     ("staleness", "model versions", ("sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_count")),
     ("completion length", "tokens", ("completions/mean_length", "completions/max_length",
                                      "completions/mean_terminated_length")),
     ("throughput", "tokens / s", THROUGHPUT_CURVES),
-    ("KV cache usage vs cap", "fraction of the KV cache", ("rollout/vllm_kv_cache_usage_frac",)),
+    ("KV cache usage vs cap", "fraction of the KV cache", (KV_METRIC,)),
 )
 #: Drawn on a second y axis of the KV panel: in-flight rollouts against the adaptive cap.
 CONCURRENCY_CURVES = ("rollout/concurrency", "rollout/concurrency_cap")
@@ -130,20 +134,33 @@ def reward_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[li
     return curves
 
 
-def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path,
-                         resumes: Sequence[tuple[float, str]] = ()) -> Path | None:
-    """Draw the run's panels against ``step`` and save them as a PNG: reward (and each reward function),
-    loss, entropy, clipped share, staleness, completion length, throughput, KV cache usage against the
-    concurrency cap. Each resume step gets a dashed vertical line. Event records in ``rows`` are skipped.
+def kv_label(sampler: str | None) -> str:
+    """The legend of the KV usage curve: what it measures (``sampler``: ``sampler.backend``; None = unknown)."""
+    source = KV_SOURCES.get(str(sampler or ""))
+    return f"KV cache usage ({source})" if source else "KV cache usage"
 
-    Returns:
-        The PNG path, or None when ``rows`` hold none of these metrics (nothing is written then).
+
+def curve_panels(rows: Sequence[Mapping[str, Any]], sampler: str | None = None
+                 ) -> list[tuple[str, str, list[tuple[str, tuple[list[float], list[float]]]]]]:
+    """(title, y label, [(legend label, series)]) of each panel, reward panel first (`PANELS` after it).
+
+    ``sampler`` (``sampler.backend``) names the KV usage curve (`kv_label`). Event records are skipped.
     """
     rows = [r for r in rows if not is_event(r)]
-    rewards = reward_curves(rows)
-    panels = [("reward", "reward", rewards)]
+    panels = [("reward", "reward", reward_curves(rows))]
     for title, ylabel, names in PANELS:
-        panels.append((title, ylabel, [(n, s) for n in names if _has(s := _series(rows, n))]))
+        curves = [(kv_label(sampler) if n == KV_METRIC else n, s) for n in names if _has(s := _series(rows, n))]
+        panels.append((title, ylabel, curves))
+    return panels
+
+
+def training_curves_figure(rows: Sequence[Mapping[str, Any]], resumes: Sequence[tuple[float, str]] = (),
+                           sampler: str | None = None):
+    """The matplotlib `Figure` of `plot_training_curves` (Agg, no pyplot state), or None when ``rows``
+    hold none of its metrics. Each panel's legend sits outside its plot area, on the right, so no curve
+    is hidden under it."""
+    panels = curve_panels(rows, sampler)
+    rows = [r for r in rows if not is_event(r)]
     concurrency = [(n, s) for n in CONCURRENCY_CURVES if _has(s := _series(rows, n))]
     if not any(curves for _, _, curves in panels) and not concurrency:
         return None
@@ -156,36 +173,56 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path
 
     ncols = 2
     nrows = (len(panels) + ncols - 1) // ncols
-    fig = Figure(figsize=(13, 3.2 * nrows), dpi=100)
+    fig = Figure(figsize=(17, 3.0 * nrows), dpi=100, layout="constrained")
     axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False).ravel()
     marker = "o" if len(rows) < 30 else None
     for ax, (title, ylabel, curves) in zip(axes, panels):
         for label, (xs, ys) in curves:
             ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+        handles, labels = ax.get_legend_handles_labels()
         if title.startswith("KV") and concurrency:
             twin = ax.twinx()
             for label, (xs, ys) in concurrency:
                 twin.plot(xs, ys, marker=marker, markersize=3, linestyle="--", label=label,
                           color="tab:red" if label.endswith("cap") else "tab:green")
             twin.set_ylabel("rollouts in flight")
-            twin.legend(fontsize=7, loc="upper right")
+            more = twin.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
         if not curves and not (title.startswith("KV") and concurrency):
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         for step, checkpoint in resumes:
-            ax.axvline(step, color="gray", linestyle=":", linewidth=1,
-                       label=f"resumed from {Path(checkpoint).name or 'a checkpoint'}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper left")
+            line = ax.axvline(step, color="gray", linestyle=":", linewidth=1,
+                              label=f"resumed from {Path(checkpoint).name or 'a checkpoint'}")
+            handles, labels = handles + [line], labels + [line.get_label()]
+        if handles:  # outside the plot area (right of the twin axis, if any): it never covers a curve
+            offset = 1.12 if title.startswith("KV") and concurrency else 1.01
+            ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(offset, 1.0),
+                      borderaxespad=0.0, frameon=False)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     for ax in axes[-ncols:]:
         ax.set_xlabel("step")
         ax.tick_params(labelbottom=True)
-    fig.tight_layout()
+    return fig
+
+
+def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path,
+                         resumes: Sequence[tuple[float, str]] = (), sampler: str | None = None) -> Path | None:
+    """Draw the run's panels against ``step`` and save them as a PNG: reward (and each reward function),
+    loss, entropy, clipped share, groups without reward spread, staleness, completion length, throughput,
+    KV cache usage (named for ``sampler``, ``sampler.backend``) against the concurrency cap. Each resume
+    step gets a dashed vertical line. Event records in ``rows`` are skipped.
+
+    Returns:
+        The PNG path, or None when ``rows`` hold none of these metrics (nothing is written then).
+    """
+    fig = training_curves_figure(rows, resumes, sampler)
+    if fig is None:
+        return None
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.png")
@@ -194,7 +231,8 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], out_path: str | Path
     return out
 
 
-def plot_run(output_dir: str | Path, out_path: str | Path) -> Path | None:
-    """`plot_training_curves` of the whole latest run in ``output_dir/metrics.jsonl`` (`run_history`)."""
+def plot_run(output_dir: str | Path, out_path: str | Path, sampler: str | None = None) -> Path | None:
+    """`plot_training_curves` of the whole latest run in ``output_dir/metrics.jsonl`` (`run_history`);
+    ``sampler``: ``sampler.backend``, to name the KV usage curve."""
     history = run_history(load_metrics(Path(output_dir) / "metrics.jsonl"))
-    return plot_training_curves(history.rows, out_path, history.resumes)
+    return plot_training_curves(history.rows, out_path, history.resumes, sampler)

@@ -30,6 +30,7 @@ from ..launch.server_command import (
 )
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
+SKIP = "skip"  # the check does not apply here (its message says why)
 NEWEST_TESTED_VLLM = (0, 33)
 TOP_LOGPROBS_CHEAP_VLLM = (0, 32)  # SPEC §8.2: top log-probs cost <= 3% with --api-server-count 8 from 0.32
 MIN_TRANSFORMERS = (5, 2)
@@ -37,7 +38,8 @@ MIN_TRANSFORMERS = (5, 2)
 
 @dataclass
 class Check:
-    """One doctor check: ``status`` is pass / warn / fail; ``fix`` says what to change (empty on pass)."""
+    """One doctor check: ``status`` is pass / warn / fail / skip (does not apply here, the message says why);
+    ``fix`` says what to change (empty on pass and skip)."""
 
     name: str
     status: str
@@ -78,17 +80,19 @@ def _dig(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
-def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None) -> list[Check]:
-    """All checks for ``cfg`` against ``facts`` (no I/O). See the module docstring.
+def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
+             gpu_count: int | None = None) -> list[Check]:
+    """All checks for ``cfg`` against ``facts`` (no I/O but the installed versions). See the module docstring.
 
     ``colocated``: whether the trainer shares the server's GPU (`launch.colocate.decide_layout`): the
-    server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted."""
+    server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted.
+    ``gpu_count``: the GPUs this machine sees (None = ask torch); with none the GPU split is skipped."""
     checks: list[Check] = []
     add = checks.append
     if not facts.reachable:
         add(Check("server reachable", FAIL, f"no answer from {facts.url}: {facts.error}",
                   "start it with `asyncgrpo serve` (same overrides), or set sampler.url to where it runs"))
-        checks.extend(_local_checks(cfg))
+        checks.extend(_local_checks(cfg, gpu_count))
         return checks
     kind = "asyncgrpo embedded sampler" if facts.embedded else f"vLLM {(facts.version or {}).get('version', '?')}"
     add(Check("server reachable", PASS, f"{kind} at {facts.url}"))
@@ -135,7 +139,7 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None)
     else:
         add(Check("/metrics", PASS, "KV-cache usage and queue depth readable"))
     checks.extend(_version_checks(cfg, facts))
-    checks.extend(_local_checks(cfg))
+    checks.extend(_local_checks(cfg, gpu_count))
     return checks
 
 
@@ -274,7 +278,7 @@ def _version_checks(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
     return [Check("vLLM version", PASS, f"{text} (supported 0.26–0.33)")]
 
 
-def _local_checks(cfg: DictConfig) -> list[Check]:
+def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
     checks = []
     try:
         tv = importlib.metadata.version("transformers")
@@ -285,7 +289,14 @@ def _local_checks(cfg: DictConfig) -> list[Check]:
     else:
         checks.append(Check("transformers", PASS, tv))
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
-    if server is not None and trainer is not None and set(server) & set(trainer) and not cfg.launch.get("colocate"):
+    if gpu_count is None:
+        from ..launch.plan import visible_gpu_count
+
+        gpu_count = visible_gpu_count()
+    if gpu_count == 0:
+        checks.append(Check("GPU split", SKIP, "not applicable: no CUDA GPU visible here, nothing to split "
+                            "(launch.server_gpus / launch.trainer_gpus apply on a GPU machine)"))
+    elif server is not None and trainer is not None and set(server) & set(trainer) and not cfg.launch.get("colocate"):
         status = WARN if cfg.sampler.backend.value == "embedded" else FAIL
         checks.append(Check("GPU split", status, f"server GPUs {list(server)} and trainer GPUs {list(trainer)} overlap",
                             "give the server and the trainer different GPUs (launch.server_gpus / launch.trainer_gpus)"))
@@ -386,7 +397,7 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
         return 1 if failed else 0
     console = Console()
     table = Table("check", "status", "detail", "fix", title=f"asyncgrpo doctor: {facts.url}", show_lines=False)
-    style = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
+    style = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
     for c in checks:
         table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.message, c.fix)
     console.print(table)

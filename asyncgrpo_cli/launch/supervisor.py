@@ -529,8 +529,10 @@ class Supervisor:
             if c.status == WARN:
                 self.console.print(Text.assemble(("doctor warning ", "yellow"), f"{c.name}: {c.message}",
                                                  f" (fix: {c.fix})" if c.fix else ""), soft_wrap=True)
+        skipped = [c.name for c in checks if c.status not in (PASS, WARN, FAIL)]
         self.console.print(Text(f"doctor: {sum(c.status == PASS for c in checks)} checks passed, "
-                                f"{sum(c.status == WARN for c in checks)} warning(s)", style="green"))
+                                f"{sum(c.status == WARN for c in checks)} warning(s)"
+                                + (f", not applicable here: {', '.join(skipped)}" if skipped else ""), style="green"))
         return None
 
     def _processes(self):
@@ -589,7 +591,7 @@ class Supervisor:
                     self.server.track()
                 dash.poll(self._processes())
                 self._stop.wait(self.timeouts.poll_s)
-            dash.poll(self._processes())
+            dash.finish(outcome, self._processes())  # the last frame: the outcome, no ETA, nothing "alive"
         finally:
             self._monitoring = False
             dash.stop()
@@ -665,7 +667,8 @@ class Supervisor:
         rows = self.dashboard.rows if self.dashboard is not None else []
         plot = None
         try:  # the whole run, across resumes (metrics.jsonl's resume markers)
-            plot = plot_run(self.plan.output_dir, self.plan.output_dir / PLOT_NAME)
+            plot = plot_run(self.plan.output_dir, self.plan.output_dir / PLOT_NAME,
+                            sampler=getattr(self.cfg.sampler.backend, "value", self.cfg.sampler.backend))
         except Exception as exc:  # a plotting problem must not hide the run's outcome
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
         summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default=None, help="checkpoint folder, or 'last'")
     ns = parser.parse_args(argv)
     from ..config.rules import ConfigError, ConfigTypeError
+    from ..models import quiet_progress_bars_without_terminal
+
+    quiet_progress_bars_without_terminal()  # logs/trainer.log: no raw 'Loading weights' / 'Writing model shards' bars
     from ..rollout.worker import RolloutWorkerError
 
     _follow_supervisor()

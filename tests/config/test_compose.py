@@ -167,6 +167,36 @@ def test_unknown_key_suggests_the_closest():
         compose(["rollot.top_k=4"])
 
 
+@pytest.mark.parametrize("override, suggestion, not_suggested", [
+    ("rollouts.x=1", "did you mean rollout?", "loss"),                      # the nearest group, by full path
+    ("rollouts.top_k=3", "did you mean rollout.top_k", "loss"),             # the same key under that group
+    ("+rollout.num_generation=3", "did you mean rollout.num_generations", "loss"),  # `+` adds nothing unread
+    ("+rollouts.x=1", "did you mean rollout?", "loss"),
+    ("rollout.xx=1", "every key of the rollout group", "did you mean"),     # nothing near: no guess
+])
+def test_unknown_key_suggests_the_nearest_real_key_by_path(override, suggestion, not_suggested):
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    assert suggestion in str(info.value) and not_suggested not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.num_generations=abc", "field rollout.num_generations: value 'abc' is not an integer. Fix: "
+                                    "rollout.num_generations=8 (its default)"),
+    ("rollout.temperature=hot", "field rollout.temperature: value 'hot' is not a number. Fix: rollout.temperature="),
+    ("trainer.bf16=maybe", "field trainer.bf16: value 'maybe' is not true or false"),
+    ("sampler.backend=foo", "field sampler.backend: value 'foo' is not one of vllm, embedded, external. Fix: "
+                            "sampler.backend=vllm or"),
+    ("launch.server_gpus=abc", "field launch.server_gpus: value 'abc' is not a list"),
+])
+def test_a_value_of_the_wrong_type_names_field_value_type_and_fix(override, expected):
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    text = str(info.value)
+    assert text.startswith(expected), text
+    assert "full_key" not in text and "object_type" not in text and "reference_type" not in text
+
+
 def test_public_sampler_host_needs_allow_public():
     from asyncgrpo_cli.config.compose import public_host_warning
 

@@ -39,6 +39,25 @@ def test_version_info_help_and_completion():
     assert "-m" in invoke("train", "--help").output
 
 
+def test_info_columns_line_up_and_flags_show_no_type():
+    lines = invoke("--info").output.splitlines()
+    sections, current = [], None
+    for line in lines:
+        if not line.startswith("  "):
+            current = []
+            sections.append(current)
+        else:
+            name, _, value = line[2:].partition("  ")
+            current.append(len(line) - len(line[2:].split("  ", 1)[1].lstrip()) if value else None)
+    assert len(sections) == 3
+    for starts in sections:  # within a section every value starts in the same column
+        assert starts and None not in starts and len(set(starts)) == 1, starts
+    for command in ((), ("train",), ("serve",), ("config",)):
+        text = invoke(*command, "--help").output
+        assert "--help" in text and "<bool>" not in text, command
+    assert "<list[Path]>" in invoke("train", "--help").output  # an option that takes a value keeps its type
+
+
 def test_cfg_job_hydra_all():
     job = invoke("config", "+recipe=smoke", "--cfg", "job")
     assert job.exit_code == 0 and yaml.safe_load(job.output)["rollout"]["num_generations"] == 4

@@ -132,3 +132,11 @@ def test_dry_run_of_a_missing_model_package_still_prints_the_line():
     result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "model.name=no_such_model_package", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "a real start would stop here" in result.output and "vllm serve no_such_model_package" in result.output
+
+
+def test_dry_run_that_reports_a_problem_exits_2():
+    result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "launch.colocate=true", "launch.trainer_gpus=[1]",
+                                      "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "# problem: launch.trainer_gpus=[1]" in result.output
+    assert any(ln.startswith("CUDA_VISIBLE_DEVICES=") for ln in result.output.splitlines())  # the line is still shown

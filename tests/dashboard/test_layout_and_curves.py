@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -9,7 +10,14 @@ from rich.console import Console
 
 from asyncgrpo_cli.dashboard import Dashboard
 from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
-from asyncgrpo_cli.dashboard.plot import _series, plot_run, reward_curves, run_history
+from asyncgrpo_cli.dashboard.plot import (
+    _series,
+    curve_panels,
+    plot_run,
+    reward_curves,
+    run_history,
+    training_curves_figure,
+)
 
 from .test_panels import STATUS, view_of, window
 
@@ -93,3 +101,49 @@ def test_dashboard_skips_event_records(tmp_path):
     new = dash.poll()
     assert [r["step"] for r in new] == [5] and [r["step"] for r in dash.history.rows] == [5]
     assert "resumed at step 4 from checkpoint-4" in console.export_text()
+
+
+def test_curve_panels_put_each_metric_where_it_belongs_and_name_the_kv_source():
+    rows = [window(s) for s in (1, 2, 3)]
+    panels = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "embedded")}
+    assert "frac_reward_zero_std" not in panels["clipped share"]
+    assert panels["groups without reward spread"] == ["frac_reward_zero_std"]
+    assert panels["KV cache usage vs cap"] == ["KV cache usage (embedded sampler)"]
+    vllm = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "vllm")}
+    assert vllm["KV cache usage vs cap"] == ["KV cache usage (vLLM)"]
+
+
+def test_training_curve_legends_never_cover_the_plot_area():
+    rows = [window(s) for s in range(1, 9)]
+    fig = training_curves_figure(rows, resumes=[(4.0, "checkpoint-4")], sampler="embedded")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # lays the figure out (constrained layout), so the extents are final
+    renderer = canvas.get_renderer()
+    legends = 0
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None or not ax.get_visible():
+            continue
+        legends += 1
+        box = legend.get_window_extent(renderer)
+        for other in fig.axes:  # neither its own plot area nor a neighbour's (nor the KV panel's twin)
+            if other.get_visible():
+                assert not box.overlaps(other.get_window_extent(renderer)), (ax.get_title(), other.get_title())
+        assert fig.bbox.contains(box.x1 - 1, box.y0 + 1), ax.get_title()  # inside the image, not cut off
+    assert legends >= 8
+
+
+def test_the_last_frame_of_an_ended_run_shows_no_eta_and_nothing_alive():
+    running = view_of()
+    for width, height in ((160, 60), (80, 24)):  # the wide grid and the compact panel
+        text = "\n".join(render(render_dashboard(running, width=width, height=height), width, height))
+        assert "ETA" in text and "alive" in text and "interrupted" not in text
+        ended = dataclasses.replace(running, outcome="interrupted")
+        text = "\n".join(render(render_dashboard(ended, width=width, height=height), width, height))
+        assert "ETA" not in text and "alive" not in text, text
+        assert "interrupted" in text and "stopping" in text  # the server still running is being stopped
+    # A final state in status.json alone (the trainer stopped, the supervisor not yet): no ETA either.
+    stopped = view_of(status={**STATUS, "state": "stopped"})
+    assert "ETA" not in "\n".join(render(render_dashboard(stopped, width=160, height=60), 160, 60))

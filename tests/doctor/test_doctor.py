@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate
+from asyncgrpo_cli.doctor.checks import FAIL, PASS, SKIP, WARN, ServerFacts, evaluate
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import make_tiny_model
 
@@ -88,8 +88,15 @@ def statuses(checks):
 
 
 def test_vllm_checks_pass_for_the_builders_own_flags():
-    st = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts()))
+    st = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
     assert all(v == PASS for v in st.values()), st
+
+
+def test_gpu_split_is_skipped_with_the_reason_on_a_machine_without_gpus():
+    cpu = {c.name: c for c in evaluate(compose(["+recipe=smoke"]), vllm_facts(), gpu_count=0)}
+    assert cpu["GPU split"].status == SKIP and "no CUDA GPU" in cpu["GPU split"].message
+    gpu = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
+    assert gpu["GPU split"] == PASS
 
 
 @pytest.mark.parametrize("facts, ov, name, status", [

@@ -20,6 +20,14 @@ def _owned_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` when nothing is left in it (a file still there keeps it)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
 class EmbeddedPathSync(WeightSyncBackend):
     """Merged/full-weight sync to the embedded sampler (``"server": "asyncgrpo-embedded"``).
 
@@ -31,7 +39,9 @@ class EmbeddedPathSync(WeightSyncBackend):
 
     Args:
         client: `SyncSamplerClient` of the embedded server.
-        weights_dir: folder both processes can read (``<output_dir>/.weights/``); created.
+        weights_dir: folder both processes can read (``<output_dir>/.weights/``); created for each sync
+            and removed after it when the sync created it and it is empty again (no empty folder is left
+            in the output folder).
     """
 
     mode = "full"
@@ -51,6 +61,7 @@ class EmbeddedPathSync(WeightSyncBackend):
 
         timings = SyncTimings()
         start = now()
+        created = not self.weights_dir.exists()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         buckets = source.buckets()
         try:
@@ -77,5 +88,8 @@ class EmbeddedPathSync(WeightSyncBackend):
         except BaseException:
             drain_quietly(buckets)
             raise
+        finally:
+            if created:
+                _remove_if_empty(self.weights_dir)
         timings.total_s = now() - start
         return timings

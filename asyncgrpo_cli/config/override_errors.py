@@ -1,0 +1,203 @@
+"""User-facing messages for the two override mistakes OmegaConf reports in its own terms: a value of the
+wrong type (``field X: value V is not <type>. Fix: ...``) and an unknown key (the nearest real keys by
+their full dotted path, with difflib).
+
+The schema (`schema.AppConfig` and its group dataclasses) is the only source: the expected type, the
+default shown as an example, and the list of real keys all come from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from typing import Any
+
+_MISSING = object()
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a generated class: its fields carry real types already
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """(the type without Optional, whether None is allowed)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    tp, _ = _unwrap(tp)
+    if typing.get_origin(tp) is list:  # rewards: a list of RewardFuncConfig
+        tp = typing.get_args(tp)[0]
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def field_at(path: str) -> tuple[Any, Any] | None:
+    """(type annotation, default) of the schema field at the dotted ``path`` (``rollout.temperature``);
+    None when no such field exists. The default is ``_MISSING`` when it is made by a factory."""
+    from .schema import AppConfig
+
+    cls: type | None = AppConfig
+    parts = [p for p in path.split(".") if not p.isdigit()]  # rewards.0.func -> rewards.func
+    for i, part in enumerate(parts):
+        if cls is None:
+            return None
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return None
+        f = fields[part]
+        tp = _hints(cls).get(part, f.type)
+        if i == len(parts) - 1:
+            return tp, (f.default if f.default is not dataclasses.MISSING else _MISSING)
+        cls = _dataclass_of(tp)
+    return None
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the schema (groups and their fields, e.g. ``rollout`` and ``rollout.top_k``)."""
+    from .schema import AppConfig
+
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            out.append(key)
+            sub = _dataclass_of(_hints(cls).get(f.name, f.type))
+            if sub is not None:
+                walk(sub, key + ".")
+
+    walk(AppConfig, "")
+    return out
+
+
+def describe_type(tp: Any) -> str:
+    """``an integer``, ``a number``, ``true or false``, ``one of vllm, embedded, external``, ...; with
+    ``(or null)`` when None is allowed."""
+    tp, optional = _unwrap(tp)
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        text = "one of " + ", ".join(str(m.value) for m in tp)
+    elif tp is bool:
+        text = "true or false"
+    elif tp is int:
+        text = "an integer"
+    elif tp is float:
+        text = "a number"
+    elif tp is str:
+        text = "a string"
+    elif origin is list or tp is list:
+        text = "a list, e.g. [a, b]"
+    elif origin is dict or tp is dict:
+        text = "a mapping, e.g. {a: 1}"
+    else:
+        text = f"a {getattr(tp, '__name__', str(tp))}"
+    return text + (" (or null)" if optional else "")
+
+
+def _example(key: str, tp: Any, default: Any) -> str:
+    tp, _ = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " or ".join(f"{key}={m.value}" for m in tp)
+    if tp is bool:
+        return f"{key}=true or {key}=false"
+    if default is not _MISSING and default is not None:
+        shown = default.value if isinstance(default, enum.Enum) else default
+        shown = str(shown).lower() if isinstance(shown, bool) else shown
+        return f"{key}={shown} (its default)"
+    if typing.get_origin(tp) is list or tp is list:
+        item = (typing.get_args(tp) or (str,))[0]
+        return f"{key}=[0,1]" if item is int else f"{key}=[a,b]"
+    placeholder = {int: "8", float: "0.5", str: "text"}.get(tp, "VALUE")
+    return f"{key}={placeholder}"
+
+
+def type_error_message(full_key: str, value: Any) -> str | None:
+    """``field X: value V is not <type>. Fix: X=...`` for a value OmegaConf could not convert to the
+    field's type; None when ``full_key`` is not a schema field (the caller keeps OmegaConf's text)."""
+    found = field_at(full_key)
+    if found is None:
+        return None
+    tp, default = found
+    shown = f"'{value}'" if isinstance(value, str) else str(value)
+    return (f"field {full_key}: value {shown} is not {describe_type(tp)}. Fix: {_example(full_key, tp, default)} "
+            "(`asyncgrpo config --doc` describes every key)")
+
+
+def unknown_key_message(user_key: str) -> str:
+    """An unknown ``user_key`` (a full dotted key such as ``rollouts.x``): the nearest real keys by full
+    path; when its group is misspelt, the same key under the nearest group (``rollout.x``) if that
+    exists, else that group itself."""
+    keys = all_keys()
+    real = set(keys)
+    parts = user_key.split(".")
+    valid = 0
+    while valid < len(parts) and ".".join(parts[: valid + 1]) in real:
+        valid += 1
+    if valid == len(parts):
+        return f"key {user_key!r} could not be set. Fix: check it against `asyncgrpo config --doc`"
+    prefix = ".".join(parts[:valid])
+    level = [k for k in keys if k.count(".") == valid and (not prefix or k.startswith(prefix + "."))]
+    names = [k.rsplit(".", 1)[-1] for k in level]
+    suggestions: list[str] = []
+    for name in difflib.get_close_matches(parts[valid], names, n=3, cutoff=0.75):
+        node = ".".join([*parts[:valid], name])
+        fixed = ".".join([node, *parts[valid + 1:]])
+        suggestions.append(fixed if fixed in real else node)
+    depth = user_key.count(".")
+    for key in difflib.get_close_matches(user_key, [k for k in keys if k.count(".") == depth], n=3, cutoff=0.8):
+        if key not in suggestions:
+            suggestions.append(key)
+    where = f"the {prefix} group has no field {parts[valid]!r}" if prefix else f"there is no group {parts[0]!r}"
+    if suggestions:
+        fix = "did you mean " + " or ".join(suggestions[:3]) + "?"
+        if all(s.count(".") < user_key.count(".") for s in suggestions):  # only a group matched
+            fix += f" (`asyncgrpo config --doc` lists the keys of {suggestions[0]})"
+    elif prefix:
+        fix = f"`asyncgrpo config --doc` lists every key of the {prefix} group"
+    else:
+        groups = [k for k in keys if "." not in k]
+        fix = f"the groups are {', '.join(groups)}"
+    return f"unknown key {user_key!r}: {where}. Fix: {fix}"
+
+
+def added_unknown_keys(cfg: Any) -> list[str]:
+    """Dotted keys of the composed ``cfg`` that are no schema field: what ``+group.key=V`` (or a recipe) added
+    next to the real keys. The free-form mappings (``data.task_kwargs``, ``sampler.env``, ...) and the
+    entries of a list group (``rewards``) are not looked into beyond their own fields."""
+    from omegaconf import DictConfig, ListConfig
+
+    from .schema import AppConfig
+
+    out: list[str] = []
+
+    def walk(node: Any, cls: type, prefix: str) -> None:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = _hints(cls)
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            if key not in fields:
+                out.append(path)
+                continue
+            sub = _dataclass_of(hints.get(key, fields[key].type))
+            child = node._get_node(key)
+            if sub is None or child is None or child._is_none() or child._is_missing():
+                continue
+            if isinstance(child, DictConfig):
+                walk(child, sub, path + ".")
+            elif isinstance(child, ListConfig):
+                for i, item in enumerate(child):
+                    if isinstance(item, DictConfig):
+                        walk(item, sub, f"{path}.{i}.")
+
+    walk(cfg, AppConfig, "")
+    return out
