@@ -213,7 +213,7 @@ class Dashboard:
         return new
 
     def finish(self, outcome: str, processes: Sequence[ProcessInfo] | None = None) -> None:
-        """The run has ended with ``outcome`` (``finished``, ``interrupted``, ``failed``): read the last
+        """The run has ended with ``outcome`` (``finished``, ``stopped``, ``failed``): read the last
         files and draw the final frame, which shows the outcome, no ETA, and the processes still running
         as being stopped (the supervisor stops them next)."""
         self.outcome = outcome

@@ -53,7 +53,7 @@ class DashboardView:
         started_at: when the supervisor started the run (unix seconds).
         now: the frame's time (unix seconds).
         title: panel title (run name / output dir).
-        outcome: set on the last frame, once the run has ended (``finished``, ``interrupted``, ``failed``):
+        outcome: set on the last frame, once the run has ended (``finished``, ``stopped``, ``failed``):
             the state shows it, no ETA is shown, and processes still running are shown as being stopped.
     """
 
@@ -164,7 +164,7 @@ def run_state(view: DashboardView) -> str:
 
 
 STATE_STYLES = {"running": "green", "saving": "cyan", "finished": "bold green", "done": "bold green",
-                "failed": "bold red", "interrupted": "yellow"}
+                "failed": "bold red", "stopped": "yellow"}
 
 
 def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
@@ -528,7 +528,7 @@ class RunSummary:
     """End-of-run numbers.
 
     Attributes:
-        outcome: ``finished``, ``failed`` or ``interrupted``.
+        outcome: ``finished``, ``failed`` or ``stopped``.
         steps: the last logged step (None without metrics).
         elapsed_s: wall time of the run (seconds).
         final_reward: ``reward`` of the last window.
@@ -584,7 +584,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
     """(label, value) rows of the end-of-run summary: every checkpoint path in full, or (``compact``, for the
     boxed panel) the last three checkpoint names on one row."""
-    style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
+    style = {"finished": "green", "failed": "red", "stopped": "yellow"}.get(summary.outcome, "")
     rows: list[tuple[str, Any]] = [
         ("outcome", Text(summary.outcome, style=style)),
         ("steps", DASH if summary.steps is None else str(summary.steps)),
@@ -613,6 +613,6 @@ def summary_lines(summary: RunSummary) -> list[str]:
 
 def summary_panel(summary: RunSummary) -> Panel:
     """The end-of-run panel: steps, time, final reward, mean throughput, checkpoints, curves."""
-    style = {"finished": "green", "failed": "red", "interrupted": "yellow"}.get(summary.outcome, "")
+    style = {"finished": "green", "failed": "red", "stopped": "yellow"}.get(summary.outcome, "")
     rows = summary_rows(summary, compact=True)
     return Panel(_kv_table(rows), title="[bold]asyncgrpo train: summary[/]", border_style=style or "blue")

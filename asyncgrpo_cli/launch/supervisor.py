@@ -576,7 +576,7 @@ class Supervisor:
                                     "now, without saving)", style="yellow"))
                     self._stop_child(trainer, signal.SIGINT, grace)
                     dash.print(Text(self._checkpoint_report(), style="yellow"))
-                    outcome, status = "interrupted", self._interrupted_rc()
+                    outcome, status = "stopped", self._interrupted_rc()
                     break
                 if self.server is not None and self.server.poll() is not None:
                     code = self.server.poll()
@@ -678,7 +678,7 @@ class Supervisor:
             for line in summary_lines(summary):
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
         newest = self._newest_checkpoint()
-        if outcome == "interrupted" and newest:
+        if outcome == "stopped" and newest:
             self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={newest}",
                                     style="cyan"), soft_wrap=True)
 

@@ -139,11 +139,11 @@ def test_the_last_frame_of_an_ended_run_shows_no_eta_and_nothing_alive():
     running = view_of()
     for width, height in ((160, 60), (80, 24)):  # the wide grid and the compact panel
         text = "\n".join(render(render_dashboard(running, width=width, height=height), width, height))
-        assert "ETA" in text and "alive" in text and "interrupted" not in text
-        ended = dataclasses.replace(running, outcome="interrupted")
+        assert "ETA" in text and "alive" in text and "stopped" not in text
+        ended = dataclasses.replace(running, outcome="stopped")
         text = "\n".join(render(render_dashboard(ended, width=width, height=height), width, height))
         assert "ETA" not in text and "alive" not in text, text
-        assert "interrupted" in text and "stopping" in text  # the server still running is being stopped
+        assert "stopped" in text and "stopping" in text  # the server still running is being stopped
     # A final state in status.json alone (the trainer stopped, the supervisor not yet): no ETA either.
     stopped = view_of(status={**STATUS, "state": "stopped"})
     assert "ETA" not in "\n".join(render(render_dashboard(stopped, width=160, height=60), 160, 60))
