@@ -41,7 +41,8 @@ def _flags_without_type(display_type_rich):
     return display
 
 
-typer.core.TyperOption.display_type_rich = _flags_without_type(typer.core.TyperOption.display_type_rich)
+if hasattr(typer.core.TyperOption, "display_type_rich"):  # Typer's help internals: only where they are as known
+    typer.core.TyperOption.display_type_rich = _flags_without_type(typer.core.TyperOption.display_type_rich)
 
 OVERRIDES_HELP = "Hydra overrides, e.g. +recipe=deepmath rollout.temperature=0.8 trainer.max_steps=100"
 RECIPES_DIR_HELP = "Extra folder of recipes (NAME.yaml) for +recipe=NAME; may be repeated."
