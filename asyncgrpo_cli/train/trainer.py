@@ -38,6 +38,7 @@ from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition
 from .server_checks import check_server
 from .startup import check_peft_targets, check_sampling_mask, check_trainer_inputs, server_token_budget
+from .trackers import log_completions
 from .tree_attention import apply_tree_attention
 
 POLL_S = 0.25  # rollout-queue poll while waiting, seconds
@@ -738,6 +739,9 @@ class AsyncGRPOTrainer(Trainer):
         self.log(dict(logs))
         self.live.append_metrics({"step": self.state.global_step, "epoch": self.state.epoch, "time": time.time(),
                                   **logs})
+        if self.args.log_completions and self.worker is not None:  # SPEC §16.3: completions.jsonl, trackers
+            log_completions(self.worker.take_completions(), self.state.global_step, self.args.num_completions_to_print,
+                            self.live, self.callback_handler.callbacks)
 
     def _save_checkpoint(self, model, trial) -> None:
         """`transformers.Trainer._save_checkpoint`, made atomic and carrying the rollout position
