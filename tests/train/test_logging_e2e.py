@@ -110,6 +110,10 @@ def run(tmp_path_factory):
         trainer.train()
     finally:
         server.stop()
+        if "wandb" in reporters:
+            import wandb
+
+            wandb.finish()  # the offline run's files are complete, and no run stays open for later tests
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
