@@ -56,6 +56,10 @@ SPEC_METRICS = [
     "perf/wall_clock_trained_tokens_per_s", "perf/fwd_bwd_mfu", "perf/wall_clock_mfu",
 ]
 # Names a one-turn text run without tools cannot produce, with what they need (SPEC's "only logged when ...").
+# The tool, environment and multi-turn names are checked where those paths run: tests/rollout/test_tools.py
+# (tools/*, rollout/fork_frac, rollout/drift_tokens_*), tests/rollout/test_tools_env.py (env/*,
+# tools/call_frequency, tools/loop_exhausted_frac); aux_loss in tests/train/test_moe_aux.py. The MFU pair needs a
+# GPU of known peak and no CPU test checks it.
 CONDITIONAL = {
     "tools/call_frequency": "tools or environment_factory", "tools/failure_frequency": "tools",
     "tools/latency_s": "tools", "tools/{tool_name}/latency_s": "tools", "tools/{tool_name}/call_count": "tools",
