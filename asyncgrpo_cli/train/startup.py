@@ -136,5 +136,22 @@ def check_sampling_mask(args, sampler) -> None:
         warnings.warn(warning, UserWarning, stacklevel=3)
 
 
-__all__ = ["ConfigError", "check_peft_targets", "check_sampling_mask", "check_server_lengths",
-           "check_trainer_inputs", "server_token_budget"]
+def check_server_at_start(sampler, args, model_id: str, model=None) -> int:
+    """Rank 0, before the rollout worker starts: wait for the server, run doctor's checks against it (a dtype
+    mismatch is one warning line naming both dtypes and the fix, SPEC §8.1; `server_checks.check_server`),
+    SPEC §7's candidate-set check and the length checks. Returns the token budget (`server_token_budget`).
+
+    Raises:
+        SamplerUnavailableError: the server did not come up within ``vllm_server_timeout``.
+        ServerMismatchError: a doctor check failed (each with doctor's fix).
+        ConfigError: no candidate sets where they are needed, or no room for a prompt.
+    """
+    from .server_checks import check_server
+
+    check_server(sampler, args, model_id, model)
+    check_sampling_mask(args, sampler)
+    return server_token_budget(args, sampler)
+
+
+__all__ = ["ConfigError", "check_peft_targets", "check_sampling_mask", "check_server_at_start",
+           "check_server_lengths", "check_trainer_inputs", "server_token_budget"]

@@ -36,8 +36,7 @@ from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition
-from .server_checks import check_server
-from .startup import check_peft_targets, check_sampling_mask, check_trainer_inputs, server_token_budget
+from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
 from .tree_attention import apply_tree_attention
 
@@ -347,9 +346,7 @@ class AsyncGRPOTrainer(Trainer):
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-            check_server(self.sampler, args, self.model_id, self.model)  # waits (saying so), then doctor's checks
-            check_sampling_mask(args, self.sampler)
-            budget = server_token_budget(args, self.sampler)
+            budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
                              max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version,
