@@ -83,12 +83,26 @@ def parity_or_flat(prompts, completion_ids, **kwargs):
     return out
 
 
+def eos_prone(model_dir: Path) -> Path:
+    """The tiny random model with its EOS logit scaled up (about 4% a token instead of 0.3%), so that some
+    completions of 8 tokens end with EOS and the ``*_terminated_length`` metrics have something to measure."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    with torch.no_grad():
+        model.get_output_embeddings().weight[eos] *= 20.0
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One 4-step run (logging_steps=2, log_completions, report_to tensorboard + wandb offline): its folder."""
     pytest.importorskip("tensorboard")
     root = tmp_path_factory.mktemp("logging")
-    model = make_tiny_model(root / "tiny")
+    model = eos_prone(make_tiny_model(root / "tiny"))
     reporters = ["tensorboard"]
     try:
         import wandb  # noqa: F401
