@@ -75,11 +75,12 @@ CONDITIONAL = {
 
 def parity_or_flat(prompts, completion_ids, **kwargs):
     """Picklable reward: the same reward for every completion of prompts whose number is a multiple of 3 (their
-    groups are dropped, so ``reward_dropped`` is logged), else token parity (spread inside a group)."""
+    groups are dropped, so ``reward_dropped`` is logged), else the parity of the first token (spread inside a
+    group, and 0 for a completion that is only EOS, id 2: short completions do not flatten the groups)."""
     out = []
     for prompt, ids in zip(prompts, completion_ids):
         number = int(prompt[-1]["content"].split()[2])
-        out.append(1.0 if number % 3 == 0 else float(bool(ids) and ids[0] % 2 == ids[-1] % 2))
+        out.append(1.0 if number % 3 == 0 else float(bool(ids) and ids[0] % 2 == 1))
     return out
 
 
@@ -120,7 +121,7 @@ def run(tmp_path_factory):
         rows = [{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]} for i in range(12)]
         args = AsyncGRPOConfig(output_dir=str(out), max_steps=4, logging_steps=2, num_generations=4,
                                max_completion_length=8, num_sampler_logprobs=3, vllm_server_base_url=server.url,
-                               learning_rate=1e-2, save_strategy="no", report_to=reporters, max_staleness=1,
+                               learning_rate=1e-3, save_strategy="no", report_to=reporters, max_staleness=1,
                                vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd",
                                max_grad_norm=0.0, log_completions=True, num_completions_to_print=3)
         trainer = AsyncGRPOTrainer(model=str(model), reward_funcs=[parity_or_flat], args=args,
