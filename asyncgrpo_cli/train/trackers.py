@@ -77,8 +77,11 @@ def send_to_trackers(callbacks: Iterable[Any], records: Sequence[Mapping[str, An
                 sent.append("wandb")
             elif kind == "TrackioCallback" and getattr(cb, "_initialized", False):
                 table = getattr(cb._trackio, "Table", None)
-                if table is not None:
-                    cb._trackio.log({TABLE_KEY: table(columns=columns, data=rows), "train/global_step": step})
+                if table is not None:  # a DataFrame: the form every trackio version with a Table reads
+                    import pandas as pd
+
+                    frame = pd.DataFrame(rows, columns=columns)
+                    cb._trackio.log({TABLE_KEY: table(dataframe=frame), "train/global_step": step})
                     sent.append("trackio")
         except Exception as exc:  # noqa: BLE001 - a tracker's failure must not stop training
             warnings.warn(f"log_completions: the {kind} tracker did not take the completions table "

@@ -99,3 +99,19 @@ def test_a_failing_tracker_warns_and_training_goes_on():
 
     with pytest.warns(UserWarning, match="WandbCallback tracker did not take the completions table.*disk full"):
         assert send_to_trackers([WandbCallback()], [{"step": 1, "prompt": "p", "completion": "c"}], 1) == []
+
+
+def test_trackio_gets_a_dataframe_table():
+    """trackio itself is not installed in CI (an optional extra): its callback's Table and log stand in."""
+    logged = []
+
+    class TrackioCallback:
+        _initialized = True
+        _trackio = types.SimpleNamespace(Table=lambda dataframe: dataframe, log=logged.append)
+
+    sent = send_to_trackers([TrackioCallback()], [{"step": 2, "prompt": "p", "completion": "c", "reward": 1.0,
+                                                   "advantage": 0.5, "rewards": {"acc": 1.0}}], 2)
+    assert sent == ["trackio"] and logged[0]["train/global_step"] == 2
+    frame = logged[0]["completions"]
+    assert list(frame.columns) == ["step", "prompt", "completion", "reward", "advantage", "acc"]
+    assert frame.iloc[0]["completion"] == "c"
