@@ -47,6 +47,7 @@ def test_group_records_carry_text_rewards_and_advantage():
     assert second["rewards"] == {"accuracy": None, "Judge": 0.5}
     assert second["completion"] == "[call add({'a': 2})]\n[tool] 4\nIt is 4"
     json.dumps(records)  # one JSON line each, as is
+    assert messages_text("plain") == "plain" and messages_text([{"role": "assistant", "content": " x "}]) == "x"
 
 
 def test_records_are_shipped_only_with_log_completions():

@@ -130,9 +130,9 @@ def run(tmp_path_factory):
     finally:
         server.stop()
         if "wandb" in reporters:
-            import wandb
+            import wandb as wandb_module
 
-            wandb.finish()  # the offline run's files are complete, and no run stays open for later tests
+            wandb_module.finish()  # the offline run's files are complete, and no run stays open for later tests
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
