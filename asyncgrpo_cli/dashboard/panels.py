@@ -507,18 +507,22 @@ def _clip(text: str, limit: int = 400) -> str:
 
 
 def completions_table(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> Table:
-    """A table of completion records (``completions.jsonl`` lines: step, prompt, completion, reward),
-    at most ``limit`` rows (None = all)."""
+    """A table of completion records (``completions.jsonl`` lines: step, prompt, completion, total reward,
+    advantage, and each reward function's reward under ``rewards``), at most ``limit`` rows (None = all)."""
     shown = list(rows)[: limit] if limit is not None else list(rows)
     steps = sorted({r.get("step") for r in shown if r.get("step") is not None})
     title = "completions" + (f" (step {', '.join(map(str, steps))})" if steps else "")
-    table = Table("step", "prompt", "completion", "reward", title=title, show_lines=True, expand=True)
+    names = sorted({n for r in shown if isinstance(r.get("rewards"), Mapping) for n in r["rewards"]})
+    table = Table("step", "prompt", "completion", "reward", "advantage", *names, title=title, show_lines=True,
+                  expand=True)
     for r in shown:
         completion = r.get("completion")
         if isinstance(completion, list):
             completion = "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in completion)
+        per_function = r.get("rewards") if isinstance(r.get("rewards"), Mapping) else {}
         table.add_row(str(r.get("step", "")), _clip(_prompt_text(r.get("prompt"))), _clip(str(completion or "")),
-                      fmt(num(r, "reward"), ".3g"))
+                      fmt(num(r, "reward"), ".3g"), fmt(num(r, "advantage"), ".3g"),
+                      *(fmt(num(per_function, n), ".3g") for n in names))
     return table
 
 

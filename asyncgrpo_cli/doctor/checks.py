@@ -80,6 +80,16 @@ def _dig(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
+def _precision_flags(dtype: str) -> str:
+    """The trainer settings whose compute dtype (CONFIG.md) is ``dtype``."""
+    if dtype == "bfloat16":
+        return "trainer.bf16=true; Python API: AsyncGRPOConfig(bf16=True)"
+    if dtype == "float16":
+        return "trainer.bf16=false trainer.fp16=true; Python API: bf16=False, fp16=True"
+    return (f"trainer.bf16=false trainer.fp16=false model.dtype={dtype}; Python API: bf16=False, fp16=False, "
+            f"dtype={dtype!r}")
+
+
 def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
              gpu_count: int | None = None) -> list[Check]:
     """All checks for ``cfg`` against ``facts`` (no I/O but the installed versions). See the module docstring.
@@ -180,7 +190,9 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
         add(Check("dtype", WARN, "server does not report its dtype", ""))
     elif dtype != want:
         add(Check("dtype", WARN, f"server runs {dtype}, the trainer computes in {want}: a training/inference "
-                  "mismatch shows in sampling/sampling_logp_difference", f"restart with --dtype {want}"))
+                  "mismatch shows in sampling/sampling_logp_difference (SPEC §8.1)",
+                  f"restart the server with --dtype {want} (`asyncgrpo serve` with the trainer's settings passes it), "
+                  f"or make the trainer compute in {dtype} ({_precision_flags(dtype)})"))
     else:
         add(Check("dtype", PASS, f"{dtype} on both sides"))
     count = _dig(info, "parallel_config", "_api_process_count") or info.get("api_server_count")

@@ -36,6 +36,7 @@ from ..multimodal import check_text_only
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
+from .completions import ship_group_records
 from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, EnvironmentPool, compose_prompt,
                            environment_tools, route_environment)
 from .no_signal import NoLearningSignalError, NoSignalWatch
@@ -624,6 +625,7 @@ class AsyncRolloutLoop:
             self.no_signal_value.value = self.no_signal.consecutive
         if diagnosis is not None:
             raise NoLearningSignalError(diagnosis)
+        ship_group_records(self.config, self.metrics_queue, group, advantages, result.per_function, dropped)
         m = self.metrics
         m.add_many("reward", scored.tolist())
         for name, values in result.per_function.items():

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..orphans import set_parent_death_signal
+from .completions import CompletionRecords
 from .loop import AsyncRolloutLoop
 from .reward_runner import check_picklable
 from .types import PromptOutcome
@@ -278,6 +279,7 @@ class RolloutWorker:
         self.server_repushed = ctx.Value("q", 0)
         self.exception_info_queue = ctx.Queue()
         self.metrics_queue = ctx.Queue()
+        self._completions: list[dict[str, Any]] = []  # drained completion records (take_completions)
         self._loop_cls = loop_cls
         self._kwargs = dict(
             config=config, model_name=model_name, dataset=dataset, reward_funcs=list(reward_funcs or []),
@@ -414,10 +416,21 @@ class RolloutWorker:
         self.model_version_value.value = int(version)
 
     def drain_metrics(self) -> list[dict[str, tuple]]:
-        """All metric snapshots the worker shipped since the last call."""
+        """All metric snapshots the worker shipped since the last call (completion records that came with
+        them are kept for `take_completions`)."""
         out = []
         while True:
             try:
-                out.append(self.metrics_queue.get_nowait())
+                item = self.metrics_queue.get_nowait()
             except queue.Empty:
                 return out
+            if isinstance(item, CompletionRecords):
+                self._completions.extend(item.records)
+            else:
+                out.append(item)
+
+    def take_completions(self) -> list[dict[str, Any]]:
+        """The completion records (``log_completions``, `rollout.completions`) drained so far, oldest first;
+        the next call returns only newer ones."""
+        records, self._completions = self._completions, []
+        return records

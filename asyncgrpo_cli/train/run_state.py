@@ -30,6 +30,17 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         raise
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf), nested in dicts and lists, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
@@ -181,10 +192,12 @@ class LiveFiles:
                              "path": str(checkpoint), "time": time.time()})
 
     def append_completions(self, records: list[dict[str, Any]]) -> None:
-        """Append completion records to ``completions.jsonl``."""
-        with open(self.dir / "completions.jsonl", "a") as f:
-            for r in records:
-                f.write(json.dumps(r, default=_jsonable) + "\n")
+        """Append completion records to ``completions.jsonl``, one JSON line each (NaN written as null), in one
+        write: a reader (`dashboard.JsonlTail`) sees whole lines only."""
+        lines = "".join(json.dumps(_finite(r), default=_jsonable) + "\n" for r in records)
+        if lines:
+            with open(self.dir / "completions.jsonl", "a") as f:
+                f.write(lines)
 
 
 # ------------------------------------------------------------------------------------------ one run per folder

@@ -14,7 +14,6 @@ import math
 import re
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -23,14 +22,12 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from ..config.rules import ConfigError
 from ..metrics import MetricsWindow
 from ..rollout.allowance import allowance_after_step, initial_allowance
 from ..rollout.loop import AsyncRolloutLoop
 from ..rollout.types import PromptOutcome, TrainingSequence
 from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
-from ..multimodal import check_text_only
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import install_loss_head, row_loss
@@ -39,7 +36,8 @@ from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from .run_state import LiveFiles, TrainedPosition
-from .server_checks import check_server
+from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
+from .trackers import log_completions
 from .tree_attention import apply_tree_attention
 
 POLL_S = 0.25  # rollout-queue poll while waiting, seconds
@@ -116,48 +114,11 @@ class AsyncGRPOTrainer(Trainer):
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None) -> None:
-        from ..rollout.environments import EnvironmentOwnedPrompts, check_environment_factory
-        from ..rollout.tools import check_tools
+        from ..rollout.environments import EnvironmentOwnedPrompts
 
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
-        check_tools(tools)
-        if environment_factory is not None:
-            check_environment_factory(environment_factory)
-        from ..config.validate import validate_trainer_inputs
-
-        for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory,
-                                               processing_class):
-            warnings.warn(warning, UserWarning, stacklevel=2)
-        if train_dataset is None:
-            if environment_factory is None:
-                raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "
-                                 "column), or an environment_factory whose reset() returns them. Fix: pass "
-                                 "train_dataset=...")
-            if args.max_steps is None or args.max_steps <= 0:
-                raise ValueError(f"train_dataset=None with environment_factory: the environment owns the data, so "
-                                 f"there are no epochs to count and max_steps must be set (got max_steps="
-                                 f"{args.max_steps}). Fix: pass AsyncGRPOConfig(max_steps=N), on the command line "
-                                 "trainer.max_steps=N (SPEC §13.2)")
-            train_dataset = EnvironmentOwnedPrompts()
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
-        if not funcs and environment_factory is None:
-            raise ValueError("reward_funcs is empty: rollouts could not be scored. Fix: pass reward_funcs=[...]")
-        if not funcs and environment_factory is not None:
-            factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
-            unscored = [f.__name__ for f in factories
-                        if isinstance(f, type) and not callable(getattr(f, "get_reward", None))]
-            if unscored:
-                raise ValueError(f"reward_funcs is empty and environment {unscored} has no get_reward(): its rollouts "
-                                 "could not be scored. Fix: pass reward_funcs=[...] or define get_reward (SPEC §13.2)")
-        if (environment_factory is None and train_dataset.column_names is not None
-                and "prompt" not in train_dataset.column_names):
-            raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
-                             "conversational messages (README: Supported setups). Fix: add a 'prompt' column")
-        if not hasattr(train_dataset, "__len__") and args.max_steps <= 0:
-            raise ValueError(f"train_dataset is an IterableDataset (streaming) and max_steps={args.max_steps}: "
-                             "epochs of a stream have no known length. Fix: set max_steps > 0")
-        if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, EnvironmentOwnedPrompts):
-            check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # images refused (SPEC §14)
+        funcs, train_dataset = check_trainer_inputs(model, reward_funcs, args, train_dataset, tools,
+                                                    environment_factory, processing_class)
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
@@ -169,9 +130,7 @@ class AsyncGRPOTrainer(Trainer):
         if peft_config is not None:
             from peft import get_peft_model
 
-            targets = peft_config.target_modules
-            if targets == "lm_head" or (isinstance(targets, (list, set, tuple)) and "lm_head" in targets):
-                raise ValueError("peft_config targets lm_head, which is not supported (README: Supported setups)")
+            check_peft_targets(peft_config)
             model = get_peft_model(model, peft_config)
         model.config.use_cache = False
         self.model_id = model_id
@@ -387,18 +346,7 @@ class AsyncGRPOTrainer(Trainer):
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-            check_server(self.sampler, args, self.model_id, self.model)  # waits (saying so), then doctor's checks
-            self._check_sampling_mask()
-            if budget is None:
-                budget = int(self.sampler.max_model_len())
-                self._check_server_lengths(budget)
-            else:
-                try:
-                    self._check_server_lengths(int(self.sampler.max_model_len()))
-                except ConfigError:
-                    raise
-                except Exception:  # noqa: BLE001 - a server that does not report it: nothing to compare
-                    pass
+            budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
                              max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version,
@@ -432,33 +380,6 @@ class AsyncGRPOTrainer(Trainer):
         self.watch = WorkerWatch(self.worker).start()
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
-
-    def _check_server_lengths(self, server_len: int) -> None:
-        """A completion must leave room for a prompt under the server's max_model_len (else HTTP 400 on the
-        first request); a token budget below it drops the longest samples (a warning). Raises ConfigError."""
-        from ..config.validate import check_lengths
-
-        for warning in check_lengths(self.args.max_completion_length, server_len, self.args.token_budget,
-                                     completion_key="max_completion_length", len_key="the server's max_model_len",
-                                     budget_key="token_budget"):
-            warnings.warn(warning, UserWarning, stacklevel=2)
-
-    def _check_sampling_mask(self) -> None:
-        """SPEC §7's start-up check: with top-k/top-p/min-p the server must return candidate sets, unless
-        ``sampling_mask_fallback`` accepts biased ratios (then a warning). Raises ConfigError."""
-        from ..doctor.sampling_mask import require_sampling_mask
-
-        args = self.args
-        if not args.uses_candidate_sets:
-            return
-        try:
-            version = self.sampler.version()
-        except Exception:  # noqa: BLE001 - a server without /version: judged from /server_info alone
-            version = None
-        warning = require_sampling_mask(True, self.sampler.server_info(), version,
-                                        fallback=args.sampling_mask_fallback, url=args.vllm_server_base_url)
-        if warning:
-            warnings.warn(warning, UserWarning, stacklevel=2)
 
     def _make_weight_sync(self):
         """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
@@ -633,13 +554,16 @@ class AsyncGRPOTrainer(Trainer):
                 self._end_without_step(model, trial, plan)
                 break
             fwd_bwd_start = time.monotonic()
-            contributions, my_rows, loss_sum = [], [], 0.0
+            contributions, my_rows, loss_sum, fwd_s = [], [], 0.0, 0.0
             for m, rows in enumerate(plan.rows):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
+                fwd_start = time.monotonic()
                 loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux)
+                loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
+                fwd_s += time.monotonic() - fwd_start
                 self.accelerator.backward(loss / ga)
-                loss_sum += float(loss.detach()) / ga
+                loss_sum += loss_value / ga
                 contributions.append(metrics)
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
             opt_start = time.monotonic()
@@ -660,7 +584,7 @@ class AsyncGRPOTrainer(Trainer):
                 sync = self._push_weights(self.model_version + 1)
                 self.model_version += 1
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
-                              fwd_bwd_s, optimizer_s, sync, peak, trained_version)
+                              (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
                 self._log_window()
@@ -693,9 +617,10 @@ class AsyncGRPOTrainer(Trainer):
                      if self._last_saved_step > 0 else "no step was completed, no checkpoint was written")
             raise RolloutWorkerError(f"{plan.error}\n({saved})")
 
-    def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_bwd_s,
+    def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_times,
                      optimizer_s, sync, peak, trained_version: int) -> None:
         args = self.args
+        fwd_bwd_s, fwd_s = fwd_times
         merged = merge_metric_contributions(contributions)
         stats = [r.stats() for r in my_rows]
         if self.accelerator.num_processes > 1:
@@ -723,8 +648,7 @@ class AsyncGRPOTrainer(Trainer):
             w.add(name, value)
         forwarded = int(bm.get("batch/forwarded_tokens_per_step", 0))
         trained = int(bm.get("batch/trained_tokens_per_step", 0))
-        self._num_tokens += forwarded
-        w.add("num_tokens", self._num_tokens)
+        self._num_tokens += forwarded  # logged as the running total at each log (`_log_window`), SPEC §15.2
         trained_samples = [s for rows in plan.rows for row in rows for s in row]
         for s in trained_samples:
             w.add("sample/forwarded_tokens_mean", s.num_tokens)
@@ -737,6 +661,7 @@ class AsyncGRPOTrainer(Trainer):
         w.add("perf/step_s", step_s)
         self._last_step_s = step_s
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
+        w.add("perf/fwd_s", fwd_s)
         w.add("perf/optimizer_s", optimizer_s)
         w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
         w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
@@ -806,12 +731,16 @@ class AsyncGRPOTrainer(Trainer):
         logs = {k: v for k, v in self.window.flush().items() if v is not None}
         if not self.is_world_process_zero():
             return
+        logs["num_tokens"] = self._num_tokens  # a running total (resumed from rollout_state.json), not a window mean
         kv = logs.get("rollout/vllm_kv_cache_usage_frac")
         self.live.update(kv_cache_usage_frac=kv, requests_running=logs.get("rollout/vllm_running_requests"),
                          requests_waiting=logs.get("rollout/vllm_queued_requests"))
         self.log(dict(logs))
         self.live.append_metrics({"step": self.state.global_step, "epoch": self.state.epoch, "time": time.time(),
                                   **logs})
+        if self.args.log_completions and self.worker is not None:  # SPEC §16.3: completions.jsonl, trackers
+            log_completions(self.worker.take_completions(), self.state.global_step, self.args.num_completions_to_print,
+                            self.live, self.callback_handler.callbacks)
 
     def _save_checkpoint(self, model, trial) -> None:
         """`transformers.Trainer._save_checkpoint`, made atomic and carrying the rollout position

@@ -76,16 +76,15 @@ def test_restart_line_uses_the_host_and_port_of_sampler_url():
 def test_trainer_start_check_refuses_the_server(tmp_path):
     """The trainer's own check (Python API users have no doctor): rank 0 asks the server before the worker starts."""
     from asyncgrpo_cli.train.config import AsyncGRPOConfig
-    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+    from asyncgrpo_cli.train.startup import check_sampling_mask
 
     sampler = types.SimpleNamespace(version=lambda: EMBEDDED, server_info=lambda: NO_MASK)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", top_k=50)
-    fake = types.SimpleNamespace(args=args, sampler=sampler)
     with pytest.raises(ConfigError, match="candidate sets"):
-        AsyncGRPOTrainer._check_sampling_mask(fake)
-    fake.args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", top_k=50, sampling_mask_fallback=True)
+        check_sampling_mask(args, sampler)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", top_k=50, sampling_mask_fallback=True)
     with pytest.warns(UserWarning, match="biased"):
-        AsyncGRPOTrainer._check_sampling_mask(fake)
+        check_sampling_mask(args, sampler)
 
 
 def test_doctor_json_against_a_live_embedded_server_without_masks(tmp_path):

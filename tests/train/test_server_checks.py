@@ -61,3 +61,20 @@ def test_server_of_another_model_is_refused_with_doctors_fix(server, tmp_path):
     with pytest.raises(ServerMismatchError, match="max_model_len"):  # no room for a prompt: 128 >= 128
         check_server(SyncSamplerClient(server.url, timeout_s=30.0), args_for(server.url, tmp_path, 128), "tiny",
                      say=lambda _: None)
+
+
+def test_dtype_mismatch_is_one_warning_line_naming_both_dtypes_and_the_fix(server, tmp_path):
+    """SPEC §8.1/§16.3: the trainer itself (not only doctor) warns at start when the server's dtype is not its
+    compute dtype; the run goes on."""
+    said: list[str] = []
+    args = args_for(server.url, tmp_path)
+    args.bf16, args.fp16 = True, False  # computes in bfloat16; the server runs float32
+    check_server(SyncSamplerClient(server.url, timeout_s=30.0), args, "tiny", say=said.append)
+    lines = [line for line in said if "dtype" in line]
+    assert len(lines) == 1, said
+    assert "server runs float32" in lines[0] and "computes in bfloat16" in lines[0]
+    assert "--dtype bfloat16" in lines[0] and "trainer.bf16=false" in lines[0] and "\n" not in lines[0]
+    said.clear()
+    args.bf16 = False  # float32 on both sides: nothing to say
+    check_server(SyncSamplerClient(server.url, timeout_s=30.0), args, "tiny", say=said.append)
+    assert not [line for line in said if "dtype" in line], said

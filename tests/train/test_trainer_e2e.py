@@ -172,6 +172,8 @@ def test_resume_restores_weights_tokens_and_position(model_dir, server, tmp_path
         fresh.stop()
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 3 and lines[-1]["num_tokens"] > tokens
+    # A running total that continues the checkpoint's: the saved count plus step 3's forwarded tokens.
+    assert lines[-1]["num_tokens"] == tokens + lines[-1]["batch/forwarded_tokens_per_step"]
     # The first resumed step was sampled from the restored weights: the sampler/trainer log-prob gap stays small.
     gap = "sampling/sampling_logp_difference/mean"
     assert abs(lines[-1][gap]) < 0.05, lines[-1][gap]
