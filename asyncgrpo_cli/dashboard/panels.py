@@ -535,7 +535,8 @@ class RunSummary:
         outcome: ``finished``, ``failed`` or ``stopped``.
         steps: the last logged step (None without metrics).
         elapsed_s: wall time of the run (seconds).
-        final_reward: ``reward`` of the last window.
+        final_reward: ``reward`` of the last window that scored a group (a window that trained only on
+            samples already queued has none).
         mean_generated_tokens_per_s: mean of ``rollout/generated_tokens_per_s`` over the windows.
         mean_trained_tokens_per_s: mean of ``perf/wall_clock_trained_tokens_per_s``.
         mean_step_s: mean of ``perf/step_s``.
@@ -578,7 +579,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     last = rows[-1] if rows else {}
     step = num(last, "step")
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
-                      final_reward=num(last, "reward"),
+                      final_reward=next((num(r, "reward") for r in reversed(rows) if num(r, "reward") is not None),
+                                        None),
                       mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),

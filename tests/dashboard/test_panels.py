@@ -217,6 +217,8 @@ def test_summary_and_checkpoints(tmp_path):
     console.print(summary_panel(s))
     text = console.export_text()
     assert "finished" in text and "2m05s" in text and "checkpoint-10" in text and "training_curves.png" in text
+    unscored = {k: v for k, v in window(4).items() if k != "reward"}  # trained only on queued samples
+    assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.3)
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 

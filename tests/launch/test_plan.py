@@ -112,6 +112,33 @@ def test_cpu_trainer(processes):
     assert "ACCELERATE_USE_CPU=true" in plan.trainer_shell_line()
 
 
+def test_cpu_sampler_and_trainer_split_the_cores(monkeypatch):
+    from asyncgrpo_cli.launch.plan import cpu_thread_split
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "trainer.bf16=false")
+    plan = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
+    sampler, trainer, cores = cpu_thread_split(cfg, plan.gpus, plan.server)
+    assert plan.server.env["OMP_NUM_THREADS"] == str(sampler) and plan.trainer_env["OMP_NUM_THREADS"] == str(trainer)
+    assert "OMP_NUM_THREADS=" in plan.server.shell_line() and any("CPU threads" in n for n in plan.gpus.notes)
+    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=2)[:2] == (1, 1)
+    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=16)[:2] == (8, 8)
+    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=1)[:2] == (1, 1)
+    two = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "launch.cpu_processes=2", "trainer.bf16=false")
+    two_plan = build_launch_plan(two, gpu_count=0, main_process_port=29601)
+    assert cpu_thread_split(two, two_plan.gpus, two_plan.server, cores=16)[:2] == (8, 4)
+    # the user's choice wins: in the environment, or in sampler.env
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    chosen = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
+    assert "OMP_NUM_THREADS" not in chosen.trainer_env and "OMP_NUM_THREADS" not in chosen.server.env
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    env_cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "trainer.bf16=false", "+sampler.env.OMP_NUM_THREADS=2")
+    assert cpu_thread_split(env_cfg, plan.gpus, plan.server) is None
+    # a sampler on a GPU, or an external one, leaves the trainer its threads
+    gpu = build_launch_plan(cfg_of("sampler.backend=embedded"), gpu_count=1, main_process_port=29601)
+    assert "OMP_NUM_THREADS" not in gpu.trainer_env
+
+
 def test_multi_node():
     cfg = cfg_of("launch.num_machines=2", "launch.machine_rank=1", "launch.main_process_ip=10.0.0.1",
                  "launch.main_process_port=29500")
