@@ -23,6 +23,7 @@ and the fix; several independent problems are reported together (`ConfigErrors`)
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import types
@@ -385,18 +386,25 @@ _ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "
               "IntervalStrategy": "eval_strategy", "HubStrategy": "hub_strategy", "FSDPOption": "fsdp"}
 
 
+def _listed_values(text: str) -> list[str]:
+    """The values a transformers refusal lists (``... please select one of ['a', 'b']``)."""
+    found = re.search(r"select one of \[([^\]]*)\]", text)
+    return re.findall(r"'([^']*)'", found.group(1)) if found else []
+
+
 def check_training_args_build(cfg: Any) -> None:
     """Build the `AsyncGRPOConfig` the trainer process will build, so transformers' own refusals (an unknown
-    optimizer or schedule, bf16 without a GPU, ...) come now, with the key, instead of from the trainer.
+    optimizer or schedule, bf16 without a GPU, ...) come now, with the key, instead of from the trainer;
+    and check ``trainer.report_to``, which transformers checks only when the trainer is built.
 
     Raises:
         ConfigError: naming the ``trainer.`` key transformers refused (guessed from its message), its value
-            and the fix.
+            and the fix (the closest accepted value where transformers lists them).
     """
     from .compose import to_training_args
 
     try:
-        to_training_args(cfg)
+        args = to_training_args(cfg)
     except (ConfigError, ConfigTypeError):
         raise
     except (ValueError, TypeError) as exc:
@@ -408,10 +416,23 @@ def check_training_args_build(cfg: Any) -> None:
             name = next((k for k in ("bf16", "fp16", "use_cpu", "torch_compile") if k in text.lower()), None)
         key = f"trainer.{name}" if name else "trainer"
         value = cfg.trainer.get(name) if name else None
+        close = difflib.get_close_matches(str(value), _listed_values(text), n=1, cutoff=0.0) if name else []
         fix = ("set trainer.bf16=false (this machine has no CUDA GPU), or trainer.use_cpu=true"
-               if name == "bf16" or "bf16" in text else "use one of the values transformers lists"
-               if "please select one of" in text else "see transformers.TrainingArguments for the field")
+               if name == "bf16" or "bf16" in text else f"{key}={close[0]}" if close
+               else "see transformers.TrainingArguments for the field")
         raise _err(key, value, f"transformers refuses it: {text[:400]}", fix) from None
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    known = sorted(INTEGRATION_TO_CALLBACK)
+    trackers = list(args.report_to or [])
+    for tracker in trackers:
+        if tracker not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(tracker, known, n=1)
+            fixed = [t for t in ((close[0] if close else "") if t == tracker else t for t in trackers)
+                     if t in INTEGRATION_TO_CALLBACK]
+            fix = "none" if not fixed else fixed[0] if len(fixed) == 1 else f"[{','.join(fixed)}]"
+            raise _err("trainer.report_to", tracker, f"not a tracker transformers knows (one of {', '.join(known)}, "
+                       "or none)", f"trainer.report_to={fix}")
 
 
 def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
