@@ -20,33 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 COMMENT_WIDTH = 100
 
-#: Section of the (unshipped) specification -> the README section ("Rules and limits") that covers it.
-README_SECTIONS: tuple[tuple[str, str], ...] = (
-    (r"2(\.\d+)?", "Supported setups"), (r"7", "Sampling filters"), (r"3\.3(\.\d)?", "Log-probabilities and the loss"),
-    (r"4(\.\d)?", "Staleness and concurrency"), (r"(6|11)(\.\d)?", "Packing and the token budget"),
-    (r"(8|9)(\.\d)?", "GPUs, weight sync and LoRA"), (r"12", "Resuming"), (r"16(\.\d)?", "Defaults"),
-)
-_SPEC_REF = re.compile(r"SPEC §([\d.]*\d)(?: '[^']*')?(?:, §?[\d.]*\d)*")
-_UNSHIPPED_REFS = (re.compile(r"\s*\((?:DESIGN\.md|CONFIG\.md|VLLM\.md|Appendix B)[^)]*\)"),
-                   re.compile(r",?\s*(?:DESIGN\.md|CONFIG\.md|VLLM\.md)(?: §[\d.]*\d(?:, §[\d.]*\d)*)?"),
-                   re.compile(r",?\s*(?:Appendix )?\bB\.\d+"))
-
-
-def cite_shipped(text: str) -> str:
-    """``text`` with references to the specification's sections pointed at the README's sections, and
-    references to documents that do not ship with the package dropped."""
-    def readme(match: re.Match) -> str:
-        section = match.group(1).rstrip(".")
-        for pattern, name in README_SECTIONS:
-            if re.fullmatch(pattern, section):
-                return f"README: {name}"
-        return "README"
-
-    text = _SPEC_REF.sub(readme, text)
-    for ref in _UNSHIPPED_REFS:
-        text = ref.sub("", text)
-    text = re.sub(r"[ \t]{2,}", " ", re.sub(r"\(\s*\)", "", text))
-    return text.replace(" .", ".").strip()
+from ..citations import README_SECTIONS, cite_shipped  # noqa: F401  (re-exported)
 
 
 @functools.lru_cache(maxsize=None)

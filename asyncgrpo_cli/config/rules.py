@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..citations import cite_shipped
+
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -21,7 +23,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(cite_shipped(message))
         self.key = key
 
 
@@ -33,7 +35,7 @@ class ConfigTypeError(TypeError):
     """
 
     def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(cite_shipped(message))
         self.key = key
 
 

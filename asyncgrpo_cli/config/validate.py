@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..citations import cite_shipped
 from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
 from .sources import (check_data_source, check_import, check_imports, check_model_source, check_prompt_rows,
                       check_reward_funcs, looks_like_local_data, model_max_len)
@@ -324,7 +325,7 @@ def start_warnings(repetition_penalty: float, uses_candidate_sets: bool, fallbac
         out.append(f"{fallback_key}=true: if the server cannot return candidate sets, the trainer normalises over "
                    "the full vocabulary and every importance ratio is biased (SPEC §7); watch the importance ratio "
                    "in the panels (sampling/importance_sampling_ratio/mean should stay near 1)")
-    return out
+    return [cite_shipped(w) for w in out]
 
 
 # ------------------------------------------------------------------------------------------ the CLI pass

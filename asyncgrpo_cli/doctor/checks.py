@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ..citations import cite_shipped
 from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..sampler.protocol import vllm_config_of
@@ -45,6 +46,9 @@ class Check:
     status: str
     message: str
     fix: str = ""
+
+    def __post_init__(self) -> None:
+        self.message, self.fix = cite_shipped(self.message), cite_shipped(self.fix)
 
 
 @dataclass

@@ -95,5 +95,5 @@ def training_chat_template(tokenizer: Any) -> str | None:
     if family is None:
         return None
     logger.info("tools are on: the %s chat template is replaced by the prefix-preserving training template "
-                "(SPEC §13.1, Appendix B.27)", family)
+                "(README: Agent training)", family)
     return TOOLS_CHATML_TEMPLATE

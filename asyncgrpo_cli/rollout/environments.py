@@ -92,7 +92,7 @@ def check_environment_factory(factory: Any) -> None:
         if isinstance(fn, type):
             if not callable(getattr(fn, "reset", None)):
                 raise TypeError(f"{where}: {fn.__name__} has no reset(self, **kwargs) method, which every "
-                                "environment needs (SPEC §13.2)")
+                                "environment needs")
             probe = object()  # binds the methods (drops self) without building an environment
             check_tools([types.MethodType(getattr(fn, n), probe) for n in _public_method_names(fn)],
                         f"{where} ({fn.__name__}) methods")
@@ -164,7 +164,7 @@ class EnvironmentPool:
         self.created += 1
         if not callable(getattr(env, "reset", None)):
             raise TypeError(f"environment_factory{'' if name is None else f'[{name!r}]'} returned "
-                            f"{type(env).__name__}, which has no reset(**kwargs) method (SPEC §13.2)")
+                            f"{type(env).__name__}, which has no reset(**kwargs) method")
         return env
 
     def release(self, name: str | None, env: Any) -> None:

@@ -424,7 +424,7 @@ class AsyncRolloutLoop:
                 position += 1
             if accepted == 0:
                 raise EpochExhaustedError(f"filter_prompt rejected every one of the {seen} prompts of epoch {epoch} "
-                                          "of the stream; no batch could ever reach the trainer (SPEC §11)")
+                                          "of the stream; no batch could ever reach the trainer")
             epoch += 1
 
     async def _producer(self, score_queue: asyncio.Queue) -> None:

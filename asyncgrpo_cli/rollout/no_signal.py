@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..citations import cite_shipped
+
 LIMIT_KEY = "rollout.max_groups_without_signal"
 
 
@@ -123,4 +125,4 @@ class NoSignalWatch:
         lines.append("Check: " + ("; ".join(checks) if checks else "the rewards should differ between the "
                                   "completions of one prompt (raise rollout.temperature, or rollout.num_generations)"))
         lines.append(f"Fix: correct the reward or the data, or raise {LIMIT_KEY} (0 never stops)")
-        return "\n".join(lines)
+        return cite_shipped("\n".join(lines))

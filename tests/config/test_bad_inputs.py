@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -120,6 +121,9 @@ def test_the_good_base_passes(world, tripwire):
 
 
 R = "+recipe=good"
+UNSHIPPED = re.compile(r"SPEC|DESIGN\.md|CONFIG\.md|VLLM\.md|\bB\.\d+")  # documents that do not ship
+
+
 CLI_CASES = [
     # (id, overrides, key named, extra text expected)
     ("ga_zero", [R, "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps", ""),
@@ -212,6 +216,7 @@ def test_cli_bad_input(world, tripwire, case_id, overrides, key, extra):
     if extra:
         assert extra in out, out
     assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit), out
+    assert not UNSHIPPED.search(out), out  # messages cite what ships: README sections
     assert elapsed < FAIL_WITHIN_S
     assert not tripwire, "a config error reached the launcher"
 
@@ -227,7 +232,8 @@ def test_cli_reports_several_problems_at_once(world, tripwire):
 def test_cli_repetition_penalty_warns(world, tripwire):
     result, _ = _cli(world, [R, "rollout.repetition_penalty=1.3"])
     assert result.exit_code == 0, result.output
-    assert "warning" in result.output and "B.11" in result.output
+    assert "warning" in result.output and "repetition penalty" in result.output
+    assert not UNSHIPPED.search(result.output), result.output
 
 
 def test_cli_fallback_warns(world, tripwire):
@@ -358,3 +364,14 @@ def test_script_without_main_guard_is_refused(tmp_path):
     top, guarded = proc.stdout.splitlines()
     assert top.startswith("TOP (") and "unguarded.py" in top and ", 7)" in top, top
     assert guarded == "GUARDED None"
+
+
+def test_cited_readme_sections_exist():
+    from asyncgrpo_cli.citations import README_SECTIONS, cite_shipped
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    headings = {line.lstrip("#").strip() for line in readme.splitlines() if line.startswith("#")}
+    missing = [name for _, name in README_SECTIONS if name not in headings]
+    assert not missing, f"citations.README_SECTIONS names README sections that do not exist: {missing}"
+    text = cite_shipped("biased (SPEC B.11). Watch (SPEC §7).\n  - indented (SPEC §13.2)")
+    assert text == "biased. Watch (README: Sampling filters).\n  - indented (README: Agent training: tools and environments)"
