@@ -5,6 +5,7 @@ trainer's settings, and stop with doctor's fix text when one fails.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +87,17 @@ def doctor_config(args: Any, model_id: str, lora_rank: int | None = None):
     return cfg
 
 
+def api_names(text: str) -> str:
+    """Doctor's text with the trainer's settings named as `AsyncGRPOConfig` fields (``max_completion_length``,
+    not ``rollout.max_completion_length``); ``sampler.*`` keys stay, being `asyncgrpo serve`'s settings."""
+    from ..config.compose import FIELD_PATHS
+
+    for name, path in FIELD_PATHS.items():
+        if not path.startswith("sampler."):
+            text = re.sub(rf"(?<![\w.]){re.escape(path)}\b", name, text)
+    return text
+
+
 def check_server(sampler, args: Any, model_id: str, model=None, say: Callable[[str], None] = _say) -> None:
     """`wait_for_server`, then doctor's checks of the server against ``args`` and the model.
 
@@ -105,9 +117,9 @@ def check_server(sampler, args: Any, model_id: str, model=None, say: Callable[[s
     checks = evaluate(cfg, read_facts(url, timeout=min(10.0, float(args.vllm_server_timeout))))
     for c in checks:
         if c.status == WARN:
-            say(f"doctor warning: {c.name}: {c.message}" + (f" (fix: {c.fix})" if c.fix else ""))
+            say(f"doctor warning: {c.name}: {api_names(c.message)}" + (f" (fix: {api_names(c.fix)})" if c.fix else ""))
     failed = [c for c in checks if c.status == FAIL]
     if failed:
-        lines = "\n".join(f"- {c.name}: {c.message}. Fix: {c.fix}" for c in failed)
-        raise ServerMismatchError(f"the server at {url} does not match the trainer ({len(failed)} doctor "
-                                  f"check(s) failed; `asyncgrpo doctor` prints them all):\n{lines}")
+        lines = "\n".join(f"- {c.name}: {api_names(c.message)}. Fix: {api_names(c.fix)}" for c in failed)
+        raise ServerMismatchError(f"the server at {url} does not match the trainer ({len(failed)} check(s) "
+                                  f"failed):\n{lines}")

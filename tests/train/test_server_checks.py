@@ -58,9 +58,12 @@ def test_server_of_another_model_is_refused_with_doctors_fix(server, tmp_path):
                      "Qwen/Qwen3-0.6B", say=lambda _: None)
     text = str(info.value)
     assert "model:" in text and "Qwen/Qwen3-0.6B" in text and "Fix: restart the server" in text
-    with pytest.raises(ServerMismatchError, match="max_model_len"):  # no room for a prompt: 128 >= 128
+    with pytest.raises(ServerMismatchError, match="max_model_len") as info:  # no room for a prompt: 128 >= 128
         check_server(SyncSamplerClient(server.url, timeout_s=30.0), args_for(server.url, tmp_path, 128), "tiny",
                      say=lambda _: None)
+    text = str(info.value)  # the Python API's names for its own settings; sampler.* stays (asyncgrpo serve's)
+    assert "max_completion_length=128" in text and "rollout.max_completion_length" not in text, text
+    assert "asyncgrpo doctor" not in text
 
 
 def test_dtype_mismatch_is_one_warning_line_naming_both_dtypes_and_the_fix(server, tmp_path):
