@@ -302,7 +302,24 @@ def serve_cmd(
         raise typer.Exit(2) from None
     if export_note:
         command.notes.append(export_note)
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    if backend == "vllm":
+        from .launch.plan import visible_gpu_count
+
+        if visible_gpu_count() == 0:
+            no_gpu = ("sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. Fix: run this "
+                      "command on the GPU machine, or use sampler.backend=embedded (CPU)")
+            if dry_run:
+                command.notes.append(no_gpu.replace("Fix: run this", "run this").replace(", or use", " (or use") + ")")
+            else:
+                command.problems.append(no_gpu)
     if dry_run:
+        from .launch.supervisor import check_server_port
+
+        try:
+            check_server_port(cfg)
+        except ConfigError as exc:
+            command.problems.append(str(exc))
         for note in command.notes:
             sys.stdout.write(f"# {note}\n")
         for problem in command.problems:

@@ -721,6 +721,11 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     except ConfigError as exc:
         console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
         return 2
+    if dry_run and int(cfg.launch.machine_rank) == 0:
+        try:  # what the real run would refuse before loading anything
+            check_server_port(cfg, answering=running)
+        except ConfigError as exc:
+            plan.gpus.problems.append(str(exc))
     if dry_run or plan.problems:
         print_plan(console, cfg, plan, resolved=False)
         if plan.problems:

@@ -1,6 +1,7 @@
 """`asyncgrpo serve --dry-run` equals CONFIG.md's lines flag for flag."""
 
 import shlex
+import socket
 
 import pytest
 from typer.testing import CliRunner
@@ -30,6 +31,14 @@ def parse_line(line: str):
         assert name not in flags, f"{name} given twice"
         flags[name] = value
     return env, program, flags
+
+
+@pytest.fixture(autouse=True)
+def _port_free(request, monkeypatch):
+    """These tests compare flags: the port of the base line (8000) must not depend on what this machine runs
+    (the busy-port problem has its own test)."""
+    if "busy_port" not in request.node.name:
+        monkeypatch.setattr("asyncgrpo_cli.launch.supervisor.check_server_port", lambda cfg, **kw: None)
 
 
 def dry_run(*overrides: str) -> str:
@@ -140,3 +149,14 @@ def test_dry_run_that_reports_a_problem_exits_2():
     assert result.exit_code == 2, result.output
     assert "# problem: launch.trainer_gpus=[1]" in result.output
     assert any(ln.startswith("CUDA_VISIBLE_DEVICES=") for ln in result.output.splitlines())  # the line is still shown
+
+
+def test_dry_run_with_a_busy_port_exits_2_naming_it():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "+recipe=smoke", f"sampler.port={port}", "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert f"# problem: sampler.port={port}: another process already listens" in result.output
+    assert "Fix: use a free port" in result.output

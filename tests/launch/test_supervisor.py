@@ -302,3 +302,18 @@ def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tm
                 os.kill(read_pid(f), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg, out = make_cfg(f"sampler.port={port}")
+        console = record_console()
+        assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    text = console.export_text()
+    assert f"sampler.port={port}: another process already listens" in text and "cannot run on this machine" in text
+    assert not out.exists()
