@@ -360,7 +360,6 @@ class Supervisor:
     def _claim_output_dir(self) -> int | None:
         """Refuse an unwritable ``trainer.output_dir``, another job in it, or a checkpoint to resume from that
         is incomplete, before anything starts; take the run lock (released when the job ends)."""
-        from ..train.checkpoint import CheckpointError, resolve_resume
         from ..train.run_state import RunLock, RunLockedError
 
         out = self.plan.output_dir
@@ -375,12 +374,9 @@ class Supervisor:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
         self.lock = lock
-        resume = self.cfg.trainer.resume_from_checkpoint
-        if resume:
-            try:
-                resolve_resume(True if str(resume).lower() == "true" else str(resume), out)
-            except CheckpointError as exc:
-                return self._refuse(str(exc))
+        problem = resume_problem(self.cfg, out)
+        if problem:
+            return self._refuse(problem)
         self._checkpoints_before = self._newest_checkpoint()
         return None
 
@@ -683,6 +679,21 @@ class Supervisor:
                                     style="cyan"), soft_wrap=True)
 
 
+def resume_problem(cfg: DictConfig, output_dir: Path) -> str | None:
+    """Why ``trainer.resume_from_checkpoint`` cannot be resumed from (not a complete checkpoint, or none in
+    ``output_dir`` for ``true``), in the CLI's key names; None when it can, or is unset."""
+    from ..train.checkpoint import CheckpointError, resolve_resume
+
+    resume = cfg.trainer.resume_from_checkpoint
+    if not resume:
+        return None
+    try:
+        resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
+    except CheckpointError as exc:
+        return re.sub(r"(?<![\w.])resume_from_checkpoint", "trainer.resume_from_checkpoint", str(exc))
+    return None
+
+
 def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,
               gpu_count: int | None = None, timeouts: Timeouts | None = None,
               _commands: CommandHook | None = None) -> int:
@@ -726,6 +737,9 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
+        problem = resume_problem(cfg, plan.output_dir)
+        if problem:
+            plan.gpus.problems.append(problem)
     if dry_run or plan.problems:
         print_plan(console, cfg, plan, resolved=False)
         if plan.problems:

@@ -256,8 +256,14 @@ def test_refusals_before_anything_starts(tmp_path):
     console = record_console()
     cfg = compose(base_overrides(out, free_port(), f"trainer.resume_from_checkpoint={out / 'checkpoint-4'}"))
     assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "ok", pids)) == 2
-    assert "not a complete checkpoint" in console.export_text() and not (pids / "server.pid").exists()
+    text = console.export_text()
+    assert "not a complete checkpoint" in text and not (pids / "server.pid").exists()
+    assert "trainer.resume_from_checkpoint=" in text  # the CLI's key
     assert RunLock(out).read() is None  # released
+    console = record_console()  # the dry run says the same, starting nothing
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    text = console.export_text()
+    assert "trainer.resume_from_checkpoint=" in text and "not a complete checkpoint" in text
 
 
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
