@@ -119,17 +119,37 @@ def print_export_notice(console, gguf: Path, out: Path) -> None:
 def quiet_progress_bars(quiet: bool = True) -> Iterator[None]:
     """Without a terminal (``quiet``), switch off the progress bars of transformers and huggingface_hub
     ('Loading weights', 'Writing model shards'), which would spill raw tqdm lines into a log or a pipe;
-    their warnings still show. The previous setting is restored on exit."""
+    their warnings still show. The GGUF de-quantisation calls tqdm itself: its bar is switched off too.
+    The previous settings are restored on exit."""
     from transformers.utils import logging as hf_logging
 
     switch = quiet and hf_logging.is_progress_bar_enabled()
     if switch:
         hf_logging.disable_progress_bar()
+    gguf_utils, gguf_tqdm = _quiet_gguf_bar() if quiet else (None, None)
     try:
         yield
     finally:
         if switch:
             hf_logging.enable_progress_bar()
+        if gguf_utils is not None:
+            gguf_utils.tqdm = gguf_tqdm
+
+
+def _quiet_gguf_bar():
+    """Switch off the bar transformers' GGUF loader draws with tqdm directly; returns (its module, the tqdm it
+    had) to restore, or (None, None) where that loader cannot be imported."""
+    import functools
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return None, None
+    before = getattr(gguf_utils, "tqdm", None)
+    if before is None:
+        return None, None
+    gguf_utils.tqdm = functools.partial(before, disable=True)
+    return gguf_utils, before
 
 
 def quiet_progress_bars_without_terminal(stream=None) -> bool:
@@ -143,6 +163,7 @@ def quiet_progress_bars_without_terminal(stream=None) -> bool:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    _quiet_gguf_bar()
     return True
 
 

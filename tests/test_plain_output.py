@@ -29,7 +29,16 @@ def test_progress_bars_are_off_without_a_terminal_and_warnings_still_show(caplog
         with caplog.at_level(logging.WARNING):
             hf_logging.get_logger("transformers.modeling_utils").warning("a real warning")
         assert "a real warning" in caplog.text
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils  # its bar bypasses transformers' switch
+        stream = io.StringIO()
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...", file=stream):
+            pass
+        assert stream.getvalue() == ""
     assert hf_logging.is_progress_bar_enabled()  # restored
+    stream = io.StringIO()
+    for _ in gguf_utils.tqdm(range(3), desc="Converting", file=stream):
+        pass
+    assert "Converting" in stream.getvalue()
     with quiet_progress_bars(quiet=False):  # on a terminal the bars stay
         assert hf_logging.is_progress_bar_enabled()
     try:
