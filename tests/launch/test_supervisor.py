@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -173,15 +174,15 @@ def test_doctor_failure_stops_with_restart_command(make_cfg, tmp_path):
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigint_leaves_no_child_alive(tmp_path, processes):
-    """SIGINT to the supervisor: the trainer (real ``accelerate launch``: its single-process launcher, or
-    torchrun with 2 CPU ranks) gets SIGINT first and finishes saving a checkpoint; the rollout worker that
-    ignores SIGINT/SIGTERM is killed with its group; the server stops; nothing survives."""
-    out, pids = tmp_path / "run", tmp_path / "pids"
-    pids.mkdir()
+@contextlib.contextmanager
+def running_job(tmp_path, mode: str, processes: int):
+    """``drive_supervisor.py`` in its own process with the fake trainer in ``mode``, through the real
+    ``accelerate launch``; yields ``(driver, out, pids)`` once every child runs (``pids``: name -> pid), and
+    SIGKILLs whatever is left on the way out, even when the test failed."""
+    out, pid_dir = tmp_path / "run", tmp_path / "pids"
+    pid_dir.mkdir()
     driver = subprocess.Popen([sys.executable, str(HERE / "drive_supervisor.py"), str(out), str(free_port()),
-                               str(pids), "hang", str(processes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               str(pid_dir), mode, str(processes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True)
     names = ("server", "worker", *(f"rank{r}" for r in range(processes)))
     try:
@@ -189,7 +190,7 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
             if driver.poll() is not None:
                 raise AssertionError(f"supervisor exited early:\n{driver.stdout.read().decode()}")
             status = out / "status.json"
-            if not all((pids / f"{n}.pid").is_file() for n in names) or not status.is_file():
+            if not all((pid_dir / f"{n}.pid").is_file() for n in names) or not status.is_file():
                 return False
             try:
                 return json.loads(status.read_text()).get("state") == "running"
@@ -197,8 +198,26 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
                 return False
 
         wait_until(ready, 120, "the fake trainer to run")
-        procs = {n: read_pid(pids / f"{n}.pid") for n in names}
-        assert all(alive(p) for p in procs.values())
+        pids = {n: read_pid(pid_dir / f"{n}.pid") for n in names}
+        assert all(alive(p) for p in pids.values())
+        yield driver, out, pids
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        for f in pid_dir.glob("*.pid"):
+            try:
+                os.kill(read_pid(f), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigint_leaves_no_child_alive(tmp_path, processes):
+    """SIGINT to the supervisor: the trainer (real ``accelerate launch``: its single-process launcher, or
+    torchrun with 2 CPU ranks) gets SIGINT first and finishes saving a checkpoint; the rollout worker that
+    ignores SIGINT/SIGTERM is killed with its group; the server stops; nothing survives."""
+    with running_job(tmp_path, "hang", processes) as (driver, out, procs):
         os.kill(driver.pid, signal.SIGINT)
         output, _ = driver.communicate(timeout=120)
         text = output.decode()
@@ -209,17 +228,7 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
         assert json.loads((out / "status.json").read_text())["state"] == "stopped"
         log = tail_lines(out / "logs" / "trainer.log", 400)
         assert any("got SIGINT, saving" in ln for ln in log) and any("saved checkpoint-1" in ln for ln in log)
-        wait_until(lambda: not any(alive(p) for p in procs.values()), 30,
-                   f"every child to be gone: {[n for n, p in procs.items() if alive(p)]}")
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        for f in pids.glob("*.pid"):
-            try:
-                os.kill(read_pid(f), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
 
 
 def test_refusals_before_anything_starts(tmp_path):
@@ -270,26 +279,7 @@ def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tm
     """kill -9 of `asyncgrpo train`: the server gets SIGTERM from the kernel (parent-death signal), the
     trainer under the real ``accelerate launch`` sees its supervisor gone, saves and stops, and its rollout
     worker dies with it. Nothing survives."""
-    out, pids = tmp_path / "run", tmp_path / "pids"
-    pids.mkdir()
-    driver = subprocess.Popen([sys.executable, str(HERE / "drive_supervisor.py"), str(out), str(free_port()),
-                               str(pids), "orphan", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    names = ("server", "worker", "rank0")
-    try:
-        def ready() -> bool:
-            if driver.poll() is not None:
-                raise AssertionError(f"supervisor exited early:\n{driver.stdout.read().decode()}")
-            if not all((pids / f"{n}.pid").is_file() for n in names) or not (out / "status.json").is_file():
-                return False
-            try:
-                return json.loads((out / "status.json").read_text()).get("state") == "running"
-            except ValueError:
-                return False
-
-        wait_until(ready, 120, "the fake trainer to run")
-        procs = {n: read_pid(pids / f"{n}.pid") for n in names}
-        assert all(alive(p) for p in procs.values())
+    with running_job(tmp_path, "orphan", 1) as (driver, out, procs):
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
         try:
@@ -299,15 +289,6 @@ def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tm
         log = tail_lines(out / "logs" / "trainer.log", 400)
         assert any(f"the supervisor (pid {driver.pid}) is gone" in ln for ln in log), log
         assert any("got SIGTERM, saving" in ln for ln in log) and (out / "checkpoint-1").is_dir()
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        for f in pids.glob("*.pid"):
-            try:
-                os.kill(read_pid(f), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
 
 
 def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
