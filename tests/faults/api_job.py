@@ -57,7 +57,8 @@ def main() -> int:
                                learning_rate=1e-2, logging_steps=1, report_to="none", max_staleness=2,
                                vllm_server_timeout=60.0, rollout_worker_timeout=ns.worker_timeout, seed=0,
                                optim="sgd", max_grad_norm=0.0, max_concurrent_rollouts=8,
-                               activation_checkpointing=False)
+                               activation_checkpointing=False,
+                               max_groups_without_signal=0)  # a stop-path job: see cli_argv in conftest.py
         trainer = Trainer(model=ns.model, reward_funcs=[getattr(rewards, ns.reward)], args=args,
                           train_dataset=dataset)
         try:

@@ -218,4 +218,7 @@ def cli_argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "sampler.max_model_len=128", f"data.name={data.parent}", "rollout.num_generations=4",
             "rollout.max_completion_length=8", "rollout.num_sampler_logprobs=3", "staleness.max_staleness=2",
             "staleness.max_concurrent_rollouts=8", "trainer.bf16=false", "trainer.learning_rate=1e-2",
-            "trainer.activation_checkpointing=false", f"trainer.output_dir={out}", "logging.dashboard=plain", *extra]
+            "trainer.activation_checkpointing=false", f"trainer.output_dir={out}", "logging.dashboard=plain",
+            # These jobs test stop paths. At lr 1e-2 the tiny model's policy can collapse to one answer within a
+            # minute, and the no-signal stop (tested in tests/rollout/test_no_signal.py) would end them first.
+            "rollout.max_groups_without_signal=0", *extra]

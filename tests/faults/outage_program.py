@@ -72,7 +72,8 @@ def train(args: argparse.Namespace) -> int:
         output_dir=args.out, max_steps=args.max_steps, num_generations=4, max_completion_length=8,
         num_sampler_logprobs=3, vllm_server_base_url=args.url, learning_rate=1e-2, save_strategy="no",
         logging_steps=1, report_to="none", max_staleness=2, vllm_server_timeout=args.timeout,
-        rollout_worker_timeout=120.0, seed=0, optim="sgd", max_grad_norm=0.0, max_concurrent_rollouts=8)
+        rollout_worker_timeout=120.0, seed=0, optim="sgd", max_grad_norm=0.0, max_concurrent_rollouts=8,
+        max_groups_without_signal=0)  # an outage job: the no-signal stop must not end it first (conftest.cli_argv)
     trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=rewards, args=config, train_dataset=prompts)
     result = trainer.train()
     print(f"TRAINED {result.global_step}", flush=True)
