@@ -162,8 +162,7 @@ def quiet_progress_bars_without_terminal(stream=None) -> bool:
         return False
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    _quiet_gguf_bar()
+    hf_logging.disable_progress_bar()  # the GGUF export (its own tqdm bar) runs in the supervisor, not here
     return True
 
 
