@@ -357,7 +357,7 @@ def _check_port(cfg) -> None:
     from .launch.supervisor import check_server_port
 
     try:
-        check_server_port(cfg)
+        check_server_port(cfg, command="serve")
     except ConfigError as exc:
         err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

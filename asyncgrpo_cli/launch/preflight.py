@@ -66,12 +66,13 @@ def _check_run_lock(cfg: DictConfig) -> None:
         lock.release()
 
 
-def check_server_port(cfg: DictConfig, *, answering: bool | None = None) -> None:
+def check_server_port(cfg: DictConfig, *, answering: bool | None = None, command: str = "train") -> None:
     """Before the model is loaded: the server this job starts can take ``sampler.host:sampler.port``.
 
     Args:
         cfg: composed config (nothing is checked for ``sampler.backend=external``).
         answering: whether a server already answers ``/health`` at the URL (None = probe it now).
+        command: the CLI command asking, ``"train"`` or ``"serve"``; it picks the fix the message gives.
 
     Raises:
         ConfigError: a server this job did not start already answers there (use it with
@@ -84,6 +85,10 @@ def check_server_port(cfg: DictConfig, *, answering: bool | None = None) -> None
     host, port, url = str(cfg.sampler.host), int(cfg.sampler.port), server_url(cfg)
     if answering is None:
         answering = probe_health(url, timeout=1.0)
+    if answering and command == "serve":
+        raise ConfigError(f"sampler.port={port}: a server already answers at {url}/health. Fix: to check it serves "
+                          f"this config, run asyncgrpo doctor with the same overrides; to start another, use a free "
+                          f"port, e.g. sampler.port={free_port()}")
     if answering:
         raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health. "
                           f"Fix: to train against it, add sampler.backend=external sampler.url={url} (asyncgrpo "

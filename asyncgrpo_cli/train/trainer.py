@@ -323,7 +323,7 @@ class AsyncGRPOTrainer(Trainer):
         elif self.state.global_step <= getattr(self, "_last_saved_step", 0):
             note = "; nothing trained since the last checkpoint"
         else:
-            note = "; no checkpoint written"
+            note = f"; no checkpoint written: {self._why_not_saved(exc)}"
         if self.live is not None:
             reason = f"{type(exc).__name__}: {exc}"
             lines = reason.splitlines()
@@ -333,6 +333,22 @@ class AsyncGRPOTrainer(Trainer):
                              last_error=(reason + note)[:4000], step=self.state.global_step)
         if saved is not None and hasattr(exc, "add_note"):
             exc.add_note(f"asyncgrpo: checkpoint {saved} (step {self.state.global_step}) was saved before exiting")
+
+    def _why_not_saved(self, exc: BaseException) -> str:
+        """Why `_on_failure` could not save after a failure, and which checkpoint holds the last saved step."""
+        from .checkpoint import CheckpointError
+
+        if isinstance(exc, CheckpointError):
+            why = "the checkpoint write itself failed"
+        elif self.accelerator.num_processes > 1:
+            why = (f"with {self.accelerator.num_processes} trainer processes, the others may be inside a collective "
+                   f"the failed one never joins, so a save could hang or tear")
+        elif getattr(self, "_in_optimizer_step", False):
+            why = "the failure came inside the optimizer step, so the weights may be half updated"
+        else:
+            why = "no rollout position to resume from yet"
+        last = getattr(self, "_last_saved_step", 0)
+        return why + (f"; checkpoint-{last} holds the last saved step" if last > 0 else "; no earlier checkpoint")
 
     # ------------------------------------------------------------------------------------ rollouts (rank 0)
     def _setup_rollouts(self, start_position: int, resumed: bool = False) -> None:

@@ -156,6 +156,8 @@ def test_a_server_this_job_did_not_start_is_refused_unless_external():
         with pytest.raises(ConfigError, match=rf"already answers.*sampler.backend=external sampler.url=http://127.0.0.1:{port}"):
             check_server_port(cfg)
         check_server_port(compose(["+recipe=smoke", "sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}"]))
+        served = invoke("serve", "+recipe=smoke", f"sampler.port={port}")  # serve's fix is doctor, not training
+        assert served.exit_code == 2 and "asyncgrpo doctor" in served.output and "train against" not in served.output
     finally:
         httpd.shutdown()
         httpd.server_close()

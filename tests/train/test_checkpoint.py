@@ -114,3 +114,20 @@ def test_run_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
     assert lock.owned and lock.read()["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / ".asyncgrpo.lock").exists()
+
+
+@pytest.mark.parametrize("processes, in_step, expected", [
+    (2, False, "with 2 trainer processes, the others may be inside a collective"),
+    (1, True, "inside the optimizer step"),
+])
+def test_a_failure_that_cannot_save_says_why_and_where_the_last_step_is(processes, in_step, expected):
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=processes), _in_optimizer_step=in_step,
+                              _last_saved_step=4)
+    why = AsyncGRPOTrainer._why_not_saved(trainer, RuntimeError("boom"))
+    assert expected in why and why.endswith("checkpoint-4 holds the last saved step")
+    trainer._last_saved_step = 0
+    assert AsyncGRPOTrainer._why_not_saved(trainer, RuntimeError("boom")).endswith("no earlier checkpoint")

@@ -245,6 +245,8 @@ def test_disk_full_while_saving_keeps_the_last_checkpoint(model_dir, server, tmp
     assert not (out / "checkpoint-2").exists() and not list(out.glob(".checkpoint-*"))
     status = json.loads((out / "status.json").read_text())
     assert status["state"].startswith("failed: CheckpointError") and status["step"] == 2
+    assert status["last_error"].endswith("no checkpoint written: the checkpoint write itself failed; "
+                                         "checkpoint-1 holds the last saved step")
 
 
 def stream_rows():
