@@ -11,7 +11,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["IncrementEnv", "tool_call_reward"]
+__all__ = ["IncrementEnv", "IncrementEnvWithExample", "tool_call_reward"]
 
 
 class IncrementEnv:
@@ -50,6 +50,24 @@ class IncrementEnv:
         """
         self.counter += int(step)
         return self.counter
+
+
+EXAMPLE_CALL = '<tool_call>\n{"name": "increment", "arguments": {"step": 1}}\n</tool_call>'
+"""One call in the Qwen3/Hermes format the ChatML tool template asks for (`rollout.chat_templates`)."""
+
+
+class IncrementEnvWithExample(IncrementEnv):
+    """`IncrementEnv` whose drawn task shows one tool call first, for models too small to follow the system
+    turn's tool instructions alone: SmolLM2-135M-Instruct (``+recipe=increment_env``) writes a parseable
+    ``increment`` call in 1 to 3 of 48 sampled replies with the example and in none of 32 without it (CPU,
+    temperature 0.7 to 1.0). The example's step is 1, so copying it earns the reward only when the target is 1."""
+
+    def reset(self, target: int | None = None, **kwargs: Any) -> str | None:
+        """As `IncrementEnv.reset`; a drawn task reads ``"Example tool call: ... Now increment the counter by N."``."""
+        task = super().reset(target, **kwargs)
+        if task is None:
+            return None
+        return f"Example tool call:\n{EXAMPLE_CALL}\nNow {task[0].lower()}{task[1:]}"
 
 
 def tool_call_reward(completions: Sequence[list[dict[str, Any]]], tool_names: Sequence[str] = ("increment",),

@@ -232,7 +232,7 @@ def test_cli_groups_import_tools_and_environments():
     from asyncgrpo_cli.config.compose import compose, to_training_args
     from asyncgrpo_cli.config.rules import ConfigError
     from asyncgrpo_cli.envs.calculator import calculate
-    from asyncgrpo_cli.envs.increment import IncrementEnv
+    from asyncgrpo_cli.envs.increment import IncrementEnv, IncrementEnvWithExample
     from asyncgrpo_cli.train.main import agent_objects
 
     from asyncgrpo_cli.imports import reward_functions
@@ -243,7 +243,8 @@ def test_cli_groups_import_tools_and_environments():
     for func in reward_functions(list(cfg.rewards)):  # list-valued kwargs (tool_names) must reach the worker
         check_picklable(func, "reward function")
     cfg = compose(["+recipe=increment_env"])
-    assert agent_objects(cfg) == ([], IncrementEnv) and not cfg.data.name and not cfg.data.generator
+    assert agent_objects(cfg) == ([], IncrementEnvWithExample) and not cfg.data.name and not cfg.data.generator
+    assert int(cfg.packing.token_budget) == int(cfg.sampler.max_model_len)  # no "samples may not fit" warning
     cfg = compose(["+recipe=increment_env", "environment.factory={a: asyncgrpo_cli.envs.increment:IncrementEnv}"])
     assert agent_objects(cfg)[1] == {"a": IncrementEnv}
     with pytest.raises(ConfigError, match="environment.factory"):
@@ -271,3 +272,16 @@ def test_worker_that_fails_building_the_loop_reports_its_traceback(tmp_path):
             worker.start(ready_timeout_s=120)
     finally:
         worker.stop()
+
+
+def test_the_example_task_shows_a_call_the_parser_reads():
+    from asyncgrpo_cli.envs.increment import IncrementEnvWithExample
+    from asyncgrpo_cli.rollout.tools import parse_assistant_reply
+
+    env = IncrementEnvWithExample()
+    task = env.reset()
+    assert task.endswith(f"Now increment the counter by {env.target}.") and env.counter == 0
+    shown = task[task.index("<tool_call>"):task.index("</tool_call>") + len("</tool_call>")]
+    [call] = parse_assistant_reply(shown).calls
+    assert call.error is None and call.name == "increment" and env.increment(**call.arguments) == 1
+    assert env.reset(target=4) is None and env.target == 4  # a dataset row's prompt is used as it is
