@@ -374,7 +374,7 @@ class Supervisor:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
         self.lock = lock
-        problem = resume_problem(self.cfg, out)
+        problem = start_problem(self.cfg, out)
         if problem:
             return self._refuse(problem)
         self._checkpoints_before = self._newest_checkpoint()
@@ -679,14 +679,29 @@ class Supervisor:
                                     style="cyan"), soft_wrap=True)
 
 
-def resume_problem(cfg: DictConfig, output_dir: Path) -> str | None:
-    """Why ``trainer.resume_from_checkpoint`` cannot be resumed from (not a complete checkpoint, or none in
-    ``output_dir`` for ``true``), in the CLI's key names; None when it can, or is unset."""
-    from ..train.checkpoint import CheckpointError, resolve_resume
+def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
+    """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
+
+    Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none in
+    ``output_dir`` for ``true``), or it is unset while ``output_dir`` holds an earlier run's complete checkpoint
+    or final model: starting over there would overwrite that model, let checkpoint rotation delete one run's
+    checkpoints and mix both runs in ``metrics.jsonl``.
+    """
+    from ..train.checkpoint import CheckpointError, newest_complete_checkpoint, resolve_resume
 
     resume = cfg.trainer.resume_from_checkpoint
     if not resume:
-        return None
+        newest = newest_complete_checkpoint(output_dir)
+        final = (output_dir / "model.safetensors").exists() or (output_dir / "adapter_model.safetensors").exists()
+        if newest is None and not final:
+            return None
+        held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
+        fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
+                     if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
+        cont = "continue it with trainer.resume_from_checkpoint=true, " if newest is not None else ""
+        return (f"trainer.output_dir={output_dir} already holds an earlier run ({held}); starting over there would "
+                f"overwrite it. Fix: {cont}write this run elsewhere with trainer.output_dir={fresh}, or remove "
+                f"{output_dir} to start over")
     try:
         resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
     except CheckpointError as exc:
@@ -737,7 +752,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
-        problem = resume_problem(cfg, plan.output_dir)
+        problem = start_problem(cfg, plan.output_dir)
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run or plan.problems:

@@ -275,6 +275,38 @@ def test_refusals_before_anything_starts(tmp_path):
     assert "trainer.resume_from_checkpoint=" in text and "not a complete checkpoint" in text
 
 
+def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
+    """Without trainer.resume_from_checkpoint, an output_dir with an earlier run's complete checkpoint or final
+    model is refused (the dry run too), naming how to continue it or where to write instead."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.train.run_state import save_rollout_state
+
+    from .conftest import base_overrides
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"x")  # a finished run's final model, no checkpoint kept
+    cfg = compose(base_overrides(out, free_port()))
+    console = record_console()
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    text = console.export_text()
+    assert f"trainer.output_dir={out} already holds an earlier run (the final model)" in text
+    assert f"trainer.output_dir={out}-2" in text and "resume_from_checkpoint" not in text
+    step = out / "checkpoint-3"
+    step.mkdir()
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (step / "model.safetensors").write_bytes(b"x")
+    save_rollout_state(step, position=9, num_prompts=10, num_tokens=300)
+    (tmp_path / "run-2").mkdir()  # taken: the next free name is suggested
+    console = record_console()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST) == 2
+    text = console.export_text()
+    assert "(checkpoint-3, the final model)" in text and "trainer.resume_from_checkpoint=true" in text
+    assert f"trainer.output_dir={out}-3" in text
+    resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
+    assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
+
+
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
     """kill -9 of `asyncgrpo train`: the server gets SIGTERM from the kernel (parent-death signal), the
     trainer under the real ``accelerate launch`` sees its supervisor gone, saves and stops, and its rollout
