@@ -193,7 +193,7 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_explain_hydra_error(exc, overrides)) from exc
+        raise ConfigError(_explain_hydra_error(exc, overrides, extra_recipe_dirs)) from exc
     except (TypeError, ValueError, KeyError) as exc:  # Hydra fails this way on some malformed group overrides
         raise ConfigError(f"the overrides {' '.join(overrides)} could not be composed ({type(exc).__name__}: {exc}). "
                           "Fix: a group (model, data, rewards, rollout, ...) is selected with group=option; to set "
@@ -204,14 +204,22 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     return cfg
 
 
-def _explain_hydra_error(exc: Exception, overrides: list[str]) -> str:
+def _explain_hydra_error(exc: Exception, overrides: list[str],
+                         recipe_dirs: list[str | Path] | None = None) -> str:
     msg = str(exc).strip()
     cause = exc.__cause__ or exc.__context__
     if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
         msg = f"{msg}\n{str(cause).strip()}"
-    if "recipe" in msg and "Could not find" in msg:
-        names = ", ".join(r.name for r in list_recipes())
-        return f"{msg}\nFix: use one of the recipes ({names}) or add your folder with --recipes-dir DIR"
+    missing = re.search(r"Could not find '(?:recipe/)?([^']+)'", msg)
+    if "recipe" in msg and missing:  # Hydra's own text adds its search path, which says nothing to the user
+        import difflib
+
+        known = sorted({r.name for r in list_recipes(recipe_dirs)})
+        name = missing.group(1)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean +recipe={close[0]}? Or use" if close else "use"
+        return (f"+recipe={name}: there is no such recipe. Fix: {hint} one of the recipes ({', '.join(known)}), "
+                f"or add your folder with --recipes-dir DIR")
     if "Key" in msg and "not in" in msg:
         from .override_errors import unknown_key_message
 

@@ -132,6 +132,7 @@ def test_clipped_objective_allows_zero_logprobs():
     (["rollout.top_k=abc"], "rollout.top_k"),
     (["sampler.backend=bogus"], "bogus"),
     (["+recipe=does_not_exist"], "deepmath"),
+    (["+recipe=smok"], "+recipe=smok: there is no such recipe. Fix: did you mean +recipe=smoke?"),
     (["trainer.not_a_training_arg=1"], "not_a_training_arg"),
 ])
 def test_hydra_errors_are_config_errors(overrides, needle):
