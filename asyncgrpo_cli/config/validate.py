@@ -421,7 +421,10 @@ def check_training_args_build(cfg: Any) -> None:
         fix = ("set trainer.bf16=false (this machine has no CUDA GPU), or trainer.use_cpu=true"
                if name == "bf16" or "bf16" in text else f"{key}={close[0]}" if close
                else "see transformers.TrainingArguments for the field")
-        raise _err(key, value, f"transformers refuses it: {text[:400]}", fix) from None
+        listed = _listed_values(text) if name else []
+        reason = (f"transformers accepts one of {', '.join(listed)}" if listed else
+                  f"transformers refuses it: {text if len(text) <= 400 else text[:400].rsplit(' ', 1)[0] + ' ...'}")
+        raise _err(key, value, reason, fix) from None
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     known = sorted(INTEGRATION_TO_CALLBACK)

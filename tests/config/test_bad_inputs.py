@@ -191,7 +191,7 @@ CLI_CASES = [
      "AsyncRolloutLoop"),
     ("recipe_yaml_error", ["+recipe=broken"], "broken.yaml:4", "YAML"),
     ("scheduler_unknown", [R, "trainer.lr_scheduler_type=foo"], "trainer.lr_scheduler_type", "cosine"),
-    ("optimizer_unknown", [R, "trainer.optim=foo"], "trainer.optim", "adamw_torch"),
+    ("optimizer_unknown", [R, "trainer.optim=foo"], "trainer.optim", "transformers accepts one of adamw_torch, "),
     ("save_strategy_typo", [R, "trainer.save_strategy=step"], "trainer.save_strategy", "Fix: trainer.save_strategy=steps"),
     ("tracker_typo", [R, "trainer.report_to=tensorbord"], "trainer.report_to", "Fix: trainer.report_to=tensorboard"),
     ("tracker_typo_in_a_list", [R, "trainer.report_to=[tensorboard,wandbb]"], "trainer.report_to",
