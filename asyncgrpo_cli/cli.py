@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -135,12 +135,19 @@ def _info_option(value: bool) -> None:
         raise typer.Exit(0)
 
 
+INFO_HELP = "Print the config search path, the config groups and the recipes, and exit."
+
+
+def _info_flag() -> Any:
+    """``--info`` on a command too (`asyncgrpo train --info`), as on `asyncgrpo` itself (Hydra's flag)."""
+    return typer.Option(False, "--info", is_eager=True, callback=_info_option, help=INFO_HELP)
+
+
 @app.callback()
 def main_options(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version_option,
                                  help="Print the version and exit."),
-    info: bool = typer.Option(False, "--info", is_eager=True, callback=_info_option,
-                              help="Print the config search path, the config groups and the recipes, and exit."),
+    info: bool = _info_flag(),
 ) -> None:
     """Options of the `asyncgrpo` command itself."""
 
@@ -244,6 +251,7 @@ def config_cmd(
     doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
     cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
+    info: bool = _info_flag(),
 ) -> None:
     """Print the composed, validated config as YAML (--doc: with each key's description)."""
     from .config.compose import to_yaml
@@ -285,6 +293,7 @@ def serve_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment instead of starting it."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
+    info: bool = _info_flag(),
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
     from .launch.server_command import build_server_command
@@ -388,6 +397,7 @@ def train_cmd(
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help=MULTIRUN_HELP),
     cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
+    info: bool = _info_flag(),
 ) -> None:
     """Run the main job: the sampler, the FSDP2 trainer and its rollout worker, with live panels."""
     hargs = _hydra_args(overrides, multirun=multirun, command="train")

@@ -37,6 +37,8 @@ def test_version_info_help_and_completion():
     for group in ("sampler (embedded|external|vllm)", "peft (lora|none)", "recipe ("):
         assert group in help_text, group
     assert "-m" in invoke("train", "--help").output
+    for command in ("train", "serve", "config"):  # Hydra's --info after the command too, before any compose
+        assert invoke(command, "--info", "rollout.no_such_key=1").output == info, command
 
 
 def test_info_columns_line_up_and_flags_show_no_type():
