@@ -224,6 +224,8 @@ class AsyncGRPOTrainer(Trainer):
         state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
         self._init_training_state(state_max_steps, 1, max(1, math.ceil(args.num_train_epochs)),
                                   resume_from_checkpoint, trial)
+        if not self._prompts_have_length:
+            self.state.epoch = None  # not logged, the panel shows none (a stream, or the environment's own tasks)
         if checkpoint is not None:
             try:
                 load_checkpoint_weights(self, checkpoint)
@@ -285,6 +287,13 @@ class AsyncGRPOTrainer(Trainer):
     @property
     def _is_iterable(self) -> bool:
         return not hasattr(self.train_dataset, "__len__")
+
+    @property
+    def _prompts_have_length(self) -> bool:
+        """False for a stream and for environment-owned data (`EnvironmentOwnedPrompts`): no epoch to count."""
+        from ..rollout.environments import EnvironmentOwnedPrompts
+
+        return not self._is_iterable and not isinstance(self.train_dataset, EnvironmentOwnedPrompts)
 
     def _on_stop_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self._stop_requested:  # a second signal: stop now, without saving
@@ -364,7 +373,8 @@ class AsyncGRPOTrainer(Trainer):
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
-                             num_train_epochs=args.num_train_epochs, num_processes=self.accelerator.num_processes,
+                             num_train_epochs=args.num_train_epochs if self._prompts_have_length else None,
+                             num_processes=self.accelerator.num_processes,
                              max_concurrent_rollouts=args.max_concurrent_rollouts, model_version=self.model_version,
                              step=self.state.global_step)
         self.token_budget = int(self._broadcast(budget))
@@ -381,7 +391,7 @@ class AsyncGRPOTrainer(Trainer):
         self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes)
         self.position = TrainedPosition(start_position)
         self.pulled = TrainedPosition(start_position)  # every position whose outcome has left the queue
-        self.num_prompts = None if self._is_iterable else len(self.train_dataset)
+        self.num_prompts = len(self.train_dataset) if self._prompts_have_length else None
         self.sample_position: dict[int, int] = {}
         prefix = getattr(self.weight_sync.backend, "prefix", "policy")
         self.worker = RolloutWorker(
@@ -752,8 +762,8 @@ class AsyncGRPOTrainer(Trainer):
         self.live.update(kv_cache_usage_frac=kv, requests_running=logs.get("rollout/vllm_running_requests"),
                          requests_waiting=logs.get("rollout/vllm_queued_requests"))
         self.log(dict(logs))
-        self.live.append_metrics({"step": self.state.global_step, "epoch": self.state.epoch, "time": time.time(),
-                                  **logs})
+        epoch = {} if self.state.epoch is None else {"epoch": self.state.epoch}
+        self.live.append_metrics({"step": self.state.global_step, **epoch, "time": time.time(), **logs})
         if self.args.log_completions and self.worker is not None:  # SPEC §16.3: completions.jsonl, trackers
             log_completions(self.worker.take_completions(), self.state.global_step, self.args.num_completions_to_print,
                             self.live, self.callback_handler.callbacks)

@@ -224,6 +224,8 @@ def test_environment_owned_data_trains_with_max_steps(tmp_path):
         merged = {k for line in lines for k in line}
         assert {"rewards/CoinEnv/mean", "env/reset_s", "env/reward_s", "tools/call_frequency",
                 "tools/loop_exhausted_frac"} <= merged
+        status = json.loads((tmp_path / "run" / "status.json").read_text())
+        assert "epoch" not in merged and status.get("epoch") is None and status["num_train_epochs"] is None
     finally:
         server.stop()
 
