@@ -253,7 +253,7 @@ def config_cmd(
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
     info: bool = _info_flag(),
 ) -> None:
-    """Print the composed, validated config as YAML (--doc: with each key's description)."""
+    """Print the composed config as YAML (--doc: with each key's description), then check it as `train` would."""
     from .config.compose import to_yaml
     from .config.docs import documented_yaml
 
@@ -268,6 +268,13 @@ def config_cmd(
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
         return
     sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
+    sys.stdout.flush()
+    if not cfg.model.name:  # the defaults alone: the deep checks need a model
+        err.print("note: model.name is unset, so only types and rules were checked; with a model (+recipe=NAME "
+                  "or model.name=...) the checks train runs (lengths, imports, data, rewards) run too",
+                  highlight=False, soft_wrap=True)
+        return
+    _validate(cfg, "train")  # the deep pass train runs, after the YAML: exit 2 with every problem it finds
 
 
 @app.command("recipes")

@@ -27,6 +27,16 @@ def test_config_prints_composed_yaml():
     assert "num_generations: 6" in result.output and "backend: embedded" in result.output
 
 
+def test_config_runs_the_checks_train_runs():
+    """What train refuses, config prints and refuses too (exit 2, after the YAML); the bare defaults say what
+    was not checked."""
+    result = runner.invoke(app, ["config", "+recipe=smoke", "rollout.max_completion_length=1000"])
+    assert result.exit_code == 2 and "max_completion_length: 1000" in result.output
+    assert "config error: rollout.max_completion_length=1000: not below sampler.max_model_len=256" in result.output
+    bare = runner.invoke(app, ["config"])
+    assert bare.exit_code == 0 and "model.name is unset, so only types and rules were checked" in bare.output
+
+
 def test_config_error_exit_code_and_message():
     result = runner.invoke(app, ["config", "rollout.top_p=0.5"])
     assert result.exit_code == 2
