@@ -204,6 +204,20 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     return cfg
 
 
+def _value_without(key: str, overrides: list[str], recipe_dirs: list[str | Path] | None) -> Any:
+    """``key``'s value in the config composed without the overrides that set it (e.g. the recipe's value);
+    `override_errors._MISSING` when that cannot be composed either or does not hold the key."""
+    from .override_errors import _MISSING
+
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    if len(rest) == len(overrides):
+        return _MISSING
+    try:
+        return OmegaConf.select(compose(rest, recipe_dirs, validate=False), key, default=_MISSING)
+    except ConfigError:
+        return _MISSING
+
+
 def _explain_hydra_error(exc: Exception, overrides: list[str],
                          recipe_dirs: list[str | Path] | None = None) -> str:
     msg = str(exc).strip()
@@ -231,7 +245,8 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         from .override_errors import type_error_message
 
         key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, None])[1]
-        text = type_error_message(str(key), getattr(cause, "value", None)) if key else None
+        text = type_error_message(str(key), getattr(cause, "value", None),
+                                  _value_without(str(key), overrides, recipe_dirs)) if key else None
         if text:
             return text
     if "could not be converted to" in msg:

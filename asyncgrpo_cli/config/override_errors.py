@@ -104,16 +104,19 @@ def describe_type(tp: Any) -> str:
     return text + (" (or null)" if optional else "")
 
 
-def _example(key: str, tp: Any, default: Any) -> str:
+def _example(key: str, tp: Any, default: Any, current: Any = _MISSING) -> str:
     tp, _ = _unwrap(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " or ".join(f"{key}={m.value}" for m in tp)
     if tp is bool:
         return f"{key}=true or {key}=false"
-    if default is not _MISSING and default is not None:
-        shown = default.value if isinstance(default, enum.Enum) else default
-        shown = str(shown).lower() if isinstance(shown, bool) else shown
-        return f"{key}={shown} (its default)"
+    if current is not _MISSING and default is not _MISSING and current == default:
+        current = _MISSING  # said as "its default"
+    for value, source in ((current, "its value without this override"), (default, "its default")):
+        if value is not _MISSING and value is not None:
+            shown = value.value if isinstance(value, enum.Enum) else value
+            shown = str(shown).lower() if isinstance(shown, bool) else shown
+            return f"{key}={shown} ({source})"
     if typing.get_origin(tp) is list or tp is list:
         item = (typing.get_args(tp) or (str,))[0]
         return f"{key}=[0,1]" if item is int else f"{key}=[a,b]"
@@ -121,15 +124,18 @@ def _example(key: str, tp: Any, default: Any) -> str:
     return f"{key}={placeholder}"
 
 
-def type_error_message(full_key: str, value: Any) -> str | None:
+def type_error_message(full_key: str, value: Any, current: Any = _MISSING) -> str | None:
     """``field X: value V is not <type>. Fix: X=...`` for a value OmegaConf could not convert to the
-    field's type; None when ``full_key`` is not a schema field (the caller keeps OmegaConf's text)."""
+    field's type; None when ``full_key`` is not a schema field (the caller keeps OmegaConf's text).
+    ``current``: the key's value in the config composed without the bad override (a recipe's value), shown as
+    the example in place of the schema default when given."""
     found = field_at(full_key)
     if found is None:
         return None
     tp, default = found
     shown = f"'{value}'" if isinstance(value, str) else str(value)
-    return (f"field {full_key}: value {shown} is not {describe_type(tp)}. Fix: {_example(full_key, tp, default)} "
+    example = _example(full_key, tp, default, current)
+    return (f"field {full_key}: value {shown} is not {describe_type(tp)}. Fix: {example} "
             "(`asyncgrpo config --doc` describes every key)")
 
 

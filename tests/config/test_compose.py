@@ -198,6 +198,12 @@ def test_a_value_of_the_wrong_type_names_field_value_type_and_fix(override, expe
     assert "full_key" not in text and "object_type" not in text and "reference_type" not in text
 
 
+def test_the_fix_for_a_wrong_type_shows_the_recipes_value():
+    with pytest.raises(ConfigError) as info:
+        compose(["+recipe=smoke", "trainer.learning_rate=abc"])
+    assert "Fix: trainer.learning_rate=3e-05 (its value without this override)" in str(info.value)
+
+
 def test_public_sampler_host_needs_allow_public():
     from asyncgrpo_cli.config.compose import public_host_warning
 
