@@ -26,7 +26,8 @@ from rich.console import Console
 from rich.live import Live
 
 from .diagnosis import Diagnosis, MetricsHistory, RunSettings, diagnose, num
-from .panels import DashboardView, ProcessInfo, completions_table, plain_line, render_dashboard
+from .panels import (DashboardView, ProcessInfo, completion_lines, completions_table, plain_line,
+                     render_dashboard)
 
 __all__ = ["Dashboard", "JsonlTail", "ProcessInfo", "read_status", "resolve_mode", "STATUS_FILE", "METRICS_FILE",
            "COMPLETIONS_FILE"]
@@ -229,10 +230,16 @@ class Dashboard:
         for rec in records:
             by_step[rec.get("step")].append(rec)
         for _, recs in by_step.items():
-            self.console.print(completions_table(recs, self.num_completions_to_print))
+            if self.mode == "plain":  # a log file: one line per record, not a table squeezed to 80 columns
+                for line in completion_lines(recs, self.num_completions_to_print):
+                    self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                self.console.print(completions_table(recs, self.num_completions_to_print))
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """Print a message above the live panel (or plainly)."""
+        """Print a message above the live panel (or plainly: one line per message, not wrapped at 80 columns)."""
+        if self.mode == "plain":
+            kwargs.setdefault("soft_wrap", True)
         self.console.print(*objects, **kwargs)
 
     @property

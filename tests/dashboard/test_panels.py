@@ -173,6 +173,24 @@ def test_completions_tables_at_most_n_per_step(tmp_path):
     assert "sys" not in text.replace("system", "")  # the last user message is shown, not the system prompt
 
 
+def test_plain_output_prints_one_line_per_completion_and_unwrapped_messages(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    console = Console(record=True, width=80, force_terminal=False)
+    dash = Dashboard(out, mode="plain", console=console, log_completions=True, num_completions_to_print=2)
+    long = "word " * 40
+    (out / "completions.jsonl").write_text(json.dumps({"step": 1, "prompt": "2+2?", "completion": f"{long}\n4",
+                                                       "reward": 1.0, "advantage": 0.5,
+                                                       "rewards": {"exact": 1.0}}) + "\n")
+    dash.poll()
+    dash.print(f"SIGINT: {long}")
+    text = console.export_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("completion step", "SIGINT"))]
+    assert lines[0].startswith("completion step 1 | reward 1 | advantage 0.5 | exact 1 | prompt: 2+2? | ")
+    assert lines[0].endswith("word ⏎4") and lines[1].rstrip() == f"SIGINT: {long}".rstrip()
+    assert len(text.splitlines()) == 2  # nothing wrapped at 80 columns, no table
+
+
 def test_completions_table_plain_prompt():
     console = record_console()
     console.print(completions_table([{"step": 4, "prompt": "2+2?", "completion": "4", "reward": 1}], None))

@@ -88,7 +88,7 @@ def test_normal_completion(make_cfg, tmp_path):
     step_lines = [ln for ln in text.splitlines() if ln.startswith("step ") and "| reward" in ln]
     assert [ln.split(" |")[0] for ln in step_lines] == ["step 1/3", "step 2/3", "step 3/3"]
     assert all("healthy" in ln or "balanced" in ln for ln in step_lines)
-    assert "completions (step 1)" in text and "What is 1+1?" in text
+    assert "completion step 1 | reward " in text and "What is 1+1?" in text  # plain: one line per completion
     assert "sampler is ready" in text and "doctor:" in text and "checks passed" in text
     assert "summary" in text and "finished" in text and "0.75" in text  # final reward
     png = out / "training_curves.png"
