@@ -479,7 +479,8 @@ def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, m
     """
     step = num(metrics, "step")
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             f"reward {fmt(num(metrics, 'reward'), '.4g')}",
+             f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
+             "reward — (no group scored since the last log)",
              f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",

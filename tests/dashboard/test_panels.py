@@ -114,6 +114,8 @@ def test_eta_from_epochs_when_max_steps_is_unset():
 def test_plain_line_and_formats():
     line = plain_line(window(2), None, max_steps=10)
     assert line.startswith("step 2/10 | reward 0.2 | gen 12.3k tok/s | train 4.32k tok/s | step 10.00 s")
+    unscored = {k: v for k, v in window(3).items() if k != "reward"}  # SPEC §15.1: no rollout scored in it
+    assert plain_line(unscored).startswith("step 3 | reward — (no group scored since the last log) | gen ")
     assert fmt_duration(3725) == "1h02m" and fmt_duration(65) == "1m05s" and fmt_duration(None) == "—"
     assert fmt_rate(2_500_000) == "2.5M" and fmt_rate(None) == "—"
 
