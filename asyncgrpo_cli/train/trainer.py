@@ -218,7 +218,11 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens = int(saved.get("num_tokens", 0))
         self.is_in_train = True
         if args.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(self.model, "enable_input_require_grads"):
                 self.model.enable_input_require_grads()
         state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
