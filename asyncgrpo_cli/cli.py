@@ -323,12 +323,13 @@ def serve_cmd(
         from .launch.plan import visible_gpu_count
 
         if visible_gpu_count() == 0:
-            no_gpu = ("sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. Fix: run this "
-                      "command on the GPU machine, or use sampler.backend=embedded (CPU)")
+            where = "sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. "
             if dry_run:
-                command.notes.append(no_gpu.replace("Fix: run this", "run this").replace(", or use", " (or use") + ")")
+                command.notes.append(where + "Run this command on the GPU machine, or serve on CPU with "
+                                     "sampler.backend=embedded")
             else:
-                command.problems.append(no_gpu)
+                command.problems.append(where + "Fix: run this command on the GPU machine, or serve on CPU with "
+                                        "sampler.backend=embedded")
     if dry_run:
         from .launch.supervisor import check_server_port
 
