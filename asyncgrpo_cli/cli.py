@@ -249,11 +249,14 @@ def config_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
+    check: bool = typer.Option(False, "--check", help="After the YAML, run every check train runs (model, lengths, "
+                               "imports, data, rewards; loads transformers): exit 2 on a problem."),
     cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
     info: bool = _info_flag(),
 ) -> None:
-    """Print the composed config as YAML (--doc: with each key's description), then check it as `train` would."""
+    """Print the composed config as YAML, types and rules checked (--check: every check train runs; --doc: with
+    each key's description)."""
     from .config.compose import to_yaml
     from .config.docs import documented_yaml
 
@@ -269,9 +272,11 @@ def config_cmd(
         return
     sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
     sys.stdout.flush()
+    if not check:  # composing stays light (no transformers, no torch)
+        return
     if not cfg.model.name:  # the defaults alone: the deep checks need a model
         err.print("note: model.name is unset, so only types and rules were checked; with a model (+recipe=NAME "
-                  "or model.name=...) the checks train runs (lengths, imports, data, rewards) run too",
+                  "or model.name=...) --check runs the checks train runs (lengths, imports, data, rewards)",
                   highlight=False, soft_wrap=True)
         return
     _validate(cfg, "train")  # the deep pass train runs, after the YAML: exit 2 with every problem it finds

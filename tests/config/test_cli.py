@@ -27,13 +27,15 @@ def test_config_prints_composed_yaml():
     assert "num_generations: 6" in result.output and "backend: embedded" in result.output
 
 
-def test_config_runs_the_checks_train_runs():
-    """What train refuses, config prints and refuses too (exit 2, after the YAML); the bare defaults say what
-    was not checked."""
-    result = runner.invoke(app, ["config", "+recipe=smoke", "rollout.max_completion_length=1000"])
+def test_config_check_runs_the_checks_train_runs():
+    """What train refuses, config --check prints and refuses too (exit 2, after the YAML); the bare defaults say
+    what was not checked."""
+    overrides = ["+recipe=smoke", "rollout.max_completion_length=1000"]
+    assert runner.invoke(app, ["config", *overrides]).exit_code == 0  # composing alone: types and rules
+    result = runner.invoke(app, ["config", "--check", *overrides])
     assert result.exit_code == 2 and "max_completion_length: 1000" in result.output
     assert "config error: rollout.max_completion_length=1000: not below sampler.max_model_len=256" in result.output
-    bare = runner.invoke(app, ["config"])
+    bare = runner.invoke(app, ["config", "--check"])
     assert bare.exit_code == 0 and "model.name is unset, so only types and rules were checked" in bare.output
 
 

@@ -19,6 +19,7 @@ from asyncgrpo_cli.config.docs import _group_classes, attribute_docstrings, docu
 from asyncgrpo_cli.config.hydra_conventions import expand_sweep, take_hydra_keys
 from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.config.schema import RolloutConfig
+from asyncgrpo_cli.launch.preflight import free_port
 from asyncgrpo_cli.launch.supervisor import check_server_port, run_train
 
 runner = CliRunner()
@@ -96,7 +97,7 @@ def test_multirun_one_folder_per_job(tmp_path):
     assert [d["rollout"]["temperature"] for d in docs] == [0.7, 0.9]
     assert [d["trainer"]["output_dir"] for d in docs] == [f"{tmp_path}/0", f"{tmp_path}/1"]
     dry = invoke("train", "-m", "--dry-run", "+recipe=smoke", "rollout.temperature=0.7,0.9",
-                 f"trainer.output_dir={tmp_path}/s")
+                 f"trainer.output_dir={tmp_path}/s", f"sampler.port={free_port()}")  # 8000 may be busy here
     assert dry.exit_code == 0 and dry.output.count("dry run: nothing started") == 2
     assert f"{tmp_path}/s/0" in dry.output and f"{tmp_path}/s/1" in dry.output
 
