@@ -181,6 +181,18 @@ def main_guard_message(script: str, line: int) -> str:
             "`if __name__ == \"__main__\":` (or in a main() function called from there)")
 
 
+def _drop_boot_signals() -> None:
+    """In the worker, once it leads its own process group: discard a SIGINT/SIGTERM that reached the trainer's
+    group while the worker booted with them blocked (`RolloutWorker.start`), then unblock them. SIGINT stays
+    ignored (the trainer stops the worker through its stop flag); SIGTERM keeps the handler `bind_to_parent`
+    set (or its default)."""
+    term = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # pending ones are discarded
+    signal.signal(signal.SIGTERM, term if term is not None else signal.SIG_DFL)
+
+
 def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, parent_pid: int | None = None,
                  death_signal: bool = True, no_signal_value=None) -> None:
     """Entry point of the spawned process: bind its lifetime to the trainer's (`bind_to_parent`), build
@@ -188,6 +200,7 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, paren
     error while building the loop reaches the trainer through ``failed_event`` like a run-time one."""
     if parent_pid is not None:
         bind_to_parent(parent_pid, death_signal)
+    _drop_boot_signals()
     try:
         _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value)
     finally:
@@ -319,8 +332,17 @@ class RolloutWorker:
                                                                     self.stop_flag, os.getpid(), death_signal,
                                                                     self.no_signal_value),
                                          name="asyncgrpo-rollout-worker", daemon=False)
-        with worker_environment():
-            self.process.start()
+        # A stop signal sent to the trainer's process group (the CLI's SIGINT/SIGTERM) must not reach the worker
+        # while it boots, still in that group: it would die half-started (or hang the start). Blocked here, the
+        # signals stay blocked in the child across fork and exec; `_worker_main` drops them once it leads its own
+        # group. The trainer gets its own pending signal as soon as the start returns.
+        stop_signals = {signal.SIGINT, signal.SIGTERM}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            with worker_environment():
+                self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.heartbeat_value.value = time.time()
         deadline = time.monotonic() + ready_timeout_s
         while not self.ready_event.wait(0.2):
@@ -335,6 +357,9 @@ class RolloutWorker:
         terminate, then kill. Safe to call twice."""
         proc = self.process
         if proc is None:
+            return
+        if proc.pid is None:  # a stop signal interrupted `start` before the process existed
+            self.process = None
             return
         self.stop_flag.value = 1
         proc.join(timeout_s)

@@ -71,3 +71,18 @@ def test_sigint_on_the_cli_and_a_second_job_on_the_same_folder(tiny_model, promp
     assert checkpoint is not None and checkpoint.name == f"checkpoint-{metrics_steps(out)[-1]}"
     assert status(out)["state"] == "stopped"
     assert not (out / ".asyncgrpo.lock").exists()
+
+
+def test_a_stop_signal_while_the_worker_boots_reaches_the_trainer_only(tiny_model, tmp_path, jobs):
+    """Ctrl-C in a run's first seconds: the CLI signals the trainer's whole process group, which still holds the
+    rollout worker while it boots. The worker must come up anyway (it used to die half-started, and the
+    trainer's start then hung until the second signal) and the trainer must still get its signal."""
+    import sys
+    from pathlib import Path
+
+    program = str(Path(__file__).with_name("boot_signal_program.py"))
+    job = jobs([sys.executable, program, str(tiny_model), str(tmp_path / "out")], "boot")
+    assert job.wait(timeout=240) == 0, job.output()[-4000:]
+    result = json.loads(job.output().strip().splitlines()[-1])
+    assert result["booting"], "the signal was sent after the worker had left the group: the case was not tested"
+    assert result == {"booting": True, "ready": True, "error": None, "seen": [int(signal.SIGINT)]}, job.output()
