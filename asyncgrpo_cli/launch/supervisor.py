@@ -679,6 +679,15 @@ class Supervisor:
                                     style="cyan"), soft_wrap=True)
 
 
+def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
+    """What an earlier run left in ``output_dir``: its newest complete checkpoint (None when there is none) and
+    whether its final model (``model.safetensors`` or a LoRA ``adapter_model.safetensors``) is there."""
+    from ..train.checkpoint import newest_complete_checkpoint
+
+    final = (output_dir / "model.safetensors").exists() or (output_dir / "adapter_model.safetensors").exists()
+    return newest_complete_checkpoint(output_dir), final
+
+
 def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
 
@@ -687,18 +696,22 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     or final model: starting over there would overwrite that model, let checkpoint rotation delete one run's
     checkpoints and mix both runs in ``metrics.jsonl``.
     """
-    from ..train.checkpoint import CheckpointError, newest_complete_checkpoint, resolve_resume
+    from ..train.checkpoint import CheckpointError, checkpoint_step, resolve_resume
 
     resume = cfg.trainer.resume_from_checkpoint
     if not resume:
-        newest = newest_complete_checkpoint(output_dir)
-        final = (output_dir / "model.safetensors").exists() or (output_dir / "adapter_model.safetensors").exists()
+        newest, final = earlier_run(output_dir)
         if newest is None and not final:
             return None
         held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
         fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
-        cont = "continue it with trainer.resume_from_checkpoint=true, " if newest is not None else ""
+        cont = ""
+        if newest is not None:
+            step, max_steps = checkpoint_step(newest) or 0, int(cfg.trainer.max_steps)
+            more = f" trainer.max_steps={2 * step} (it ended at step {step} = max_steps)" if step >= max_steps > 0 \
+                else ""
+            cont = f"continue it with trainer.resume_from_checkpoint=true{more}, "
         return (f"trainer.output_dir={output_dir} already holds an earlier run ({held}); starting over there would "
                 f"overwrite it. Fix: {cont}write this run elsewhere with trainer.output_dir={fresh}, or remove "
                 f"{output_dir} to start over")
@@ -798,8 +811,8 @@ def earlier_checkpoints_note(cfg: DictConfig) -> str | None:
     if cfg.trainer.resume_from_checkpoint:
         return None
     found = list_checkpoints(cfg.trainer.output_dir)
-    if not found:
-        return None
+    if not found or earlier_run(Path(cfg.trainer.output_dir)) != (None, False):
+        return None  # nothing there, or a run `start_problem` refuses to start over
     return (f"note: {cfg.trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
             f"{Path(found[-1]).name}); this run starts from scratch and overwrites checkpoints of the same step. "
             f"To continue that run instead: trainer.resume_from_checkpoint={found[-1]}; to keep it: "

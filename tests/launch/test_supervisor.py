@@ -302,6 +302,12 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST) == 2
     text = console.export_text()
     assert "(checkpoint-3, the final model)" in text and "trainer.resume_from_checkpoint=true" in text
+    assert "note:" not in text  # no "this run starts from scratch" before the refusal
+    ended = compose(base_overrides(out, free_port(), "trainer.max_steps=3"))  # the run ended at its max_steps
+    console = record_console()
+    assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 1
+    assert "trainer.resume_from_checkpoint=true trainer.max_steps=6 (it ended at step 3 = max_steps)" in \
+        console.export_text()
     assert f"trainer.output_dir={out}-3" in text
     resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
     assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
