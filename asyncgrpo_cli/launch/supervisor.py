@@ -675,8 +675,22 @@ class Supervisor:
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
         newest = self._newest_checkpoint()
         if outcome == "stopped" and newest:
-            self.console.print(Text(f"resume with: trainer.resume_from_checkpoint={newest}",
-                                    style="cyan"), soft_wrap=True)
+            self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
+
+
+def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str:
+    """The command that resumes this run from ``checkpoint``: this ``asyncgrpo train`` command line (``argv``,
+    default ``sys.argv``) with its overrides, its own ``trainer.resume_from_checkpoint`` replaced; only the
+    override itself when the process is not ``asyncgrpo train`` (the Python API) or is a sweep (``-m``)."""
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    override = f"trainer.resume_from_checkpoint={checkpoint}"
+    if len(argv) < 2 or Path(argv[0]).name != "asyncgrpo" or argv[1] != "train" or \
+            any(a in ("-m", "--multirun") for a in argv):
+        return override
+    kept = [a for a in argv[2:] if not a.lstrip("+~").startswith("trainer.resume_from_checkpoint=")]
+    return shlex.join(["asyncgrpo", "train", *kept, override])
 
 
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:

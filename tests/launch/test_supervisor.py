@@ -342,3 +342,16 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
     text = console.export_text()
     assert f"sampler.port={port}: another process already listens" in text and "cannot run on this machine" in text
     assert not out.exists()
+
+
+def test_the_resume_line_repeats_the_command_with_its_overrides():
+    from asyncgrpo_cli.launch.supervisor import resume_command
+
+    argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.output_dir=/tmp/a b", "trainer.max_steps=20",
+            "trainer.resume_from_checkpoint=/tmp/a b/checkpoint-2"]
+    assert resume_command("/tmp/a b/checkpoint-5", argv) == (
+        "asyncgrpo train +recipe=smoke 'trainer.output_dir=/tmp/a b' trainer.max_steps=20 "
+        "'trainer.resume_from_checkpoint=/tmp/a b/checkpoint-5'")
+    assert resume_command("/c/checkpoint-5", ["/venv/bin/asyncgrpo", "train", "-m", "lr=1,2"]) == \
+        "trainer.resume_from_checkpoint=/c/checkpoint-5"  # a sweep: each job has its own folder
+    assert resume_command("/c/checkpoint-5", ["pytest", "-q"]) == "trainer.resume_from_checkpoint=/c/checkpoint-5"
