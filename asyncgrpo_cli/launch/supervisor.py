@@ -706,7 +706,7 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
 
     Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none in
-    ``output_dir`` for ``true``), or it is unset while ``output_dir`` holds an earlier run's complete checkpoint
+    ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``, or it is unset while ``output_dir`` holds an earlier run's complete checkpoint
     or final model: starting over there would overwrite that model, let checkpoint rotation delete one run's
     checkpoints and mix both runs in ``metrics.jsonl``.
     """
@@ -730,9 +730,13 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
                 f"overwrite it. Fix: {cont}write this run elsewhere with trainer.output_dir={fresh}, or remove "
                 f"{output_dir} to start over")
     try:
-        resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
+        folder = resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
     except CheckpointError as exc:
         return re.sub(r"(?<![\w.])resume_from_checkpoint", "trainer.resume_from_checkpoint", str(exc))
+    step, max_steps = checkpoint_step(folder) or 0, int(cfg.trainer.max_steps)
+    if step >= max_steps > 0:
+        return (f"trainer.resume_from_checkpoint={resume}: {folder.name} is at step {step}, already "
+                f"trainer.max_steps={max_steps}: nothing to train. Fix: raise it, e.g. trainer.max_steps={2 * step}")
     return None
 
 

@@ -311,6 +311,11 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     assert f"trainer.output_dir={out}-3" in text
     resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
     assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
+    done = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true", "trainer.max_steps=3"))
+    console = record_console()  # resuming a run that reached its max_steps would train nothing
+    assert run_train(done, console=console, gpu_count=0, timeouts=FAST) == 2
+    assert "checkpoint-3 is at step 3, already trainer.max_steps=3: nothing to train. Fix: raise it, e.g. " \
+           "trainer.max_steps=6" in console.export_text()
 
 
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
