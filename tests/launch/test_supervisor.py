@@ -350,7 +350,7 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
 
 
 def test_the_resume_line_repeats_the_command_with_its_overrides():
-    from asyncgrpo_cli.launch.supervisor import resume_command
+    from asyncgrpo_cli.launch.run_folder import resume_command
 
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.output_dir=/tmp/a b", "trainer.max_steps=20",
             "trainer.resume_from_checkpoint=/tmp/a b/checkpoint-2"]
