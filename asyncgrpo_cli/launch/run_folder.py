@@ -42,10 +42,11 @@ def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
 def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
 
-    Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none in
-    ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``, or it is unset while ``output_dir`` holds an earlier run's complete checkpoint
-    or final model: starting over there would overwrite that model, let checkpoint rotation delete one run's
-    checkpoints and mix both runs in ``metrics.jsonl``.
+    Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none
+    in ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``; or it is unset while
+    ``output_dir`` holds an earlier run's complete checkpoint or final model: starting over there would
+    overwrite that model, let checkpoint rotation delete one run's checkpoints and mix both runs in
+    ``metrics.jsonl``.
     """
     from ..train.checkpoint import CheckpointError, checkpoint_step, resolve_resume
 
