@@ -20,7 +20,7 @@ from ..citations import cite_shipped
 from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..sampler.protocol import vllm_config_of
-from .sampling_mask import sampling_mask_verdict
+from .sampling_mask import sampling_mask_verdict, scale_out_answer
 from ..launch.server_command import (
     MIN_VLLM,
     build_server_command,
@@ -185,7 +185,8 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
         add(Check("weight transfer", FAIL, f"weight transfer backend is {backend!r}",
                   "restart with --weight-transfer-config '{\"backend\": \"nccl\"}'"))
     verdict = sampling_mask_verdict(uses_candidate_sets(cfg), info, facts.version,
-                                    fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)))
+                                    fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)),
+                                    scale_out=facts.extra.get("scale_out"))
     if verdict is not None:
         add(Check("sampling mask", verdict.status, verdict.message, verdict.fix))
     dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg)
@@ -383,6 +384,8 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
             facts.server_env = answer.get("vllm_env") if isinstance(answer, dict) else None
             metrics = http.get("/metrics")
             facts.metrics_ok = metrics.status_code == 200 and parse_server_load(metrics.text) is not None
+            if not facts.embedded:
+                facts.extra["scale_out"] = scale_out_answer(http.post("/inference/v1/generate", json={}).status_code)
     except httpx.HTTPError as exc:
         facts.error = f"{type(exc).__name__}: {exc}"
     return facts

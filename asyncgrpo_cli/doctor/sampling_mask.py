@@ -37,9 +37,35 @@ def _version_tuple(text: str) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts) if parts else None
 
 
+def scale_out_answer(status_code: int | None) -> bool | None:
+    """What an empty ``POST /inference/v1/generate`` says about ``--enable-scale-out`` (no I/O).
+
+    vLLM 0.33 mounts the route but answers 403 unless the server was started with ``--enable-scale-out``;
+    a request it validates (400/422) means the route is on; 404 (an older vLLM, or another server) or no
+    answer says nothing.
+    """
+    if status_code == 403:
+        return False
+    if status_code in (200, 400, 422):
+        return True
+    return None
+
+
+def probe_scale_out(base_url: str, timeout_s: float = 10.0) -> bool | None:
+    """`scale_out_answer` of the server at ``base_url`` (one request with an empty body; None on no answer)."""
+    import httpx
+
+    try:
+        return scale_out_answer(httpx.post(f"{base_url.rstrip('/')}/inference/v1/generate", json={},
+                                           timeout=timeout_s).status_code)
+    except httpx.HTTPError:
+        return None
+
+
 def sampling_mask_verdict(uses_candidate_sets: bool, server_info: dict[str, Any] | None,
                           version: dict[str, Any] | None, *, fallback: bool,
-                          fallback_key: str = "rollout.sampling_mask_fallback") -> MaskVerdict | None:
+                          fallback_key: str = "rollout.sampling_mask_fallback",
+                          scale_out: bool | None = None) -> MaskVerdict | None:
     """Whether the server can return candidate sets when the config filters (no I/O).
 
     Args:
@@ -50,6 +76,8 @@ def sampling_mask_verdict(uses_candidate_sets: bool, server_info: dict[str, Any]
             ``"server": "asyncgrpo-embedded"``).
         fallback: the user accepts biased ratios (SPEC §7's fallback).
         fallback_key: the config key of ``fallback``, for the messages.
+        scale_out: `scale_out_answer` of the server (None: not known). The candidate sets come back only
+            from ``/inference/v1/generate``, which vLLM 0.33 refuses (403) without ``--enable-scale-out``.
 
     Returns:
         None when no filter is on or nothing is known; else a `MaskVerdict` (fail without the fallback,
@@ -59,6 +87,11 @@ def sampling_mask_verdict(uses_candidate_sets: bool, server_info: dict[str, Any]
         return None
     model_config = server_info.get("model_config") if isinstance(server_info, dict) else None
     has_mask = bool((model_config or {}).get("return_sampling_mask"))
+    if has_mask and scale_out is False:
+        return MaskVerdict(FAIL, "the server computes candidate sets (--return-sampling-mask) but was started "
+                           "without --enable-scale-out: /inference/v1/generate, the only route that returns them, "
+                           "answers 403 to every rollout", "restart it with --enable-scale-out as well "
+                           "(asyncgrpo serve with the same overrides passes both)")
     if has_mask:
         return MaskVerdict(PASS, "candidate sets are returned for top-k/top-p/min-p")
     embedded = (version or {}).get("server") == EMBEDDED_SERVER or server_info.get("server") == EMBEDDED_SERVER
@@ -87,7 +120,7 @@ def sampling_mask_verdict(uses_candidate_sets: bool, server_info: dict[str, Any]
 
 def require_sampling_mask(uses_candidate_sets: bool, server_info: dict[str, Any] | None,
                           version: dict[str, Any] | None, *, fallback: bool, url: str = "",
-                          fallback_key: str = "sampling_mask_fallback") -> str | None:
+                          fallback_key: str = "sampling_mask_fallback", scale_out: bool | None = None) -> str | None:
     """Refuse a server that cannot return candidate sets (the trainer's start-up check, SPEC §7).
 
     Returns:
@@ -97,7 +130,7 @@ def require_sampling_mask(uses_candidate_sets: bool, server_info: dict[str, Any]
         ConfigError: the verdict is fail; the message says why and how to restart the server.
     """
     verdict = sampling_mask_verdict(uses_candidate_sets, server_info, version, fallback=fallback,
-                                    fallback_key=fallback_key)
+                                    fallback_key=fallback_key, scale_out=scale_out)
     if verdict is None or verdict.status == PASS:
         return None
     where = f" at {url}" if url else ""

@@ -56,7 +56,7 @@ def vllm_has_flag(flag: str, version: str | None) -> bool:
         if spec is not None and spec.origin:
             root = Path(spec.origin).parent
             for rel in ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "config/model.py",
-                        "entrypoints/openai/api_server.py"):
+                        "entrypoints/openai/api_server.py", "entrypoints/common/cli_args.py"):  # 0.33: common
                 path = root / rel
                 if path.is_file() and snake in path.read_text(errors="ignore"):
                     return True

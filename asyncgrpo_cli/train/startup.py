@@ -122,7 +122,7 @@ def check_sampling_mask(args, sampler) -> None:
     Raises:
         ConfigError: the server returns no candidate sets (the message names the server flags to add).
     """
-    from ..doctor.sampling_mask import require_sampling_mask
+    from ..doctor.sampling_mask import probe_scale_out, require_sampling_mask
 
     if not args.uses_candidate_sets:
         return
@@ -130,8 +130,10 @@ def check_sampling_mask(args, sampler) -> None:
         version = sampler.version()
     except Exception:  # noqa: BLE001 - a server without /version: judged from /server_info alone
         version = None
-    warning = require_sampling_mask(True, sampler.server_info(), version,
-                                    fallback=args.sampling_mask_fallback, url=args.vllm_server_base_url)
+    embedded = isinstance(version, dict) and version.get("server") == "asyncgrpo-embedded"
+    scale_out = None if embedded else probe_scale_out(args.vllm_server_base_url)
+    warning = require_sampling_mask(True, sampler.server_info(), version, fallback=args.sampling_mask_fallback,
+                                    url=args.vllm_server_base_url, scale_out=scale_out)
     if warning:
         warnings.warn(warning, UserWarning, stacklevel=3)
 

@@ -44,9 +44,10 @@ from pathlib import Path
 OUT = Path(os.environ.get("OUT") or "gpu_out")
 WORK = Path("/tmp/asyncgrpo_one_gpu")
 CLI = [sys.executable, "-m", "asyncgrpo_cli"]
-RECIPE = ["+recipe=arith_vllm_1gpu"]
+RECIPE = ["+recipe=arith_vllm_1gpu", *os.environ.get("EXTRA_OVERRIDES", "").split()]
 INTERRUPT_AT_STEP = 4
-MAX_STEPS = 38  # run 2 then trains >= 30 steps (from the checkpoint of step 4-7)
+MAX_STEPS = int(os.environ.get("MAX_STEPS", 38))  # run 2 then trains >= MAX_STEPS - 8 steps (from step 4-7)
+RESULT_PREFIX = os.environ.get("RESULT_PREFIX", "one_gpu")
 SYNCS = 10
 EMBEDDED_STEPS = 5
 T0 = time.monotonic()
@@ -58,7 +59,7 @@ from vllm_e2e import summarize_metrics  # noqa: E402  (same figures as the 2-GPU
 
 def save() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"one_gpu_{result['phase']}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"{RESULT_PREFIX}_{result['phase']}.json").write_text(json.dumps(result, indent=1))
 
 
 def elapsed() -> float:
@@ -220,11 +221,19 @@ def phase_train() -> int:
     if not run1["checkpoints"]:
         return 1
 
-    # Run 2: resume from run 1's checkpoint to max_steps.
+    # Run 2: resume with the command run 1 printed ("resume with: asyncgrpo train ..."), as a user would.
     ckpt = run_dir / run1["checkpoints"][-1]
     resumed_from = int(ckpt.name.split("-")[-1])
+    printed = re.findall(r"resume with: (asyncgrpo train .+)", text)
+    result["run1_interrupted"]["printed_resume_command"] = printed[-1].strip() if printed else None
+    if printed:
+        import shlex
+
+        argv2 = [*CLI, *shlex.split(printed[-1].strip())[1:], "logging.dashboard=rich"]
+    else:
+        argv2 = [*argv, f"trainer.resume_from_checkpoint={ckpt}"]
     t0 = time.monotonic()
-    run = PtyRun([*argv, f"trainer.resume_from_checkpoint={ckpt}"], WORK / "run2_panels.raw", env)
+    run = PtyRun(argv2, WORK / "run2_panels.raw", env)
     stopped_at_limit = False
     while run.proc.poll() is None:
         if time.monotonic() - T0 > deadline and not stopped_at_limit:
@@ -252,12 +261,13 @@ def phase_train() -> int:
         **summarize_metrics(rows, []),
     }
     copy_logs(run_dir, "run2")
-    for name in ("metrics.jsonl", "training_curves.png"):
+    for name in ("metrics.jsonl", "training_curves.png", "completions.jsonl"):
         if (run_dir / name).exists():
             (OUT / name).write_bytes((run_dir / name).read_bytes())
     save()
     print(json.dumps(result, indent=1), flush=True)
-    ok = rc1 == 130 and rc2 == 0 and not run1["gpu_processes_after"] and result["run2_resumed"]["steps_in_run"] >= 30
+    ok = (rc1 == 130 and rc2 == 0 and not run1["gpu_processes_after"]
+          and result["run2_resumed"]["steps_in_run"] >= MAX_STEPS - 8)
     return 0 if ok else 1
 
 
@@ -393,6 +403,8 @@ def phase_bench() -> int:
                                                             .splitlines()[-200:]))
     save()
     print(json.dumps(bench, indent=1), flush=True)
+    if os.environ.get("SKIP_EMBEDDED") == "1":
+        return 0 if bench.get("backend") == "VllmIpcSync" else 1
 
     # The same arith run with the embedded sampler sharing the GPU.
     run_dir = WORK / "arith_embedded"

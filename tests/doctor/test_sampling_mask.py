@@ -112,3 +112,38 @@ def test_doctor_json_against_a_live_embedded_server_without_masks(tmp_path):
 def test_restart_line_drops_the_flag_that_turned_masks_off():
     cfg = compose(["+recipe=smoke", "rollout.top_k=50", "sampler.extra_args=[--no-return-sampling-mask]"])
     assert "--no-return-sampling-mask" not in restart_command(cfg, _embedded_facts(False)).shell_line()
+
+
+@pytest.mark.parametrize("code,answer", [(403, False), (422, True), (400, True), (200, True), (404, None),
+                                         (500, None), (None, None)])
+def test_scale_out_read_from_an_empty_generate_request(code, answer):
+    from asyncgrpo_cli.doctor.sampling_mask import scale_out_answer
+
+    assert scale_out_answer(code) is answer
+
+
+def test_mask_without_scale_out_is_refused_with_the_flag_to_add():
+    """vLLM 0.33 answers 403 on /inference/v1/generate without --enable-scale-out, although /server_info says
+    return_sampling_mask: the verdict must fail (it passed on return_sampling_mask alone)."""
+    v = sampling_mask_verdict(True, MASK, {"version": "0.33.0"}, fallback=False, scale_out=False)
+    assert v.status == FAIL and "--enable-scale-out" in v.fix and "403" in v.message
+    assert sampling_mask_verdict(True, MASK, {"version": "0.33.0"}, fallback=False, scale_out=True).status == PASS
+    with pytest.raises(ConfigError, match="enable-scale-out"):
+        require_sampling_mask(True, MASK, {"version": "0.33.0"}, fallback=False, scale_out=False)
+
+
+def test_vllm_033_scale_out_flag_is_found_in_its_common_cli_args(tmp_path, monkeypatch):
+    """0.33 defines --enable-scale-out in entrypoints/common/cli_args.py only: an installed 0.33 must get it."""
+    import importlib.util
+
+    from asyncgrpo_cli.launch import server_command
+
+    root = tmp_path / "vllm"
+    (root / "entrypoints" / "common").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "entrypoints" / "common" / "cli_args.py").write_text("    enable_scale_out: bool = False\n")
+    spec = importlib.util.spec_from_file_location("vllm", root / "__init__.py")
+    monkeypatch.setattr(server_command, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "vllm" else None)
+    assert server_command.vllm_has_flag("--enable-scale-out", "0.33.0")
+    assert not server_command.vllm_has_flag("--no-such-flag", "0.33.0")

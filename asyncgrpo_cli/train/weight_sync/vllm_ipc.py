@@ -53,17 +53,16 @@ def import_ipc_api() -> SimpleNamespace:
     """vLLM's trainer side of CUDA-IPC weight transfer.
 
     Returns:
-        A namespace with ``IPCWeightTransferEngine`` and ``IPCTrainerSendWeightsArgs``.
+        A namespace with ``IPCWeightTransferEngine`` and ``IPCTrainerSendWeightsArgs`` (vLLM 0.26), or with
+        ``IPCTrainerWeightTransferEngine``, ``IPCTrainerInitInfo``, ``WeightSource`` and ``ParamMeta``
+        (vLLM 0.33: the trainer-side engine drives start → update → finish itself).
 
     Raises:
         ImportError: the installed vLLM has no ``ipc_engine`` (or a dependency of it, e.g. ray on
             vLLM 0.26.0, is missing), naming the version, the fix and the two-GPU alternative.
     """
     try:
-        from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerSendWeightsArgs,
-            IPCWeightTransferEngine,
-        )
+        from vllm.distributed.weight_transfer import ipc_engine
     except ImportError as exc:
         missing = getattr(exc, "name", None)
         version = _installed_vllm()
@@ -73,8 +72,14 @@ def import_ipc_api() -> SimpleNamespace:
             fix = "pip install 'vllm>=0.26' (the first release with the ipc weight-transfer backend)"
         raise ImportError(f"CUDA-IPC weight sync needs vllm.distributed.weight_transfer.ipc_engine, which the "
                           f"installed vLLM ({version}) cannot import: {exc}. Fix: {fix}, {TWO_GPU_ALTERNATIVE}") from exc
-    return SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine,
-                           IPCTrainerSendWeightsArgs=IPCTrainerSendWeightsArgs)
+    if hasattr(ipc_engine, "IPCTrainerWeightTransferEngine"):  # vLLM 0.33: a trainer-side engine object
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+        return SimpleNamespace(IPCTrainerWeightTransferEngine=ipc_engine.IPCTrainerWeightTransferEngine,
+                               IPCTrainerInitInfo=ipc_engine.IPCTrainerInitInfo,
+                               WeightSource=WeightSource, ParamMeta=ParamMeta)
+    return SimpleNamespace(IPCWeightTransferEngine=ipc_engine.IPCWeightTransferEngine,
+                           IPCTrainerSendWeightsArgs=ipc_engine.IPCTrainerSendWeightsArgs)
 
 
 def _fields(cls: Any) -> set[str]:
@@ -128,6 +133,10 @@ class VllmIpcSync(WeightSyncBackend):
         self.packed = packed
         self._api = vllm_api
         self._ready = False
+        self._engine: Any = None  # vLLM 0.33's IPCTrainerWeightTransferEngine, built at the first sync
+        self._current: FullWeightSource | None = None
+        self._live: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._version: int | None = None
         self.requests = 0  # /update_weights requests of the last sync
 
     def init(self) -> None:
@@ -149,8 +158,20 @@ class VllmIpcSync(WeightSyncBackend):
             raise WeightSyncError(f"the ipc server has {world} workers; colocated sync supports one (the GPU the "
                                   f"trainer shares). Fix: start it without tensor parallelism, {TWO_GPU_ALTERNATIVE}",
                                   "/get_world_size")
-        self.call("/init_weight_transfer_engine", None, self.client.init_weight_transfer_engine, {})
+        if not self._engine_api:
+            self.call("/init_weight_transfer_engine", None, self.client.init_weight_transfer_engine, {})
+        # vLLM 0.33: IPCTrainerWeightTransferEngine.trainer_init posts /init_weight_transfer_engine itself (with
+        # ``packed``) and reads the source's metadata, so it runs at the first sync, which has the source.
         self._ready = True
+
+    @property
+    def _engine_api(self) -> bool:
+        return self._api is not None and hasattr(self._api, "IPCTrainerWeightTransferEngine")
+
+    def reconnect(self) -> None:
+        """A restarted server has no transfer engine: the next `sync` initialises it again."""
+        self._ready = False
+        self._engine = None
 
     def _send_args(self, version: int) -> Any:
         cls = self._api.IPCTrainerSendWeightsArgs
@@ -178,6 +199,8 @@ class VllmIpcSync(WeightSyncBackend):
         """
         if not self._ready:
             self.init()
+        if self._engine_api:
+            return self._sync_engine(source, version)
         timings = SyncTimings()
         start = now()
         meta = source.metadata()
@@ -206,5 +229,76 @@ class VllmIpcSync(WeightSyncBackend):
         finally:
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # free the blocks the server has let go of
+        timings.total_s = now() - start
+        return timings
+
+    # ------------------------------------------------------------------ vLLM 0.33: the trainer-side engine
+    def _wire(self) -> Any:
+        """vLLM's four-method weight-sync client protocol over our `SyncSamplerClient` (errors name the route)."""
+        backend = self
+
+        class _Wire:
+            def init_weight_transfer_engine(self, init_info: dict) -> None:
+                backend.call("/init_weight_transfer_engine", None, backend.client.init_weight_transfer_engine,
+                             init_info)
+
+            def start_weight_update(self) -> None:
+                backend.call("/start_weight_update", backend._version, backend.client.start_weight_update)
+
+            def update_weights(self, update_info: Any) -> None:
+                backend.requests += 1
+                backend.call("/update_weights", backend._version, backend.client.update_weights,
+                             http_update_info(update_info))
+
+            def finish_weight_update(self, weight_version: str | None = None) -> None:
+                version = backend._version
+                backend.call("/finish_weight_update", version, backend.client.finish_weight_update,
+                             str(version) if backend.send_weight_version else None)
+
+        return _Wire()
+
+    def _source(self) -> FullWeightSource:
+        if self._current is None:
+            raise RuntimeError("VllmIpcSync: vLLM asked for weights outside sync()")
+        return self._current
+
+    def _vllm_source(self) -> Any:
+        from .vllm_source import vllm_weight_source
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            source = self._source()
+            self._live = source.tensors()
+            return _checked(source.metadata(), self._live, self.device)
+
+        return vllm_weight_source(self._api, lambda: self._source().metadata(), tensors)
+
+    def _sync_engine(self, source: FullWeightSource, version: int) -> SyncTimings:
+        """vLLM 0.33: ``/pause`` → ``engine.send_weights()`` (``/start_weight_update`` → ``/update_weights``
+        with the CUDA-IPC handles → ``/finish_weight_update``) → ``/reset_prefix_cache`` → ``/resume``."""
+        timings = SyncTimings()
+        start = now()
+        self._current, self._live, self._version, self.requests = source, None, version, 0
+        try:
+            if self._engine is None:
+                info = self._api.IPCTrainerInitInfo(rank=0, packed=self.packed)
+                self._engine = self._api.IPCTrainerWeightTransferEngine.trainer_init(
+                    info, client=self._wire(), source=self._vllm_source())
+            with self.paused(version, timings):
+                t0 = now()
+                try:
+                    self._engine.send_weights()
+                except WeightSyncError:
+                    raise
+                except Exception as exc:
+                    raise WeightSyncError(
+                        f"weight sync to model version {version} failed in the CUDA-IPC send: "
+                        f"{type(exc).__name__}: {exc} (the server must run on the trainer's GPU, "
+                        f"{self.device}; {TWO_GPU_ALTERNATIVE})", "ipc send", version) from exc
+                timings.transfer_s = now() - t0
+        except BaseException:
+            drain_quietly(self._live if self._live is not None else source.tensors())
+            raise
+        finally:
+            self._current, self._live = None, None
         timings.total_s = now() - start
         return timings

@@ -30,6 +30,7 @@ import torch
 from .base import Background, SyncTimings, WeightSyncBackend, WeightSyncError, drain_quietly, now
 from .names import ParamMeta
 from .params import FullWeightSource
+from .vllm_source import metadata_is_cached_property, vllm_weight_source
 
 log = logging.getLogger(__name__)
 
@@ -306,21 +307,15 @@ class VllmNccl028Sync(_NcclBase):
     _live: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def _vllm_source(self) -> Any:
-        api, owner = self._api, self
-        base = getattr(api, "WeightSource", None) or object
+        def metadata() -> list[ParamMeta]:
+            return self._source().metadata()
 
-        class _Source(base):  # type: ignore[misc, valid-type]
-            """vLLM ``WeightSource`` over the `FullWeightSource` of the sync in progress."""
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            source = self._source()
+            self._live = source.tensors()
+            return _checked(source.metadata(), self._live, self.device)
 
-            def metadata(self) -> list[Any]:
-                return [api.ParamMeta(m.name, m.dtype, tuple(m.shape)) for m in owner._source().metadata()]
-
-            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-                source = owner._source()
-                owner._live = source.tensors()
-                return _checked(source.metadata(), owner._live, owner.device)
-
-        return _Source()
+        return vllm_weight_source(self._api, metadata, tensors)
 
     def _source(self) -> FullWeightSource:
         if self._current is None:
@@ -329,11 +324,20 @@ class VllmNccl028Sync(_NcclBase):
 
     def init(self) -> None:
         """``GET /get_world_size``, then vLLM's ``trainer_init`` (it POSTs
-        ``/init_weight_transfer_engine`` itself while joining the group as rank 0)."""
+        ``/init_weight_transfer_engine`` itself while joining the group as rank 0).
+
+        vLLM 0.33's ``trainer_init`` reads the source's metadata, which exists only once a sync hands
+        over its `FullWeightSource`: there the rendezvous waits for the first `sync` (which a fresh
+        run makes before its first request)."""
         if self._api is None:
             self._api = _import_028()
         server_world = self.call("/get_world_size", None, self.client.get_world_size)
         self.world_size = int(server_world) + 1
+        if self._current is None and metadata_is_cached_property(self._api):
+            return
+        self._rendezvous()
+
+    def _rendezvous(self) -> None:
         self._select_device()
         info_cls = self._api.NCCLTrainerInitInfo
         kwargs: dict[str, Any] = {"master_address": self.master_address, "master_port": self.master_port,
@@ -350,11 +354,18 @@ class VllmNccl028Sync(_NcclBase):
     def sync(self, source: FullWeightSource, version: int) -> SyncTimings:
         """``/pause`` → ``engine.send_weights()`` (start → update ∥ broadcast → finish) →
         ``/reset_prefix_cache`` → ``/resume``."""
+        self._current, self._live = source, None
         if self._engine is None:
-            self.init()
+            try:
+                if self.world_size is None or self._api is None:
+                    self.init()
+                if self._engine is None:
+                    self._rendezvous()
+            except BaseException:
+                self._current = None
+                raise
         timings = SyncTimings()
         start = now()
-        self._current, self._live = source, None
         try:
             with self.paused(version, timings):
                 t0 = now()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The vLLM 0.33 runs on one H200, once install.py has staged /tmp/vsite (vLLM 0.33.0, torch 2.14.0) and
+# /tmp/asyncgrpo_site (the project's missing wheels, the SmolLM2 GGUF):
+#   bash scripts/gpu/vllm033/run.sh train   # Ctrl-C + resume with the printed command (one_gpu.py train)
+#   bash scripts/gpu/vllm033/run.sh masks   # sampling masks at lr 0, doctor, serve --dry-run (runs.py masks)
+#   bash scripts/gpu/vllm033/run.sh bench   # Qwen3-0.6B-shaped IPC sync timings (one_gpu.py bench, no embedded run)
+#   bash scripts/gpu/vllm033/run.sh p9      # top-8 log-prob cost at API servers 8 and 1 (runs.py p9)
+# Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
+set -uo pipefail
+VSITE="${VSITE:-/tmp/vsite}"
+SITE="${ASYNCGRPO_SITE:-/tmp/asyncgrpo_site}"
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+if [ ! -f "$VSITE/.installed" ]; then
+  echo "run.sh: vLLM 0.33 is not staged on this machine: see scripts/gpu/vllm033/install.py"; exit 1
+fi
+export PYTHONPATH="$SITE:$VSITE:$VSITE/nvidia_cutlass_dsl/dsl_packages:$PWD"
+export PATH="$VSITE/bin:$PATH" ASYNCGRPO_CACHE=/tmp/asyncgrpo_cache PYTHONUNBUFFERED=1 OUT RESULT_PREFIX=vllm033
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+case "${1:-train}" in
+  train) MAX_STEPS="${MAX_STEPS:-24}" EXTRA_OVERRIDES="logging.log_completions=true logging.num_completions_to_print=8" \
+           TRAIN_DEADLINE_S="${TRAIN_DEADLINE_S:-480}" python3 scripts/gpu/one_gpu.py train ;;
+  bench) SKIP_EMBEDDED=1 python3 scripts/gpu/one_gpu.py bench ;;
+  masks|p9) python3 scripts/gpu/vllm033/runs.py "$1" ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9)"; exit 2 ;;
+esac
