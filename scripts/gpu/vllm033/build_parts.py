@@ -76,8 +76,10 @@ def main() -> None:
 
     # items: (group, kind, name, source path)
     items = []
+    stack = {name for _group, name, _size, _digest in rows}
     for whl in sorted((ROOT / ".whl").glob("*.whl")):
-        items.append(("project", "project-wheel", whl.name, whl))
+        if whl.name not in stack:  # e.g. dill: the stack carries it already (both sites are on the path)
+            items.append(("project", "project-wheel", whl.name, whl))
     for piece in sorted((ROOT / ".gguf").glob("p*/*")):
         items.append(("project", "gguf-piece", piece.name, piece))
     if not any(kind == "gguf-piece" for _, kind, _, _ in items):
