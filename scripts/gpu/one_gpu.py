@@ -57,6 +57,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_e2e import summarize_metrics  # noqa: E402  (same figures as the 2-GPU run)
 
 
+def train_overrides(run_dir: Path | str, max_steps: int = MAX_STEPS) -> list[str]:
+    """The Hydra overrides of phase train's run 1 (run 2 adds the resume); also checked on CPU in CI."""
+    return [*RECIPE, f"trainer.output_dir={run_dir}", f"trainer.max_steps={max_steps}", "logging.dashboard=rich"]
+
+
+def bench_serve_overrides(model_dir: Path | str, port: int) -> list[str]:
+    """The overrides of phase bench's ``asyncgrpo serve`` of the Qwen3-0.6B-shaped model (checked on CPU in CI)."""
+    return [f"model.name={model_dir}", f"sampler.port={port}", "sampler.max_model_len=1024",
+            "rollout.max_completion_length=512", "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]",
+            "staleness.max_concurrent_rollouts=64"]
+
+
+def embedded_overrides(run_dir: Path | str) -> list[str]:
+    """The overrides of phase bench's embedded-sampler run on the same GPU (checked on CPU in CI)."""
+    return [*RECIPE, "sampler.backend=embedded", "sampler.device=cuda", "sampler.kv_cache_tokens=131072",
+            "sampler.extra_args=[]", f"trainer.max_steps={EMBEDDED_STEPS}", f"trainer.output_dir={run_dir}",
+            "logging.dashboard=plain"]
+
+
 def save() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{RESULT_PREFIX}_{result['phase']}.json").write_text(json.dumps(result, indent=1))
@@ -92,7 +111,8 @@ def leftover_processes() -> list[str]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] != me and ("vllm" in cmd or "asyncgrpo_cli" in cmd) and "one_gpu.py" not in cmd:
+        own = "one_gpu.py" in cmd or "vllm033/run" in cmd
+        if p.info["pid"] != me and ("vllm serve" in cmd or "vllm.entrypoints" in cmd or "asyncgrpo_cli" in cmd) and not own:
             found.append(f"{p.info['pid']} {cmd[:160]}")
     return found
 
@@ -179,8 +199,7 @@ def phase_train() -> int:
     deadline = float(os.environ.get("TRAIN_DEADLINE_S", 520))
     run_dir = WORK / "arith_vllm_1gpu"
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "48"}
-    argv = [*CLI, "train", *RECIPE, f"trainer.output_dir={run_dir}", f"trainer.max_steps={MAX_STEPS}",
-            "logging.dashboard=rich"]
+    argv = [*CLI, "train", *train_overrides(run_dir)]
     result["gpu_processes_before"] = gpu_processes()
 
     # Run 1: Ctrl-C once past INTERRUPT_AT_STEP.
@@ -277,7 +296,11 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
-def make_qwen3_06b(out: Path) -> Path:
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_qwen3_06b(out: Path, shape: dict | None = None, device: str = "cuda") -> Path:
     """A Qwen3-0.6B-shaped checkpoint with random bf16 weights (``initializer_range`` 0.2, so that its
     next-token distributions are peaked and a weight change shows in log-probs) and a word-level
     tokenizer covering all 151,936 ids (vLLM detokenizes whatever it samples)."""
@@ -287,15 +310,17 @@ def make_qwen3_06b(out: Path) -> Path:
 
     if (out / "config.json").exists():
         return out
-    vocab = {f"<t{i}>": i for i in range(151934)}
+    vocab = {f"<t{i}>": i for i in range(151930)}
+    vocab.update({"<|system|>": 151930, "<|user|>": 151931, "<|assistant|>": 151932, "<|tool|>": 151933})
     vocab.update({"<|endoftext|>": 151934, "<|im_end|>": 151935})
     word_level = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE  # prompts are chat messages (README: Supported setups)
     config = Qwen3Config(vocab_size=151936, eos_token_id=151935, pad_token_id=151934, bos_token_id=None,
-                         initializer_range=0.2, **QWEN3_06B)
+                         initializer_range=0.2, **(shape or QWEN3_06B))
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -332,9 +357,7 @@ def phase_bench() -> int:
     model_dir = make_qwen3_06b(WORK / "qwen3_06b_shape")
     port = 8011
     url = f"http://127.0.0.1:{port}"
-    serve_argv = [*CLI, "serve", f"model.name={model_dir}", f"sampler.port={port}", "sampler.max_model_len=1024",
-                  "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]",
-                  "staleness.max_concurrent_rollouts=64"]
+    serve_argv = [*CLI, "serve", *bench_serve_overrides(model_dir, port)]
     dry = subprocess.run([*serve_argv, "--dry-run"], capture_output=True, text=True, timeout=120)
     bench: dict = {"model": "Qwen3-0.6B shape, random bf16 weights (596M parameters)", "serve_dry_run": dry.stdout}
     result["qwen3_06b_sync"] = bench
@@ -408,9 +431,7 @@ def phase_bench() -> int:
 
     # The same arith run with the embedded sampler sharing the GPU.
     run_dir = WORK / "arith_embedded"
-    argv = [*CLI, "train", *RECIPE, "sampler.backend=embedded", "sampler.device=cuda", "sampler.kv_cache_tokens=131072",
-            "sampler.extra_args=[]", f"trainer.max_steps={EMBEDDED_STEPS}", f"trainer.output_dir={run_dir}",
-            "logging.dashboard=plain"]
+    argv = [*CLI, "train", *embedded_overrides(run_dir)]
     t0 = time.monotonic()
     with open(WORK / "embedded_train.txt", "w") as out:
         try:

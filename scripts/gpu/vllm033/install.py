@@ -78,7 +78,9 @@ def needed_groups(items: dict) -> set[str]:
         have = image_version(dist)
         if wanted is None:
             continue
-        if have is None or version_tuple(have) < version_tuple(wanted):
+        if group in os.environ.get("V33_SKIP_GROUPS", "").split():
+            print(f"install: {dist} {have} in the image, {wanted} pinned: skipped (V33_SKIP_GROUPS)")
+        elif have is None or version_tuple(have) < version_tuple(wanted):
             groups.add(group)
             print(f"install: {dist} {have or 'missing'} in the image < {wanted}: its parts are needed")
         else:

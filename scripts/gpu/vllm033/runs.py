@@ -60,8 +60,7 @@ def wait_for(pred, timeout_s: float, poll_s: float = 1.0) -> bool:
 
 def phase_masks() -> int:
     run_dir = WORK / "masks"
-    argv = [*CLI, "train", *MASK_OVERRIDES, f"trainer.output_dir={run_dir}", f"trainer.max_steps={MASK_STEPS}",
-            "trainer.logging_steps=1", "logging.dashboard=plain"]
+    argv = [*CLI, "train", *masks_overrides(run_dir)]
     dry = subprocess.run([*CLI, "serve", *MASK_OVERRIDES, "--dry-run"], capture_output=True, text=True, timeout=180)
     result["serve_dry_run"] = dry.stdout.strip().splitlines()
     log = open(WORK / "masks_train.txt", "w")
@@ -122,6 +121,20 @@ async def _throughput(url: str, model: str, n: int, tokens: int, logprobs: int |
         return total / (time.monotonic() - t0)
 
 
+def masks_overrides(run_dir: Path | str) -> list[str]:
+    """The overrides of phase masks' training run (checked on CPU in CI)."""
+    return [*MASK_OVERRIDES, f"trainer.output_dir={run_dir}", f"trainer.max_steps={MASK_STEPS}",
+            "trainer.logging_steps=1", "logging.dashboard=plain"]
+
+
+def p9_serve_overrides(model_dir: Path | str, port: int, api_servers: int) -> list[str]:
+    """The overrides of phase p9's ``asyncgrpo serve`` (checked on CPU in CI)."""
+    return [f"model.name={model_dir}", f"sampler.port={port}", "sampler.max_model_len=1024",
+            "rollout.max_completion_length=512", f"sampler.api_server_count={api_servers}",
+            "rollout.num_sampler_logprobs=8", "sampler.extra_args=[]", "staleness.max_concurrent_rollouts=256",
+            "sampler.gpu_memory_utilization=0.5"]
+
+
 def phase_p9() -> int:
     import httpx
 
@@ -132,9 +145,7 @@ def phase_p9() -> int:
     for count in (8, 1):
         port = 8021 + count
         url = f"http://127.0.0.1:{port}"
-        argv = [*CLI, "serve", f"model.name={model_dir}", f"sampler.port={port}", "sampler.max_model_len=1024",
-                f"sampler.api_server_count={count}", "rollout.num_sampler_logprobs=8", "sampler.extra_args=[]",
-                "staleness.max_concurrent_rollouts=256", "sampler.gpu_memory_utilization=0.5"]
+        argv = [*CLI, "serve", *p9_serve_overrides(model_dir, port, count)]
         log = open(WORK / f"p9_serve_{count}.log", "w")
         t0 = time.monotonic()
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,80 @@
+"""Every config a GPU script runs is composed and passed through the checks `train`/`serve` run, on CPU (issue #24).
+
+A GPU session is short and starts bare: a script refused by the project's own newer checks (seen:
+``one_gpu.py bench``'s random model had no chat template, and its 2048-token default completion did not fit
+``max_model_len`` 1024) wastes it. The scripts build their overrides with the functions imported here, so the
+test sees exactly what they run. The one check that needs the GPU itself, transformers' bf16 test, is
+switched off here with ``trainer.bf16=false`` (on the GPU the recipes keep bf16).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo_cli.config.compose import compose
+from asyncgrpo_cli.config.validate import validate_run
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+sys.path.insert(0, str(ROOT / "scripts" / "gpu" / "vllm033"))
+
+import one_gpu  # noqa: E402
+import runs as vllm033_runs  # noqa: E402
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=1000000.0,
+            rms_norm_eps=1e-6)
+CPU_ONLY = ["trainer.bf16=false"]
+
+
+@pytest.fixture(scope="module")
+def shaped_model(tmp_path_factory) -> Path:
+    """The bench scripts' random model (same tokenizer, chat template and vocabulary), at a tiny width."""
+    return one_gpu.make_qwen3_06b(tmp_path_factory.mktemp("gpu_cfg") / "shaped", shape=TINY, device="cpu")
+
+
+def check(overrides: list[str], command: str) -> None:
+    cfg = compose([*overrides, *CPU_ONLY])
+    validate_run(cfg, command)  # raises ConfigError naming the refused field
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("one_gpu.py train", one_gpu.train_overrides("/tmp/x/arith_vllm_1gpu")),
+    ("one_gpu.py train, resumed (run 2)", [*one_gpu.train_overrides("/tmp/x/r"), "trainer.resume_from_checkpoint=null"]),
+    ("one_gpu.py bench, embedded run", one_gpu.embedded_overrides("/tmp/x/arith_embedded")),
+    ("vllm033 runs.py masks", vllm033_runs.masks_overrides("/tmp/x/masks")),
+    ("vllm033 run.sh train", [*one_gpu.train_overrides("/tmp/x/t", 16), "logging.log_completions=true",
+                              "logging.num_completions_to_print=8"]),
+    ("vllm_e2e.py train (2 GPUs)", ["+recipe=arith_vllm", "sampler.port=8000", "sampler.backend=external",
+                                    "sampler.url=http://127.0.0.1:8000", "logging.dashboard=plain"]),
+    ("run_arith.sh (2 GPUs)", ["+recipe=arith", "logging.dashboard=plain", "trainer.output_dir=/tmp/x/arith"]),
+])
+def test_train_configs_of_gpu_scripts_pass_the_train_checks(name, overrides):
+    check(overrides, "train")
+
+
+def test_serve_configs_of_gpu_scripts_pass_the_serve_checks(shaped_model):
+    check(one_gpu.bench_serve_overrides(shaped_model, 8011), "serve")
+    for api_servers in (8, 1):
+        check(vllm033_runs.p9_serve_overrides(shaped_model, 8021, api_servers), "serve")
+    check(["+recipe=arith_vllm", "sampler.port=8000"], "serve")  # vllm_e2e.py's serve
+
+
+def test_the_hard_coded_lines_still_match_their_scripts():
+    """The two shell/2-GPU entries above are written out here: fail when the scripts stop running them."""
+    assert "train +recipe=arith logging.dashboard=plain" in (ROOT / "scripts/gpu/run_arith.sh").read_text()
+    e2e = (ROOT / "scripts/gpu/vllm_e2e.py").read_text()
+    assert 'RECIPE = ["+recipe=arith_vllm", f"sampler.port={PORT}"' in e2e
+    assert 'EXTERNAL = ["sampler.backend=external", f"sampler.url={URL}"]' in e2e
+
+
+def test_the_old_bench_config_is_refused(shaped_model, tmp_path):
+    """The check bites: the bench's earlier serve overrides (no completion bound) are refused on CPU too."""
+    from asyncgrpo_cli.config.rules import ConfigError
+
+    old = [o for o in one_gpu.bench_serve_overrides(shaped_model, 8011) if not o.startswith("rollout.max_completion")]
+    with pytest.raises(ConfigError, match="max_completion_length"):
+        check(old, "serve")
