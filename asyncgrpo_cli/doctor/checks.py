@@ -33,6 +33,7 @@ from ..launch.server_command import (
 PASS, WARN, FAIL = "pass", "warn", "fail"
 SKIP = "skip"  # the check does not apply here (its message says why)
 NEWEST_TESTED_VLLM = (0, 33)
+RAN_ON_GPU_VLLM = {(0, 26), (0, 33)}  # releases run on the lent H200s (scripts/gpu/results)
 TOP_LOGPROBS_CHEAP_VLLM = (0, 32)  # SPEC §8.2: top log-probs cost <= 3% with --api-server-count 8 from 0.32
 MIN_TRANSFORMERS = (5, 2)
 
@@ -292,7 +293,11 @@ def _version_checks(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
                       "pip install 'vllm>=0.26' on the server machine")]
     if version[:2] > NEWEST_TESTED_VLLM:
         return [Check("vLLM version", WARN, f"vLLM {text} is newer than the newest tested (0.33)", "")]
-    return [Check("vLLM version", PASS, f"{text} (supported 0.26–0.33)")]
+    if version[:2] not in RAN_ON_GPU_VLLM:
+        ran = " and ".join(f"{a}.{b}" for a, b in sorted(RAN_ON_GPU_VLLM))
+        return [Check("vLLM version", WARN, f"vLLM {text} is untested: only {ran} have run on a GPU with asyncgrpo "
+                      "(README: GPUs, weight sync and LoRA)", "pip install 'vllm==0.33.0' (or 0.26.0) on the server machine")]
+    return [Check("vLLM version", PASS, f"{text} (run on an H200: scripts/gpu/results)")]
 
 
 def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:

@@ -132,6 +132,18 @@ def test_old_vllm_warns_about_top_logprob_cost_and_version():
     assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["vLLM version"] == FAIL
 
 
+@pytest.mark.parametrize("version,status", [("0.26.0", PASS), ("0.33.0", PASS), ("0.33.1", PASS), ("0.28.2", WARN),
+                                            ("0.31.0", WARN), ("0.34.0", WARN)])
+def test_only_the_releases_that_ran_on_a_gpu_pass(version, status):
+    """What pip installs is what ran: 0.26 and 0.33 ran on an H200; 0.27-0.32 are named untested."""
+    facts = vllm_facts()
+    facts.version = {"version": version}
+    check = next(c for c in evaluate(compose(["+recipe=deepmath"]), facts) if c.name == "vLLM version")
+    assert check.status == status, check
+    if version == "0.28.2":
+        assert "untested" in check.message and "0.26 and 0.33" in check.message
+
+
 def test_api_server_count_unknown_still_warns_on_old_vllm():
     # vLLM's JSON config leaves out the private _api_process_count: the version alone decides then.
     facts = vllm_facts(parallel_config={})
