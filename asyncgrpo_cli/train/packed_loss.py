@@ -35,6 +35,7 @@ class LossRequest:
         config: loss hyper-parameters.
         global_trained_tokens: trained tokens of this micro-batch summed over all ranks (B.9 normaliser).
         num_processes: data-parallel processes.
+        global_samples: samples of this micro-batch over all ranks (``grpo``/``dr_grpo`` normalisers).
         loss: scalar loss (set by the head), already scaled per B.9.
         metrics: metric contributions (``loss.py`` format).
     """
@@ -43,6 +44,7 @@ class LossRequest:
     config: LossConfig
     global_trained_tokens: int
     num_processes: int
+    global_samples: int | None = None
     loss: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -61,7 +63,7 @@ def _head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         h, self.weight, row.target_ids, row.advantages, row.sampler_logprobs, row.sample_index,
         global_num_trained_tokens=max(request.global_trained_tokens, 1), num_processes=request.num_processes,
         config=request.config, lm_head_bias=getattr(self, "bias", None), sampler_top_ids=top_ids,
-        sampler_top_logprobs=top_lp, candidate_ids=row.candidate_ids)
+        sampler_top_logprobs=top_lp, candidate_ids=row.candidate_ids, global_num_samples=request.global_samples)
     # Every parameter joins the graph even for an empty row, so data-parallel reductions stay in step.
     loss = loss + 0.0 * flat.sum() + 0.0 * self.weight.sum()
     request.loss = loss
@@ -90,7 +92,8 @@ def _routes(model: torch.nn.Module) -> bool:
 
 
 def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_trained_tokens: int,
-             num_processes: int = 1, moe_aux: MoeAuxLoss | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+             num_processes: int = 1, moe_aux: MoeAuxLoss | None = None,
+             global_samples: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Forward one packed row through ``model`` (tree attention + loss head) and return ``(loss, metrics)``.
 
     The model must have been switched with ``apply_tree_attention`` and ``install_loss_head``. For an
@@ -99,7 +102,8 @@ def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_
 
     With ``moe_aux`` (a MoE policy with a non-zero ``router_aux_loss_coef``, SPEC §3.3.5) the router logits of the
     row's forwarded tokens are recorded, ``coef × aux`` is added to the loss and ``aux_loss`` (unscaled) to the
-    metrics (``moe_aux`` module).
+    metrics (``moe_aux`` module). ``global_samples``: the micro-batch's samples over all ranks (needed by the
+    ``grpo`` and ``dr_grpo`` loss types).
 
     Returns:
         ``loss``: 0-dim float32 tensor (per B.9: this rank's token-loss sum / global trained tokens ×
@@ -109,7 +113,7 @@ def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_
     row = row.to(device)
     kwargs = packed_forward_kwargs(row, device)
     request = LossRequest(row=row, config=config, global_trained_tokens=global_trained_tokens,
-                          num_processes=num_processes)
+                          num_processes=num_processes, global_samples=global_samples)
     token = _ACTIVE.set(request)
     recording = moe_aux.recorder.recording() if moe_aux is not None else contextlib.nullcontext([])
     try:

@@ -589,7 +589,8 @@ class AsyncGRPOTrainer(Trainer):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
                 fwd_start = time.monotonic()
-                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux)
+                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux,
+                                         sum(s.num_trained_tokens > 0 for r in rows for s in r))  # grpo, dr_grpo
                 loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
                 fwd_s += time.monotonic() - fwd_start
                 self.accelerator.backward(loss / ga)
