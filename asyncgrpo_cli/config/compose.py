@@ -32,7 +32,7 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "loss_type", "importance_sampling_level",
-        "vllm_importance_sampling_mode", "mask_truncated_completions")},
+        "vllm_importance_sampling_mode", "mask_truncated_completions", "beta")},
     **{n: f"staleness.{n}" for n in (
         "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
     "token_budget": "packing.token_budget",

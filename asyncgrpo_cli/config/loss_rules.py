@@ -23,7 +23,7 @@ def _error(key: str, value: Any, problem: str, fix: str):
 
 
 def check_loss_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
-    """Check ``loss_type``, ``importance_sampling_level``, ``vllm_importance_sampling_mode``,
+    """Check ``loss_type``, ``importance_sampling_level``, ``vllm_importance_sampling_mode``, ``beta``,
     ``mask_truncated_completions`` and ``reward_weights`` (values only; the count of reward weights
     against the reward functions is checked where the functions are known).
 
@@ -51,6 +51,10 @@ def check_loss_fields(values: Mapping[str, Any], path_of: Callable[[str], str] =
     if loss_type == "cispo" and not (eh is not None and eh > 0):
         raise _error(p("epsilon_high"), eh, "loss_type=cispo caps the stop-gradient importance weight at "
                      "epsilon_high (its ε_max)", f"set {p('epsilon_high')}=5.0 (ScaleRL's value)")
+    beta = g("beta", 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise _error(p("beta"), beta, "the KL coefficient must be a finite number >= 0",
+                     f"set {p('beta')}=0.0 (no KL penalty) or e.g. {p('beta')}=0.001")
     mtc = g("mask_truncated_completions", False)
     if not isinstance(mtc, bool):
         raise _error(p("mask_truncated_completions"), mtc, "must be true or false",

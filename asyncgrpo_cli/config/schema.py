@@ -186,6 +186,11 @@ class LossConfig:
     IS), ``token_truncate`` (TIS: the ratio's weight clamped), ``sequence_mask`` / ``sequence_truncate``
     (the same on the sample's ratio, the product of its token ratios; need ``loss.score_centering=false``)
     (README: Loss variants)."""
+    beta: float = 0.0
+    """KL coefficient (TRL's ``beta``): ``beta × k3`` against the initial policy is added to each trained token's
+    loss and logged as ``kl``. With LoRA the reference is the base model (adapters disabled, no copy); with
+    full fine-tuning a frozen copy of the weights per training process (in the launch plan). 0 = none
+    (README: Loss variants)."""
     mask_truncated_completions: bool = False
     """Completions cut at ``rollout.max_completion_length`` (ending without EOS) contribute no loss; they
     still count in their group's advantage. Counted in ``completions/masked_truncated_frac`` (README: Loss variants)."""

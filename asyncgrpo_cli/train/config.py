@@ -25,7 +25,7 @@ ASYNC_GRPO_FIELDS = (
     "weight_transfer_address", "weight_transfer_port",
     # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
     "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
-    "reward_weights",
+    "reward_weights", "beta",
 )
 
 
@@ -106,6 +106,10 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_importance_sampling_mode: str = field(default="token_mask", metadata={
         "help": "Sampler/trainer mismatch correction with [C_min, C_max]: token_mask (masked IS, the default), "
                 "token_truncate (TIS), sequence_mask, sequence_truncate (ratio = product over the sample) (README: Loss variants)."})
+    beta: float = field(default=0.0, metadata={
+        "help": "KL coefficient: beta x k3(policy, reference) per trained token; the reference is the initial policy "
+                "(LoRA: adapters disabled; full fine-tuning: a frozen copy, one more copy of the weights per "
+                "process); 0 = none (README: Loss variants)."})
     mask_truncated_completions: bool = field(default=False, metadata={
         "help": "Completions cut at max_completion_length (no EOS) contribute no loss; they still count in "
                 "their group's advantage (README: Loss variants)."})

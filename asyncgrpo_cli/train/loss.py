@@ -41,6 +41,7 @@ __all__ = [
     "token_terms",
     "token_losses",
     "normalised_loss",
+    "k3_kl",
     "loss_scale",
     "merge_metric_contributions",
     "finalize_metrics",
@@ -67,6 +68,7 @@ class LossConfig:
         importance_sampling_level: [``importance_sampling_level``] ``token`` or ``sequence`` (GSPO).
         is_mode: off-policy correction [``vllm_importance_sampling_mode``], one of :data:`IS_MODES`.
         max_completion_length: tokens, the ``dr_grpo`` constant [``max_completion_length``].
+        beta: KL coefficient [``beta``] of the k3 penalty to the reference policy (0 = none, the default).
 
     Raises:
         ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0 or
@@ -88,6 +90,7 @@ class LossConfig:
     importance_sampling_level: str = "token"
     is_mode: str = "token_mask"
     max_completion_length: int = 2048
+    beta: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.epsilon < 1.0:
@@ -109,6 +112,8 @@ class LossConfig:
                               ("is_mode", IS_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta must be a finite number >= 0 (0 = no KL penalty), got {self.beta!r}")
         if self.loss_type == "cispo" and not (self.epsilon_high is not None and self.epsilon_high > 0):
             raise ValueError(f"loss_type='cispo' caps the importance weight at epsilon_high (its ε_max); got "
                              f"epsilon_high={self.epsilon_high!r}; set epsilon_high, e.g. 5.0")
@@ -138,6 +143,7 @@ class LossConfig:
             importance_sampling_level=getattr(args, "importance_sampling_level", "token"),
             is_mode=getattr(args, "vllm_importance_sampling_mode", "token_mask"),
             max_completion_length=getattr(args, "max_completion_length", 2048),
+            beta=getattr(args, "beta", 0.0),
             compile_backend=((getattr(args, "torch_compile_backend", None) or "inductor")
                              if getattr(args, "torch_compile", False) else None),
         )
@@ -354,6 +360,20 @@ def token_losses(
     return terms.losses, terms.ratio
 
 
+def k3_kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(π_θ ‖ π_ref) per token: ``exp(d) − d − 1`` with ``d = log π_ref − log π_θ``.
+
+    Args:
+        ref_logprobs: ``[N]`` float, the reference's log-probs of the trained tokens (constants).
+        logprobs: ``[N]`` float, the policy's, differentiable.
+
+    Returns:
+        ``[N]`` in ``logprobs``' dtype, ≥ 0, zero where the two agree.
+    """
+    d = ref_logprobs.to(logprobs.dtype) - logprobs
+    return torch.expm1(d) - d
+
+
 def normalised_loss(losses: torch.Tensor, sample_index: torch.Tensor, config: LossConfig, *,
                     global_num_trained_tokens: float, num_processes: int = 1,
                     global_num_samples: float | None = None) -> torch.Tensor:
@@ -419,6 +439,7 @@ def loss_and_metrics(
     sampler_top_logprobs: torch.Tensor | None = None,
     candidate_ids: torch.Tensor | None = None,
     global_num_samples: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Loss of one micro-batch row on this rank, and its metric contributions (SPEC §3.3, §15.2, B.8–B.10, B.14).
 
@@ -438,6 +459,8 @@ def loss_and_metrics(
         candidate_ids: ``[N, M]`` int64 candidate sets, ``-1`` padded, ids unique per row; an all-padding
             row (or ``None`` for the whole tensor) means the full vocabulary (SPEC §7).
         global_num_samples: samples of this micro-batch summed over all ranks (``grpo``/``dr_grpo`` only).
+        ref_logprobs: ``[N]`` float, the reference policy's processed log-probs of the trained tokens
+            (required when ``config.beta`` > 0): ``beta × k3`` is added to each token loss, ``kl`` logged.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a float32 (float64 for float64 inputs) scalar,
@@ -501,6 +524,12 @@ def loss_and_metrics(
         top_logprobs=lp.top_logprobs, top_valid=lp.top_valid, sampler_top_logprobs=sampler_top_logprobs,
         sample_index=sample_index,
     )
+    if config.beta > 0:
+        if ref_logprobs is None or tuple(ref_logprobs.shape) != (n,):
+            raise ValueError(f"beta={config.beta} needs ref_logprobs [N]=[{n}] (the reference policy's log-probs of the "
+                             f"trained tokens), got {None if ref_logprobs is None else tuple(ref_logprobs.shape)}")
+        kl = k3_kl(ref_logprobs, lp.target_logprobs)
+        terms.losses = terms.losses + config.beta * kl
     if config.loss_type in ("dapo", "cispo"):
         loss = terms.losses.sum() * scale
     else:
@@ -508,6 +537,8 @@ def loss_and_metrics(
                                num_processes=num_processes, global_num_samples=global_num_samples)
     metrics = _metrics(lp.target_logprobs.detach(), terms, lp.entropy, sampler_logprobs, sample_index,
                        sampler_top_ids, sampler_top_logprobs, config)
+    if config.beta > 0:
+        metrics["kl"] = (float(kl.detach().double().sum()), float(n))
     return loss, metrics
 
 

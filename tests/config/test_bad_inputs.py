@@ -162,6 +162,7 @@ CLI_CASES = [
      "token_truncate"),
     ("sequence_mask_with_centering", [R, "loss.vllm_importance_sampling_mode=sequence_mask"],
      "loss.vllm_importance_sampling_mode", "loss.score_centering=false"),
+    ("beta_negative", [R, "loss.beta=-0.1"], "loss.beta", "loss.beta=0.0"),
     ("mask_truncated_not_bool", [R, "loss.mask_truncated_completions=maybe"], "loss.mask_truncated_completions", ""),
     ("reward_weights_count", [R, "rollout.reward_weights=[1.0,0.5]"], "rollout.reward_weights", "1 reward function"),
     ("reward_weights_not_numbers", [R, "rollout.reward_weights=[1.0,abc]"], "rollout.reward_weights", ""),
