@@ -53,7 +53,8 @@ CASES = {
         reward_weights=[1.0, 0.5], epsilon=3e-4, epsilon_high=4e-4),
     "cispo_token_tis": dict(score_centering=False, loss_type="cispo", epsilon_high=5.0,
                             vllm_importance_sampling_mode="token_truncate"),
-    "centering_dr_grpo_token_tis": dict(loss_type="dr_grpo", vllm_importance_sampling_mode="token_truncate"),
+    "centering_dr_grpo_token_tis_kl": dict(loss_type="dr_grpo", vllm_importance_sampling_mode="token_truncate",
+                                           beta=0.05),
 }
 
 
@@ -85,3 +86,33 @@ def test_variant_trains(model_dir, server, tmp_path, case):
         assert {"rewards/parity_reward/weight", "rewards/length_reward/weight"} <= keys
     else:
         assert not any(k.endswith("/weight") for k in keys) and "completions/masked_truncated_frac" not in keys
+    assert ("kl" in keys) == (args.beta > 0)
+    if args.beta > 0:  # step 1 trains the initial policy itself: KL 0; after one update it is > 0
+        assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
+        assert trainer.reference.frozen is not None
+
+
+def test_lora_with_kl_to_the_base_model(model_dir, tmp_path):
+    from peft import LoraConfig
+
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32", max_model_len=96,
+                                       max_logprobs=8, enable_lora=True, max_lora_rank=8, max_loras=4)).start()
+    try:
+        out = tmp_path / "lora_kl"
+        args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
+                               num_sampler_logprobs=3, vllm_server_base_url=handle.url, learning_rate=5e-2,
+                               save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
+                               vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd",
+                               max_grad_norm=0.0, beta=0.1, loss_type="bnpo")
+        prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]}
+                                              for i in range(16)])
+        trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[parity_reward, length_reward], args=args,
+                                   train_dataset=prompts, peft_config=LoraConfig(
+                                       r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        assert trainer.reference.frozen is None  # the base model with adapters disabled: no copy
+        assert trainer.train().global_step == 2
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the base model (B = 0)
+        assert lines[1]["kl"] > 0
+    finally:
+        handle.stop()
