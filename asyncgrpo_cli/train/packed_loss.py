@@ -67,7 +67,7 @@ def _head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         request.ref_logprobs = chunked_token_logprobs(
             h, self.weight, row.target_ids, lm_head_bias=getattr(self, "bias", None), temperature=cfg.temperature,
             candidate_ids=row.candidate_ids, token_chunk_size=cfg.token_chunk_size,
-            vocab_chunk_size=cfg.vocab_chunk_size).target_logprobs.detach()
+            vocab_chunk_size=cfg.vocab_chunk_size, compile_backend=cfg.compile_backend).target_logprobs.detach()
         return hidden.new_zeros(hidden.shape[0], 1, 1)
     centering = request.config.score_centering
     top_ids = row.sampler_top_ids if centering else None
