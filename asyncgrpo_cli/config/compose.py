@@ -28,10 +28,11 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"rollout.{n}" for n in (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
-        "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal")},
+        "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal", "reward_weights")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max")},
+        "vllm_importance_sampling_clip_max", "loss_type", "importance_sampling_level",
+        "vllm_importance_sampling_mode", "mask_truncated_completions", "beta")},
     **{n: f"staleness.{n}" for n in (
         "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
     "token_budget": "packing.token_budget",
@@ -349,12 +350,14 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the Hydra path, the value and the fix.
     """
+    from .loss_rules import check_reward_weights_count
     from .override_errors import added_unknown_keys, unknown_key_message
     from .validate import check_groups
 
     for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
         raise ConfigError(unknown_key_message(key).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
     check_fields(_flat_fields(cfg), hydra_path)
+    check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")
     check_groups(cfg)
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")

@@ -159,6 +159,9 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if g("deepspeed", None):
         _fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (README: Supported setups)",
               f"remove {p('deepspeed')}")
+    from .loss_rules import check_loss_fields
+
+    check_loss_fields(values, p)
 
 
 def check_lora_rank(r: int, key: str = "peft.r") -> None:

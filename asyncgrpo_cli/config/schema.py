@@ -152,6 +152,10 @@ class RolloutConfig:
     equal, or no reward at all), with a diagnosis naming the reward functions and their last values;
     groups where no reward scored anything (all None/NaN) stop it after a quarter of this (at least 4).
     0 never stops. Raise it for a task so hard that most groups score the same."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per entry of ``rewards`` (same order), applied to each function's reward before the sum
+    and the group advantage (TRL's ``reward_weights``); null = every weight 1.0. The environment's and
+    ``Rollout.reward`` keep weight 1. ``rewards/<name>/mean`` stays the unweighted reward (README: Loss variants)."""
 
 
 @dataclass
@@ -168,6 +172,28 @@ class LossConfig:
     """C_min of masked importance sampling."""
     vllm_importance_sampling_clip_max: float = 5.0
     """C_max of masked importance sampling."""
+    loss_type: str = "dapo"
+    """How token losses become the loss (TRL names): ``dapo`` (default: trained tokens of the
+    micro-batch over all ranks), ``grpo`` (mean over samples of each sample's token mean), ``bnpo`` (this
+    rank's tokens), ``dr_grpo`` (``rollout.max_completion_length`` x samples), or ``cispo`` (the clipped,
+    stop-gradient importance weight times the log-prob; needs ``loss.epsilon_high``, e.g. 5.0, and
+    ``loss.score_centering=false``) (README: Loss variants)."""
+    importance_sampling_level: str = "token"
+    """``token`` (default): one ratio per token; ``sequence`` (GSPO): the geometric mean of a sample's token
+    ratios, clipped as one; needs ``loss.score_centering=false`` (README: Loss variants)."""
+    vllm_importance_sampling_mode: str = "token_mask"
+    """Correction of the sampler/trainer mismatch with [C_min, C_max]: ``token_mask`` (default, masked
+    IS), ``token_truncate`` (TIS: the ratio's weight clamped), ``sequence_mask`` / ``sequence_truncate``
+    (the same on the sample's ratio, the product of its token ratios; need ``loss.score_centering=false``)
+    (README: Loss variants)."""
+    beta: float = 0.0
+    """KL coefficient (TRL's ``beta``): ``beta × k3`` against the initial policy is added to each trained token's
+    loss and logged as ``kl``. With LoRA the reference is the base model (adapters disabled, no copy); with
+    full fine-tuning a frozen copy of the weights per training process (in the launch plan). 0 = none
+    (README: Loss variants)."""
+    mask_truncated_completions: bool = False
+    """Completions cut at ``rollout.max_completion_length`` (ending without EOS) contribute no loss; they
+    still count in their group's advantage. Counted in ``completions/masked_truncated_frac`` (README: Loss variants)."""
 
 
 @dataclass

@@ -146,11 +146,14 @@ class MemorySplit:
 
 
 def trainer_need_bytes(shape: ModelShape, *, dtype: str, token_budget: int, activation_checkpointing: bool,
-                       lora: bool) -> int:
-    """Estimated peak GPU memory of a single-process trainer (module docstring), bytes, margin included."""
+                       lora: bool, reference: bool = False) -> int:
+    """Estimated peak GPU memory of a single-process trainer (module docstring), bytes, margin included.
+
+    ``reference``: ``loss.beta`` > 0 with full fine-tuning keeps a frozen copy of the weights (``P · itemsize``
+    more); with LoRA the reference is the base model with adapters disabled (nothing more)."""
     item = _ITEMSIZE.get(dtype, 4)
     p = shape.parameters
-    states = p * item * (1.01 if lora else 4)
+    states = p * item * (1.01 if lora else 4) + (reference_copy_bytes(shape, dtype) if reference and not lora else 0)
     sync_copy = 2 * p
     per_token_layer = 4 if activation_checkpointing else 34
     acts = token_budget * shape.num_layers * shape.hidden_size * per_token_layer
@@ -158,6 +161,11 @@ def trainer_need_bytes(shape: ModelShape, *, dtype: str, token_budget: int, acti
         acts += token_budget * shape.hidden_size * 34  # the layer being recomputed
     tiles = 3 * 2048 * 16384 * 4
     return int(TRAINER_MARGIN * (states + sync_copy + acts + tiles) + TRAINER_OVERHEAD_BYTES)
+
+
+def reference_copy_bytes(shape: ModelShape, dtype: str) -> int:
+    """Bytes of the frozen KL reference (``loss.beta`` > 0, full fine-tuning): one copy of the weights."""
+    return shape.parameters * _ITEMSIZE.get(dtype, 4)
 
 
 def vllm_need_bytes(shape: ModelShape, *, kv_tokens: int) -> int:
@@ -171,7 +179,7 @@ def _round_up(x: float, step: float = 0.01) -> float:
 
 def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float | None, dtype: str,
                 token_budget: int, max_model_len: int, max_concurrent: int, activation_checkpointing: bool,
-                lora: bool) -> MemorySplit:
+                lora: bool, reference: bool = False) -> MemorySplit:
     """Split ``total_bytes`` of one GPU between vLLM and the trainer.
 
     Args:
@@ -183,6 +191,7 @@ def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float
         max_model_len: ``sampler.max_model_len`` (KV tokens per sequence).
         max_concurrent: ``staleness.max_concurrent_rollouts`` (sequences in flight at most).
         activation_checkpointing, lora: trainer settings that change its need.
+        reference: ``loss.beta`` > 0 (full fine-tuning adds a frozen copy of the weights to the trainer's need).
 
     Returns:
         The `MemorySplit`; ``problems`` says when the estimate does not fit (with fixes).
@@ -193,7 +202,10 @@ def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float
     t_need = v_need = kv_tokens = None
     if shape is not None:
         t_need = trainer_need_bytes(shape, dtype=dtype, token_budget=token_budget,
-                                    activation_checkpointing=activation_checkpointing, lora=lora)
+                                    activation_checkpointing=activation_checkpointing, lora=lora, reference=reference)
+        if reference and not lora:
+            notes.append(f"loss.beta > 0: the trainer holds a frozen reference copy of the weights, "
+                         f"~{reference_copy_bytes(shape, dtype) / GiB:.1f} GiB (included above)")
         v_need = vllm_need_bytes(shape, kv_tokens=max_concurrent * max_model_len)
     if configured is not None:
         share, source = float(configured), "config"
@@ -392,7 +404,7 @@ def decide_layout(cfg: Any, gpu_count: int, gpu_memory: int | None = None) -> La
                              token_budget=int(budget) if budget is not None else max_len, max_model_len=max_len,
                              max_concurrent=int(cfg.staleness.max_concurrent_rollouts),
                              activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
-                             lora=bool(cfg.peft.enabled))
+                             lora=bool(cfg.peft.enabled), reference=float(cfg.loss.get("beta", 0.0) or 0.0) > 0)
         if mml is None:
             memory.notes.append("sampler.max_model_len is unset: the KV estimate assumes 4096 tokens a sequence")
         problems.extend(memory.problems)

@@ -136,6 +136,22 @@ class GpuPlan:
         return f"{self.gpu_count} GPU(s) visible | server: {server} | trainer: {trainer}, {kind}"
 
 
+def reference_notes(cfg: DictConfig) -> list[str]:
+    """The plan's line on the KL reference (``loss.beta`` > 0, README: Loss variants): with full fine-tuning a
+    frozen copy of the weights in every training process (its size when the model's config is readable)."""
+    if not float(cfg.loss.get("beta", 0.0) or 0.0) > 0:
+        return []
+    if cfg.peft.enabled:
+        return ["loss.beta > 0 with LoRA: the KL reference is the base model with the adapters disabled (no copy)"]
+    from .colocate import _model_shape_of, reference_copy_bytes
+
+    shape = _model_shape_of(str(cfg.model.name) if cfg.model.name else None, cfg.model.get("gguf_file"))
+    dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+    size = f" (~{reference_copy_bytes(shape, dtype) / 2**30:.2f} GiB)" if shape is not None else ""
+    return [f"loss.beta > 0: every training process holds a frozen reference copy of the weights{size} and runs one "
+            "more forward pass per row"]
+
+
 def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bool = True,
               layout: Layout | None = None, gpu_memory: int | None = None) -> GpuPlan:
     """Split this machine's GPUs between the server and the trainer (rules in the module docstring).
@@ -215,6 +231,7 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
         notes.append("trainer.torch_compile=true: the decoder layers and the loss kernel's tiles compile during the "
                      "first step (a minute or two)" + ("" if trainer else "; on a CPU trainer the compiled step is "
                                                        "often no faster than eager, the gain is on GPUs"))
+    notes.extend(reference_notes(cfg))
     if trainer:
         per_machine = len(trainer)
     else:
@@ -248,6 +265,7 @@ def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool)
         notes.append(f"memory split: {layout.memory.describe()}")
         notes.append(f"why: {layout.memory.reason}")
         notes.extend(layout.memory.notes)
+    notes.extend(r for r in reference_notes(cfg) if layout.memory is None or cfg.peft.enabled)
     return GpuPlan(gpu_count=n, server_gpus=[gpu] if start_server and n else [], trainer_gpus=[gpu] if n else [],
                    processes_per_machine=1, notes=notes, problems=problems, layout=layout)
 

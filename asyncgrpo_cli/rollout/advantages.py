@@ -5,6 +5,8 @@
   completion with no score at all gets NaN ("unscored").
 - :func:`group_advantages` normalises inside one group: ``(r - mean) / (std + 1e-8)`` over the scored
   completions, population std; unscored completions get advantage 0.
+- :func:`weighted_rewards` multiplies each reward function's rewards by its ``reward_weights`` entry
+  before they are summed (TRL's ``reward_weights``; default: every weight 1, i.e. SPEC §3.2 as written).
 - :func:`should_drop_group` says whether a group is dropped (all scored rewards equal, or fewer than
   two scored completions). The decision looks at rewards, never at advantages.
 """
@@ -23,6 +25,7 @@ __all__ = [
     "should_drop_group",
     "sum_rewards",
     "total_rewards",
+    "weighted_rewards",
 ]
 
 #: Added to the group std in the advantage denominator (SPEC Appendix B.7).
@@ -155,3 +158,27 @@ def group_advantages(rewards: Sequence[float | None] | np.ndarray) -> np.ndarray
     scored = r[mask]
     out[mask] = (scored - scored.mean()) / (scored.std() + ADVANTAGE_EPS)
     return out
+
+
+def weighted_rewards(
+    per_function: Sequence[Sequence[float | None]], weights: Sequence[float] | None
+) -> list[list[float | None]]:
+    """Each reward function's rewards times its weight (``reward_weights``); ``None`` stays ``None``.
+
+    Args:
+        per_function: one list per reward function (in ``reward_funcs`` order), one entry per completion.
+        weights: one float per reward function, or ``None`` (every weight 1: the lists come back unchanged).
+
+    Returns:
+        the weighted lists (new lists; NaN entries stay NaN, i.e. unscored).
+
+    Raises:
+        ValueError: ``len(weights) != len(per_function)`` (checked at start too; this guards custom loops).
+    """
+    if weights is None:
+        return [list(values) for values in per_function]
+    if len(weights) != len(per_function):
+        raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(per_function)} reward "
+                         "functions; give one weight per reward function")
+    return [[None if _is_missing(v) else float(w) * float(v) for v in values]
+            for values, w in zip(per_function, weights)]

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..metrics import MetricsWindow
 from ..multimodal import check_text_only
-from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards
+from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards, weighted_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
 from .completions import ship_group_records
@@ -609,7 +609,8 @@ class AsyncRolloutLoop:
         """Advantages, the drop rule, metrics and the rollout-queue entry of one scored group (SPEC §3.2)."""
         G = len(rollouts)
         env_rewards = [None if e is None else e[1] for e in group.env_rewards]
-        group.rewards = total_rewards(list(result.per_function.values()),
+        weights = getattr(self.config, "reward_weights", None)  # reward_weights: one per function (README: Loss variants)
+        group.rewards = total_rewards(weighted_rewards(list(result.per_function.values()), weights),
                                       env_rewards if any(e is not None for e in env_rewards) else None,
                                       group.rollout_rewards, G)
         failed = group.failed or [False] * G
@@ -628,8 +629,10 @@ class AsyncRolloutLoop:
         ship_group_records(self.config, self.metrics_queue, group, advantages, result.per_function, dropped)
         m = self.metrics
         m.add_many("reward", scored.tolist())
-        for name, values in result.per_function.items():
+        for i, (name, values) in enumerate(result.per_function.items()):
             m.add_many(f"rewards/{name}/mean", [v for v in values if v is not None])
+            if weights is not None:
+                m.add(f"rewards/{name}/weight", float(weights[i]))
         for env_reward in group.env_rewards:  # SPEC §13.2: logged under the environment's class name
             if env_reward is not None:
                 m.add(f"rewards/{env_reward[0].__name__}/mean", env_reward[1])
@@ -644,10 +647,16 @@ class AsyncRolloutLoop:
                                                   group_id=group.group_id))
             return
         samples: list[TrainingSequence] = []
-        for seqs, adv in zip(group.completions_sequences, advantages):
+        trained = self._trained_completions(rollouts)  # mask_truncated_completions (README: Loss variants)
+        for seqs, adv, keep in zip(group.completions_sequences, advantages, trained):
             for s in seqs:
                 s.advantage = 0.0 if math.isnan(adv) else float(adv)
-                samples.append(s)
+                if keep:
+                    samples.append(s)
+        if not all(trained):
+            tokens = sum(s.num_tokens for s in samples)
+            self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in group.completions_sequences
+                                                    for s in seqs) - tokens)
         m.add_many("reward_kept", [float(r) for r, seqs in zip(group.rewards, group.completions_sequences)
                                    for _ in seqs if not math.isnan(r)])
         std = group_reward_std(group.rewards)
@@ -699,6 +708,15 @@ class AsyncRolloutLoop:
             drift = [d for s in stats for d in s.drift_tokens]
             m.add_many("rollout/drift_tokens_mean", drift)
             m.add("rollout/drift_tokens_max", max(drift))
+
+    def _trained_completions(self, rollouts: list[Rollout]) -> list[bool]:
+        """Which completions are trained: all, or with ``mask_truncated_completions`` those ending with EOS (a
+        cut one is scored and counts in its group's advantage, but not trained; ``completions/masked_truncated_frac``)."""
+        if not getattr(self.config, "mask_truncated_completions", False):
+            return [True] * len(rollouts)
+        keep = [bool(r.turns) and self._ends_with_eos(r.turns[-1]) for r in rollouts]
+        self.metrics.add_many("completions/masked_truncated_frac", [0.0 if k else 1.0 for k in keep])
+        return keep
 
     def _ends_with_eos(self, turn: TurnRecord) -> bool:
         if turn.finish_reason is not None:

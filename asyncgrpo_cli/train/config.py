@@ -23,6 +23,9 @@ ASYNC_GRPO_FIELDS = (
     # Extensions of this project (not in SPEC §16.2's signature):
     "tree_attention", "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal",
     "weight_transfer_address", "weight_transfer_port",
+    # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
+    "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
+    "reward_weights", "beta",
 )
 
 
@@ -92,6 +95,26 @@ class AsyncGRPOConfig(TrainingArguments):
     score_centering: bool = field(default=True, metadata={"help": "Score-centering objective (README: Log-probabilities and the loss)."})
     vllm_importance_sampling_clip_min: float = field(default=0.5, metadata={"help": "C_min of masked IS."})
     vllm_importance_sampling_clip_max: float = field(default=5.0, metadata={"help": "C_max of masked IS."})
+    # Extensions with TRL GRPOConfig names (README: Loss variants); the defaults are SPEC §3.3 as written.
+    loss_type: str = field(default="dapo", metadata={
+        "help": "Loss normaliser / objective: dapo (trained tokens of the micro-batch over all ranks; the default), grpo "
+                "(mean of per-sample token means), bnpo (this rank's tokens), dr_grpo (max_completion_length x "
+                "samples) or cispo (clipped, stop-gradient IS weight x log-prob; needs epsilon_high) (README: Loss variants)."})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "token: one ratio per token (the default); sequence: GSPO, the geometric mean of the sample's token "
+                "ratios, clipped as one (needs score_centering=False) (README: Loss variants)."})
+    vllm_importance_sampling_mode: str = field(default="token_mask", metadata={
+        "help": "Sampler/trainer mismatch correction with [C_min, C_max]: token_mask (masked IS, the default), "
+                "token_truncate (TIS), sequence_mask, sequence_truncate (ratio = product over the sample) (README: Loss variants)."})
+    beta: float = field(default=0.0, metadata={
+        "help": "KL coefficient: beta x k3(policy, reference) per trained token; the reference is the initial policy "
+                "(LoRA: adapters disabled; full fine-tuning: a frozen copy, one more copy of the weights per "
+                "process); 0 = none (README: Loss variants)."})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "Completions cut at max_completion_length (no EOS) contribute no loss; they still count in "
+                "their group's advantage (README: Loss variants)."})
+    reward_weights: list[float] | None = field(default=None, metadata={
+        "help": "One weight per reward function, applied before the group advantage; None = all 1.0 (README: Loss variants)."})
     num_sampler_logprobs: int = field(default=8, metadata={"help": "Top log-probs requested per generated token."})
     token_budget: int | None = field(default=None, metadata={
         "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (README: Packing and the token budget)."})

@@ -1,5 +1,10 @@
 """The trainer's policy loss: score centering or clipped surrogate, masked IS, B.9 normalisation (SPEC §3.3).
 
+The defaults are SPEC §3.3 exactly (``loss_type="dapo"``, ``importance_sampling_level="token"``,
+``vllm_importance_sampling_mode="token_mask"``). The other values of these TRL ``GRPOConfig`` names pick
+another normaliser (``grpo``, ``bnpo``, ``dr_grpo``), objective (``cispo``), ratio (GSPO's sequence ratio)
+or off-policy correction (truncated / per-sequence IS); README "Loss variants" has the formulas.
+
 Entry point: :func:`loss_and_metrics`, called once per micro-batch row with the trained tokens' hidden
 states (tree packing gathers them). It returns the scalar loss to back-propagate and this micro-batch's
 contributions to the training metrics of SPEC §15.2. The log-prob kernel lives in :mod:`.logprobs`.
@@ -24,18 +29,26 @@ from typing import Any
 
 import torch
 
+from ..config.loss_rules import IS_LEVELS, IS_MODES, LOSS_TYPES  # noqa: F401  (re-exported)
 from .logprobs import DEFAULT_TOKEN_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, chunked_token_logprobs
 
 __all__ = [
+    "IS_MODES",
+    "LOSS_TYPES",
     "LossConfig",
     "loss_and_metrics",
+    "TokenTerms",
+    "token_terms",
     "token_losses",
+    "normalised_loss",
+    "k3_kl",
     "loss_scale",
     "merge_metric_contributions",
     "finalize_metrics",
 ]
 
 MetricValue = tuple[float, float] | float
+
 
 
 @dataclass(frozen=True)
@@ -51,10 +64,17 @@ class LossConfig:
         token_chunk_size, vocab_chunk_size: tile of the chunked log-prob kernel (tokens, vocabulary rows).
         compile_backend: ``torch.compile`` backend of the kernel's per-tile work, or None (eager); set from
             [``torch_compile``] / [``torch_compile_backend``].
+        loss_type: normaliser / objective [``loss_type``], one of :data:`LOSS_TYPES` (default ``dapo``).
+        importance_sampling_level: [``importance_sampling_level``] ``token`` or ``sequence`` (GSPO).
+        is_mode: off-policy correction [``vllm_importance_sampling_mode``], one of :data:`IS_MODES`.
+        max_completion_length: tokens, the ``dr_grpo`` constant [``max_completion_length``].
+        beta: KL coefficient [``beta``] of the k3 penalty to the reference policy (0 = none, the default).
 
     Raises:
         ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0 or
-            ``clip_min`` > ``clip_max``, ``temperature`` ≤ 0, chunk sizes < 1.
+            ``clip_min`` > ``clip_max``, ``temperature`` ≤ 0, chunk sizes < 1, an unknown ``loss_type``,
+            level or mode, ``cispo`` without ``epsilon_high`` > 0, score centering with ``cispo``, the
+            sequence level or a sequence IS mode, ``max_completion_length`` < 1.
     """
 
     score_centering: bool = True
@@ -66,6 +86,11 @@ class LossConfig:
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE
     compile_backend: str | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    is_mode: str = "token_mask"
+    max_completion_length: int = 2048
+    beta: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.epsilon < 1.0:
@@ -79,10 +104,25 @@ class LossConfig:
             )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        for name in ("token_chunk_size", "vocab_chunk_size"):
+        for name in ("token_chunk_size", "vocab_chunk_size", "max_completion_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, allowed in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IS_LEVELS),
+                              ("is_mode", IS_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta must be a finite number >= 0 (0 = no KL penalty), got {self.beta!r}")
+        if self.loss_type == "cispo" and not (self.epsilon_high is not None and self.epsilon_high > 0):
+            raise ValueError(f"loss_type='cispo' caps the importance weight at epsilon_high (its ε_max); got "
+                             f"epsilon_high={self.epsilon_high!r}; set epsilon_high, e.g. 5.0")
+        if self.score_centering and (self.loss_type == "cispo" or self.importance_sampling_level == "sequence"
+                                     or self.is_mode.startswith("sequence")):
+            raise ValueError(
+                f"score_centering=True is a per-token objective: it does not combine with loss_type="
+                f"{self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
+                f"vllm_importance_sampling_mode={self.is_mode!r}; set score_centering=False")
 
     @property
     def eps_high(self) -> float:
@@ -99,6 +139,11 @@ class LossConfig:
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
             temperature=args.temperature,
+            loss_type=getattr(args, "loss_type", "dapo"),
+            importance_sampling_level=getattr(args, "importance_sampling_level", "token"),
+            is_mode=getattr(args, "vllm_importance_sampling_mode", "token_mask"),
+            max_completion_length=getattr(args, "max_completion_length", 2048),
+            beta=getattr(args, "beta", 0.0),
             compile_backend=((getattr(args, "torch_compile_backend", None) or "inductor")
                              if getattr(args, "torch_compile", False) else None),
         )
@@ -129,7 +174,50 @@ def loss_scale(global_num_trained_tokens: float, num_processes: int) -> float:
     return num_processes / float(global_num_trained_tokens)
 
 
-def token_losses(
+@dataclass
+class TokenTerms:
+    """Per-token results of :func:`token_terms`.
+
+    Attributes:
+        losses: ``[N]`` in the log-probs' dtype, differentiable: ``ℓ_t`` before normalisation.
+        ratio: ``[N]`` float64, detached token ratio ``r_t = π̃_θ(o_t)/μ(o_t)`` (unclamped, may be ``inf``).
+        low, high: ``[N]`` bool, ratio below ``1 − ε_low`` / above ``1 + ε_high`` (the trust region; the
+            sequence ratio at the sequence level; for ``cispo`` ``low`` is empty and ``high`` is ratio > ε_max).
+        corrected: ``[N]`` bool, tokens the off-policy correction changed (masked out or truncated).
+    """
+
+    losses: torch.Tensor
+    ratio: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    corrected: torch.Tensor
+
+
+_SAFE_LOG = 50.0  # exp(50) ≈ 5e21 stays finite in float32; bounds exponents a correction leaves unbounded
+
+
+def _log_truncation(log_is: torch.Tensor, clip_min: float, clip_max: float) -> torch.Tensor:
+    """``log(clamp(x, C_min, C_max) / x)`` from ``log x`` (float64, 0 where x lies inside the bounds)."""
+    lo = math.log(clip_min) if clip_min > 0 else -math.inf
+    hi = math.log(clip_max) if clip_max > 0 else -math.inf
+    return log_is.clamp(min=lo, max=hi) - log_is
+
+
+def _sample_inverse(sample_index: torch.Tensor | None, n: int) -> tuple[torch.Tensor, int]:
+    if sample_index is None:
+        raise ValueError("the sequence importance-sampling level, a sequence_* correction mode and the grpo / "
+                         "dr_grpo normalisers need sample_index ([N], which sample each token belongs to)")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=sample_index.device), 0
+    _, inverse = torch.unique(sample_index, return_inverse=True)
+    return inverse, int(inverse.max()) + 1
+
+
+def _per_sample_sum(values: torch.Tensor, inverse: torch.Tensor, num: int) -> torch.Tensor:
+    return torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+
+
+def token_terms(
     target_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -138,15 +226,24 @@ def token_losses(
     top_logprobs: torch.Tensor | None = None,
     top_valid: torch.Tensor | None = None,
     sampler_top_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token losses of the configured objective, from the policy's (processed) log-probs.
+    sample_index: torch.Tensor | None = None,
+) -> TokenTerms:
+    """Per-token losses of the configured objective and what the metrics need (SPEC §3.3; README "Loss variants").
 
-    With ``r_t = exp(log π̃_θ(o_t) − log μ(o_t))`` and ``in(r) = 1[C_min ≤ r ≤ C_max]`` (a constant):
+    With ``r_t = exp(log π̃_θ(o_t) − log μ(o_t))``, the off-policy correction gives each token a constant
+    factor ``c_t`` (:data:`IS_MODES`): ``token_mask`` (SPEC §3.3.1) ``c_t = 1[C_min ≤ r_t ≤ C_max]``;
+    ``sequence_mask`` ``c_t = 1[C_min ≤ ρ_i ≤ C_max]`` with ``ρ_i = Π_{t∈i} r_t`` over the trained tokens of
+    the token's sample ``i``; ``token_truncate`` ``c_t = clamp(r_t, C_min, C_max)/r_t``; ``sequence_truncate``
+    ``c_t = clamp(ρ_i, C_min, C_max)/ρ_i``. Then:
 
-    - score centering (§3.3.2, B.8): ``ℓ_t = −Â_t (in(r_t) r_t − Σ_{v∈top-K_t} in(r_v) π̃_θ(v))`` with
-      ``r_v = π̃_θ(v)/μ(v)``; the sum is over the valid top ids as returned, NOT renormalised. Following the
-      formula, a masked token (``in(r_t) = 0``) keeps its centering term: only ``f(r_t)`` is zeroed;
-    - clipped surrogate (§3.3.3): ``ℓ_t = −in(r_t) min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t)``.
+    - score centering (§3.3.2, B.8): ``ℓ_t = −Â_t (c_t r_t − Σ_{v∈top-K_t} c_v π̃_θ(v))`` with ``c_v`` the
+      token mode's factor of ``r_v = π̃_θ(v)/μ(v)``; the sum is over the valid top ids as returned, NOT
+      renormalised. A masked token (``c_t = 0``) keeps its centering term. Token modes only;
+    - clipped surrogate (§3.3.3), ``loss_type`` ``dapo``/``grpo``/``bnpo``/``dr_grpo``:
+      ``ℓ_t = −c_t min(q_t Â_t, clip(q_t, 1−ε_low, 1+ε_high) Â_t)``, ``q_t = r_t`` at the token level and,
+      at the sequence level (GSPO), ``q_t = s_i = exp(mean_{u∈i} log r_u)`` (differentiable through every
+      token of the sample);
+    - ``cispo``: ``ℓ_t = −c_t sg[min(q_t, ε_max)] Â_t log π̃_θ(o_t)``, ``ε_max`` = ``epsilon_high``.
 
     Args:
         target_logprobs: ``[N]`` float, differentiable, ``log π̃_θ(o_t)``.
@@ -158,23 +255,36 @@ def token_losses(
         top_valid: ``[N, K]`` bool, which entries of ``top_logprobs`` are real.
         sampler_top_logprobs: ``[N, K]`` float, ``log μ(v)``; non-finite entries (``-inf`` for ids outside
             the sampler's candidate set) are skipped.
-
-    Returns:
-        ``(losses, ratio)``: ``losses`` ``[N]`` in ``target_logprobs``' dtype (differentiable) and the
-        detached ratios ``r_t`` ``[N]`` in float64 (unclamped, may be ``inf``), for metrics.
+        sample_index: ``[N]`` int, which sample each token belongs to (needed by the sequence level and the
+            sequence modes; only equality matters).
 
     Raises:
-        ValueError: score centering without ``top_logprobs``/``top_valid``/``sampler_top_logprobs``.
+        ValueError: score centering without ``top_logprobs``/``top_valid``/``sampler_top_logprobs``; a
+            sequence level or mode without ``sample_index``.
     """
     dt = target_logprobs.dtype
     adv = advantages.to(dt)
     log_ratio = target_logprobs - sampler_logprobs.to(dt)
     ratio_detached = log_ratio.detach().double().exp()
-    in_range = (ratio_detached >= config.clip_min) & (ratio_detached <= config.clip_max)
-    # Clamp only where the token is masked anyway, so exp never overflows into inf·0 = NaN gradients.
-    upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
-    ratio = log_ratio.clamp(max=upper).exp()
+    n = target_logprobs.shape[0]
+    mode, sequence_level = config.is_mode, config.importance_sampling_level == "sequence"
+    inverse, num = (None, 0)
+    if sequence_level or mode.startswith("sequence"):
+        inverse, num = _sample_inverse(sample_index, n)
+    log_is = log_ratio.detach().double()
+    if mode.startswith("sequence"):
+        log_is = _per_sample_sum(log_is, inverse, num)[inverse]  # log ρ_i on each token of sample i
+    in_range = log_factor = None
+    if mode.endswith("mask"):
+        is_ratio = log_is.exp() if mode.startswith("sequence") else ratio_detached
+        in_range = (is_ratio >= config.clip_min) & (is_ratio <= config.clip_max)
+        corrected = ~in_range
+    else:
+        log_factor = _log_truncation(log_is, config.clip_min, config.clip_max)
+        corrected = log_factor != 0
     zero = torch.zeros((), dtype=dt, device=target_logprobs.device)
+    low = ratio_detached < 1.0 - config.epsilon
+    high = ratio_detached > 1.0 + config.eps_high
     if config.score_centering:
         if top_logprobs is None or top_valid is None or sampler_top_logprobs is None:
             raise ValueError(
@@ -183,15 +293,125 @@ def token_losses(
             )
         mu_top = sampler_top_logprobs.to(dt)
         valid = top_valid & torch.isfinite(mu_top)
-        ratio_top = torch.where(valid, top_logprobs.detach() - mu_top, zero).exp()
-        in_top = valid & (ratio_top >= config.clip_min) & (ratio_top <= config.clip_max)
-        centering = torch.where(in_top, top_logprobs.exp(), zero).sum(dim=1)
-        losses = -adv * (torch.where(in_range, ratio, zero) - centering)
-    else:
+        if mode == "token_mask":  # SPEC §3.3.2 as written
+            # Clamp only where the token is masked anyway, so exp never overflows into inf·0 = NaN gradients.
+            upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
+            ratio = log_ratio.clamp(max=upper).exp()
+            ratio_top = torch.where(valid, top_logprobs.detach() - mu_top, zero).exp()
+            in_top = valid & (ratio_top >= config.clip_min) & (ratio_top <= config.clip_max)
+            centering = torch.where(in_top, top_logprobs.exp(), zero).sum(dim=1)
+            losses = -adv * (torch.where(in_range, ratio, zero) - centering)
+        else:  # token_truncate: f(r) = clamp(r, C_min, C_max), value and gradient weight
+            log_r_top = torch.where(valid, top_logprobs.detach() - mu_top, zero).double()
+            log_f_top = _log_truncation(log_r_top, config.clip_min, config.clip_max).to(dt)
+            centering = torch.where(valid, (top_logprobs + log_f_top).exp(), zero).sum(dim=1)
+            losses = -adv * ((log_ratio + log_factor.to(dt)).exp() - centering)
+        return TokenTerms(losses, ratio_detached, low, high, corrected)
+    log_q = log_ratio
+    if sequence_level:
+        counts = _per_sample_sum(torch.ones_like(log_ratio), inverse, num)
+        log_q = (_per_sample_sum(log_ratio, inverse, num) / counts)[inverse]
+        q_detached = log_q.detach().double().exp()
+        low, high = q_detached < 1.0 - config.epsilon, q_detached > 1.0 + config.eps_high
+    if config.loss_type == "cispo":
+        weight = log_q.detach().clamp(max=_SAFE_LOG).exp().clamp(max=config.eps_high)
+        high = log_q.detach().double().exp() > config.eps_high
+        low = torch.zeros_like(high)
+        if in_range is not None:
+            losses = torch.where(in_range, -weight * adv * target_logprobs, zero)
+        else:
+            losses = -(log_factor.to(dt).exp() * weight) * adv * target_logprobs
+        return TokenTerms(losses, ratio_detached, low, high, corrected)
+    if in_range is not None and not sequence_level:  # SPEC §3.3.3 as written
+        upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
+        ratio = log_ratio.clamp(max=upper).exp()
         clipped = ratio.clamp(1.0 - config.epsilon, 1.0 + config.eps_high)
         surrogate = torch.minimum(ratio * adv, clipped * adv)
         losses = torch.where(in_range, -surrogate, zero)
-    return losses, ratio_detached
+    elif in_range is not None:  # masked tokens get q = 1 (finite), then zero
+        q = torch.where(in_range, log_q, zero).clamp(max=_SAFE_LOG).exp()
+        clipped = q.clamp(1.0 - config.epsilon, 1.0 + config.eps_high)
+        losses = torch.where(in_range, -torch.minimum(q * adv, clipped * adv), zero)
+    else:  # truncation: c_t q_t as one exponent (value c·q, gradient c·q·∇ log q)
+        factor = log_factor.to(dt)
+        cap = math.log(1.0 + config.eps_high) + 1.0
+        unclipped = (log_q + factor).clamp(max=_SAFE_LOG).exp() * adv
+        clipped = factor.exp() * log_q.clamp(max=cap).exp().clamp(1.0 - config.epsilon, 1.0 + config.eps_high) * adv
+        losses = -torch.minimum(unclipped, clipped)
+    return TokenTerms(losses, ratio_detached, low, high, corrected)
+
+
+def token_losses(
+    target_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    config: LossConfig,
+    *,
+    top_logprobs: torch.Tensor | None = None,
+    top_valid: torch.Tensor | None = None,
+    sampler_top_logprobs: torch.Tensor | None = None,
+    sample_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_terms`' ``(losses, ratio)``: ``losses`` ``[N]`` in ``target_logprobs``' dtype
+    (differentiable), ``ratio`` ``[N]`` float64 detached ``r_t`` (unclamped, may be ``inf``). Same arguments
+    and errors as :func:`token_terms`."""
+    terms = token_terms(target_logprobs, advantages, sampler_logprobs, config, top_logprobs=top_logprobs,
+                        top_valid=top_valid, sampler_top_logprobs=sampler_top_logprobs, sample_index=sample_index)
+    return terms.losses, terms.ratio
+
+
+def k3_kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(π_θ ‖ π_ref) per token: ``exp(d) − d − 1`` with ``d = log π_ref − log π_θ``.
+
+    Args:
+        ref_logprobs: ``[N]`` float, the reference's log-probs of the trained tokens (constants).
+        logprobs: ``[N]`` float, the policy's, differentiable.
+
+    Returns:
+        ``[N]`` in ``logprobs``' dtype, ≥ 0, zero where the two agree.
+    """
+    d = ref_logprobs.to(logprobs.dtype) - logprobs
+    return torch.expm1(d) - d
+
+
+def normalised_loss(losses: torch.Tensor, sample_index: torch.Tensor, config: LossConfig, *,
+                    global_num_trained_tokens: float, num_processes: int = 1,
+                    global_num_samples: float | None = None) -> torch.Tensor:
+    """This rank's micro-batch loss from its per-token losses, by ``config.loss_type`` (README "Loss variants").
+
+    With ``P`` = ``num_processes``, ``T`` = the micro-batch's trained tokens over all ranks, ``S`` = its
+    samples (with at least one trained token) over all ranks, ``n`` = this rank's tokens:
+
+    - ``dapo``, ``cispo`` (SPEC §3.3.4, B.9): ``Σ_t ℓ_t × P / T``;
+    - ``bnpo``: ``Σ_t ℓ_t / n`` (this rank's tokens only; 0 for an empty row);
+    - ``grpo``: ``Σ_i mean_{t∈i} ℓ_t × P / S`` (the mean over the micro-batch's samples of their token means);
+    - ``dr_grpo``: ``Σ_t ℓ_t × P / (S × max_completion_length)``.
+
+    The data-parallel gradient mean over ranks then gives the stated mean; averaging over the
+    ``gradient_accumulation_steps`` micro-batches is the caller's.
+
+    Args:
+        losses: ``[N]`` float token losses (differentiable). sample_index: ``[N]`` int, sample of each token.
+
+    Raises:
+        ValueError: ``grpo``/``dr_grpo`` without ``global_num_samples`` or with fewer than this rank's samples.
+    """
+    n = losses.shape[0]
+    if config.loss_type in ("dapo", "cispo"):
+        return losses.sum() * loss_scale(global_num_trained_tokens, num_processes)
+    if config.loss_type == "bnpo":
+        return losses.sum() / n if n else losses.sum()
+    inverse, num = _sample_inverse(sample_index, n)
+    if global_num_samples is None or global_num_samples < num:
+        raise ValueError(f"loss_type={config.loss_type!r} needs global_num_samples (this micro-batch's samples summed "
+                         f"over all ranks, >= this rank's {num}); got {global_num_samples!r}")
+    if num == 0:
+        return losses.sum()
+    scale = num_processes / float(global_num_samples)
+    if config.loss_type == "dr_grpo":
+        return losses.sum() * (scale / config.max_completion_length)
+    counts = _per_sample_sum(torch.ones_like(losses), inverse, num)
+    return (_per_sample_sum(losses, inverse, num) / counts).sum() * scale
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int, floating: bool) -> None:
@@ -218,6 +438,8 @@ def loss_and_metrics(
     sampler_top_ids: torch.Tensor | None = None,
     sampler_top_logprobs: torch.Tensor | None = None,
     candidate_ids: torch.Tensor | None = None,
+    global_num_samples: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Loss of one micro-batch row on this rank, and its metric contributions (SPEC §3.3, §15.2, B.8–B.10, B.14).
 
@@ -236,10 +458,14 @@ def loss_and_metrics(
         sampler_top_logprobs: ``[N, K]`` float32 their processed log-probs (padding entries ignored).
         candidate_ids: ``[N, M]`` int64 candidate sets, ``-1`` padded, ids unique per row; an all-padding
             row (or ``None`` for the whole tensor) means the full vocabulary (SPEC §7).
+        global_num_samples: samples of this micro-batch summed over all ranks (``grpo``/``dr_grpo`` only).
+        ref_logprobs: ``[N]`` float, the reference policy's processed log-probs of the trained tokens
+            (required when ``config.beta`` > 0): ``beta × k3`` is added to each token loss, ``kl`` logged.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a float32 (float64 for float64 inputs) scalar,
-        ``Σ_t ℓ_t × num_processes / global_num_trained_tokens``; ``metrics`` maps SPEC §15.2 names to
+        :func:`normalised_loss` of the token losses (default ``dapo``:
+        ``Σ_t ℓ_t × num_processes / global_num_trained_tokens``); ``metrics`` maps SPEC §15.2 names to
         ``(sum, count)`` pairs (``*mean`` names, and ``entropy``) or floats (``*min``/``*max`` names), see
         the module docstring. ``sampling/sampler_mass`` only with score centering. The ``clip_ratio/*``
         and ``sampling/importance_sampling_ratio/*`` populations are all trained tokens, before masking.
@@ -293,25 +519,40 @@ def loss_and_metrics(
         vocab_chunk_size=config.vocab_chunk_size,
         compile_backend=config.compile_backend,
     )
-    losses, ratio = token_losses(
+    terms = token_terms(
         lp.target_logprobs, advantages, sampler_logprobs, config,
         top_logprobs=lp.top_logprobs, top_valid=lp.top_valid, sampler_top_logprobs=sampler_top_logprobs,
+        sample_index=sample_index,
     )
-    loss = losses.sum() * scale
-    metrics = _metrics(lp.target_logprobs.detach(), ratio, lp.entropy, sampler_logprobs, sample_index,
+    if config.beta > 0:
+        if ref_logprobs is None or tuple(ref_logprobs.shape) != (n,):
+            raise ValueError(f"beta={config.beta} needs ref_logprobs [N]=[{n}] (the reference policy's log-probs of the "
+                             f"trained tokens), got {None if ref_logprobs is None else tuple(ref_logprobs.shape)}")
+        kl = k3_kl(ref_logprobs, lp.target_logprobs)
+        terms.losses = terms.losses + config.beta * kl
+    if config.loss_type in ("dapo", "cispo"):
+        loss = terms.losses.sum() * scale
+    else:
+        loss = normalised_loss(terms.losses, sample_index, config, global_num_trained_tokens=global_num_trained_tokens,
+                               num_processes=num_processes, global_num_samples=global_num_samples)
+    metrics = _metrics(lp.target_logprobs.detach(), terms, lp.entropy, sampler_logprobs, sample_index,
                        sampler_top_ids, sampler_top_logprobs, config)
+    if config.beta > 0:
+        metrics["kl"] = (float(kl.detach().double().sum()), float(n))
     return loss, metrics
 
 
 @torch.no_grad()
-def _metrics(target_lp, ratio, entropy, sampler_lp, sample_index, top_ids, top_lp, config) -> dict[str, MetricValue]:
-    """Metric contributions of one micro-batch (see the module docstring for the format)."""
+def _metrics(target_lp, terms, entropy, sampler_lp, sample_index, top_ids, top_lp, config) -> dict[str, MetricValue]:
+    """Metric contributions of one micro-batch (see the module docstring for the format).
+
+    ``sampling/masked_mean`` is the fraction of tokens the off-policy correction changed (masked, or
+    truncated in the ``*_truncate`` modes); ``clip_ratio/*`` count the ratio the trust region clips."""
     n = target_lp.shape[0]
     f64 = torch.float64
+    ratio = terms.ratio
     logp_diff = (target_lp.to(f64) - sampler_lp.to(f64)).abs()
-    masked = (ratio < config.clip_min) | (ratio > config.clip_max)
-    low = ratio < 1.0 - config.epsilon
-    high = ratio > 1.0 + config.eps_high
+    masked, low, high = terms.corrected, terms.low, terms.high
     sums = {
         "entropy": entropy.to(f64).sum(),
         "sampling/sampling_logp_difference/mean": logp_diff.sum(),

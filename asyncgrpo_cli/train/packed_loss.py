@@ -18,9 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .logprobs import chunked_token_logprobs
 from .loss import LossConfig, loss_and_metrics
 from .moe_aux import MoeAuxLoss
 from .packing import PackedRow
+from .reference import Reference
 from .tree_attention import packed_forward_kwargs
 
 _ACTIVE: contextvars.ContextVar[LossRequest | None] = contextvars.ContextVar("asyncgrpo_loss_request", default=None)
@@ -35,6 +37,9 @@ class LossRequest:
         config: loss hyper-parameters.
         global_trained_tokens: trained tokens of this micro-batch summed over all ranks (B.9 normaliser).
         num_processes: data-parallel processes.
+        global_samples: samples of this micro-batch over all ranks (``grpo``/``dr_grpo`` normalisers).
+        reference: True for the reference forward (``beta`` > 0): the head only stores ``ref_logprobs``.
+        ref_logprobs: ``[N]`` the reference's log-probs of the trained tokens, given to the policy's loss.
         loss: scalar loss (set by the head), already scaled per B.9.
         metrics: metric contributions (``loss.py`` format).
     """
@@ -43,6 +48,9 @@ class LossRequest:
     config: LossConfig
     global_trained_tokens: int
     num_processes: int
+    global_samples: int | None = None
+    reference: bool = False
+    ref_logprobs: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -54,6 +62,13 @@ def _head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     row = request.row
     flat = hidden.reshape(-1, hidden.shape[-1])
     h = flat.index_select(0, row.predict_index)
+    if request.reference:  # the reference policy's processed log-probs of the trained tokens (beta > 0)
+        cfg = request.config
+        request.ref_logprobs = chunked_token_logprobs(
+            h, self.weight, row.target_ids, lm_head_bias=getattr(self, "bias", None), temperature=cfg.temperature,
+            candidate_ids=row.candidate_ids, token_chunk_size=cfg.token_chunk_size,
+            vocab_chunk_size=cfg.vocab_chunk_size, compile_backend=cfg.compile_backend).target_logprobs.detach()
+        return hidden.new_zeros(hidden.shape[0], 1, 1)
     centering = request.config.score_centering
     top_ids = row.sampler_top_ids if centering else None
     top_lp = row.sampler_top_logprobs if centering else None
@@ -61,7 +76,8 @@ def _head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         h, self.weight, row.target_ids, row.advantages, row.sampler_logprobs, row.sample_index,
         global_num_trained_tokens=max(request.global_trained_tokens, 1), num_processes=request.num_processes,
         config=request.config, lm_head_bias=getattr(self, "bias", None), sampler_top_ids=top_ids,
-        sampler_top_logprobs=top_lp, candidate_ids=row.candidate_ids)
+        sampler_top_logprobs=top_lp, candidate_ids=row.candidate_ids, global_num_samples=request.global_samples,
+        ref_logprobs=request.ref_logprobs)
     # Every parameter joins the graph even for an empty row, so data-parallel reductions stay in step.
     loss = loss + 0.0 * flat.sum() + 0.0 * self.weight.sum()
     request.loss = loss
@@ -90,7 +106,8 @@ def _routes(model: torch.nn.Module) -> bool:
 
 
 def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_trained_tokens: int,
-             num_processes: int = 1, moe_aux: MoeAuxLoss | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+             num_processes: int = 1, moe_aux: MoeAuxLoss | None = None,
+             global_samples: int | None = None, reference: Reference | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Forward one packed row through ``model`` (tree attention + loss head) and return ``(loss, metrics)``.
 
     The model must have been switched with ``apply_tree_attention`` and ``install_loss_head``. For an
@@ -99,7 +116,9 @@ def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_
 
     With ``moe_aux`` (a MoE policy with a non-zero ``router_aux_loss_coef``, SPEC §3.3.5) the router logits of the
     row's forwarded tokens are recorded, ``coef × aux`` is added to the loss and ``aux_loss`` (unscaled) to the
-    metrics (``moe_aux`` module).
+    metrics (``moe_aux`` module). ``global_samples``: the micro-batch's samples over all ranks (needed by the
+    ``grpo`` and ``dr_grpo`` loss types). With ``config.beta`` > 0, ``reference`` (`reference.Reference`) first
+    runs the reference forward of the same row (no gradient) for the KL penalty.
 
     Returns:
         ``loss``: 0-dim float32 tensor (per B.9: this rank's token-loss sum / global trained tokens ×
@@ -109,7 +128,18 @@ def row_loss(model: torch.nn.Module, row: PackedRow, config: LossConfig, global_
     row = row.to(device)
     kwargs = packed_forward_kwargs(row, device)
     request = LossRequest(row=row, config=config, global_trained_tokens=global_trained_tokens,
-                          num_processes=num_processes)
+                          num_processes=num_processes, global_samples=global_samples)
+    if config.beta > 0:
+        if reference is None:
+            raise ValueError(f"beta={config.beta} needs a reference policy: build it with Reference.for_policy")
+        ref_request = LossRequest(row=row, config=config, global_trained_tokens=1, num_processes=1, reference=True)
+        token = _ACTIVE.set(ref_request)
+        try:
+            no_aux = {"output_router_logits": False} if moe_aux is not None or _routes(model) else {}
+            reference.forward(model, {**kwargs, **no_aux, "logits_to_keep": 0})
+        finally:
+            _ACTIVE.reset(token)
+        request.ref_logprobs = ref_request.ref_logprobs
     token = _ACTIVE.set(request)
     recording = moe_aux.recorder.recording() if moe_aux is not None else contextlib.nullcontext([])
     try:

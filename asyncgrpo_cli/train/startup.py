@@ -58,6 +58,9 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
         if unscored:
             raise ValueError(f"reward_funcs is empty and environment {unscored} has no get_reward(): its rollouts "
                              "could not be scored. Fix: pass reward_funcs=[...] or define get_reward (SPEC §13.2)")
+    from ..config.loss_rules import check_reward_weights_count
+
+    check_reward_weights_count(getattr(args, "reward_weights", None), len(funcs))
     if (environment_factory is None and train_dataset.column_names is not None
             and "prompt" not in train_dataset.column_names):
         raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "

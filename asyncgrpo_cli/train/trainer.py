@@ -30,7 +30,7 @@ from .config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
-from .packed_loss import install_loss_head, row_loss
+from .packed_loss import Reference, install_loss_head, row_loss
 from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
 from .packing import pack_row
@@ -140,6 +140,7 @@ class AsyncGRPOTrainer(Trainer):
         self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id)
         install_loss_head(model)
         self.moe_aux = MoeAuxLoss.for_model(model, args.router_aux_loss_coef)  # SPEC §3.3.5
+        self.reference = Reference.for_policy(model, args.beta)  # beta > 0: KL to the initial policy
         if args.torch_compile:  # regional: the whole-model compile of Trainer/accelerate cannot trace packed rows
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args,
@@ -589,7 +590,8 @@ class AsyncGRPOTrainer(Trainer):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
                 fwd_start = time.monotonic()
-                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux)
+                loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux,
+                                         sum(s.num_trained_tokens > 0 for r in rows for s in r), self.reference)
                 loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
                 fwd_s += time.monotonic() - fwd_start
                 self.accelerator.backward(loss / ga)

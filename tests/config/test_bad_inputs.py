@@ -150,6 +150,22 @@ CLI_CASES = [
     ("concurrency_zero", [R, "staleness.max_concurrent_rollouts=0"], "staleness.max_concurrent_rollouts", ""),
     ("epsilon_negative", [R, "loss.epsilon=-0.1"], "loss.epsilon", ""),
     ("clip_min_above_max", [R, "loss.vllm_importance_sampling_clip_min=6"], "loss.vllm_importance_sampling_clip_min", ""),
+    # Loss variants (issue #27): refused with the field, the value and the fix.
+    ("loss_type_unknown", [R, "loss.loss_type=ppo"], "loss.loss_type", "dapo, grpo, bnpo, dr_grpo, cispo"),
+    ("cispo_with_centering", [R, "loss.loss_type=cispo", "loss.epsilon_high=5.0"], "loss.loss_type",
+     "loss.score_centering=false"),
+    ("cispo_without_eps_max", [R, "loss.loss_type=cispo", "loss.score_centering=false"], "loss.epsilon_high", "5.0"),
+    ("gspo_with_centering", [R, "loss.importance_sampling_level=sequence"], "loss.importance_sampling_level",
+     "loss.score_centering=false"),
+    ("is_level_unknown", [R, "loss.importance_sampling_level=group"], "loss.importance_sampling_level", "token"),
+    ("is_mode_unknown", [R, "loss.vllm_importance_sampling_mode=truncate"], "loss.vllm_importance_sampling_mode",
+     "token_truncate"),
+    ("sequence_mask_with_centering", [R, "loss.vllm_importance_sampling_mode=sequence_mask"],
+     "loss.vllm_importance_sampling_mode", "loss.score_centering=false"),
+    ("beta_negative", [R, "loss.beta=-0.1"], "loss.beta", "loss.beta=0.0"),
+    ("mask_truncated_not_bool", [R, "loss.mask_truncated_completions=maybe"], "loss.mask_truncated_completions", ""),
+    ("reward_weights_count", [R, "rollout.reward_weights=[1.0,0.5]"], "rollout.reward_weights", "1 reward function"),
+    ("reward_weights_not_numbers", [R, "rollout.reward_weights=[1.0,abc]"], "rollout.reward_weights", ""),
     ("token_budget_zero", [R, "packing.token_budget=0"], "packing.token_budget", ""),
     ("max_steps_zero", [R, "trainer.max_steps=0"], "trainer.max_steps", ""),
     ("cosine_without_steps", [R, "trainer.max_steps=-1", "trainer.lr_scheduler_type=cosine"],
@@ -260,6 +276,9 @@ CONFIG_CASES = [
     ("temperature_zero", {"temperature": 0.0}, ConfigError, "temperature", ""),
     ("cosine_without_steps", {"max_steps": -1, "lr_scheduler_type": "cosine"}, ConfigError, "lr_scheduler_type", ""),
     ("max_steps_zero", {"max_steps": 0}, ConfigError, "max_steps", ""),
+    ("loss_type_unknown", {"loss_type": "ppo"}, ConfigError, "loss_type", "dr_grpo"),
+    ("cispo_without_eps_max", {"loss_type": "cispo", "score_centering": False}, ConfigError, "epsilon_high", ""),
+    ("reward_weights_nan", {"reward_weights": [1.0, float("nan")]}, ConfigError, "reward_weights", "finite"),
 ]
 
 
@@ -299,6 +318,7 @@ TRAINER_CASES = [
     ("reward_missing_column", "tiny", [_needs_gold], _chat, "reward_funcs[0]", "gold"),
     ("reward_not_callable", "tiny", [42], _chat, "reward_funcs[0]", "not callable"),
     ("no_rewards", "tiny", [], _chat, "reward_funcs", ""),
+    ("reward_weights_count", "tiny", [_good_reward], _chat, "reward_weights", "1 reward function"),
     ("no_dataset", "tiny", [_good_reward], lambda: None, "train_dataset", ""),
     ("model_folder_missing", "/nonexistent/models/tiny", [_good_reward], _chat, "model", "no such folder"),
     ("model_id_malformed", "not a model id!", [_good_reward], _chat, "model", "owner/name"),
@@ -312,7 +332,7 @@ def test_api_trainer_bad_input(world, tmp_path, case_id, model, rewards, make_da
     from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
 
     model = {"tiny": str(world["model"]), "bare": str(world["root"] / "no_template")}.get(model, model)
-    args = _args(tmp_path)
+    args = _args(tmp_path, **({"reward_weights": [1.0, 2.0]} if case_id == "reward_weights_count" else {}))
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
         AsyncGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=make_dataset())

@@ -1,0 +1,83 @@
+"""Value rules of the loss-variant fields (TRL ``GRPOConfig`` names; README "Loss variants").
+
+Shared by `AsyncGRPOConfig` (Python API) and the composed Hydra config (CLI) through `rules.check_fields`;
+each error names the field as the user typed it (``path_of``), its value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+#: SPEC §3.3's loss is ``dapo`` with the ``token`` level and ``token_mask`` correction (the defaults).
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
+
+
+def _error(key: str, value: Any, problem: str, fix: str):
+    from .rules import ConfigError
+
+    return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}", key=key)
+
+
+def check_loss_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lambda n: n) -> None:
+    """Check ``loss_type``, ``importance_sampling_level``, ``vllm_importance_sampling_mode``, ``beta``,
+    ``mask_truncated_completions`` and ``reward_weights`` (values only; the count of reward weights
+    against the reward functions is checked where the functions are known).
+
+    Raises:
+        ConfigError: the first bad value, naming ``path_of(field)``, the value and the fix.
+    """
+    p, g = path_of, values.get
+    loss_type = g("loss_type", "dapo")
+    level = g("importance_sampling_level", "token")
+    mode = g("vllm_importance_sampling_mode", "token_mask")
+    for name, value, allowed in (("loss_type", loss_type, LOSS_TYPES), ("importance_sampling_level", level, IS_LEVELS),
+                                 ("vllm_importance_sampling_mode", mode, IS_MODES)):
+        if value not in allowed:
+            raise _error(p(name), value, f"must be one of {', '.join(allowed)}",
+                         f"set {p(name)}={allowed[0]} (the default)")
+    if g("score_centering", True):
+        for name, value, bad in (("loss_type", loss_type, loss_type == "cispo"),
+                                 ("importance_sampling_level", level, level == "sequence"),
+                                 ("vllm_importance_sampling_mode", mode, mode.startswith("sequence"))):
+            if bad:
+                raise _error(p(name), value, "score centering (the default objective) is per token and cannot use "
+                             "it (README: Loss variants)",
+                             f"also set {p('score_centering')}=false (the clipped surrogate), or drop {p(name)}")
+    eh = g("epsilon_high", None)
+    if loss_type == "cispo" and not (eh is not None and eh > 0):
+        raise _error(p("epsilon_high"), eh, "loss_type=cispo caps the stop-gradient importance weight at "
+                     "epsilon_high (its ε_max)", f"set {p('epsilon_high')}=5.0 (ScaleRL's value)")
+    beta = g("beta", 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise _error(p("beta"), beta, "the KL coefficient must be a finite number >= 0",
+                     f"set {p('beta')}=0.0 (no KL penalty) or e.g. {p('beta')}=0.001")
+    mtc = g("mask_truncated_completions", False)
+    if not isinstance(mtc, bool):
+        raise _error(p("mask_truncated_completions"), mtc, "must be true or false",
+                     f"set {p('mask_truncated_completions')}=true")
+    weights = g("reward_weights", None)
+    if weights is not None:
+        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
+            raise _error(p("reward_weights"), weights, "must be a list of numbers, one per reward function",
+                         f"set {p('reward_weights')}=[1.0, 0.5] (in reward-function order) or null")
+        for i, w in enumerate(weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise _error(p("reward_weights"), list(weights), f"entry {i} ({w!r}) is not a finite number",
+                             f"give one finite number per reward function, e.g. {p('reward_weights')}=[1.0, 0.5]")
+
+
+def check_reward_weights_count(weights: Any, num_funcs: int, key: str = "reward_weights",
+                               funcs_key: str = "reward_funcs") -> None:
+    """Refuse ``reward_weights`` whose length differs from the number of reward functions.
+
+    Raises:
+        ConfigError: naming both counts and the fix.
+    """
+    if weights is not None and len(weights) != num_funcs:
+        raise _error(key, list(weights), f"has {len(weights)} weight(s) but there are {num_funcs} reward "
+                     f"function(s) in {funcs_key}", f"give exactly {num_funcs} weight(s), in the order of "
+                     f"{funcs_key}, or set {key}=null (all 1.0)")

@@ -1,0 +1,118 @@
+"""Loss variants end to end on CPU (issue #27): the trainer runs 2 steps against the embedded sampler with several
+options on at once, and the weights move. A tiny model whose EOS is likely, so that some completions end and
+some are cut at max_completion_length (mask_truncated_completions has both kinds)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo_cli import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
+from asyncgrpo_cli.testing import make_tiny_model
+
+
+def parity_reward(completion_ids, **kwargs):
+    return [float(bool(ids) and ids[0] % 2 == ids[-1] % 2) for ids in completion_ids]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_eos"))
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():  # point the EOS row along the mean final hidden state: P(EOS) ≈ 0.15 per token
+        hidden = model.model(input_ids=torch.randint(0, len(tok), (8, 20))).last_hidden_state.flatten(0, 1)
+        mean = hidden.mean(0)
+        model.lm_head.weight[tok.eos_token_id] = mean / mean.norm() ** 2 * 3.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
+                                       max_model_len=96, max_logprobs=8)).start()
+    yield handle
+    handle.stop()
+
+
+CASES = {
+    "gspo_seq_tis_grpo_masked_weighted": dict(
+        score_centering=False, loss_type="grpo", importance_sampling_level="sequence",
+        vllm_importance_sampling_mode="sequence_truncate", mask_truncated_completions=True,
+        reward_weights=[1.0, 0.5], epsilon=3e-4, epsilon_high=4e-4),
+    "cispo_token_tis": dict(score_centering=False, loss_type="cispo", epsilon_high=5.0,
+                            vllm_importance_sampling_mode="token_truncate"),
+    "centering_dr_grpo_token_tis_kl": dict(loss_type="dr_grpo", vllm_importance_sampling_mode="token_truncate",
+                                           beta=0.05),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_variant_trains(model_dir, server, tmp_path, case):
+    out = tmp_path / case
+    args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
+                           num_sampler_logprobs=3, vllm_server_base_url=server.url, learning_rate=1e-2,
+                           save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
+                           vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd",
+                           max_grad_norm=0.0, **CASES[case])
+    prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]}
+                                          for i in range(16)])
+    before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[parity_reward, length_reward], args=args,
+                               train_dataset=prompts)
+    assert trainer.loss_config.loss_type == args.loss_type
+    result = trainer.train()
+    assert result.global_step == 2
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    assert json.loads((out / "status.json").read_text())["state"] == "finished"
+    after = trainer.model.state_dict()
+    assert max(float((after[k].float() - before[k]).abs().max()) for k in before if k in after) > 0
+    keys = set().union(*lines)
+    if args.mask_truncated_completions:
+        assert "completions/masked_truncated_frac" in keys
+        assert {"rewards/parity_reward/weight", "rewards/length_reward/weight"} <= keys
+    else:
+        assert not any(k.endswith("/weight") for k in keys) and "completions/masked_truncated_frac" not in keys
+    assert ("kl" in keys) == (args.beta > 0)
+    if args.beta > 0:  # step 1 trains the initial policy itself: KL 0; after one update it is > 0
+        assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
+        assert trainer.reference.frozen is not None
+
+
+def test_lora_with_kl_to_the_base_model(model_dir, tmp_path):
+    from peft import LoraConfig
+
+    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32", max_model_len=96,
+                                       max_logprobs=8, enable_lora=True, max_lora_rank=8, max_loras=4)).start()
+    try:
+        out = tmp_path / "lora_kl"
+        args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
+                               num_sampler_logprobs=3, vllm_server_base_url=handle.url, learning_rate=5e-2,
+                               save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
+                               vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd",
+                               max_grad_norm=0.0, beta=0.1, loss_type="bnpo")
+        prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]}
+                                              for i in range(16)])
+        trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[parity_reward, length_reward], args=args,
+                                   train_dataset=prompts, peft_config=LoraConfig(
+                                       r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        assert trainer.reference.frozen is None  # the base model with adapters disabled: no copy
+        assert trainer.train().global_step == 2
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the base model (B = 0)
+        assert lines[1]["kl"] > 0
+    finally:
+        handle.stop()
