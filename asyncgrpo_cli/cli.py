@@ -104,7 +104,7 @@ def _validate(cfg, command: str) -> None:
 def _resolve_model(cfg, export: bool = True) -> str | None:
     """Point ``model.name`` at the folder the server and trainer load. A packaged GGUF is exported once
     (with ``export``); without it, a note saying the folder is made on the first real start is returned."""
-    from .models import plan_model_path, resolve_model_path
+    from .config.models import plan_model_path, resolve_model_path
 
     if not cfg.model.name:
         return None
@@ -308,7 +308,7 @@ def serve_cmd(
     info: bool = _info_flag(),
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
-    from .launch.server_command import build_server_command
+    from .server.command import build_server_command
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
@@ -392,7 +392,7 @@ def doctor_cmd(
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
 ) -> None:
     """Check a running server against the config (flags, LoRA limits, versions, GPUs) and print the fix."""
-    from .doctor.checks import run_doctor
+    from .server.checks import run_doctor
 
     cfg = _compose(_hydra_args(overrides, command="doctor").overrides, recipes_dir)
     try:

@@ -136,7 +136,7 @@ def test_composing_a_config_imports_no_transformers(tmp_path):
 
 def test_the_trainer_fields_used_are_the_installed_ones(tmp_path, monkeypatch):
     """Whatever snapshot is shipped, the fields composing uses are those of this transformers and
-    ``train/config.py``; when the shipped snapshot matches this install it is used as it is."""
+    ``config/grpo_config.py``; when the shipped snapshot matches this install it is used as it is."""
     from asyncgrpo_cli.config import trainer_fields
 
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))

@@ -8,7 +8,7 @@ import logging
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from asyncgrpo_cli.models import print_export_notice, quiet_progress_bars, quiet_progress_bars_without_terminal
+from asyncgrpo_cli.config.models import print_export_notice, quiet_progress_bars, quiet_progress_bars_without_terminal
 
 
 def test_export_notice_prints_a_long_folder_whole_on_its_own_line(tmp_path):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..citations import cite_shipped
+from .citations import cite_shipped
 from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
 from .sources import (check_data_source, check_import, check_imports, check_model_source, check_prompt_rows,
                       check_reward_funcs, looks_like_local_data, model_max_len)
@@ -440,7 +440,7 @@ def check_training_args_build(cfg: Any) -> None:
 
 
 def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
-    from ..models import plan_model_path
+    from .models import plan_model_path
 
     try:
         path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
@@ -487,7 +487,7 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         ConfigErrors (a ValueError): every problem, each naming the argument, the value and the fix.
         ConfigTypeError: ``args`` is not an `AsyncGRPOConfig`.
     """
-    from ..train.config import AsyncGRPOConfig
+    from .grpo_config import AsyncGRPOConfig
 
     if args is not None and not isinstance(args, AsyncGRPOConfig):
         raise ConfigTypeError(f"args={type(args).__name__}: must be an AsyncGRPOConfig. Fix: "

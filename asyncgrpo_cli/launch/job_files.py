@@ -45,7 +45,7 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
     ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept;
     an absent file stays absent (nothing ran)."""
-    from ..train.run_state import write_json_atomic
+    from ..run.state import write_json_atomic
 
     status = read_status(output_dir)
     if not status:

@@ -38,8 +38,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from .colocate import Layout, decide_layout
-from .server_command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
+from ..server.colocate import Layout, decide_layout
+from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
 CONFIG_NAME = "asyncgrpo_config.yaml"

@@ -50,7 +50,7 @@ def _check_run_lock(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the running job's pid and the fix.
     """
-    from ..train.run_state import LOCK_NAME, RunLock, RunLockedError
+    from ..run.state import LOCK_NAME, RunLock, RunLockedError
 
     out = Path(str(cfg.trainer.output_dir))
     if not (out / LOCK_NAME).exists():

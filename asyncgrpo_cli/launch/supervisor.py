@@ -60,13 +60,13 @@ from rich.text import Text
 
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
-from .run_folder import earlier_checkpoints_note, resume_command, start_problem
+from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
 from .job_files import finalize_status, newest_checkpoint, stop_grace
-from ..orphans import die_with_parent
+from ..run.orphans import die_with_parent
 from .log_tail import LOG_TAIL_LINES, failure_tail, tail_lines
 from .preflight import _check_run_lock, check_server_port, free_port, port_in_use, probe_health  # noqa: F401
-from .server_command import ServerCommand
+from ..server.command import ServerCommand
 
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(INFO|WARNING|DEBUG|ERROR)?\s*(\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?)?\s*"
@@ -361,7 +361,7 @@ class Supervisor:
     def _claim_output_dir(self) -> int | None:
         """Refuse an unwritable ``trainer.output_dir``, another job in it, or a checkpoint to resume from that
         is incomplete, before anything starts; take the run lock (released when the job ends)."""
-        from ..train.run_state import RunLock, RunLockedError
+        from ..run.state import RunLock, RunLockedError
 
         out = self.plan.output_dir
         try:
@@ -422,7 +422,7 @@ class Supervisor:
                 return rc
         if self._stop.is_set():
             return self._interrupted_rc()
-        from ..train.run_state import LOCK_OWNER_ENV
+        from ..run.state import LOCK_OWNER_ENV
 
         self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
                              {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid())},
@@ -502,7 +502,7 @@ class Supervisor:
         return ""
 
     def _doctor(self) -> int | None:
-        from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts, restart_command
+        from ..server.checks import FAIL, PASS, WARN, evaluate, read_facts, restart_command
 
         try:
             facts = read_facts(self.plan.url, timeout=min(self.timeouts.doctor_s, float(self.cfg.sampler.timeout)))
@@ -734,7 +734,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         console.print(Text("dry run: nothing started.", style="dim"))
         return 0
 
-    from ..models import resolve_model_path
+    from ..config.models import resolve_model_path
 
     output_dir = output_dir_of(cfg)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..metrics import MetricsWindow
+from .metrics import MetricsWindow
 from .tools import ToolBox, ToolResult, parse_assistant_reply, run_tool_call
 from .types import Rollout, TurnRecord
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .run_state import ROLLOUT_STATE_NAME, RolloutStateError, read_rollout_state, write_json_atomic
+from ..run.state import ROLLOUT_STATE_NAME, RolloutStateError, read_rollout_state, write_json_atomic
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
@@ -314,7 +314,7 @@ def save_checkpoint(trainer: Any, trial: Any, rollout_state: dict[str, Any] | No
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import rotate_checkpoints
 
-    from .run_state import save_rollout_state
+    from ..run.state import save_rollout_state
 
     args = trainer.args
     run_dir = Path(trainer._get_output_dir(trial=trial))

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from ..config.rules import ConfigError
-from ..multimodal import check_text_only
+from ..config.multimodal import check_text_only
 
 
 def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, environment_factory,
@@ -122,7 +122,7 @@ def check_sampling_mask(args, sampler) -> None:
     Raises:
         ConfigError: the server returns no candidate sets (the message names the server flags to add).
     """
-    from ..doctor.sampling_mask import require_sampling_mask
+    from ..server.sampling_mask import require_sampling_mask
 
     if not args.uses_candidate_sets:
         return

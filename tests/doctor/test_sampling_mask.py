@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.config.rules import ConfigError
-from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate, restart_command
-from asyncgrpo_cli.doctor.sampling_mask import require_sampling_mask, sampling_mask_verdict
+from asyncgrpo_cli.server.checks import FAIL, PASS, WARN, ServerFacts, evaluate, restart_command
+from asyncgrpo_cli.server.sampling_mask import require_sampling_mask, sampling_mask_verdict
 
 EMBEDDED = {"server": "asyncgrpo-embedded", "version": "0.1.0"}
 NO_MASK = {"model_config": {"return_sampling_mask": False}}
@@ -75,7 +75,7 @@ def test_restart_line_uses_the_host_and_port_of_sampler_url():
 
 def test_trainer_start_check_refuses_the_server(tmp_path):
     """The trainer's own check (Python API users have no doctor): rank 0 asks the server before the worker starts."""
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.startup import check_sampling_mask
 
     sampler = types.SimpleNamespace(version=lambda: EMBEDDED, server_info=lambda: NO_MASK)

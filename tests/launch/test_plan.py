@@ -173,7 +173,7 @@ def test_mixed_precision_follows_compute_dtype():
 
 
 def test_earlier_checkpoints_are_announced_unless_resuming(tmp_path):
-    from asyncgrpo_cli.launch.run_folder import earlier_checkpoints_note
+    from asyncgrpo_cli.run.folder import earlier_checkpoints_note
 
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}"])
     assert earlier_checkpoints_note(cfg) is None

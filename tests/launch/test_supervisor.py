@@ -235,7 +235,7 @@ def test_refusals_before_anything_starts(tmp_path):
     """An output_dir that cannot be created, a folder another live job holds, and an incomplete checkpoint to
     resume from are refused with exit 2 before the server starts."""
     from asyncgrpo_cli.config.compose import compose
-    from asyncgrpo_cli.train.run_state import RunLock
+    from asyncgrpo_cli.run.state import RunLock
 
     from .conftest import base_overrides
 
@@ -249,7 +249,7 @@ def test_refusals_before_anything_starts(tmp_path):
     assert "is not writable" in console.export_text() and not (pids / "server.pid").exists()
 
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.train.run_state import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.run.state import RunLock\n"
                                f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -279,7 +279,7 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     """Without trainer.resume_from_checkpoint, an output_dir with an earlier run's complete checkpoint or final
     model is refused (the dry run too), naming how to continue it or where to write instead."""
     from asyncgrpo_cli.config.compose import compose
-    from asyncgrpo_cli.train.run_state import save_rollout_state
+    from asyncgrpo_cli.run.state import save_rollout_state
 
     from .conftest import base_overrides
 
@@ -350,7 +350,7 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
 
 
 def test_the_resume_line_repeats_the_command_with_its_overrides():
-    from asyncgrpo_cli.launch.run_folder import resume_command
+    from asyncgrpo_cli.run.folder import resume_command
 
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.output_dir=/tmp/a b", "trainer.max_steps=20",
             "trainer.resume_from_checkpoint=/tmp/a b/checkpoint-2"]

@@ -16,12 +16,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ..citations import cite_shipped
+from ..config.citations import cite_shipped
 from ..config.compose import server_url
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..sampler.protocol import vllm_config_of
 from .sampling_mask import sampling_mask_verdict
-from ..launch.server_command import (
+from .command import (
     MIN_VLLM,
     build_server_command,
     compute_dtype,
@@ -390,7 +390,7 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
 
 def _expected_colocation(cfg: DictConfig) -> bool | None:
     """`launch.colocate.expected_colocation` on this machine (its visible GPUs)."""
-    from ..launch.colocate import expected_colocation
+    from .colocate import expected_colocation
     from ..launch.plan import visible_gpu_count
 
     return expected_colocation(cfg, visible_gpu_count())

@@ -147,7 +147,7 @@ def server_gpus(cfg: DictConfig) -> list[int]:
 def detect_layout(cfg: DictConfig) -> Any:
     """`colocate.decide_layout` for this machine (visible GPUs, the shared GPU's memory)."""
     from .colocate import decide_layout
-    from .plan import visible_gpu_count
+    from ..launch.plan import visible_gpu_count
 
     return decide_layout(cfg, visible_gpu_count())
 

@@ -296,7 +296,7 @@ def _model_shape_of(name: str | None, gguf_file: str | None = None) -> ModelShap
     if not name:
         return None
     try:
-        from ..models import plan_model_path
+        from ..config.models import plan_model_path
 
         name = plan_model_path(name, gguf_file)[0]
     except Exception:  # noqa: BLE001 - a bad model.name is reported elsewhere; the size stays unknown
@@ -412,7 +412,7 @@ def vllm_ipc_problem(version: str | None, installed: str | None) -> str | None:
     import importlib.util
     import re
 
-    from .server_command import MIN_VLLM, parse_version
+    from .command import MIN_VLLM, parse_version
 
     two_gpus = ("or use two GPUs: launch.colocate=false on a machine with 2+ GPUs (vLLM on one GPU, the "
                 "trainer on the others, NCCL weight transfer)")
