@@ -90,7 +90,7 @@ def _validate(cfg, command: str) -> None:
     print its warnings otherwise."""
     from rich.markup import escape
 
-    from .config.validate import validate_run
+    from .config.run_checks import validate_run
 
     try:
         warnings = validate_run(cfg, command)
@@ -325,7 +325,7 @@ def serve_cmd(
         command.notes.append(export_note)
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend == "vllm":
-        from .launch.plan import visible_gpu_count
+        from .server.colocate import visible_gpu_count
 
         if visible_gpu_count() == 0:
             where = "sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. "
@@ -392,7 +392,7 @@ def doctor_cmd(
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
 ) -> None:
     """Check a running server against the config (flags, LoRA limits, versions, GPUs) and print the fix."""
-    from .server.checks import run_doctor
+    from .doctor.report import run_doctor
 
     cfg = _compose(_hydra_args(overrides, command="doctor").overrides, recipes_dir)
     try:

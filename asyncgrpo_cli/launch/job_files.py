@@ -22,7 +22,7 @@ def read_status(output_dir: str | Path) -> dict[str, Any]:
 
 def newest_checkpoint(output_dir: str | Path) -> str | None:
     """The newest complete ``checkpoint-N`` of ``output_dir`` (`train.checkpoint`), None when there is none."""
-    from ..train.checkpoint import newest_complete_checkpoint
+    from ..run.checkpoints import newest_complete_checkpoint
 
     found = newest_complete_checkpoint(output_dir)
     return str(found) if found is not None else None

@@ -3,12 +3,12 @@
 It prints the launch plan, then starts, in order:
 
 1. the sampler: vLLM or the embedded server with the ONE builder's command
-   (`launch.server_command.build_server_command`); nothing for ``sampler.backend=external``. Before the
+   (`server.command.build_server_command`); nothing for ``sampler.backend=external``. Before the
    model is loaded, `check_server_port` refuses a ``sampler.port`` another process holds, or where a
    server this job did not start already answers (use it with ``sampler.backend=external``);
 2. waits until ``/health`` answers (deadline ``sampler.timeout``; a server that dies meanwhile stops
    the run with its last log lines);
-3. runs the doctor checks (`doctor.checks.read_facts` + `evaluate`): any failure prints the table and
+3. runs the doctor checks (`server.checks.read_facts` + `evaluate`): any failure prints the table and
    the restart command and stops everything;
 4. launches the trainer with ``accelerate launch`` (`launch.plan`), which spawns the rollout worker;
 5. shows the live dashboard (`asyncgrpo_cli.dashboard`) until the trainer exits, then prints a summary

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
+
 __all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem"]
 
 
@@ -33,8 +35,6 @@ def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
     """What an earlier run left in ``output_dir``: its newest complete checkpoint (None when there is none) and
     whether its final model (``model.safetensors`` or a LoRA ``adapter_model.safetensors``) is there."""
-    from ..train.checkpoint import newest_complete_checkpoint
-
     final = (output_dir / "model.safetensors").exists() or (output_dir / "adapter_model.safetensors").exists()
     return newest_complete_checkpoint(output_dir), final
 
@@ -48,8 +48,6 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     overwrite that model, let checkpoint rotation delete one run's checkpoints and mix both runs in
     ``metrics.jsonl``.
     """
-    from ..train.checkpoint import CheckpointError, checkpoint_step, resolve_resume
-
     resume = cfg.trainer.resume_from_checkpoint
     if not resume:
         newest, final = earlier_run(output_dir)
@@ -81,11 +79,9 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
 def earlier_checkpoints_note(cfg: DictConfig) -> str | None:
     """A warning when ``trainer.output_dir`` already holds checkpoints and this run does not resume
     from one: it starts from scratch and its checkpoints replace those of the same step."""
-    from ..dashboard.panels import list_checkpoints
-
     if cfg.trainer.resume_from_checkpoint:
         return None
-    found = list_checkpoints(cfg.trainer.output_dir)
+    found = [str(p) for p in list_checkpoints(cfg.trainer.output_dir)]
     if not found or earlier_run(Path(cfg.trainer.output_dir)) != (None, False):
         return None  # nothing there, or a run `start_problem` refuses to start over
     return (f"note: {cfg.trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "

@@ -1,5 +1,5 @@
 """Before the trainer's first request (the Python API has no supervisor doing this): wait for the server,
-saying so, then run `asyncgrpo doctor`'s checks (`doctor.checks.read_facts` + `evaluate`) against the
+saying so, then run `asyncgrpo doctor`'s checks (`server.checks.read_facts` + `evaluate`) against the
 trainer's settings, and stop with doctor's fix text when one fails.
 """
 

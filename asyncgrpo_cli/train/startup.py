@@ -27,7 +27,7 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
             ``max_steps``, images in the prompts, or a config combination `validate_trainer_inputs` refuses.
         TypeError: a tool or ``environment_factory`` that is not a callable of the supported kind.
     """
-    from ..config.validate import validate_trainer_inputs
+    from ..config.run_checks import validate_trainer_inputs
     from ..rollout.environments import EnvironmentOwnedPrompts, check_environment_factory
     from ..rollout.tools import check_tools
 

@@ -188,6 +188,7 @@ def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
     from asyncgrpo_cli.cli import app
 
     monkeypatch.setattr(plan, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(colocate, "visible_gpu_count", lambda: 1)
     monkeypatch.setattr(colocate, "gpu_memory_bytes", lambda index=0: H200)
 
     def no_exec(*args):
