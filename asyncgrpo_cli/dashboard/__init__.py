@@ -3,7 +3,7 @@ output folder and shows them as rich panels, plain log lines, or nothing.
 
 - ``status.json`` (rewritten atomically about once a second by trainer rank 0): live state;
 - ``metrics.jsonl`` (one line per logging step, SPEC §15 names): the windows behind the panels, the
-  diagnosis (`diagnosis.diagnose`), the plain lines and the end-of-run summary and curves;
+  diagnosis (`diagnosis.steady_diagnosis`), the plain lines and the end-of-run summary and curves;
 - ``completions.jsonl`` (with ``logging.log_completions``): completion tables.
 
 Only what the trainer writes after the dashboard starts is read, so a reused output folder does not
@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from .diagnosis import Diagnosis, MetricsHistory, RunSettings, diagnose, num
+from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagnosis
 from .panels import (DashboardView, ProcessInfo, completion_lines, completions_table, plain_line,
                      render_dashboard)
 
@@ -135,7 +135,7 @@ class Dashboard:
         self.history = MetricsHistory()
         self.rows: list[dict[str, Any]] = []
         self.status: dict[str, Any] | None = None
-        self.diagnosis = diagnose(self.history, self.settings)
+        self.diagnosis = steady_diagnosis(self.history, self.settings)
         self._metrics = JsonlTail.at_end(self.output_dir / METRICS_FILE)
         self._completions = JsonlTail.at_end(self.output_dir / COMPLETIONS_FILE)
         self._live: Live | None = None
@@ -203,7 +203,7 @@ class Dashboard:
             new.append(row)
             self.history.push(row)
             self.rows.append(row)
-            self.diagnosis = diagnose(self.history, self.settings)
+            self.diagnosis = steady_diagnosis(self.history, self.settings)
             if self.mode == "plain":
                 self.console.print(plain_line(row, self.diagnosis, num(self.status, "max_steps")),
                                    markup=False, highlight=False, soft_wrap=True)
