@@ -712,6 +712,10 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
+        problem = start_problem(cfg, output_dir_of(cfg))  # a used folder: refused before the plan and the model
+        if problem:
+            console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
+            return 2
     try:
         plan = build_launch_plan(cfg, gpu_count, server_running=running)
     except ConfigError as exc:

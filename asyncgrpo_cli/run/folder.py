@@ -16,7 +16,20 @@ from omegaconf import DictConfig
 
 from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
 
-__all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem"]
+__all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem", "train_command"]
+
+
+def train_command(overrides: list[str], argv: list[str] | None = None) -> str | None:
+    """This ``asyncgrpo train`` command line (``argv``, default ``sys.argv``) with ``overrides`` (``key=value``)
+    in place of its own overrides of the same keys; None when the process is not ``asyncgrpo train`` (the
+    Python API) or is a sweep (``-m``)."""
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or Path(argv[0]).name != "asyncgrpo" or argv[1] != "train" or \
+            any(a in ("-m", "--multirun") for a in argv):
+        return None
+    keys = {o.split("=", 1)[0] for o in overrides}
+    kept = [a for a in argv[2:] if a.lstrip("+~").split("=", 1)[0] not in keys]
+    return shlex.join(["asyncgrpo", "train", *kept, *overrides])
 
 
 def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str:
@@ -39,8 +52,9 @@ def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
     return newest_complete_checkpoint(output_dir), final
 
 
-def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
+def start_problem(cfg: DictConfig, output_dir: Path, argv: list[str] | None = None) -> str | None:
     """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
+    The fixes are whole ``asyncgrpo train`` commands (`train_command` of ``argv``, default ``sys.argv``).
 
     Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none
     in ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``; or it is unset while
@@ -56,15 +70,20 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
         held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
         fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
-        cont = ""
+        fixes = []
         if newest is not None:
             step, max_steps = checkpoint_step(newest) or 0, int(cfg.trainer.max_steps)
-            more = f" trainer.max_steps={2 * step} (it ended at step {step} = max_steps)" if step >= max_steps > 0 \
-                else ""
-            cont = f"continue it with trainer.resume_from_checkpoint=true{more}, "
+            cont = ["trainer.resume_from_checkpoint=true"]
+            ended = step >= max_steps > 0
+            if ended:
+                cont.append(f"trainer.max_steps={2 * step}")
+            why = f" (it ended at step {step} = max_steps)" if ended else ""
+            fixes.append(f"continue it{why} with: {train_command(cont, argv) or ' '.join(cont)}")
+        moved = f"trainer.output_dir={fresh}"
+        fixes.append(f"write this run elsewhere with: {train_command([moved], argv) or moved}")
+        fixes.append(f"or remove {output_dir} to start over")
         return (f"trainer.output_dir={output_dir} already holds an earlier run ({held}); starting over there would "
-                f"overwrite it. Fix: {cont}write this run elsewhere with trainer.output_dir={fresh}, or remove "
-                f"{output_dir} to start over")
+                "overwrite it. Fix:\n  " + "\n  ".join(fixes))
     try:
         folder = resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
     except CheckpointError as exc:
