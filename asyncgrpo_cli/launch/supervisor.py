@@ -712,7 +712,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
-        problem = start_problem(cfg, output_dir_of(cfg))  # a used folder: refused before the plan and the model
+        # a used folder: refused before the plan and the model, named as the user wrote it
+        problem = start_problem(cfg, Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser())
         if problem:
             console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
             return 2
