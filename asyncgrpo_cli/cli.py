@@ -448,9 +448,11 @@ def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int
         results.append((job.num, " ".join(job.swept), str(cfg.trainer.output_dir), rc))
         if rc in (130, 143):
             break
-    table = Table("job", "swept values", "output", "exit", title="sweep", box=None, header_style="bold")
+    table = Table("job", "exit", "swept values", "output", title="sweep", box=None, header_style="bold")
+    for column in table.columns:  # a narrow or plain console wraps the folders, never cuts them ("/0", "/1")
+        column.overflow = "fold"
     for num, swept, folder, rc in results:
-        table.add_row(str(num), swept, folder, str(rc))
+        table.add_row(str(num), str(rc), swept, folder)
     if len(results) < len(jobs):
         table.caption = f"stopped after job {results[-1][0]}: {len(jobs) - len(results)} job(s) not run"
     out.print(table, soft_wrap=True)

@@ -181,7 +181,7 @@ def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
 def _kv_table(rows: Sequence[tuple[str, Any]]) -> Table:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="dim", no_wrap=True)
-    table.add_column()
+    table.add_column(overflow="fold")  # a path or command longer than the line wraps, never ends in "…"
     for label, value in rows:
         table.add_row(label, value if isinstance(value, Text) else str(value))
     return table

@@ -33,6 +33,8 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
         return 1 if failed else 0
     console = Console()
     table = Table("check", "status", "detail", "fix", title=f"asyncgrpo doctor: {facts.url}", show_lines=False)
+    for column in table.columns:  # a plain 80-column console wraps a fix, never ends it in "…"
+        column.overflow = "fold"
     style = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
     for c in checks:
         table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.message, c.fix)

@@ -514,6 +514,8 @@ class Supervisor:
         failed = [c for c in checks if c.status == FAIL]
         if failed:
             table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")
+            for column in table.columns:  # wrap a fix on a narrow console, never cut it
+                column.overflow = "fold"
             style = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
             for c in checks:
                 table.add_row(c.name, Text(c.status, style=style.get(c.status, "")), c.message, c.fix)
