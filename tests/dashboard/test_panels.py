@@ -21,6 +21,7 @@ from asyncgrpo_cli.dashboard.panels import (
     plain_line,
     render_dashboard,
     summarize,
+    summary_lines,
     summary_panel,
 )
 from asyncgrpo_cli.dashboard.plot import load_metrics, plot_training_curves
@@ -230,7 +231,8 @@ def test_summary_and_checkpoints(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "checkpoint-final-notes"):
         (tmp_path / name).mkdir()
     s = summarize(rows, 125.0, tmp_path, "finished", tmp_path / "training_curves.png")
-    assert s.steps == 3 and s.final_reward == pytest.approx(0.3)
+    assert s.steps == 3 and s.final_reward == pytest.approx(0.2) and s.final_reward_windows == 3  # mean of 3
+    assert s.final_model is None
     assert s.mean_generated_tokens_per_s == pytest.approx(12345.0) and s.mean_step_s == pytest.approx(10.0)
     assert [Path(c).name for c in s.checkpoints] == ["checkpoint-final-notes", "checkpoint-2", "checkpoint-10"]
     console = record_console()
@@ -238,7 +240,14 @@ def test_summary_and_checkpoints(tmp_path):
     text = console.export_text()
     assert "finished" in text and "2m05s" in text and "checkpoint-10" in text and "training_curves.png" in text
     unscored = {k: v for k, v in window(4).items() if k != "reward"}  # trained only on queued samples
-    assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.3)
+    assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.2)
+    assert "final reward          0.2 (mean of the last 3 steps)" in "\n".join(summary_lines(s))
+    many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
+    assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    saved = summarize(rows, 1.0, tmp_path, "finished")
+    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")'
+    assert any("final model" in line and "from_pretrained" in line for line in summary_lines(saved))
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 
