@@ -244,9 +244,24 @@ def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
     return composed
 
 
+
+def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of an override word: ``+recipe=NAME`` and config keys (`config.completion`).
+
+    bash splits a word at ``=`` (``+recipe = sm``): the word is rejoined from the words before it, and only
+    the part after the ``=`` is offered back."""
+    from .config.completion import complete_override
+
+    before = list(ctx.params.get("overrides") or [])
+    dirs = ctx.params.get("recipes_dir") or None
+    if before and before[-1] == "=" and len(before) >= 2:
+        head = f"{before[-2]}="
+        return [w[len(head):] for w in complete_override(head + incomplete, dirs) if w.startswith(head)]
+    return complete_override(incomplete, dirs)
+
 @app.command("config")
 def config_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
     check: bool = typer.Option(False, "--check", help="After the YAML, run every check train runs (model, lengths, "
@@ -302,7 +317,7 @@ def recipes_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment instead of starting it."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     info: bool = _info_flag(),
@@ -387,7 +402,7 @@ def _check_port(cfg) -> None:
 
 @app.command("doctor", context_settings={"allow_extra_args": True})
 def doctor_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
 ) -> None:
@@ -405,7 +420,7 @@ def doctor_cmd(
 
 @app.command("train")
 def train_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan only."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help=MULTIRUN_HELP),
