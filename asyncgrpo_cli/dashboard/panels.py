@@ -195,7 +195,8 @@ def run_panel(view: DashboardView) -> Panel:
     epoch = view.live("epoch", "epoch")
     epochs = num(s, "num_train_epochs")
     step_txt = fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")
-    epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs else "")
+    # "/ num_train_epochs" only when the epochs end the run: with max_steps set, transformers stops there
+    epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs and not (max_steps and max_steps > 0) else "")
     state = run_state(view)
     rows = [
         ("state", Text(state, style=STATE_STYLES.get(state.split(":")[0], "yellow"))),

@@ -77,7 +77,8 @@ def test_render_dashboard_shows_every_panel():
     for label in ("run", "processes", "rollout queue & concurrency", "staleness", "rewards", "throughput",
                   "diagnosis:"):
         assert label in text, label
-    assert "3 / 10" in text and "0.75 / 3" in text  # step / max_steps, epoch / epochs
+    assert "3 / 10" in text and "0.75" in text  # step / max_steps, the epoch
+    assert "0.75 / 3" not in text  # max_steps ends the run, not num_train_epochs=3
     assert "ETA" in text and "1m10s" in text  # 7 steps left at one step per 10 s
     assert "14 / 32 / 64" in text  # in flight / cap / max_concurrent_rollouts from status.json
     assert "50%" in text and "10 / 2" in text and "elsewhere" in text  # KV, running / waiting; 14-10-2 = 2
@@ -107,6 +108,9 @@ def test_status_error_and_stale_status_are_shown():
 
 def test_eta_from_epochs_when_max_steps_is_unset():
     status = {**STATUS, "max_steps": None, "epoch": 0.75, "num_train_epochs": 3}
+    console = record_console()
+    console.print(render_dashboard(view_of(status=status)))
+    assert "0.75 / 3" in console.export_text()  # the epochs end this run
     # epochs advance 0.25 per 10 s: (3 - 0.75) / 0.025 = 90 s
     assert eta_seconds(view_of(status=status)) == pytest.approx(90.0)
     assert eta_seconds(view_of(steps=3)) == pytest.approx(70.0)
