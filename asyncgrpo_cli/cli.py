@@ -202,7 +202,7 @@ def _hydra_args(overrides: list[str] | None, *, multirun: bool = False, command:
     return args
 
 
-def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs) -> None:
+def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs, sweep_dir: str | None = None) -> None:
     """``--cfg job|hydra|all``: print the composed config and/or Hydra's own config."""
     from .config.compose import to_yaml
 
@@ -214,7 +214,7 @@ def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs) -> None:
         from .config.hydra_conventions import hydra_config_yaml
 
         try:
-            sys.stdout.write(hydra_config_yaml(overrides, recipes_dirs))
+            sys.stdout.write(hydra_config_yaml(overrides, recipes_dirs, sweep_dir=sweep_dir))
         except ConfigError as exc:
             err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
@@ -283,7 +283,7 @@ def config_cmd(
         return
     cfg = _compose(hargs.overrides, recipes_dir)
     if cfg_kind is not None:
-        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         return
     sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
     sys.stdout.flush()
@@ -433,7 +433,7 @@ def train_cmd(
         raise typer.Exit(_train_sweep(hargs, recipes_dir, dry_run, cfg_kind))
     cfg = _compose(hargs.overrides, recipes_dir)
     if cfg_kind is not None:
-        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         raise typer.Exit(0)
     from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
 

@@ -66,6 +66,11 @@ def test_cfg_job_hydra_all():
     assert job.exit_code == 0 and yaml.safe_load(job.output)["rollout"]["num_generations"] == 4
     hydra = invoke("train", "+recipe=smoke", "--cfg", "hydra")
     assert hydra.exit_code == 0 and "sweeper" in hydra.output and "\nrollout:" not in hydra.output
+    shown = yaml.safe_load(hydra.output)["hydra"]  # the folders this run uses, not Hydra's dated defaults
+    assert shown["run"]["dir"] == "outputs/smoke" and shown["sweep"]["dir"] == "outputs/smoke"
+    from asyncgrpo_cli.config.hydra_conventions import hydra_config_yaml
+
+    assert yaml.safe_load(hydra_config_yaml(["+recipe=smoke"], sweep_dir="sw"))["hydra"]["sweep"]["dir"] == "sw"
     both = invoke("config", "+recipe=smoke", "--cfg", "all")
     assert "hydra:" in both.output and "\nrollout:" in both.output
     assert invoke("config", "--cfg", "jobs").exit_code == 2
