@@ -235,14 +235,33 @@ def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
         err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     composed = []
+    bases = set()
     for job in jobs:
         cfg = _compose(job.overrides, recipes_dirs)
         if not output_swept:
             base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg))
             cfg.trainer.output_dir = str(job_output_dir(base, job))
+            bases.add(base)
         composed.append((job, cfg))
+    for base in sorted(bases):
+        note = _sweep_inside_a_run_note(Path(base))
+        if note:
+            err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     return composed
 
+
+def _sweep_inside_a_run_note(base: Path) -> str | None:
+    """A note when a sweep's job folders (``<base>/<job number>``) would go inside a folder that holds an
+    earlier run's checkpoint or final model; None otherwise."""
+    from .run.folder import earlier_run
+
+    newest, final = earlier_run(base)
+    if newest is None and not final:
+        return None
+    held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
+    return (f"the sweep's job folders go inside {base} ({base}/0, {base}/1, ...), which holds an earlier run "
+            f"({held}); that run is kept, but the jobs mix with it. To keep them apart: "
+            f"hydra.sweep.dir={base}-sweep")
 
 
 def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
@@ -258,6 +277,7 @@ def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
         head = f"{before[-2]}="
         return [w[len(head):] for w in complete_override(head + incomplete, dirs) if w.startswith(head)]
     return complete_override(incomplete, dirs)
+
 
 @app.command("config")
 def config_cmd(
