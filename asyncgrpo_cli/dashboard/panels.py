@@ -234,10 +234,17 @@ def queue_panel(view: DashboardView) -> Panel:
         ("in flight / cap / max", f"{fmt(conc, '.0f')} / {fmt(cap, '.0f')} / {ceiling:.0f}"),
         ("KV cache", Text(fmt_pct(kv), style=kv_style if kv is not None else "")),
         ("engine running / waiting", f"{fmt(running, '.0f')} / {fmt(waiting, '.0f')}"),
-        ("elsewhere (tools, API server)", fmt(elsewhere, ".0f")),
+        (_elsewhere_label(m), fmt(elsewhere, ".0f")),
         ("score queue", fmt(num(m, "rollout/score_queue_size"), ".0f")),
     ]
     return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
+
+
+def _elsewhere_label(metrics: Mapping[str, Any] | None) -> str:
+    """What the in-flight rollouts that are neither running nor waiting in the engine are doing: in a tool
+    call, or (no tool called in this window) in transit: the API server, HTTP, tokenizing, scoring."""
+    calls = num(metrics, "tools/call_frequency")
+    return "elsewhere (tools, API server)" if calls else "elsewhere (API server, HTTP)"
 
 
 def _ratio_text(ratio: float | None) -> Text:
