@@ -14,6 +14,7 @@ from asyncgrpo_cli.dashboard.plot import (
     _series,
     curve_panels,
     plot_run,
+    plot_training_curves,
     reward_curves,
     run_history,
     training_curves_figure,
@@ -111,6 +112,17 @@ def test_curve_panels_put_each_metric_where_it_belongs_and_name_the_kv_source():
     assert panels["KV cache usage vs cap"] == ["KV cache usage (embedded sampler)"]
     vllm = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "vllm")}
     assert vllm["KV cache usage vs cap"] == ["KV cache usage (vLLM)"]
+    assert "tools & turns" not in panels  # no tool metrics: no tools panel
+
+
+def test_a_run_with_tools_gets_a_tools_and_turns_panel(tmp_path):
+    rows = [{**window(s), "tools/call_frequency": 0.5 * s, "tools/failure_frequency": 0.1, "rollout/turns_mean": 1.5}
+            for s in (1, 2, 3)]
+    panels = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "embedded")}
+    assert panels["tools & turns"] == ["tools/call_frequency", "tools/failure_frequency", "rollout/turns_mean"]
+    none_called = [{**window(s), "tools/call_frequency": 0.0} for s in (1, 2)]  # tools on, no call: still drawn
+    assert "tools & turns" in {title for title, _, _ in curve_panels(none_called)}
+    assert plot_training_curves(rows, tmp_path / "curves.png") is not None
 
 
 def test_training_curve_legends_never_cover_the_plot_area():
