@@ -29,6 +29,9 @@ from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagn
 from .panels import (DashboardView, ProcessInfo, completion_lines, completions_table, plain_line,
                      render_dashboard)
 
+#: Columns the live frame leaves free on the right (room for the terminal's ``^C`` echo).
+LIVE_MARGIN = 2
+
 __all__ = ["Dashboard", "JsonlTail", "ProcessInfo", "read_status", "resolve_mode", "STATUS_FILE", "METRICS_FILE",
            "COMPLETIONS_FILE"]
 
@@ -173,9 +176,14 @@ class Dashboard:
                              now=time.time(), title=self.title, outcome=self.outcome)
 
     def renderable(self):
-        """The rich renderable of the current frame."""
+        """The rich renderable of the current frame, `LIVE_MARGIN` columns narrower than the console: the
+        terminal echoes Ctrl-C as ``^C`` after the frame's last line, and on a frame as wide as the terminal
+        that wraps, so the live display's redraw misses its top line (a stale border above the messages)."""
+        from rich.constrain import Constrain
+
         width, height = self.console.size
-        return render_dashboard(self.view(), width=width, height=height)
+        inner = max(20, width - LIVE_MARGIN)
+        return Constrain(render_dashboard(self.view(), width=inner, height=height), inner)
 
     def poll(self, processes: Sequence[ProcessInfo] | None = None) -> list[dict[str, Any]]:
         """Read what the trainer wrote since the last call and draw it.

@@ -8,7 +8,7 @@ import math
 
 from rich.console import Console
 
-from asyncgrpo_cli.dashboard import Dashboard
+from asyncgrpo_cli.dashboard import LIVE_MARGIN, Dashboard
 from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
 from asyncgrpo_cli.dashboard.plot import (
     _series,
@@ -52,6 +52,15 @@ def test_live_dashboard_picks_the_layout_from_the_console(tmp_path):
     assert "rollout queue" not in "\n".join(render(small.renderable(), 80, 24))
     big = Dashboard(tmp_path, mode="plain", console=Console(width=150, height=50, force_terminal=False))
     assert "rollout queue" in "\n".join(render(big.renderable(), 150, 50))
+
+
+def test_the_live_frame_leaves_room_for_the_terminals_ctrl_c_echo(tmp_path):
+    """A frame as wide as an 80-column terminal wraps when the terminal echoes ``^C`` after its last line,
+    and the redraw then leaves the old top border above the stop message; the frame stays 2 columns in."""
+    dash = Dashboard(tmp_path, mode="plain", console=Console(width=80, height=24, force_terminal=False))
+    lines = render(dash.renderable(), 80, 24)
+    assert lines and max(len(line.rstrip()) for line in lines) <= 80 - LIVE_MARGIN and LIVE_MARGIN >= 2
+    assert len(lines) <= 24 and "…" not in "\n".join(lines)
 
 
 def test_plain_summary_never_cuts_a_long_path(tmp_path):
