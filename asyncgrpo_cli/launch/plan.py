@@ -242,7 +242,7 @@ def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool)
 
 def mixed_precision(cfg: DictConfig) -> str:
     """accelerate's ``mixed_precision`` from the trainer's compute dtype: ``bf16``, ``fp16`` or ``no``."""
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg), "no")
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg.trainer, cfg.model), "no")
 
 
 def accelerate_config(cfg: DictConfig, gpus: GpuPlan, main_process_port: int | None = None) -> dict[str, Any]:

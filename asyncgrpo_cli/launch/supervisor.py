@@ -375,7 +375,7 @@ class Supervisor:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
         self.lock = lock
-        problem = start_problem(self.cfg, out)
+        problem = start_problem(self.cfg.trainer, out)
         if problem:
             return self._refuse(problem)
         self._checkpoints_before = self._newest_checkpoint()
@@ -715,7 +715,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
         # a used folder: refused before the plan and the model, named as the user wrote it
-        problem = start_problem(cfg, Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser())
+        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser()
+        problem = start_problem(cfg.trainer, typed)
         if problem:
             console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
             return 2
@@ -729,7 +730,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
-        problem = start_problem(cfg, plan.output_dir)
+        problem = start_problem(cfg.trainer, plan.output_dir)
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run or plan.problems:
@@ -761,7 +762,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
 
     if plan.server is not None and public_host_warning(rcfg):
         console.print(Text(public_host_warning(rcfg), style="bold yellow"), soft_wrap=True)
-    earlier = earlier_checkpoints_note(rcfg)
+    earlier = earlier_checkpoints_note(rcfg.trainer)
     if earlier:
         console.print(Text(earlier, style="yellow"), soft_wrap=True)
     return Supervisor(rcfg, plan, console, timeouts, _commands).run()

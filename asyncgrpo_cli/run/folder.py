@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from typing import Any
 
 from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
 
@@ -52,9 +52,10 @@ def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
     return newest_complete_checkpoint(output_dir), final
 
 
-def start_problem(cfg: DictConfig, output_dir: Path, argv: list[str] | None = None) -> str | None:
-    """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
-    The fixes are whole ``asyncgrpo train`` commands (`train_command` of ``argv``, default ``sys.argv``).
+def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None) -> str | None:
+    """Why the run cannot start in ``output_dir`` as configured by the ``trainer`` group (``resume_from_checkpoint``,
+    ``max_steps``), in the CLI's key names; None when it can. The fixes are whole ``asyncgrpo train`` commands
+    (`train_command` of ``argv``, default ``sys.argv``).
 
     Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none
     in ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``; or it is unset while
@@ -62,7 +63,7 @@ def start_problem(cfg: DictConfig, output_dir: Path, argv: list[str] | None = No
     overwrite that model, let checkpoint rotation delete one run's checkpoints and mix both runs in
     ``metrics.jsonl``.
     """
-    resume = cfg.trainer.resume_from_checkpoint
+    resume = trainer.resume_from_checkpoint
     if not resume:
         newest, final = earlier_run(output_dir)
         if newest is None and not final:
@@ -72,7 +73,7 @@ def start_problem(cfg: DictConfig, output_dir: Path, argv: list[str] | None = No
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
         fixes = []
         if newest is not None:
-            step, max_steps = checkpoint_step(newest) or 0, int(cfg.trainer.max_steps)
+            step, max_steps = checkpoint_step(newest) or 0, int(trainer.max_steps)
             cont = ["trainer.resume_from_checkpoint=true"]
             ended = step >= max_steps > 0
             if ended:
@@ -88,22 +89,22 @@ def start_problem(cfg: DictConfig, output_dir: Path, argv: list[str] | None = No
         folder = resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
     except CheckpointError as exc:
         return re.sub(r"(?<![\w.])resume_from_checkpoint", "trainer.resume_from_checkpoint", str(exc))
-    step, max_steps = checkpoint_step(folder) or 0, int(cfg.trainer.max_steps)
+    step, max_steps = checkpoint_step(folder) or 0, int(trainer.max_steps)
     if step >= max_steps > 0:
         return (f"trainer.resume_from_checkpoint={resume}: {folder.name} is at step {step}, already "
                 f"trainer.max_steps={max_steps}: nothing to train. Fix: raise it, e.g. trainer.max_steps={2 * step}")
     return None
 
 
-def earlier_checkpoints_note(cfg: DictConfig) -> str | None:
-    """A warning when ``trainer.output_dir`` already holds checkpoints and this run does not resume
+def earlier_checkpoints_note(trainer: Any) -> str | None:
+    """A warning when the ``trainer`` group's ``output_dir`` already holds checkpoints and this run does not resume
     from one: it starts from scratch and its checkpoints replace those of the same step."""
-    if cfg.trainer.resume_from_checkpoint:
+    if trainer.resume_from_checkpoint:
         return None
-    found = [str(p) for p in list_checkpoints(cfg.trainer.output_dir)]
-    if not found or earlier_run(Path(cfg.trainer.output_dir)) != (None, False):
+    found = [str(p) for p in list_checkpoints(trainer.output_dir)]
+    if not found or earlier_run(Path(trainer.output_dir)) != (None, False):
         return None  # nothing there, or a run `start_problem` refuses to start over
-    return (f"note: {cfg.trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
+    return (f"note: {trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
             f"{Path(found[-1]).name}); this run starts from scratch and overwrites checkpoints of the same step. "
             f"To continue that run instead: trainer.resume_from_checkpoint={found[-1]}; to keep it: "
             "trainer.output_dir=ANOTHER_DIR")

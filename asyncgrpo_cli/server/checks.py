@@ -186,7 +186,7 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
                                     fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)))
     if verdict is not None:
         add(Check("sampling mask", verdict.status, verdict.message, verdict.fix))
-    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg)
+    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg.trainer, cfg.model)
     dtype = dtype.replace("torch.", "")
     if not dtype:
         add(Check("dtype", WARN, "server does not report its dtype", ""))

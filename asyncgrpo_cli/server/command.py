@@ -49,18 +49,18 @@ class ServerCommand:
         return "" if nxt.startswith("--") else nxt
 
 
-def compute_dtype(cfg: DictConfig) -> str:
-    """The trainer's compute dtype (CONFIG.md): bfloat16 with ``trainer.bf16`` (None = on unless fp16),
-    float16 with ``trainer.fp16``, else ``model.dtype``."""
-    fp16 = bool(cfg.trainer.fp16)
-    bf16 = cfg.trainer.bf16
+def compute_dtype(trainer: Any, model: Any) -> str:
+    """The trainer's compute dtype (CONFIG.md) from the ``trainer`` and ``model`` groups: bfloat16 with
+    ``trainer.bf16`` (None = on unless fp16), float16 with ``trainer.fp16``, else ``model.dtype``."""
+    fp16 = bool(trainer.fp16)
+    bf16 = trainer.bf16
     if bf16 is None:
         bf16 = not fp16
     if bf16:
         return "bfloat16"
     if fp16:
         return "float16"
-    dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+    dtype = model.dtype.value if hasattr(model.dtype, "value") else str(model.dtype)
     return dtype
 
 
@@ -173,7 +173,8 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         argv += ["--data-parallel-size", str(dp)]
     if cfg.sampler.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
-    argv += ["--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)), "--dtype", compute_dtype(cfg)]
+    argv += ["--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
+             "--dtype", compute_dtype(cfg.trainer, cfg.model)]
     if memory_share is not None:
         argv += ["--gpu-memory-utilization", f"{float(memory_share):g}"]
     if cfg.model.trust_remote_code:
@@ -205,7 +206,8 @@ def _embedded_command(cfg: DictConfig) -> ServerCommand:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(cfg.launch, cfg.sampler))
     argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(cfg.model.name),
             "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
-            "--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)), "--dtype", compute_dtype(cfg),
+            "--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
+            "--dtype", compute_dtype(cfg.trainer, cfg.model),
             "--device", "cuda" if device.startswith("cuda") else device]
     if cfg.model.gguf_file:
         argv += ["--gguf-file", str(cfg.model.gguf_file)]

@@ -333,7 +333,7 @@ def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
     save_rollout_state(step, position=9, num_prompts=10, num_tokens=300)
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"]
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"])
-    text = start_problem(cfg, out, argv)
+    text = start_problem(cfg.trainer, out, argv)
     assert (f"continue it (it ended at step 3 = max_steps) with: asyncgrpo train +recipe=smoke "
             f"trainer.output_dir={out} trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
     assert f"write this run elsewhere with: asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
