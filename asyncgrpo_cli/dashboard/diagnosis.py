@@ -441,5 +441,5 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
                     else f"the last {hold} windows")
             return Diagnosis(current.rule, f"{current.text} (held over {span})", current.severity)
     newest = current.rule.replace("_", " ")
-    return Diagnosis("settling", f"no finding has held over {hold} windows yet (newest: {newest}); a diagnosis "
-                     "shows once it does", OK)
+    return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)",
+                     OK)

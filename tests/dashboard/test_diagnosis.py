@@ -221,7 +221,7 @@ def test_a_diagnosis_shows_only_once_it_holds_over_several_windows():
     flipping = history_of(mix, copies, mix, copies)
     assert diagnose(flipping, SETTINGS).severity == ALERT  # the raw rule of the newest window alone
     d = steady_diagnosis(flipping, SETTINGS)
-    assert d.rule == "settling" and d.severity == OK and "held over 3 windows" in d.text
+    assert d.rule == "settling" and d.severity == OK and "holds over 3 windows" in d.text
     assert steady_diagnosis(history_of(mix, mix), SETTINGS).rule == "settling"  # too few windows yet
     # the same finding three windows running is shown, with the steps it was measured over
     d = steady_diagnosis(history_of(healthy, mix, mix, mix), SETTINGS)
