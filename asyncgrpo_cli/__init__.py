@@ -11,11 +11,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AsyncGRPOConfig": "asyncgrpo_cli.train.config",
+    "AsyncGRPOConfig": "asyncgrpo_cli.config.grpo_config",
     "AsyncGRPOTrainer": "asyncgrpo_cli.train.trainer",
     "AsyncRolloutLoop": "asyncgrpo_cli.rollout.loop",
     "Rollout": "asyncgrpo_cli.rollout.types",
-    "TurnRecord": "asyncgrpo_cli.turn_record",
+    "TurnRecord": "asyncgrpo_cli.sampler.turn_record",
     "RolloutGroup": "asyncgrpo_cli.rollout.types",
     "TrainingSequence": "asyncgrpo_cli.rollout.types",
     "SamplerClient": "asyncgrpo_cli.sampler.client",

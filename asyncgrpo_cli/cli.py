@@ -90,7 +90,7 @@ def _validate(cfg, command: str) -> None:
     print its warnings otherwise."""
     from rich.markup import escape
 
-    from .config.validate import validate_run
+    from .config.run_checks import validate_run
 
     try:
         warnings = validate_run(cfg, command)
@@ -104,7 +104,7 @@ def _validate(cfg, command: str) -> None:
 def _resolve_model(cfg, export: bool = True) -> str | None:
     """Point ``model.name`` at the folder the server and trainer load. A packaged GGUF is exported once
     (with ``export``); without it, a note saying the folder is made on the first real start is returned."""
-    from .models import plan_model_path, resolve_model_path
+    from .config.models import plan_model_path, resolve_model_path
 
     if not cfg.model.name:
         return None
@@ -202,7 +202,7 @@ def _hydra_args(overrides: list[str] | None, *, multirun: bool = False, command:
     return args
 
 
-def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs) -> None:
+def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs, sweep_dir: str | None = None) -> None:
     """``--cfg job|hydra|all``: print the composed config and/or Hydra's own config."""
     from .config.compose import to_yaml
 
@@ -214,7 +214,7 @@ def _print_cfg(which: str, cfg, overrides: list[str], recipes_dirs) -> None:
         from .config.hydra_conventions import hydra_config_yaml
 
         try:
-            sys.stdout.write(hydra_config_yaml(overrides, recipes_dirs))
+            sys.stdout.write(hydra_config_yaml(overrides, recipes_dirs, sweep_dir=sweep_dir))
         except ConfigError as exc:
             err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
@@ -235,18 +235,53 @@ def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
         err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     composed = []
+    bases = set()
     for job in jobs:
         cfg = _compose(job.overrides, recipes_dirs)
         if not output_swept:
             base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg))
             cfg.trainer.output_dir = str(job_output_dir(base, job))
+            bases.add(base)
         composed.append((job, cfg))
+    for base in sorted(bases):
+        note = _sweep_inside_a_run_note(Path(base))
+        if note:
+            err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     return composed
+
+
+def _sweep_inside_a_run_note(base: Path) -> str | None:
+    """A note when a sweep's job folders (``<base>/<job number>``) would go inside a folder that holds an
+    earlier run's checkpoint or final model; None otherwise."""
+    from .run.folder import earlier_run
+
+    newest, final = earlier_run(base)
+    if newest is None and not final:
+        return None
+    held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
+    return (f"the sweep's job folders go inside {base} ({base}/0, {base}/1, ...), which holds an earlier run "
+            f"({held}); that run is kept, but the jobs mix with it. To keep them apart: "
+            f"hydra.sweep.dir={base}-sweep")
+
+
+def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of an override word: ``+recipe=NAME`` and config keys (`config.completion`).
+
+    bash splits a word at ``=`` (``+recipe = sm``): the word is rejoined from the words before it, and only
+    the part after the ``=`` is offered back."""
+    from .config.completion import complete_override
+
+    before = list(ctx.params.get("overrides") or [])
+    dirs = ctx.params.get("recipes_dir") or None
+    if before and before[-1] == "=" and len(before) >= 2:
+        head = f"{before[-2]}="
+        return [w[len(head):] for w in complete_override(head + incomplete, dirs) if w.startswith(head)]
+    return complete_override(incomplete, dirs)
 
 
 @app.command("config")
 def config_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
     check: bool = typer.Option(False, "--check", help="After the YAML, run every check train runs (model, lengths, "
@@ -268,7 +303,7 @@ def config_cmd(
         return
     cfg = _compose(hargs.overrides, recipes_dir)
     if cfg_kind is not None:
-        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         return
     sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
     sys.stdout.flush()
@@ -302,13 +337,13 @@ def recipes_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment instead of starting it."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     info: bool = _info_flag(),
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
-    from .launch.server_command import build_server_command
+    from .server.command import build_server_command
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
@@ -325,7 +360,7 @@ def serve_cmd(
         command.notes.append(export_note)
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend == "vllm":
-        from .launch.plan import visible_gpu_count
+        from .server.colocate import visible_gpu_count
 
         if visible_gpu_count() == 0:
             where = "sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. "
@@ -387,12 +422,12 @@ def _check_port(cfg) -> None:
 
 @app.command("doctor", context_settings={"allow_extra_args": True})
 def doctor_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
 ) -> None:
     """Check a running server against the config (flags, LoRA limits, versions, GPUs) and print the fix."""
-    from .doctor.checks import run_doctor
+    from .doctor.report import run_doctor
 
     cfg = _compose(_hydra_args(overrides, command="doctor").overrides, recipes_dir)
     try:
@@ -405,7 +440,7 @@ def doctor_cmd(
 
 @app.command("train")
 def train_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan only."),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help=MULTIRUN_HELP),
@@ -418,7 +453,7 @@ def train_cmd(
         raise typer.Exit(_train_sweep(hargs, recipes_dir, dry_run, cfg_kind))
     cfg = _compose(hargs.overrides, recipes_dir)
     if cfg_kind is not None:
-        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir)
+        _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         raise typer.Exit(0)
     from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
 
@@ -448,9 +483,11 @@ def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int
         results.append((job.num, " ".join(job.swept), str(cfg.trainer.output_dir), rc))
         if rc in (130, 143):
             break
-    table = Table("job", "swept values", "output", "exit", title="sweep", box=None, header_style="bold")
+    table = Table("job", "exit", "swept values", "output", title="sweep", box=None, header_style="bold")
+    for column in table.columns:  # a narrow or plain console wraps the folders, never cuts them ("/0", "/1")
+        column.overflow = "fold"
     for num, swept, folder, rc in results:
-        table.add_row(str(num), swept, folder, str(rc))
+        table.add_row(str(num), str(rc), swept, folder)
     if len(results) < len(jobs):
         table.caption = f"stopped after job {results[-1][0]}: {len(jobs) - len(results)} job(s) not run"
     out.print(table, soft_wrap=True)

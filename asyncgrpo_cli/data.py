@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .config.rules import ConfigError
-from .multimodal import image_part
+from .config.multimodal import image_part
 
 
 # A single local data file is loaded with the `datasets` builder of its format (its split is "train").

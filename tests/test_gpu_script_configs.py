@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.config.validate import validate_run
+from asyncgrpo_cli.config.run_checks import validate_run
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))

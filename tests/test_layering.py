@@ -1,5 +1,11 @@
 """The layers point one way (DEVELOPERS.md): checked on the source and in fresh interpreters.
 
+- no import cycle inside the package: every import of every module (lazy ones inside functions and
+  ``TYPE_CHECKING`` ones included) forms a graph without a cycle;
+- the rules of `LAYER_RULES` (config is data; the worker never imports the trainer; the trainer does not
+  import the CLI's doctor; launch reads the run folder through ``run/``; ...), on the same scan;
+- the package's top level holds the CLI and its packages, not single-file modules of other layers; every
+  module stays under 800 lines;
 - the sampler boundary imports nothing from ``rollout/`` or ``train/`` (AST scan of every import, lazy
   ones inside functions included, and a fresh interpreter importing every sampler module);
 - ``train/batcher.py`` and ``train/packing.py`` each import on their own (no import circle);
@@ -74,6 +80,138 @@ def test_import_scan_resolves_relative_imports():
     assert not any(n.startswith(FORBIDDEN_FROM_SAMPLER) for _, n in _imported_modules("import json", "x"))
 
 
+def _package_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (an import of ``a.b.name`` counts as one of module ``a.b``
+    unless ``a.b.name`` is itself a module; a package's ``__init__`` is the package's module)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {owner(n) for _, n in _imported_modules(path.read_text(), _package_of(path))
+                   if n.startswith("asyncgrpo_cli")}
+        graph[name] = {t for t in targets if t is not None and t != name and t != "asyncgrpo_cli"}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (each holds at least one cycle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "asyncgrpo_cli" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)  # module names relative to the fake package
+    graph = _import_graph({_module_name(p): p for p in pkg.glob("*.py")})
+    assert graph == {"asyncgrpo_cli.sub.a": {"asyncgrpo_cli.sub.b"}, "asyncgrpo_cli.sub.b": {"asyncgrpo_cli.sub.a"}}
+    assert _cycles(graph) == [["asyncgrpo_cli.sub.a", "asyncgrpo_cli.sub.b"]]
+
+
+def test_no_import_cycle_inside_the_package():
+    cycles = _cycles(_import_graph(_package_modules()))
+    assert not cycles, ("import cycles (move what both sides share down into a module both import; a "
+                        "function-level import is still a cycle):\n" + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+_P = "asyncgrpo_cli."
+#: (modules under, must not import any of, why): the layers of README's layout section.
+LAYER_RULES = [
+    ("config", ("train", "launch", "server", "doctor", "dashboard", "cli"),
+     "config is data: it imports no trainer, launcher or CLI code"),
+    ("run", ("config", "train", "rollout", "sampler", "server", "launch", "doctor", "dashboard", "cli"),
+     "the run folder's rules sit under everything that reads the folder"),
+    ("sampler", ("rollout", "train", "server", "launch", "doctor", "dashboard", "cli"),
+     "the sampler boundary knows nothing of GRPO"),
+    ("rollout", ("train", "server", "launch", "doctor", "dashboard", "cli"), "the worker never imports the trainer"),
+    ("server", ("train", "launch", "doctor", "dashboard", "cli"),
+     "what the server must be is shared by launch, the trainer and doctor"),
+    ("train", ("doctor", "launch", "dashboard", "cli"), "the trainer does not import the CLI's doctor or launcher"),
+    ("launch", ("train",), "launch reads the run folder through run/, never the trainer's modules"),
+    ("doctor", ("train", "launch", "cli"), "doctor checks a server; it starts nothing"),
+    ("dashboard", ("train", "launch", "doctor", "cli"), "the dashboard reads the run's files"),
+]
+
+
+def _breaks(graph: dict[str, set[str]], under: str, forbidden: tuple[str, ...]) -> list[str]:
+    def inside(name: str, prefix: str) -> bool:
+        return name == _P + prefix or name.startswith(_P + prefix + ".")
+
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if inside(m, under)
+                  for t in targets if any(inside(t, f) for f in forbidden))
+
+
+def test_the_rule_check_sees_a_broken_rule():
+    graph = {"asyncgrpo_cli.config.x": {"asyncgrpo_cli.train.config", "asyncgrpo_cli.config.y"},
+             "asyncgrpo_cli.configure": {"asyncgrpo_cli.train"}}
+    assert _breaks(graph, "config", ("train",)) == ["asyncgrpo_cli.config.x imports asyncgrpo_cli.train.config"]
+
+
+@pytest.mark.parametrize("under,forbidden,why", LAYER_RULES, ids=[r[0] for r in LAYER_RULES])
+def test_layer_rule(under, forbidden, why):
+    bad = _breaks(_import_graph(_package_modules()), under, forbidden)
+    assert not bad, f"{why}:\n" + "\n".join(bad)
+
+
+#: Single-file modules allowed at the package's top: the CLI and the two helpers it shares with the trainer.
+TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "data", "imports"}
+
+
+def test_the_top_level_holds_the_cli_and_packages():
+    stray = sorted(p.stem for p in PKG.glob("*.py") if p.stem not in TOP_LEVEL_MODULES)
+    assert not stray, f"single-file modules at the package's top: {stray}; put each in the package it serves"
+
+
+def test_modules_stay_under_800_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 800}
+    assert not long, f"split these modules by what they hold: {long}"
+
+
 def test_sampler_source_imports_nothing_from_rollout_or_train():
     bad = [f"{path.relative_to(ROOT)}:{line}: imports {name}"
            for path in _sampler_files() for line, name in _imported_modules(path.read_text(), _package_of(path))
@@ -136,7 +274,7 @@ def test_composing_a_config_imports_no_transformers(tmp_path):
 
 def test_the_trainer_fields_used_are_the_installed_ones(tmp_path, monkeypatch):
     """Whatever snapshot is shipped, the fields composing uses are those of this transformers and
-    ``train/config.py``; when the shipped snapshot matches this install it is used as it is."""
+    ``config/grpo_config.py``; when the shipped snapshot matches this install it is used as it is."""
     from asyncgrpo_cli.config import trainer_fields
 
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))

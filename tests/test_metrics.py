@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from asyncgrpo_cli.metrics import MetricsWindow, metric_kind
+from asyncgrpo_cli.rollout.metrics import MetricsWindow, metric_kind
 
 
 @pytest.mark.parametrize(

@@ -426,6 +426,6 @@ def training_args_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 def to_training_args(cfg: DictConfig):
     """Build the `AsyncGRPOConfig` (a `transformers.TrainingArguments`) of a composed config."""
-    from ..train.config import AsyncGRPOConfig
+    from .grpo_config import AsyncGRPOConfig
 
     return AsyncGRPOConfig(**training_args_kwargs(cfg))

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 COMMENT_WIDTH = 100
 
-from ..citations import README_SECTIONS, cite_shipped  # noqa: F401  (re-exported)
+from .citations import README_SECTIONS, cite_shipped  # noqa: F401  (re-exported)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +49,7 @@ def field_docs(cls: type) -> dict[str, str]:
     docs = dict(attribute_docstrings(cls))
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
     if missing:
-        from ..train.config import AsyncGRPOConfig
+        from .grpo_config import AsyncGRPOConfig
 
         helps: dict[str, str] = {}
         for base in AsyncGRPOConfig.__mro__:  # a field redefined without help keeps TrainingArguments' help

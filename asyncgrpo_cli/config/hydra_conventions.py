@@ -145,9 +145,12 @@ def job_output_dir(base: str | Path, job: SweepJob) -> Path:
     return Path(base) / str(job.num)
 
 
-def hydra_config_yaml(overrides: list[str], extra_recipe_dirs: list | None = None) -> str:
+def hydra_config_yaml(overrides: list[str], extra_recipe_dirs: list | None = None, *,
+                      sweep_dir: str | None = None) -> str:
     """Hydra's own config for these overrides (what ``--cfg hydra`` prints), with a header saying which
-    keys asyncgrpo reads."""
+    keys asyncgrpo reads; those two show the folders this run uses, not Hydra's unused dated defaults:
+    ``hydra.run.dir`` = ``trainer.output_dir``, ``hydra.sweep.dir`` = ``sweep_dir`` (the user's
+    ``hydra.sweep.dir``) or else ``trainer.output_dir`` (a sweep's jobs go to ``<dir>/<job number>``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -163,8 +166,12 @@ def hydra_config_yaml(overrides: list[str], extra_recipe_dirs: list | None = Non
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(str(exc)) from exc
     header = (f"# Hydra's own config. asyncgrpo reads only {RUN_DIR_KEY} (= {OUTPUT_KEY}) and {SWEEP_DIR_KEY} "
-              "(parent of a -m sweep's job folders <dir>/<job number>)\n")
-    return header + OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(cfg.hydra, resolve=False)}))
+              "(parent of a -m sweep's job folders <dir>/<job number>), shown with the folders this run uses\n")
+    hydra = OmegaConf.to_container(cfg.hydra, resolve=False)
+    out = str(OmegaConf.select(cfg, OUTPUT_KEY) or "outputs/run")
+    hydra["run"]["dir"] = out
+    hydra["sweep"]["dir"] = sweep_dir or out
+    return header + OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra}))
 
 
 def search_path() -> list[tuple[str, str]]:

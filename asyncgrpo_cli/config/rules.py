@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..citations import cite_shipped
+from .citations import cite_shipped
 
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

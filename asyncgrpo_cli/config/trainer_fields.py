@@ -4,12 +4,12 @@ The ``trainer`` group holds every `transformers.TrainingArguments` field of `Asy
 §16.4's changed defaults). Reading them means importing transformers (and torch): seconds, for a command
 such as ``asyncgrpo config`` that only composes YAML. So the field list is kept in ``trainer_fields.json``
 next to this module, stamped with the transformers version it was read from and a hash of
-``train/config.py`` (where the changed defaults live). When both stamps match the installed versions the
+``config/grpo_config.py`` (where the changed defaults live). When both stamps match the installed versions the
 file is used; otherwise the fields are read live from `AsyncGRPOConfig` (correct, only slower), never
 from a stale file, and kept in the user cache (``$ASYNCGRPO_CACHE`` or ``~/.cache/asyncgrpo``,
 ``trainer_fields.json``, same stamp) so that only the first compose after an upgrade pays for it.
 
-Regenerate the file after upgrading transformers or editing ``train/config.py``::
+Regenerate the file after upgrading transformers or editing ``config/grpo_config.py``::
 
     python -m asyncgrpo_cli.config.trainer_fields
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 SNAPSHOT_PATH = Path(__file__).with_name("trainer_fields.json")
-_TRAIN_CONFIG_PATH = Path(__file__).resolve().parent.parent / "train" / "config.py"
+_TRAIN_CONFIG_PATH = Path(__file__).resolve().parent / "grpo_config.py"
 
 _SCALARS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
 _LIST_FACTORY = {"default_factory": "list"}
@@ -68,7 +68,7 @@ def live_specs() -> list[FieldSpec]:
     Raises:
         ValueError: a field whose default cannot be stored as JSON (a new transformers field type).
     """
-    from ..train.config import ASYNC_GRPO_FIELDS, AsyncGRPOConfig
+    from .grpo_config import ASYNC_GRPO_FIELDS, AsyncGRPOConfig
 
     specs: list[FieldSpec] = []
     hints = typing.get_type_hints(AsyncGRPOConfig)
@@ -98,7 +98,7 @@ def live_specs() -> list[FieldSpec]:
 
 def current_stamp() -> dict[str, str]:
     """The stamp a snapshot must carry to be used here: the installed transformers version and the
-    SHA-256 of ``train/config.py``. Reads metadata and one file; imports nothing heavy."""
+    SHA-256 of ``config/grpo_config.py``. Reads metadata and one file; imports nothing heavy."""
     try:
         version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -120,7 +120,7 @@ def snapshot_specs(path: Path = SNAPSHOT_PATH) -> list[FieldSpec] | None:
 
 def cache_path() -> Path:
     """The user-cache copy of the snapshot, written when the shipped one does not match this install."""
-    from ..models import cache_root
+    from .models import cache_root
 
     return cache_root() / "trainer_fields.json"
 

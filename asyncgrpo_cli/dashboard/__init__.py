@@ -3,7 +3,7 @@ output folder and shows them as rich panels, plain log lines, or nothing.
 
 - ``status.json`` (rewritten atomically about once a second by trainer rank 0): live state;
 - ``metrics.jsonl`` (one line per logging step, SPEC §15 names): the windows behind the panels, the
-  diagnosis (`diagnosis.diagnose`), the plain lines and the end-of-run summary and curves;
+  diagnosis (`diagnosis.steady_diagnosis`), the plain lines and the end-of-run summary and curves;
 - ``completions.jsonl`` (with ``logging.log_completions``): completion tables.
 
 Only what the trainer writes after the dashboard starts is read, so a reused output folder does not
@@ -25,9 +25,12 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from .diagnosis import Diagnosis, MetricsHistory, RunSettings, diagnose, num
+from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagnosis
 from .panels import (DashboardView, ProcessInfo, completion_lines, completions_table, plain_line,
                      render_dashboard)
+
+#: Columns the live frame leaves free on the right (room for the terminal's ``^C`` echo).
+LIVE_MARGIN = 2
 
 __all__ = ["Dashboard", "JsonlTail", "ProcessInfo", "read_status", "resolve_mode", "STATUS_FILE", "METRICS_FILE",
            "COMPLETIONS_FILE"]
@@ -135,7 +138,7 @@ class Dashboard:
         self.history = MetricsHistory()
         self.rows: list[dict[str, Any]] = []
         self.status: dict[str, Any] | None = None
-        self.diagnosis = diagnose(self.history, self.settings)
+        self.diagnosis = steady_diagnosis(self.history, self.settings)
         self._metrics = JsonlTail.at_end(self.output_dir / METRICS_FILE)
         self._completions = JsonlTail.at_end(self.output_dir / COMPLETIONS_FILE)
         self._live: Live | None = None
@@ -173,9 +176,14 @@ class Dashboard:
                              now=time.time(), title=self.title, outcome=self.outcome)
 
     def renderable(self):
-        """The rich renderable of the current frame."""
+        """The rich renderable of the current frame, `LIVE_MARGIN` columns narrower than the console: the
+        terminal echoes Ctrl-C as ``^C`` after the frame's last line, and on a frame as wide as the terminal
+        that wraps, so the live display's redraw misses its top line (a stale border above the messages)."""
+        from rich.constrain import Constrain
+
         width, height = self.console.size
-        return render_dashboard(self.view(), width=width, height=height)
+        inner = max(20, width - LIVE_MARGIN)
+        return Constrain(render_dashboard(self.view(), width=inner, height=height), inner)
 
     def poll(self, processes: Sequence[ProcessInfo] | None = None) -> list[dict[str, Any]]:
         """Read what the trainer wrote since the last call and draw it.
@@ -203,7 +211,7 @@ class Dashboard:
             new.append(row)
             self.history.push(row)
             self.rows.append(row)
-            self.diagnosis = diagnose(self.history, self.settings)
+            self.diagnosis = steady_diagnosis(self.history, self.settings)
             if self.mode == "plain":
                 self.console.print(plain_line(row, self.diagnosis, num(self.status, "max_steps")),
                                    markup=False, highlight=False, soft_wrap=True)

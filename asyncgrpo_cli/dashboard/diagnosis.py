@@ -4,7 +4,10 @@ bottleneck is), §5.2 (saturation) and §5.3 (duplicates), as pure functions of 
 Inputs are metrics windows as logged (one dict per logging step, SPEC §15 names) kept in a small
 `MetricsHistory`, plus a few config values (`RunSettings`). Every function returns a `Diagnosis`
 (a stable ``rule`` id, a short ``text`` and a ``severity``: ok < info < warn < alert) or None when the
-metrics it needs are absent. `diagnose` picks the ONE line the dashboard shows.
+metrics it needs are absent. `diagnose` picks the ONE finding of the newest window; `steady_diagnosis`,
+what the dashboard shows, shows a warning only once the same finding has held over ``Thresholds.hold_windows``
+consecutive windows, and says over which steps it was measured (one noisy window of a short run is not a
+diagnosis).
 
 Thresholds (`Thresholds`; every one can be changed):
 
@@ -79,6 +82,7 @@ class Thresholds:
     dup_jump_frac: float = 0.8
     dup_creep: float = 0.02
     entropy_fall_frac: float = 0.02
+    hold_windows: int = 3
 
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -332,8 +336,9 @@ def saturation(history: MetricsHistory, settings: RunSettings = RunSettings(),
                          f"check completions/clipped_ratio{ctxt}, then read completions to verify the reward parses "
                          "them", ALERT)
     if high and dpos is not None and th.bottom_frac < dpos < th.top_frac:
-        return Diagnosis("mix", f"mix: {zero:.0%} of groups all equal at mid-range reward {dtxt} (some prompts too "
-                         "easy, others too hard, or a shared partial score): read the rollouts", WARN)
+        return Diagnosis("mix", f"mix: in {zero:.0%} of groups every rollout got the same reward, on average {dtxt} "
+                         "(mid-range: a partial score all rollouts share, e.g. one reward function always met and "
+                         "another never, or easy and hard prompts mixed): read the rollouts", WARN)
     return Diagnosis("zero_std", f"{zero:.0%} of groups carry no signal (reward {rtxt})", INFO if high else OK)
 
 
@@ -410,3 +415,31 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
     if best.rule == "generation_bound" and limit is not None and limit.rule != "limit_staleness":
         return Diagnosis(best.rule, f"{best.text}; {limit.text}", best.severity)
     return best
+
+
+def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSettings(),
+                     th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
+    """The dashboard's line: `diagnose` of the newest window when it is ok; a warning (info and above) only
+    when `diagnose` found the same rule in each of the newest ``th.hold_windows`` windows, its text then
+    ending with the steps it held over (``held over steps 4-6``). Until then the line says that no finding
+    has held yet, naming the newest one, with severity ok."""
+    current = diagnose(history, settings, th)
+    if current.severity == OK or th.hold_windows <= 1:
+        return current
+    rows = history.rows
+    hold = th.hold_windows
+    steps = [num(r, "step") for r in rows[-hold:]]
+    if len(rows) >= hold:
+        earlier = []
+        for back in range(1, hold):
+            past = MetricsHistory(maxlen=len(rows))
+            for r in rows[:-back]:
+                past.push(r)
+            earlier.append(diagnose(past, settings, th).rule)
+        if all(rule == current.rule for rule in earlier):
+            span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
+                    else f"the last {hold} windows")
+            return Diagnosis(current.rule, f"{current.text} (held over {span})", current.severity)
+    newest = current.rule.replace("_", " ")
+    return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)",
+                     OK)

@@ -181,7 +181,7 @@ def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
 def _kv_table(rows: Sequence[tuple[str, Any]]) -> Table:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="dim", no_wrap=True)
-    table.add_column()
+    table.add_column(overflow="fold")  # a path or command longer than the line wraps, never ends in "…"
     for label, value in rows:
         table.add_row(label, value if isinstance(value, Text) else str(value))
     return table
@@ -195,7 +195,8 @@ def run_panel(view: DashboardView) -> Panel:
     epoch = view.live("epoch", "epoch")
     epochs = num(s, "num_train_epochs")
     step_txt = fmt(step, ".0f") + (f" / {max_steps:.0f}" if max_steps and max_steps > 0 else "")
-    epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs else "")
+    # "/ num_train_epochs" only when the epochs end the run: with max_steps set, transformers stops there
+    epoch_txt = fmt(epoch, ".2f") + (f" / {epochs:g}" if epochs and not (max_steps and max_steps > 0) else "")
     state = run_state(view)
     rows = [
         ("state", Text(state, style=STATE_STYLES.get(state.split(":")[0], "yellow"))),
@@ -233,10 +234,17 @@ def queue_panel(view: DashboardView) -> Panel:
         ("in flight / cap / max", f"{fmt(conc, '.0f')} / {fmt(cap, '.0f')} / {ceiling:.0f}"),
         ("KV cache", Text(fmt_pct(kv), style=kv_style if kv is not None else "")),
         ("engine running / waiting", f"{fmt(running, '.0f')} / {fmt(waiting, '.0f')}"),
-        ("elsewhere (tools, API server)", fmt(elsewhere, ".0f")),
+        (_elsewhere_label(m), fmt(elsewhere, ".0f")),
         ("score queue", fmt(num(m, "rollout/score_queue_size"), ".0f")),
     ]
     return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
+
+
+def _elsewhere_label(metrics: Mapping[str, Any] | None) -> str:
+    """What the in-flight rollouts that are neither running nor waiting in the engine are doing: in a tool
+    call, or (no tool called in this window) in transit: the API server, HTTP, tokenizing, scoring."""
+    calls = num(metrics, "tools/call_frequency")
+    return "elsewhere (tools, API server)" if calls else "elsewhere (API server, HTTP)"
 
 
 def _ratio_text(ratio: float | None) -> Text:
@@ -558,8 +566,11 @@ class RunSummary:
         outcome: ``finished``, ``failed`` or ``stopped``.
         steps: the last logged step (None without metrics).
         elapsed_s: wall time of the run (seconds).
-        final_reward: ``reward`` of the last window that scored a group (a window that trained only on
-            samples already queued has none).
+        final_reward: the mean ``reward`` of the last `FINAL_REWARD_WINDOWS` windows that scored a group (a
+            window that trained only on samples already queued has none); one step of a short run says little.
+        final_reward_windows: how many windows that mean is over.
+        final_model: the ``from_pretrained`` line that loads the saved final model (or LoRA adapter), None when
+            ``output_dir`` holds none.
         mean_generated_tokens_per_s: mean of ``rollout/generated_tokens_per_s`` over the windows.
         mean_trained_tokens_per_s: mean of ``perf/wall_clock_trained_tokens_per_s``.
         mean_step_s: mean of ``perf/step_s``.
@@ -577,6 +588,8 @@ class RunSummary:
     output_dir: str
     checkpoints: list[str] = field(default_factory=list)
     plot_path: str | None = None
+    final_reward_windows: int = 0
+    final_model: str | None = None
 
 
 def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
@@ -596,14 +609,29 @@ def list_checkpoints(output_dir: str | Path) -> list[str]:
     return [str(p) for p in sorted(found, key=key)]
 
 
+FINAL_REWARD_WINDOWS = 5
+
+
+def final_model_line(output_dir: str | Path) -> str | None:
+    """``AutoModelForCausalLM.from_pretrained("<output_dir>")`` (``PeftModel...`` for a LoRA adapter) when the
+    final model was saved into ``output_dir``; None otherwise."""
+    out = Path(output_dir)
+    if (out / "adapter_model.safetensors").exists() or (out / "adapter_model.bin").exists():
+        return f'PeftModel.from_pretrained(base_model, "{out}")'
+    if any((out / n).exists() for n in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
+        return f'AutoModelForCausalLM.from_pretrained("{out}")'
+    return None
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
               plot_path: str | Path | None = None) -> RunSummary:
     """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first)."""
     last = rows[-1] if rows else {}
     step = num(last, "step")
+    rewards = [v for v in (num(r, "reward") for r in rows) if v is not None][-FINAL_REWARD_WINDOWS:]
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
-                      final_reward=next((num(r, "reward") for r in reversed(rows) if num(r, "reward") is not None),
-                                        None),
+                      final_reward=sum(rewards) / len(rewards) if rewards else None,
+                      final_reward_windows=len(rewards), final_model=final_model_line(output_dir),
                       mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
@@ -618,12 +646,15 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("outcome", Text(summary.outcome, style=style)),
         ("steps", DASH if summary.steps is None else str(summary.steps)),
         ("time", fmt_duration(summary.elapsed_s)),
-        ("final reward", fmt(summary.final_reward, ".4g")),
+        ("final reward", fmt(summary.final_reward, ".4g") + (f" (mean of the last {summary.final_reward_windows} "
+                                                             "steps)" if summary.final_reward_windows > 1 else "")),
         ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
         ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
         ("mean step time", fmt_s(summary.mean_step_s)),
         ("output", summary.output_dir),
     ]
+    if summary.final_model:
+        rows.append(("final model", f"saved; load it with {summary.final_model}"))
     if compact:
         ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
         rows.append(("checkpoints", f"… {ckpts}" if len(summary.checkpoints) > 3 else ckpts))

@@ -18,7 +18,7 @@ from typing import Any
 
 from .diagnosis import num
 from .jsonl import parse_json_lines
-from .panels import reward_names
+from .panels import has_tool_metrics, reward_names
 
 REWARD_CURVES = ("reward", "reward_kept")
 THROUGHPUT_CURVES = ("rollout/generated_tokens_per_s", "perf/fwd_bwd_forwarded_tokens_per_s",
@@ -40,6 +40,10 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("throughput", "tokens / s", THROUGHPUT_CURVES),
     ("KV cache usage vs cap", "fraction of the KV cache", (KV_METRIC,)),
 )
+#: The panel added when the run logs tool metrics (a tool or an environment is configured, SPEC §15.4).
+TOOLS_PANEL: tuple[str, str, tuple[str, ...]] = (
+    "tools & turns", "per rollout", ("tools/call_frequency", "tools/failure_frequency", "tools/loop_exhausted_frac",
+                                     "rollout/turns_mean", "rollout/turns_max"))
 #: Drawn on a second y axis of the KV panel: in-flight rollouts against the adaptive cap.
 CONCURRENCY_CURVES = ("rollout/concurrency", "rollout/concurrency_cap")
 
@@ -142,13 +146,15 @@ def kv_label(sampler: str | None) -> str:
 
 def curve_panels(rows: Sequence[Mapping[str, Any]], sampler: str | None = None
                  ) -> list[tuple[str, str, list[tuple[str, tuple[list[float], list[float]]]]]]:
-    """(title, y label, [(legend label, series)]) of each panel, reward panel first (`PANELS` after it).
+    """(title, y label, [(legend label, series)]) of each panel, reward panel first (`PANELS` after it, then
+    `TOOLS_PANEL` when a window logs tool metrics).
 
     ``sampler`` (``sampler.backend``) names the KV usage curve (`kv_label`). Event records are skipped.
     """
     rows = [r for r in rows if not is_event(r)]
     panels = [("reward", "reward", reward_curves(rows))]
-    for title, ylabel, names in PANELS:
+    with_tools = any(has_tool_metrics(r) for r in rows)
+    for title, ylabel, names in (*PANELS, *([TOOLS_PANEL] if with_tools else [])):
         curves = [(kv_label(sampler) if n == KV_METRIC else n, s) for n in names if _has(s := _series(rows, n))]
         panels.append((title, ylabel, curves))
     return panels

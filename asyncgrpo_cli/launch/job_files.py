@@ -22,7 +22,7 @@ def read_status(output_dir: str | Path) -> dict[str, Any]:
 
 def newest_checkpoint(output_dir: str | Path) -> str | None:
     """The newest complete ``checkpoint-N`` of ``output_dir`` (`train.checkpoint`), None when there is none."""
-    from ..train.checkpoint import newest_complete_checkpoint
+    from ..run.checkpoints import newest_complete_checkpoint
 
     found = newest_complete_checkpoint(output_dir)
     return str(found) if found is not None else None
@@ -45,7 +45,7 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
     ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept;
     an absent file stays absent (nothing ran)."""
-    from ..train.run_state import write_json_atomic
+    from ..run.state import write_json_atomic
 
     status = read_status(output_dir)
     if not status:

@@ -38,25 +38,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from .colocate import Layout, decide_layout
-from .server_command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
+from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
+from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
 CONFIG_NAME = "asyncgrpo_config.yaml"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
 DEFAULT_OUTPUT_DIR = "outputs/run"
-
-
-def visible_gpu_count() -> int:
-    """Number of CUDA GPUs this process sees (``torch.cuda.device_count()``; 0 without torch or CUDA)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    try:
-        return int(torch.cuda.device_count())
-    except Exception:  # a broken driver reads as "no GPU" rather than crashing the plan
-        return 0
 
 
 def _backend(cfg: DictConfig) -> str:
@@ -186,7 +174,7 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
     if n == 0:
         held: list[int] = []
     elif server_on_gpu:
-        held = explicit_server or list(range(max(1, data_parallel_size(cfg))))  # one GPU per vLLM engine
+        held = explicit_server or list(range(max(1, data_parallel_size(cfg.sampler))))  # one GPU per vLLM engine
     else:
         held = explicit_server or []
     server = held if start_server and server_on_gpu else []
@@ -272,7 +260,7 @@ def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool)
 
 def mixed_precision(cfg: DictConfig) -> str:
     """accelerate's ``mixed_precision`` from the trainer's compute dtype: ``bf16``, ``fp16`` or ``no``."""
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg), "no")
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg.trainer, cfg.model), "no")
 
 
 def accelerate_config(cfg: DictConfig, gpus: GpuPlan, main_process_port: int | None = None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Checks before a job starts anything: the server's port (free, not answered by a server this job did not
-start) and the run folder's lock (`train.run_state.RunLock`). Pure of the supervisor's state; the CLI's `serve`
+start) and the run folder's lock (`run.state.RunLock`). Pure of the supervisor's state; the CLI's `serve`
 and `run_train` call them before the model is exported or loaded."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _check_run_lock(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the running job's pid and the fix.
     """
-    from ..train.run_state import LOCK_NAME, RunLock, RunLockedError
+    from ..run.state import LOCK_NAME, RunLock, RunLockedError
 
     out = Path(str(cfg.trainer.output_dir))
     if not (out / LOCK_NAME).exists():

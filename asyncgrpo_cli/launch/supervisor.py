@@ -3,12 +3,12 @@
 It prints the launch plan, then starts, in order:
 
 1. the sampler: vLLM or the embedded server with the ONE builder's command
-   (`launch.server_command.build_server_command`); nothing for ``sampler.backend=external``. Before the
+   (`server.command.build_server_command`); nothing for ``sampler.backend=external``. Before the
    model is loaded, `check_server_port` refuses a ``sampler.port`` another process holds, or where a
    server this job did not start already answers (use it with ``sampler.backend=external``);
 2. waits until ``/health`` answers (deadline ``sampler.timeout``; a server that dies meanwhile stops
    the run with its last log lines);
-3. runs the doctor checks (`doctor.checks.read_facts` + `evaluate`): any failure prints the table and
+3. runs the doctor checks (`server.checks.read_facts` + `evaluate`): any failure prints the table and
    the restart command and stops everything;
 4. launches the trainer with ``accelerate launch`` (`launch.plan`), which spawns the rollout worker;
 5. shows the live dashboard (`asyncgrpo_cli.dashboard`) until the trainer exits, then prints a summary
@@ -60,13 +60,13 @@ from rich.text import Text
 
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
-from .run_folder import earlier_checkpoints_note, resume_command, start_problem
+from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
 from .job_files import finalize_status, newest_checkpoint, stop_grace
-from ..orphans import die_with_parent
+from ..run.orphans import die_with_parent
 from .log_tail import LOG_TAIL_LINES, failure_tail, tail_lines
 from .preflight import _check_run_lock, check_server_port, free_port, port_in_use, probe_health  # noqa: F401
-from .server_command import ServerCommand
+from ..server.command import ServerCommand
 
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(INFO|WARNING|DEBUG|ERROR)?\s*(\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?)?\s*"
@@ -361,7 +361,7 @@ class Supervisor:
     def _claim_output_dir(self) -> int | None:
         """Refuse an unwritable ``trainer.output_dir``, another job in it, or a checkpoint to resume from that
         is incomplete, before anything starts; take the run lock (released when the job ends)."""
-        from ..train.run_state import RunLock, RunLockedError
+        from ..run.state import RunLock, RunLockedError
 
         out = self.plan.output_dir
         try:
@@ -375,7 +375,7 @@ class Supervisor:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
         self.lock = lock
-        problem = start_problem(self.cfg, out)
+        problem = start_problem(self.cfg.trainer, out)
         if problem:
             return self._refuse(problem)
         self._checkpoints_before = self._newest_checkpoint()
@@ -422,7 +422,7 @@ class Supervisor:
                 return rc
         if self._stop.is_set():
             return self._interrupted_rc()
-        from ..train.run_state import LOCK_OWNER_ENV
+        from ..run.state import LOCK_OWNER_ENV
 
         self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
                              {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid())},
@@ -502,7 +502,7 @@ class Supervisor:
         return ""
 
     def _doctor(self) -> int | None:
-        from ..doctor.checks import FAIL, PASS, WARN, evaluate, read_facts, restart_command
+        from ..server.checks import FAIL, PASS, WARN, evaluate, read_facts, restart_command
 
         try:
             facts = read_facts(self.plan.url, timeout=min(self.timeouts.doctor_s, float(self.cfg.sampler.timeout)))
@@ -514,6 +514,8 @@ class Supervisor:
         failed = [c for c in checks if c.status == FAIL]
         if failed:
             table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")
+            for column in table.columns:  # wrap a fix on a narrow console, never cut it
+                column.overflow = "fold"
             style = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
             for c in checks:
                 table.add_row(c.name, Text(c.status, style=style.get(c.status, "")), c.message, c.fix)
@@ -712,6 +714,12 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
+        # a used folder: refused before the plan and the model, named as the user wrote it
+        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser()
+        problem = start_problem(cfg.trainer, typed)
+        if problem:
+            console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
+            return 2
     try:
         plan = build_launch_plan(cfg, gpu_count, server_running=running)
     except ConfigError as exc:
@@ -722,7 +730,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
-        problem = start_problem(cfg, plan.output_dir)
+        problem = start_problem(cfg.trainer, plan.output_dir)
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run or plan.problems:
@@ -734,7 +742,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         console.print(Text("dry run: nothing started.", style="dim"))
         return 0
 
-    from ..models import resolve_model_path
+    from ..config.models import resolve_model_path
 
     output_dir = output_dir_of(cfg)
     try:
@@ -754,7 +762,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
 
     if plan.server is not None and public_host_warning(rcfg):
         console.print(Text(public_host_warning(rcfg), style="bold yellow"), soft_wrap=True)
-    earlier = earlier_checkpoints_note(rcfg)
+    earlier = earlier_checkpoints_note(rcfg.trainer)
     if earlier:
         console.print(Text(earlier, style="yellow"), soft_wrap=True)
     return Supervisor(rcfg, plan, console, timeouts, _commands).run()

@@ -2,14 +2,14 @@
 
 :class:`ConcurrencyCap` is the state machine the rollout loop feeds with one observation per poll
 (every 5 s) and with rollout completions; pure: no I/O, no clocks. The observations are
-:class:`ServerLoad` values (`asyncgrpo_cli.server_load`, shared with the sampler boundary; re-exported here).
+:class:`ServerLoad` values (`asyncgrpo_cli.sampler.server_load`, shared with the sampler boundary; re-exported here).
 """
 
 from __future__ import annotations
 
 import math
 
-from ..server_load import ServerLoad, reduce_vllm_metrics
+from ..sampler.server_load import ServerLoad, reduce_vllm_metrics
 
 __all__ = ["ConcurrencyCap", "ServerLoad", "reduce_vllm_metrics", "POLL_INTERVAL_S"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..metrics import MetricsWindow
-from ..multimodal import check_text_only
+from .metrics import MetricsWindow
+from ..config.multimodal import check_text_only
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards, weighted_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap

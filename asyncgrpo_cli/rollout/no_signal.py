@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..citations import cite_shipped
+from ..config.citations import cite_shipped
 
 LIMIT_KEY = "rollout.max_groups_without_signal"
 

@@ -7,19 +7,35 @@ changes every turn here too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor
+from typing import Any, Protocol
 
-from ..metrics import MetricsWindow
+from .metrics import MetricsWindow
 from .tools import ToolBox, ToolResult, parse_assistant_reply, run_tool_call
 from .types import Rollout, TurnRecord
 
-if TYPE_CHECKING:
-    from .loop import AsyncRolloutLoop
-
-__all__ = ["record_tool_call", "run_tool_loop"]
+__all__ = ["TurnLoop", "record_tool_call", "run_tool_loop"]
 
 
-async def run_tool_loop(loop: "AsyncRolloutLoop", prompt: list[dict[str, Any]], toolbox: ToolBox) -> Rollout:
+class TurnLoop(Protocol):
+    """What the tool loop uses of its rollout loop (`AsyncRolloutLoop` is one): its hooks, tokenizer, config,
+    metrics window and tool settings. A protocol, so this module does not import the loop that calls it."""
+
+    config: Any
+    tokenizer: Any
+    metrics: MetricsWindow
+    tool_executor: Executor | None
+
+    @property
+    def tool_call_timeout(self) -> float | None: ...
+
+    def render_prompt(self, prompt: list[dict[str, Any]], tools: list[dict] | None = None,
+                      cache: bool = True) -> list[int]: ...
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord: ...
+
+
+async def run_tool_loop(loop: TurnLoop, prompt: list[dict[str, Any]], toolbox: ToolBox) -> Rollout:
     """One rollout of ``prompt`` with the tools of ``toolbox`` (non-empty), turn after turn.
 
     Each turn renders the whole conversation (``loop.render_prompt`` with the tool schemas; the first turn

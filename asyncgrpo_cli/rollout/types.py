@@ -1,6 +1,6 @@
 """Data types that cross the rollout boundary (SPEC §16.6–16.8, Appendix B.24).
 
-`TurnRecord` is one sampling request (defined in `asyncgrpo_cli.turn_record`, shared with the sampler
+`TurnRecord` is one sampling request (defined in `asyncgrpo_cli.sampler.turn_record`, shared with the sampler
 boundary, re-exported here), `Rollout` one finished conversation, `RolloutGroup` the
 `num_generations` rollouts of one prompt, and `TrainingSequence` one sample: the unit the trainer's
 batcher packs into rows. All are plain dataclasses of Python lists so they pickle cheaply through the
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..turn_record import TurnRecord
+from ..sampler.turn_record import TurnRecord
 
 __all__ = ["PromptOutcome", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..orphans import set_parent_death_signal
+from ..run.orphans import set_parent_death_signal
 from .completions import CompletionRecords
 from .loop import AsyncRolloutLoop
 from .reward_runner import check_picklable

@@ -10,13 +10,13 @@ Parsing goes through ``prometheus_client.parser.text_string_to_metric_families``
 counter family without its ``_total`` suffix and may give an info metric the type gauge or unknown,
 so metrics are matched by **sample** name, which keeps the suffix whatever the family looks like.
 The reduction over engines (max usage; summed running, waiting, preemptions and KV capacity) is
-`asyncgrpo_cli.server_load.reduce_vllm_metrics`, shared with the rollout side's adaptive cap, so there is
+`asyncgrpo_cli.sampler.server_load.reduce_vllm_metrics`, shared with the rollout side's adaptive cap, so there is
 one `ServerLoad` in the project.
 """
 
 from __future__ import annotations
 
-from ..server_load import ServerLoad, reduce_vllm_metrics
+from .server_load import ServerLoad, reduce_vllm_metrics
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ..turn_record import TurnRecord
+from .turn_record import TurnRecord
 from .prometheus import ServerLoad, parse_server_load
 
 COMPLETIONS_ROUTE = "/v1/completions"

@@ -18,7 +18,7 @@ def build_trainer(cfg):
     from ..config.compose import to_training_args
     from ..data import load_prompts
     from ..imports import import_object, reward_functions
-    from ..models import resolve_model_path
+    from ..config.models import resolve_model_path
     from .trainer import AsyncGRPOTrainer
 
     args = to_training_args(cfg)
@@ -76,8 +76,8 @@ def _follow_supervisor() -> None:
     import os
     import signal
 
-    from ..orphans import watch_process
-    from .run_state import LOCK_OWNER_ENV
+    from ..run.orphans import watch_process
+    from ..run.state import LOCK_OWNER_ENV
 
     owner = os.environ.get(LOCK_OWNER_ENV, "")
     if not owner.isdigit() or int(owner) == os.getpid():
@@ -98,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     training failed."""
     from ..config.rules import ConfigError
     from .checkpoint import CheckpointError
-    from .run_state import RolloutStateError, RunLockedError
+    from ..run.state import RolloutStateError, RunLockedError
 
     parser = argparse.ArgumentParser(prog="asyncgrpo-trainer", description=__doc__)
     parser.add_argument("--config", required=True, help="composed config YAML written by `asyncgrpo train`")
     parser.add_argument("--resume", default=None, help="checkpoint folder, or 'last'")
     ns = parser.parse_args(argv)
     from ..config.rules import ConfigError, ConfigTypeError
-    from ..models import quiet_progress_bars_without_terminal
+    from ..config.models import quiet_progress_bars_without_terminal
 
     quiet_progress_bars_without_terminal()  # logs/trainer.log: no raw 'Loading weights' / 'Writing model shards' bars
     from ..rollout.worker import RolloutWorkerError

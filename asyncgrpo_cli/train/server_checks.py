@@ -1,5 +1,5 @@
 """Before the trainer's first request (the Python API has no supervisor doing this): wait for the server,
-saying so, then run `asyncgrpo doctor`'s checks (`doctor.checks.read_facts` + `evaluate`) against the
+saying so, then run `asyncgrpo doctor`'s checks (`server.checks.read_facts` + `evaluate`) against the
 trainer's settings, and stop with doctor's fix text when one fails.
 """
 
@@ -105,7 +105,7 @@ def check_server(sampler, args: Any, model_id: str, model=None, say: Callable[[s
         SamplerUnavailableError: the server did not come up within ``args.vllm_server_timeout``.
         ServerMismatchError: a doctor check failed (each failed check with doctor's fix).
     """
-    from ..doctor.checks import FAIL, WARN, evaluate, read_facts
+    from ..server.checks import FAIL, WARN, evaluate, read_facts
 
     url = str(args.vllm_server_base_url).rstrip("/")
     waited = wait_for_server(sampler, url, float(args.vllm_server_timeout), say)

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from ..config.rules import ConfigError
-from ..multimodal import check_text_only
+from ..config.multimodal import check_text_only
 
 
 def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, environment_factory,
@@ -27,7 +27,7 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
             ``max_steps``, images in the prompts, or a config combination `validate_trainer_inputs` refuses.
         TypeError: a tool or ``environment_factory`` that is not a callable of the supported kind.
     """
-    from ..config.validate import validate_trainer_inputs
+    from ..config.run_checks import validate_trainer_inputs
     from ..rollout.environments import EnvironmentOwnedPrompts, check_environment_factory
     from ..rollout.tools import check_tools
 
@@ -125,7 +125,7 @@ def check_sampling_mask(args, sampler) -> None:
     Raises:
         ConfigError: the server returns no candidate sets (the message names the server flags to add).
     """
-    from ..doctor.sampling_mask import probe_scale_out, require_sampling_mask
+    from ..server.sampling_mask import probe_scale_out, require_sampling_mask
 
     if not args.uses_candidate_sets:
         return

@@ -22,11 +22,11 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from ..metrics import MetricsWindow
+from ..rollout.metrics import MetricsWindow
 from ..rollout.allowance import allowance_after_step, initial_allowance
 from ..rollout.loop import AsyncRolloutLoop
 from ..rollout.types import PromptOutcome, TrainingSequence
-from .config import AsyncGRPOConfig
+from ..config.grpo_config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
@@ -35,7 +35,7 @@ from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
-from .run_state import LiveFiles, TrainedPosition
+from ..run.state import LiveFiles, TrainedPosition
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
 from .tree_attention import apply_tree_attention
@@ -184,7 +184,7 @@ class AsyncGRPOTrainer(Trainer):
         import os
 
         from .checkpoint import check_writable, remove_partials
-        from .run_state import LOCK_OWNER_ENV, RunLock
+        from ..run.state import LOCK_OWNER_ENV, RunLock
 
         args = self.args
         if resume_from_checkpoint is False:
@@ -207,7 +207,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _train(self, resume_from_checkpoint, trial) -> TrainOutput:
         from .checkpoint import CheckpointError, check_restored, load_checkpoint_weights, resolve_resume
-        from .run_state import read_rollout_state
+        from ..run.state import read_rollout_state
 
         args = self.args
         checkpoint = resolve_resume(resume_from_checkpoint, args.output_dir)

@@ -3,7 +3,7 @@
     python scripts/bench/bench_tools.py --out scripts/bench/results
 
 One group of ``--rollouts`` (256) rollouts runs through the real `AsyncRolloutLoop` against an instant scripted
-server (`asyncgrpo_cli.scripted_server`): every rollout makes ``--turns`` (3) tool turns, one call each, to a sync
+server (`asyncgrpo_cli.testing.scripted_server`): every rollout makes ``--turns`` (3) tool turns, one call each, to a sync
 tool that sleeps ``--sleep-ms`` (50) ms, then answers. The same group with a tool that returns at once gives the
 generation time (rendering, requests, parsing, reconciliation). The check: wall ≤ 1.3 × (turns × sleep +
 generation), i.e. the sleeps of all rollouts overlap. Writes ``tools.json`` and prints the figures.
@@ -23,9 +23,9 @@ from pathlib import Path
 import datasets
 
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
-from asyncgrpo_cli.scripted_server import ScriptedServer
+from asyncgrpo_cli.testing.scripted_server import ScriptedServer
 from asyncgrpo_cli.testing import make_tiny_tokenizer
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 SLEEP_S = [0.05]
 

@@ -116,7 +116,7 @@ def main() -> int:
 
     from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
     from asyncgrpo_cli.testing import make_tiny_tokenizer
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.model_loading import prepare_tokenizer
 
     with socket.socket() as sock:

@@ -260,7 +260,7 @@ def test_cli_fallback_warns(world, tripwire):
 
 # ---------------------------------------------------------------------------------------------- Python API
 def _args(tmp_path, **kw):
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
     return AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **kw)
 
@@ -387,7 +387,7 @@ def test_script_without_main_guard_is_refused(tmp_path):
 
 
 def test_cited_readme_sections_exist():
-    from asyncgrpo_cli.citations import README_SECTIONS, cite_shipped
+    from asyncgrpo_cli.config.citations import README_SECTIONS, cite_shipped
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     headings = {line.lstrip("#").strip() for line in readme.splitlines() if line.startswith("#")}

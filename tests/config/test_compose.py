@@ -4,7 +4,7 @@ import pytest
 
 from asyncgrpo_cli.config.compose import compose, list_recipes, to_training_args, to_yaml
 from asyncgrpo_cli.config.rules import ConfigError
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 
 def test_defaults_follow_spec():
@@ -28,7 +28,7 @@ def test_defaults_follow_spec():
 
 
 def test_every_async_field_reaches_training_args():
-    from asyncgrpo_cli.train.config import ASYNC_GRPO_FIELDS
+    from asyncgrpo_cli.config.grpo_config import ASYNC_GRPO_FIELDS
 
     args = to_training_args(compose(["+recipe=deepmath", "trainer.output_dir=/tmp/agrpo-test"]))
     assert isinstance(args, AsyncGRPOConfig)

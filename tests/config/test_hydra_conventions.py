@@ -66,6 +66,11 @@ def test_cfg_job_hydra_all():
     assert job.exit_code == 0 and yaml.safe_load(job.output)["rollout"]["num_generations"] == 4
     hydra = invoke("train", "+recipe=smoke", "--cfg", "hydra")
     assert hydra.exit_code == 0 and "sweeper" in hydra.output and "\nrollout:" not in hydra.output
+    shown = yaml.safe_load(hydra.output)["hydra"]  # the folders this run uses, not Hydra's dated defaults
+    assert shown["run"]["dir"] == "outputs/smoke" and shown["sweep"]["dir"] == "outputs/smoke"
+    from asyncgrpo_cli.config.hydra_conventions import hydra_config_yaml
+
+    assert yaml.safe_load(hydra_config_yaml(["+recipe=smoke"], sweep_dir="sw"))["hydra"]["sweep"]["dir"] == "sw"
     both = invoke("config", "+recipe=smoke", "--cfg", "all")
     assert "hydra:" in both.output and "\nrollout:" in both.output
     assert invoke("config", "--cfg", "jobs").exit_code == 2
@@ -100,6 +105,17 @@ def test_multirun_one_folder_per_job(tmp_path):
                  f"trainer.output_dir={tmp_path}/s", f"sampler.port={free_port()}")  # 8000 may be busy here
     assert dry.exit_code == 0 and dry.output.count("dry run: nothing started") == 2
     assert f"{tmp_path}/s/0" in dry.output and f"{tmp_path}/s/1" in dry.output
+    assert "holds an earlier run" not in dry.output  # a fresh folder: no note
+
+
+def test_a_sweep_inside_a_finished_run_says_so(tmp_path):
+    run = tmp_path / "smoke"
+    run.mkdir()
+    (run / "model.safetensors").write_bytes(b"x")  # a finished run's final model
+    result = invoke("config", "-m", "+recipe=smoke", "rollout.temperature=0.7,0.9", f"trainer.output_dir={run}")
+    assert result.exit_code == 0
+    assert (f"the sweep's job folders go inside {run} ({run}/0, {run}/1, ...), which holds an earlier run (the "
+            f"final model)") in result.output and f"hydra.sweep.dir={run}-sweep" in result.output
 
 
 def test_config_doc_has_every_fields_docstring():

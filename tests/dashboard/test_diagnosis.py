@@ -20,6 +20,7 @@ from asyncgrpo_cli.dashboard.diagnosis import (
     num,
     reward_range,
     saturation,
+    steady_diagnosis,
 )
 
 SETTINGS = RunSettings(max_staleness=4, max_concurrent_rollouts=64, num_generations=8)
@@ -162,6 +163,7 @@ def test_regression():
 def test_mix():
     d = saturation(history_of({"frac_reward_zero_std": 0.7, "reward": 0.5, "reward_dropped": 0.5}), SETTINGS)
     assert d.rule == "mix" and d.severity == WARN and "read the rollouts" in d.text
+    assert "every rollout got the same reward" in d.text and "partial score" in d.text  # what mid-range means
 
 
 def test_saturation_uses_the_given_reward_range():
@@ -208,3 +210,21 @@ def test_diagnose_picks_the_most_severe():
     d = diagnose(history_of(bad), SETTINGS)
     assert d.rule == "sampler_not_random"  # alert beats the generation-bound warning
     assert diagnose(history_of({"step": 1}), SETTINGS).rule == "no_data"
+
+
+def test_a_diagnosis_shows_only_once_it_holds_over_several_windows():
+    healthy = {"perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 0.0, "perf/step_s": 1.0,
+               "frac_reward_zero_std": 0.1, "completions/duplicate_frac": 0.0}
+    mix = {**healthy, "frac_reward_zero_std": 0.7, "reward": 0.5, "reward_dropped": 0.5}
+    copies = {**healthy, "completions/duplicate_frac": 0.86}
+    # a smoke run whose one-window finding changes every step: never a warning, the line says why
+    flipping = history_of(mix, copies, mix, copies)
+    assert diagnose(flipping, SETTINGS).severity == ALERT  # the raw rule of the newest window alone
+    d = steady_diagnosis(flipping, SETTINGS)
+    assert d.rule == "settling" and d.severity == OK and "holds over 3 windows" in d.text
+    assert steady_diagnosis(history_of(mix, mix), SETTINGS).rule == "settling"  # too few windows yet
+    # the same finding three windows running is shown, with the steps it was measured over
+    d = steady_diagnosis(history_of(healthy, mix, mix, mix), SETTINGS)
+    assert d.rule == "mix" and d.severity == WARN and d.text.endswith("(held over steps 2-4)")
+    # an ok line needs no holding
+    assert steady_diagnosis(history_of(mix, healthy), SETTINGS).text.startswith("healthy:")

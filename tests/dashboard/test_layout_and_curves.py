@@ -8,12 +8,13 @@ import math
 
 from rich.console import Console
 
-from asyncgrpo_cli.dashboard import Dashboard
+from asyncgrpo_cli.dashboard import LIVE_MARGIN, Dashboard
 from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
 from asyncgrpo_cli.dashboard.plot import (
     _series,
     curve_panels,
     plot_run,
+    plot_training_curves,
     reward_curves,
     run_history,
     training_curves_figure,
@@ -51,6 +52,15 @@ def test_live_dashboard_picks_the_layout_from_the_console(tmp_path):
     assert "rollout queue" not in "\n".join(render(small.renderable(), 80, 24))
     big = Dashboard(tmp_path, mode="plain", console=Console(width=150, height=50, force_terminal=False))
     assert "rollout queue" in "\n".join(render(big.renderable(), 150, 50))
+
+
+def test_the_live_frame_leaves_room_for_the_terminals_ctrl_c_echo(tmp_path):
+    """A frame as wide as an 80-column terminal wraps when the terminal echoes ``^C`` after its last line,
+    and the redraw then leaves the old top border above the stop message; the frame stays 2 columns in."""
+    dash = Dashboard(tmp_path, mode="plain", console=Console(width=80, height=24, force_terminal=False))
+    lines = render(dash.renderable(), 80, 24)
+    assert lines and max(len(line.rstrip()) for line in lines) <= 80 - LIVE_MARGIN and LIVE_MARGIN >= 2
+    assert len(lines) <= 24 and "…" not in "\n".join(lines)
 
 
 def test_plain_summary_never_cuts_a_long_path(tmp_path):
@@ -111,6 +121,17 @@ def test_curve_panels_put_each_metric_where_it_belongs_and_name_the_kv_source():
     assert panels["KV cache usage vs cap"] == ["KV cache usage (embedded sampler)"]
     vllm = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "vllm")}
     assert vllm["KV cache usage vs cap"] == ["KV cache usage (vLLM)"]
+    assert "tools & turns" not in panels  # no tool metrics: no tools panel
+
+
+def test_a_run_with_tools_gets_a_tools_and_turns_panel(tmp_path):
+    rows = [{**window(s), "tools/call_frequency": 0.5 * s, "tools/failure_frequency": 0.1, "rollout/turns_mean": 1.5}
+            for s in (1, 2, 3)]
+    panels = {title: [label for label, _ in curves] for title, _, curves in curve_panels(rows, "embedded")}
+    assert panels["tools & turns"] == ["tools/call_frequency", "tools/failure_frequency", "rollout/turns_mean"]
+    none_called = [{**window(s), "tools/call_frequency": 0.0} for s in (1, 2)]  # tools on, no call: still drawn
+    assert "tools & turns" in {title for title, _, _ in curve_panels(none_called)}
+    assert plot_training_curves(rows, tmp_path / "curves.png") is not None
 
 
 def test_training_curve_legends_never_cover_the_plot_area():

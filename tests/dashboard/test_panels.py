@@ -21,6 +21,7 @@ from asyncgrpo_cli.dashboard.panels import (
     plain_line,
     render_dashboard,
     summarize,
+    summary_lines,
     summary_panel,
 )
 from asyncgrpo_cli.dashboard.plot import load_metrics, plot_training_curves
@@ -76,7 +77,8 @@ def test_render_dashboard_shows_every_panel():
     for label in ("run", "processes", "rollout queue & concurrency", "staleness", "rewards", "throughput",
                   "diagnosis:"):
         assert label in text, label
-    assert "3 / 10" in text and "0.75 / 3" in text  # step / max_steps, epoch / epochs
+    assert "3 / 10" in text and "0.75" in text  # step / max_steps, the epoch
+    assert "0.75 / 3" not in text  # max_steps ends the run, not num_train_epochs=3
     assert "ETA" in text and "1m10s" in text  # 7 steps left at one step per 10 s
     assert "14 / 32 / 64" in text  # in flight / cap / max_concurrent_rollouts from status.json
     assert "50%" in text and "10 / 2" in text and "elsewhere" in text  # KV, running / waiting; 14-10-2 = 2
@@ -106,6 +108,9 @@ def test_status_error_and_stale_status_are_shown():
 
 def test_eta_from_epochs_when_max_steps_is_unset():
     status = {**STATUS, "max_steps": None, "epoch": 0.75, "num_train_epochs": 3}
+    console = record_console()
+    console.print(render_dashboard(view_of(status=status)))
+    assert "0.75 / 3" in console.export_text()  # the epochs end this run
     # epochs advance 0.25 per 10 s: (3 - 0.75) / 0.025 = 90 s
     assert eta_seconds(view_of(status=status)) == pytest.approx(90.0)
     assert eta_seconds(view_of(steps=3)) == pytest.approx(70.0)
@@ -230,7 +235,8 @@ def test_summary_and_checkpoints(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "checkpoint-final-notes"):
         (tmp_path / name).mkdir()
     s = summarize(rows, 125.0, tmp_path, "finished", tmp_path / "training_curves.png")
-    assert s.steps == 3 and s.final_reward == pytest.approx(0.3)
+    assert s.steps == 3 and s.final_reward == pytest.approx(0.2) and s.final_reward_windows == 3  # mean of 3
+    assert s.final_model is None
     assert s.mean_generated_tokens_per_s == pytest.approx(12345.0) and s.mean_step_s == pytest.approx(10.0)
     assert [Path(c).name for c in s.checkpoints] == ["checkpoint-final-notes", "checkpoint-2", "checkpoint-10"]
     console = record_console()
@@ -238,7 +244,14 @@ def test_summary_and_checkpoints(tmp_path):
     text = console.export_text()
     assert "finished" in text and "2m05s" in text and "checkpoint-10" in text and "training_curves.png" in text
     unscored = {k: v for k, v in window(4).items() if k != "reward"}  # trained only on queued samples
-    assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.3)
+    assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.2)
+    assert "final reward          0.2 (mean of the last 3 steps)" in "\n".join(summary_lines(s))
+    many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
+    assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    saved = summarize(rows, 1.0, tmp_path, "finished")
+    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")'
+    assert any("final model" in line and "from_pretrained" in line for line in summary_lines(saved))
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 

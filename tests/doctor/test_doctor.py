@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.doctor.checks import FAIL, PASS, SKIP, WARN, ServerFacts, evaluate
+from asyncgrpo_cli.server.checks import FAIL, PASS, SKIP, WARN, ServerFacts, evaluate
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import make_tiny_model
 
@@ -198,7 +198,7 @@ def test_doctor_resolves_a_packaged_model_like_serve(tmp_path, monkeypatch, mode
         seen["args"] = (name, gguf_file)
         return str(model_dir)
 
-    monkeypatch.setattr("asyncgrpo_cli.models.resolve_model_path", fake_resolve)
+    monkeypatch.setattr("asyncgrpo_cli.config.models.resolve_model_path", fake_resolve)
     args = overrides("some_package", server.url, "model.gguf_file=model.gguf")
     result = runner.invoke(cli.app, ["doctor", *args, "--json"])
     assert seen["args"] == ("some_package", "model.gguf")

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.config.rules import ConfigError
-from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate, restart_command
-from asyncgrpo_cli.doctor.sampling_mask import require_sampling_mask, sampling_mask_verdict
+from asyncgrpo_cli.server.checks import FAIL, PASS, WARN, ServerFacts, evaluate, restart_command
+from asyncgrpo_cli.server.sampling_mask import require_sampling_mask, sampling_mask_verdict
 
 EMBEDDED = {"server": "asyncgrpo-embedded", "version": "0.1.0"}
 NO_MASK = {"model_config": {"return_sampling_mask": False}}
@@ -75,7 +75,7 @@ def test_restart_line_uses_the_host_and_port_of_sampler_url():
 
 def test_trainer_start_check_refuses_the_server(tmp_path):
     """The trainer's own check (Python API users have no doctor): rank 0 asks the server before the worker starts."""
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.startup import check_sampling_mask
 
     sampler = types.SimpleNamespace(version=lambda: EMBEDDED, server_info=lambda: NO_MASK)
@@ -117,7 +117,7 @@ def test_restart_line_drops_the_flag_that_turned_masks_off():
 @pytest.mark.parametrize("code,answer", [(403, False), (422, True), (400, True), (200, True), (404, None),
                                          (500, None), (None, None)])
 def test_scale_out_read_from_an_empty_generate_request(code, answer):
-    from asyncgrpo_cli.doctor.sampling_mask import scale_out_answer
+    from asyncgrpo_cli.server.sampling_mask import scale_out_answer
 
     assert scale_out_answer(code) is answer
 
@@ -136,7 +136,7 @@ def test_vllm_033_scale_out_flag_is_found_in_its_common_cli_args(tmp_path, monke
     """0.33 defines --enable-scale-out in entrypoints/common/cli_args.py only: an installed 0.33 must get it."""
     import importlib.util
 
-    from asyncgrpo_cli.launch import server_command
+    from asyncgrpo_cli.server import vllm_versions as server_command
 
     root = tmp_path / "vllm"
     (root / "entrypoints" / "common").mkdir(parents=True)

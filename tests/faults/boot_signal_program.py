@@ -43,7 +43,7 @@ def main(model_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     from asyncgrpo_cli.rollout.worker import RolloutWorker
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
     seen: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))

@@ -1,4 +1,4 @@
-"""One GPU for vLLM and the trainer: layout choice, memory split, server flags, doctor (launch/colocate.py)."""
+"""One GPU for vLLM and the trainer: layout choice, memory split, server flags, doctor (server/colocate.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 import socket
 
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.doctor.checks import FAIL, PASS, WARN, ServerFacts, evaluate
-from asyncgrpo_cli.launch.colocate import (
+from asyncgrpo_cli.server.checks import FAIL, PASS, WARN, ServerFacts, evaluate
+from asyncgrpo_cli.server.colocate import (
     GiB,
     ModelShape,
     decide_layout,
@@ -17,7 +17,7 @@ from asyncgrpo_cli.launch.colocate import (
     vllm_ipc_problem,
 )
 from asyncgrpo_cli.launch.plan import build_launch_plan
-from asyncgrpo_cli.launch.server_command import build_server_command
+from asyncgrpo_cli.server.command import build_server_command
 
 H200 = 143771 * 2**20
 QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "vocab_size": 151936, "num_attention_heads": 16,
@@ -183,11 +183,12 @@ def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
 
     from typer.testing import CliRunner
 
-    import asyncgrpo_cli.launch.colocate as colocate
+    import asyncgrpo_cli.server.colocate as colocate
     import asyncgrpo_cli.launch.plan as plan
     from asyncgrpo_cli.cli import app
 
     monkeypatch.setattr(plan, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(colocate, "visible_gpu_count", lambda: 1)
     monkeypatch.setattr(colocate, "gpu_memory_bytes", lambda index=0: H200)
 
     def no_exec(*args):

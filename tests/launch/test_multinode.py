@@ -13,9 +13,9 @@ import yaml
 
 from asyncgrpo_cli.config.compose import compose, training_args_kwargs
 from asyncgrpo_cli.config.rules import ConfigError
-from asyncgrpo_cli.launch.colocate import decide_layout
+from asyncgrpo_cli.server.colocate import decide_layout
 from asyncgrpo_cli.launch.plan import accelerate_config, build_launch_plan
-from asyncgrpo_cli.launch.server_command import build_server_command
+from asyncgrpo_cli.server.command import build_server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "scripts" / "multinode"

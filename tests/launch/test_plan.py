@@ -173,14 +173,14 @@ def test_mixed_precision_follows_compute_dtype():
 
 
 def test_earlier_checkpoints_are_announced_unless_resuming(tmp_path):
-    from asyncgrpo_cli.launch.run_folder import earlier_checkpoints_note
+    from asyncgrpo_cli.run.folder import earlier_checkpoints_note
 
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}"])
-    assert earlier_checkpoints_note(cfg) is None
+    assert earlier_checkpoints_note(cfg.trainer) is None
     (tmp_path / "checkpoint-4").mkdir()
     (tmp_path / "checkpoint-8").mkdir()
-    note = earlier_checkpoints_note(cfg)
+    note = earlier_checkpoints_note(cfg.trainer)
     assert "2 checkpoint(s)" in note and f"trainer.resume_from_checkpoint={tmp_path / 'checkpoint-8'}" in note
     resumed = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}",
                        f"trainer.resume_from_checkpoint={tmp_path / 'checkpoint-8'}"])
-    assert earlier_checkpoints_note(resumed) is None
+    assert earlier_checkpoints_note(resumed.trainer) is None

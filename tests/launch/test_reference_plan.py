@@ -4,7 +4,7 @@ with full fine-tuning (in the one-GPU split too), nothing with LoRA."""
 from __future__ import annotations
 
 from asyncgrpo_cli.config.compose import compose
-from asyncgrpo_cli.launch.colocate import GiB, ModelShape, plan_memory, reference_copy_bytes
+from asyncgrpo_cli.server.colocate import GiB, ModelShape, plan_memory, reference_copy_bytes
 from asyncgrpo_cli.launch.plan import build_launch_plan
 from asyncgrpo_cli.testing import make_tiny_model
 

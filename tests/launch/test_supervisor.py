@@ -235,7 +235,7 @@ def test_refusals_before_anything_starts(tmp_path):
     """An output_dir that cannot be created, a folder another live job holds, and an incomplete checkpoint to
     resume from are refused with exit 2 before the server starts."""
     from asyncgrpo_cli.config.compose import compose
-    from asyncgrpo_cli.train.run_state import RunLock
+    from asyncgrpo_cli.run.state import RunLock
 
     from .conftest import base_overrides
 
@@ -249,7 +249,7 @@ def test_refusals_before_anything_starts(tmp_path):
     assert "is not writable" in console.export_text() and not (pids / "server.pid").exists()
 
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.train.run_state import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.run.state import RunLock\n"
                                f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -279,7 +279,7 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     """Without trainer.resume_from_checkpoint, an output_dir with an earlier run's complete checkpoint or final
     model is refused (the dry run too), naming how to continue it or where to write instead."""
     from asyncgrpo_cli.config.compose import compose
-    from asyncgrpo_cli.train.run_state import save_rollout_state
+    from asyncgrpo_cli.run.state import save_rollout_state
 
     from .conftest import base_overrides
 
@@ -303,11 +303,12 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     text = console.export_text()
     assert "(checkpoint-3, the final model)" in text and "trainer.resume_from_checkpoint=true" in text
     assert "note:" not in text  # no "this run starts from scratch" before the refusal
+    assert "output dir" not in text and "GPUs" not in text  # refused first: the plan is not printed
     ended = compose(base_overrides(out, free_port(), "trainer.max_steps=3"))  # the run ended at its max_steps
     console = record_console()
     assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 1
-    assert "trainer.resume_from_checkpoint=true trainer.max_steps=6 (it ended at step 3 = max_steps)" in \
-        console.export_text()
+    assert "continue it (it ended at step 3 = max_steps) with: trainer.resume_from_checkpoint=true " \
+        "trainer.max_steps=6" in console.export_text()
     assert f"trainer.output_dir={out}-3" in text
     resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
     assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
@@ -316,6 +317,28 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     assert run_train(done, console=console, gpu_count=0, timeouts=FAST) == 2
     assert "checkpoint-3 is at step 3, already trainer.max_steps=3: nothing to train. Fix: raise it, e.g. " \
            "trainer.max_steps=6" in console.export_text()
+
+
+def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
+    """The fixes are the user's own ``asyncgrpo train`` command with the changed overrides, ready to paste."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.run.folder import start_problem
+    from asyncgrpo_cli.run.state import save_rollout_state
+
+    out = tmp_path / "run"
+    step = out / "checkpoint-3"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (step / "model.safetensors").write_bytes(b"x")
+    save_rollout_state(step, position=9, num_prompts=10, num_tokens=300)
+    argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"]
+    cfg = compose(["+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"])
+    text = start_problem(cfg.trainer, out, argv)
+    assert (f"continue it (it ended at step 3 = max_steps) with: asyncgrpo train +recipe=smoke "
+            f"trainer.output_dir={out} trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
+    assert f"write this run elsewhere with: asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
+        f"trainer.output_dir={out}-2" in text
+    assert f"or remove {out} to start over" in text
 
 
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
@@ -350,7 +373,7 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
 
 
 def test_the_resume_line_repeats_the_command_with_its_overrides():
-    from asyncgrpo_cli.launch.run_folder import resume_command
+    from asyncgrpo_cli.run.folder import resume_command
 
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.output_dir=/tmp/a b", "trainer.max_steps=20",
             "trainer.resume_from_checkpoint=/tmp/a b/checkpoint-2"]

@@ -14,7 +14,7 @@ import pytest
 from asyncgrpo_cli.rollout.completions import CompletionRecords, group_records, messages_text, ship_group_records
 from asyncgrpo_cli.rollout.types import RolloutGroup
 from asyncgrpo_cli.rollout.worker import RolloutWorker
-from asyncgrpo_cli.train.run_state import LiveFiles
+from asyncgrpo_cli.run.state import LiveFiles
 from asyncgrpo_cli.train.trackers import log_completions, markdown_table, send_to_trackers, table_rows
 
 

@@ -15,7 +15,7 @@ from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
 from asyncgrpo_cli.rollout.no_signal import NoLearningSignalError, NoSignalWatch
 from asyncgrpo_cli.rollout.types import Rollout, RolloutGroup, TrainingSequence
 from asyncgrpo_cli.rollout.worker import RolloutWorker, RolloutWorkerError
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 G = 4
 

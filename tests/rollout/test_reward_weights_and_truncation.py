@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncgrpo_cli.metrics import MetricsWindow
+from asyncgrpo_cli.rollout.metrics import MetricsWindow
 from asyncgrpo_cli.rollout.advantages import weighted_rewards
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
 from asyncgrpo_cli.rollout.types import Rollout, RolloutGroup, TrainingSequence
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
-from asyncgrpo_cli.turn_record import TurnRecord
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+from asyncgrpo_cli.sampler.turn_record import TurnRecord
 
 G = 4
 

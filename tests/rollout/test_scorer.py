@@ -15,7 +15,7 @@ import pytest
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
 from asyncgrpo_cli.rollout.reward_runner import RewardRunner
 from asyncgrpo_cli.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 G = 4
 

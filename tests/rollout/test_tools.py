@@ -17,9 +17,9 @@ import pytest
 
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
 from asyncgrpo_cli.rollout.tools import ToolBox, ToolCall, parse_assistant_reply, run_tool_call
-from asyncgrpo_cli.scripted_server import ScriptedServer
+from asyncgrpo_cli.testing.scripted_server import ScriptedServer
 from asyncgrpo_cli.testing import make_tiny_tokenizer
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 
 # ------------------------------------------------------------------------------------------- tools
@@ -170,7 +170,7 @@ class Harness:
         return got
 
     def metrics(self):
-        from asyncgrpo_cli.metrics import MetricsWindow
+        from asyncgrpo_cli.rollout.metrics import MetricsWindow
 
         window = MetricsWindow()  # a group's metrics are shipped before its outcome is queued
         while True:

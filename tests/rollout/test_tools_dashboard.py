@@ -32,3 +32,9 @@ def test_tool_diagnosis_rules():
     assert d.rule == "tool_loop_exhausted" and "max_tool_calling_iterations" in d.text
     d = tool_use({"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0, "rollout/fork_frac": 0.6})
     assert d.rule == "tool_forks" and "prefix-preserving" in d.text
+
+
+def test_the_elsewhere_row_says_what_it_counts_when_no_tool_ran():
+    assert "elsewhere (API server, HTTP)" in frame({"step": 1, "reward": 0.5})  # no tools: only in transit
+    assert "elsewhere (API server, HTTP)" in frame({"step": 1, "tools/call_frequency": 0.0})  # tools, none called
+    assert "elsewhere (tools, API server)" in frame({"step": 1, "tools/call_frequency": 1.5})

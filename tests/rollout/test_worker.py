@@ -17,7 +17,7 @@ from asyncgrpo_cli.rollout.worker import RolloutWorker, RolloutWorkerError
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import deadline_s as machine_deadline
 from asyncgrpo_cli.testing import make_tiny_model
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 from asyncgrpo_cli.train.model_loading import prepare_tokenizer
 
 MAX_LEN = 128

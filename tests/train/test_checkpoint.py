@@ -13,7 +13,7 @@ import pytest
 from asyncgrpo_cli.train.checkpoint import (CheckpointError, check_writable, checkpoint_problem,
                                             newest_complete_checkpoint, partial_dir, publish, remove_partials,
                                             resolve_resume, save_error)
-from asyncgrpo_cli.train.run_state import RolloutStateError, RunLock, RunLockedError, read_rollout_state, \
+from asyncgrpo_cli.run.state import RolloutStateError, RunLock, RunLockedError, read_rollout_state, \
     save_rollout_state
 
 
@@ -95,7 +95,7 @@ def test_unwritable_output_dir(tmp_path):
 def test_run_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
     # A live owner: another process holds the lock.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from asyncgrpo_cli.train.run_state import RunLock\n"
+                               "from asyncgrpo_cli.run.state import RunLock\n"
                                f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

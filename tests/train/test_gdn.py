@@ -131,7 +131,7 @@ def test_vlm_checkpoints_of_testing_are_exact(tmp_path, family):
     """The tiny Qwen3.5 / Qwen3.6 (MoE) vision-language checkpoints of asyncgrpo_cli.testing, loaded as the trainer
     loads them (tower frozen): packed = unpacked log-probs through the wrapper's text stack."""
     from asyncgrpo_cli.testing import make_tiny_model
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.model_loading import load_policy
 
     path = make_tiny_model(tmp_path / family, family=family, num_layers=4, hidden_size=32)

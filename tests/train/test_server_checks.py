@@ -10,7 +10,7 @@ import pytest
 from asyncgrpo_cli.sampler.client import SamplerUnavailableError, SyncSamplerClient
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import make_tiny_model
-from asyncgrpo_cli.train.config import AsyncGRPOConfig
+from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 from asyncgrpo_cli.train.server_checks import ServerMismatchError, check_server, wait_for_server
 
 

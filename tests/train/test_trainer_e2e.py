@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from asyncgrpo_cli import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import make_tiny_model
-from asyncgrpo_cli.train.run_state import load_rollout_state
+from asyncgrpo_cli.run.state import load_rollout_state
 
 
 def token_parity_reward(completion_ids, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo_cli.multimodal import ImagesUnsupported, check_text_only, image_part
+from asyncgrpo_cli.config.multimodal import ImagesUnsupported, check_text_only, image_part
 from asyncgrpo_cli.train.model_loading import freeze_outside_text_model
 from asyncgrpo_cli.train.weight_sync import WeightSync
 from asyncgrpo_cli.train.weight_sync.params import FullWeightSource
@@ -43,7 +43,7 @@ def test_a_model_passed_directly_is_frozen_like_a_loaded_one(vlm_dir, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText
 
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.model_loading import load_policy
     from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
 
@@ -72,7 +72,7 @@ def test_image_prompts_are_refused(tmp_path):
     from datasets import Dataset
 
     from asyncgrpo_cli.testing import make_tiny_model
-    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
     from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
 
     text_parts = [{"role": "user", "content": [{"type": "text", "text": "what is 2+2?"}]}]

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on a configuration error)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ...models import quiet_progress_bars_without_terminal
+    from ...config.models import quiet_progress_bars_without_terminal
 
     quiet_progress_bars_without_terminal()  # logs/server.log: no raw 'Loading weights' bars
     try:

@@ -1,6 +1,6 @@
 """Full-weight sync to a vLLM server on the trainer's own GPU, over CUDA IPC (issue #17, VLLM.md).
 
-The colocated layout (`asyncgrpo_cli.launch.colocate`): vLLM runs with
+The colocated layout (`asyncgrpo_cli.server.colocate`): vLLM runs with
 ``--weight-transfer-config '{"backend": "ipc"}'`` on the GPU the trainer uses. No NCCL group forms and
 no byte is copied between GPUs: the trainer hands the server CUDA-IPC handles of its (bf16) tensors,
 and vLLM's workers map them and load the weights in place.

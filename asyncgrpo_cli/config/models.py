@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config.rules import ConfigError
+from .rules import ConfigError
 
 _DONE = ".asyncgrpo-export-complete"
 

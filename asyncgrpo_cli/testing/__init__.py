@@ -64,7 +64,7 @@ def make_tiny_tokenizer(vocab_size: int = 384, seed: int = 0, tool_template: boo
     )
     fast.chat_template = CHATML_TEMPLATE
     if tool_template:
-        from .rollout.chat_templates import TOOLS_CHATML_TEMPLATE
+        from ..rollout.chat_templates import TOOLS_CHATML_TEMPLATE
 
         fast.chat_template = TOOLS_CHATML_TEMPLATE
     return fast

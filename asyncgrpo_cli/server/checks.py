@@ -1,27 +1,25 @@
 """`asyncgrpo doctor`: compare a running server with what the config needs (DESIGN.md §4, SPEC §7–§9).
 
 `evaluate(cfg, facts)` is pure: it turns what was read from the server (`ServerFacts`) into a list of
-`Check`s, each pass / warn / fail with a message and a fix. `run_doctor` reads the facts over HTTP,
-prints the table (or JSON) and, on failure, the complete restart command from the one builder that
-`asyncgrpo serve` uses.
+`Check`s, each pass / warn / fail with a message and a fix; `read_facts` reads them over HTTP, and
+`restart_command` is the complete command from the one builder that `asyncgrpo serve` uses. The trainer
+runs these checks at start (`train.server_checks`), the supervisor before it starts the trainer, and
+`asyncgrpo doctor` prints them (`doctor.report.run_doctor`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
 
-from ..citations import cite_shipped
-from ..config.compose import server_url
+from ..config.citations import cite_shipped
 from ..config.rules import ALLOWED_LORA_RANKS
 from ..sampler.protocol import vllm_config_of
 from .sampling_mask import sampling_mask_verdict, scale_out_answer
-from ..launch.server_command import (
+from .command import (
     MIN_VLLM,
     build_server_command,
     compute_dtype,
@@ -99,7 +97,7 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
              gpu_count: int | None = None) -> list[Check]:
     """All checks for ``cfg`` against ``facts`` (no I/O but the installed versions). See the module docstring.
 
-    ``colocated``: whether the trainer shares the server's GPU (`launch.colocate.decide_layout`): the
+    ``colocated``: whether the trainer shares the server's GPU (`server.colocate.decide_layout`): the
     server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted.
     ``gpu_count``: the GPUs this machine sees (None = ask torch); with none the GPU split is skipped."""
     checks: list[Check] = []
@@ -185,12 +183,12 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     else:
         add(Check("weight transfer", FAIL, f"weight transfer backend is {backend!r}",
                   "restart with --weight-transfer-config '{\"backend\": \"nccl\"}'"))
-    verdict = sampling_mask_verdict(uses_candidate_sets(cfg), info, facts.version,
+    verdict = sampling_mask_verdict(uses_candidate_sets(cfg.rollout), info, facts.version,
                                     fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)),
                                     scale_out=facts.extra.get("scale_out"))
     if verdict is not None:
         add(Check("sampling mask", verdict.status, verdict.message, verdict.fix))
-    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg)
+    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg.trainer, cfg.model)
     dtype = dtype.replace("torch.", "")
     if not dtype:
         add(Check("dtype", WARN, "server does not report its dtype", ""))
@@ -250,7 +248,7 @@ def _ipc_checks(facts: ServerFacts, backend: Any, colocated: bool | None, add) -
 
 
 def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], count: Any, add) -> None:
-    rank_needed, loras_needed = lora_limits(cfg)
+    rank_needed, loras_needed = lora_limits(cfg.peft, cfg.staleness)
     lora = info.get("lora_config")
     if not lora:
         add(Check("lora", FAIL, f"peft.enabled=true (r={cfg.peft.r}) but the server was started without LoRA",
@@ -312,7 +310,7 @@ def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
         checks.append(Check("transformers", PASS, tv))
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
     if gpu_count is None:
-        from ..launch.plan import visible_gpu_count
+        from .colocate import visible_gpu_count
 
         gpu_count = visible_gpu_count()
     if gpu_count == 0:
@@ -337,7 +335,7 @@ def restart_config(cfg: DictConfig) -> DictConfig:
     from omegaconf import OmegaConf
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-    if uses_candidate_sets(cfg) and "--no-return-sampling-mask" in list(out.sampler.extra_args):
+    if uses_candidate_sets(cfg.rollout) and "--no-return-sampling-mask" in list(out.sampler.extra_args):
         out.sampler.extra_args = [a for a in out.sampler.extra_args if a != "--no-return-sampling-mask"]
     elif not cfg.sampler.url:
         return cfg
@@ -397,37 +395,8 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
 
 
 def _expected_colocation(cfg: DictConfig) -> bool | None:
-    """`launch.colocate.expected_colocation` on this machine (its visible GPUs)."""
-    from ..launch.colocate import expected_colocation
-    from ..launch.plan import visible_gpu_count
+    """`server.colocate.expected_colocation` on this machine (its visible GPUs)."""
+    from .colocate import expected_colocation
+    from .colocate import visible_gpu_count
 
     return expected_colocation(cfg, visible_gpu_count())
-
-
-def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None = None) -> int:
-    """Run every check, print them, and return the exit status (0 = no failure, 1 = a failure)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    if facts is None:
-        facts = read_facts(server_url(cfg), timeout=min(float(cfg.sampler.timeout), 10.0))
-    checks = evaluate(cfg, facts, colocated=_expected_colocation(cfg))
-    failed = any(c.status == FAIL for c in checks)
-    restart = restart_command(cfg, facts) if failed and cfg.model.name else None
-    if as_json:
-        payload = {"url": facts.url, "ok": not failed, "checks": [asdict(c) for c in checks],
-                   "restart_command": restart.shell_line() if restart else None}
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-        return 1 if failed else 0
-    console = Console()
-    table = Table("check", "status", "detail", "fix", title=f"asyncgrpo doctor: {facts.url}", show_lines=False)
-    style = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
-    for c in checks:
-        table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.message, c.fix)
-    console.print(table)
-    if restart is not None:
-        console.print("[bold]Start the server with:[/]" if not facts.reachable else "[bold]Restart the server with:[/]")
-        sys.stdout.write(restart.shell_line() + "\n")
-    elif not failed:
-        console.print("[green]The server matches the config.[/]")
-    return 1 if failed else 0

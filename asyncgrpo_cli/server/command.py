@@ -6,64 +6,19 @@ running server against it and prints it as the restart command.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import shlex
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from ..config.rules import max_lora_rank_for
-
-# vLLM releases this project is written against (VLLM.md); the newest is assumed when none is installed.
-MIN_VLLM = (0, 26)
-NEWEST_SUPPORTED_VLLM = "0.33.0"
-SAMPLING_MASK_MIN_VLLM = (0, 28)  # --return-sampling-mask (VLLM.md)
-SCALE_OUT_MIN_VLLM = (0, 30)      # --enable-scale-out, when the installed sources cannot be read (VLLM.md: ~0.29/0.30+)
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.26.0rc1+cu130"`` → ``(0, 26, 0)``: the release numbers (PEP 440, via `packaging`)."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(text).release
-    except InvalidVersion:
-        return ()
-
-
-def installed_vllm_version() -> str | None:
-    """Version of the installed vLLM distribution, or None when vLLM is not installed."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def vllm_has_flag(flag: str, version: str | None) -> bool:
-    """Whether the vLLM in use accepts ``flag`` (e.g. ``--enable-scale-out``).
-
-    Reads the installed vLLM's argument definitions when ``version`` is the installed one; otherwise
-    decides by the release that introduced the flag (VLLM.md).
-    """
-    snake = flag.lstrip("-").replace("-", "_")
-    if version is not None and version == installed_vllm_version():
-        spec = importlib.util.find_spec("vllm")
-        if spec is not None and spec.origin:
-            root = Path(spec.origin).parent
-            for rel in ("engine/arg_utils.py", "entrypoints/openai/cli_args.py", "config/model.py",
-                        "entrypoints/openai/api_server.py", "entrypoints/common/cli_args.py"):  # 0.33: common
-                path = root / rel
-                if path.is_file() and snake in path.read_text(errors="ignore"):
-                    return True
-            return False
-    v = parse_version(version or NEWEST_SUPPORTED_VLLM)
-    minimum = {"enable_scale_out": SCALE_OUT_MIN_VLLM, "return_sampling_mask": SAMPLING_MASK_MIN_VLLM}.get(snake, MIN_VLLM)
-    return v >= minimum
+from . import colocate
+from .colocate import vllm_ipc_problem
+from .vllm_versions import (MIN_VLLM, NEWEST_SUPPORTED_VLLM, SAMPLING_MASK_MIN_VLLM,  # noqa: F401  (re-exported)
+                            SCALE_OUT_MIN_VLLM, installed_vllm_version, parse_version, vllm_has_flag)
 
 
 @dataclass
@@ -94,62 +49,59 @@ class ServerCommand:
         return "" if nxt.startswith("--") else nxt
 
 
-def compute_dtype(cfg: DictConfig) -> str:
-    """The trainer's compute dtype (CONFIG.md): bfloat16 with ``trainer.bf16`` (None = on unless fp16),
-    float16 with ``trainer.fp16``, else ``model.dtype``."""
-    fp16 = bool(cfg.trainer.fp16)
-    bf16 = cfg.trainer.bf16
+def compute_dtype(trainer: Any, model: Any) -> str:
+    """The trainer's compute dtype (CONFIG.md) from the ``trainer`` and ``model`` groups: bfloat16 with
+    ``trainer.bf16`` (None = on unless fp16), float16 with ``trainer.fp16``, else ``model.dtype``."""
+    fp16 = bool(trainer.fp16)
+    bf16 = trainer.bf16
     if bf16 is None:
         bf16 = not fp16
     if bf16:
         return "bfloat16"
     if fp16:
         return "float16"
-    dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+    dtype = model.dtype.value if hasattr(model.dtype, "value") else str(model.dtype)
     return dtype
 
 
-def uses_candidate_sets(cfg: DictConfig) -> bool:
-    """top-k, top-p or min-p filtering is on (SPEC §7)."""
-    r = cfg.rollout
-    return r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
+def uses_candidate_sets(rollout: Any) -> bool:
+    """top-k, top-p or min-p filtering is on in the ``rollout`` group (`RolloutConfig`, SPEC §7)."""
+    return rollout.top_k > 0 or rollout.top_p < 1 or (rollout.min_p or 0) > 0
 
 
-def lora_limits(cfg: DictConfig) -> tuple[int, int]:
-    """(``--max-lora-rank``, ``--max-loras``) for the config (SPEC §9): smallest allowed rank >= r, and
-    ``max_staleness + 2`` adapters."""
-    return max_lora_rank_for(cfg.peft.r), cfg.staleness.max_staleness + 2
+def lora_limits(peft: Any, staleness: Any) -> tuple[int, int]:
+    """(``--max-lora-rank``, ``--max-loras``) for the ``peft`` and ``staleness`` groups (`PeftConfig`,
+    `StalenessConfig`; SPEC §9): smallest allowed rank >= r, and ``max_staleness + 2`` adapters."""
+    return max_lora_rank_for(peft.r), staleness.max_staleness + 2
 
 
-def api_server_count(cfg: DictConfig) -> int:
-    """``--api-server-count``: the configured count, forced to 1 with runtime LoRA updating (vLLM refuses both)."""
-    return 1 if cfg.peft.enabled else cfg.sampler.api_server_count
+def api_server_count(sampler: Any, peft: Any) -> int:
+    """``--api-server-count``: ``sampler.api_server_count``, forced to 1 with runtime LoRA updating
+    (``peft.enabled``; vLLM refuses both)."""
+    return 1 if peft.enabled else sampler.api_server_count
 
 
-def max_logprobs(cfg: DictConfig) -> int:
+def max_logprobs(sampler: Any, rollout: Any) -> int:
     """``--max-logprobs``: ``sampler.max_logprobs`` or ``rollout.num_sampler_logprobs``."""
-    return cfg.sampler.max_logprobs if cfg.sampler.max_logprobs is not None else cfg.rollout.num_sampler_logprobs
+    return sampler.max_logprobs if sampler.max_logprobs is not None else rollout.num_sampler_logprobs
 
 
-def data_parallel_size(cfg: DictConfig) -> int:
-    """``--data-parallel-size``: ``sampler.data_parallel_size`` (vLLM engines behind the one URL)."""
-    return int(cfg.sampler.get("data_parallel_size", 1))
+def data_parallel_size(sampler: Any) -> int:
+    """``--data-parallel-size``: the ``sampler`` group's ``data_parallel_size`` (vLLM engines behind the one URL)."""
+    return int(sampler.get("data_parallel_size", 1))
 
 
-def server_gpus(cfg: DictConfig) -> list[int]:
+def server_gpus(launch: Any, sampler: Any) -> list[int]:
     """GPUs of the server: ``launch.server_gpus``, else the first ``sampler.data_parallel_size`` GPUs
     (the first GPU by default)."""
-    if cfg.launch.server_gpus is not None:
-        return list(cfg.launch.server_gpus)
-    return list(range(max(1, data_parallel_size(cfg))))
+    if launch.server_gpus is not None:
+        return list(launch.server_gpus)
+    return list(range(max(1, data_parallel_size(sampler))))
 
 
 def detect_layout(cfg: DictConfig) -> Any:
     """`colocate.decide_layout` for this machine (visible GPUs, the shared GPU's memory)."""
-    from .colocate import decide_layout
-    from .plan import visible_gpu_count
-
-    return decide_layout(cfg, visible_gpu_count())
+    return colocate.decide_layout(cfg, colocate.visible_gpu_count())
 
 
 def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
@@ -186,13 +138,11 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
     if layout is None:
         layout = detect_layout(cfg)
     problems: list[str] = []
-    gpus = server_gpus(cfg)
+    gpus = server_gpus(cfg.launch, cfg.sampler)
     transfer = "nccl"
     memory_share = cfg.sampler.gpu_memory_utilization
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if layout.colocated:
-        from .colocate import vllm_ipc_problem
-
         gpus, transfer = [layout.gpu], "ipc"
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled CUDA-IPC handles; loopback only
         notes.append(f"colocated on GPU {layout.gpu}: {layout.reason}")
@@ -204,7 +154,7 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         ipc = vllm_ipc_problem(version, installed_vllm_version()) if use_installed else None
         if ipc:
             problems.append(ipc)
-    dp = data_parallel_size(cfg)
+    dp = data_parallel_size(cfg.sampler)
     if dp < 1:
         problems.append(f"sampler.data_parallel_size={dp}: must be >= 1 vLLM engine. Fix: sampler.data_parallel_size=1")
     elif dp > 1 and layout.colocated:
@@ -218,17 +168,18 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
     argv = ["vllm", "serve", str(cfg.model.name), "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
             "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--logprobs-mode", "processed_logprobs",
-            "--api-server-count", str(api_server_count(cfg))]
+            "--api-server-count", str(api_server_count(cfg.sampler, cfg.peft))]
     if dp > 1:
         argv += ["--data-parallel-size", str(dp)]
     if cfg.sampler.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
-    argv += ["--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg)]
+    argv += ["--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
+             "--dtype", compute_dtype(cfg.trainer, cfg.model)]
     if memory_share is not None:
         argv += ["--gpu-memory-utilization", f"{float(memory_share):g}"]
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
-    if uses_candidate_sets(cfg):
+    if uses_candidate_sets(cfg.rollout):
         if vllm_has_flag("--return-sampling-mask", version):
             argv += ["--return-sampling-mask"]
             if vllm_has_flag("--enable-scale-out", version):
@@ -237,7 +188,7 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
             notes.append(f"vLLM {version} cannot return sampling masks (needs >= 0.28): the trainer normalises over "
                          "the full vocabulary and its importance ratios are biased (README: Sampling filters)")
     if cfg.peft.enabled:
-        rank, loras = lora_limits(cfg)
+        rank, loras = lora_limits(cfg.peft, cfg.staleness)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
         if cfg.sampler.api_server_count != 1:
@@ -252,10 +203,11 @@ def _embedded_command(cfg: DictConfig) -> ServerCommand:
     device = cfg.sampler.device
     env: dict[str, str] = {}
     if device.startswith("cuda") or device == "auto":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(cfg))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(cfg.launch, cfg.sampler))
     argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(cfg.model.name),
             "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
-            "--max-logprobs", str(max_logprobs(cfg)), "--dtype", compute_dtype(cfg),
+            "--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
+            "--dtype", compute_dtype(cfg.trainer, cfg.model),
             "--device", "cuda" if device.startswith("cuda") else device]
     if cfg.model.gguf_file:
         argv += ["--gguf-file", str(cfg.model.gguf_file)]
@@ -264,7 +216,7 @@ def _embedded_command(cfg: DictConfig) -> ServerCommand:
     if cfg.sampler.kv_cache_tokens is not None:
         argv += ["--kv-cache-tokens", str(cfg.sampler.kv_cache_tokens)]
     if cfg.peft.enabled:
-        rank, loras = lora_limits(cfg)
+        rank, loras = lora_limits(cfg.peft, cfg.staleness)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
     env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
     argv += [str(a) for a in cfg.sampler.extra_args]

@@ -44,6 +44,18 @@ MIN_SHARE = 0.1  # vLLM's share when its estimate is smaller and the trainer's l
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
+def visible_gpu_count() -> int:
+    """Number of CUDA GPUs this process sees (``torch.cuda.device_count()``; 0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver reads as "no GPU" rather than crashing the plan
+        return 0
+
+
 @dataclass
 class ModelShape:
     """What the memory split needs of a model (from its ``config.json``).
@@ -308,7 +320,7 @@ def _model_shape_of(name: str | None, gguf_file: str | None = None) -> ModelShap
     if not name:
         return None
     try:
-        from ..models import plan_model_path
+        from ..config.models import plan_model_path
 
         name = plan_model_path(name, gguf_file)[0]
     except Exception:  # noqa: BLE001 - a bad model.name is reported elsewhere; the size stays unknown
@@ -424,7 +436,7 @@ def vllm_ipc_problem(version: str | None, installed: str | None) -> str | None:
     import importlib.util
     import re
 
-    from .server_command import MIN_VLLM, parse_version
+    from .vllm_versions import MIN_VLLM, parse_version
 
     two_gpus = ("or use two GPUs: launch.colocate=false on a machine with 2+ GPUs (vLLM on one GPU, the "
                 "trainer on the others, NCCL weight transfer)")

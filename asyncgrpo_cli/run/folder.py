@@ -12,9 +12,24 @@ import shlex
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from typing import Any
 
-__all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem"]
+from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
+
+__all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem", "train_command"]
+
+
+def train_command(overrides: list[str], argv: list[str] | None = None) -> str | None:
+    """This ``asyncgrpo train`` command line (``argv``, default ``sys.argv``) with ``overrides`` (``key=value``)
+    in place of its own overrides of the same keys; None when the process is not ``asyncgrpo train`` (the
+    Python API) or is a sweep (``-m``)."""
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or Path(argv[0]).name != "asyncgrpo" or argv[1] != "train" or \
+            any(a in ("-m", "--multirun") for a in argv):
+        return None
+    keys = {o.split("=", 1)[0] for o in overrides}
+    kept = [a for a in argv[2:] if a.lstrip("+~").split("=", 1)[0] not in keys]
+    return shlex.join(["asyncgrpo", "train", *kept, *overrides])
 
 
 def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str:
@@ -33,14 +48,14 @@ def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:
     """What an earlier run left in ``output_dir``: its newest complete checkpoint (None when there is none) and
     whether its final model (``model.safetensors`` or a LoRA ``adapter_model.safetensors``) is there."""
-    from ..train.checkpoint import newest_complete_checkpoint
-
     final = (output_dir / "model.safetensors").exists() or (output_dir / "adapter_model.safetensors").exists()
     return newest_complete_checkpoint(output_dir), final
 
 
-def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
-    """Why the run cannot start in ``output_dir`` as configured, in the CLI's key names; None when it can.
+def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None) -> str | None:
+    """Why the run cannot start in ``output_dir`` as configured by the ``trainer`` group (``resume_from_checkpoint``,
+    ``max_steps``), in the CLI's key names; None when it can. The fixes are whole ``asyncgrpo train`` commands
+    (`train_command` of ``argv``, default ``sys.argv``).
 
     Either ``trainer.resume_from_checkpoint`` names nothing to resume from (not a complete checkpoint, or none
     in ``output_dir`` for ``true``) or a checkpoint already at ``trainer.max_steps``; or it is unset while
@@ -48,9 +63,7 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
     overwrite that model, let checkpoint rotation delete one run's checkpoints and mix both runs in
     ``metrics.jsonl``.
     """
-    from ..train.checkpoint import CheckpointError, checkpoint_step, resolve_resume
-
-    resume = cfg.trainer.resume_from_checkpoint
+    resume = trainer.resume_from_checkpoint
     if not resume:
         newest, final = earlier_run(output_dir)
         if newest is None and not final:
@@ -58,37 +71,40 @@ def start_problem(cfg: DictConfig, output_dir: Path) -> str | None:
         held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
         fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
-        cont = ""
+        fixes = []
         if newest is not None:
-            step, max_steps = checkpoint_step(newest) or 0, int(cfg.trainer.max_steps)
-            more = f" trainer.max_steps={2 * step} (it ended at step {step} = max_steps)" if step >= max_steps > 0 \
-                else ""
-            cont = f"continue it with trainer.resume_from_checkpoint=true{more}, "
+            step, max_steps = checkpoint_step(newest) or 0, int(trainer.max_steps)
+            cont = ["trainer.resume_from_checkpoint=true"]
+            ended = step >= max_steps > 0
+            if ended:
+                cont.append(f"trainer.max_steps={2 * step}")
+            why = f" (it ended at step {step} = max_steps)" if ended else ""
+            fixes.append(f"continue it{why} with: {train_command(cont, argv) or ' '.join(cont)}")
+        moved = f"trainer.output_dir={fresh}"
+        fixes.append(f"write this run elsewhere with: {train_command([moved], argv) or moved}")
+        fixes.append(f"or remove {output_dir} to start over")
         return (f"trainer.output_dir={output_dir} already holds an earlier run ({held}); starting over there would "
-                f"overwrite it. Fix: {cont}write this run elsewhere with trainer.output_dir={fresh}, or remove "
-                f"{output_dir} to start over")
+                "overwrite it. Fix:\n  " + "\n  ".join(fixes))
     try:
         folder = resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir)
     except CheckpointError as exc:
         return re.sub(r"(?<![\w.])resume_from_checkpoint", "trainer.resume_from_checkpoint", str(exc))
-    step, max_steps = checkpoint_step(folder) or 0, int(cfg.trainer.max_steps)
+    step, max_steps = checkpoint_step(folder) or 0, int(trainer.max_steps)
     if step >= max_steps > 0:
         return (f"trainer.resume_from_checkpoint={resume}: {folder.name} is at step {step}, already "
                 f"trainer.max_steps={max_steps}: nothing to train. Fix: raise it, e.g. trainer.max_steps={2 * step}")
     return None
 
 
-def earlier_checkpoints_note(cfg: DictConfig) -> str | None:
-    """A warning when ``trainer.output_dir`` already holds checkpoints and this run does not resume
+def earlier_checkpoints_note(trainer: Any) -> str | None:
+    """A warning when the ``trainer`` group's ``output_dir`` already holds checkpoints and this run does not resume
     from one: it starts from scratch and its checkpoints replace those of the same step."""
-    from ..dashboard.panels import list_checkpoints
-
-    if cfg.trainer.resume_from_checkpoint:
+    if trainer.resume_from_checkpoint:
         return None
-    found = list_checkpoints(cfg.trainer.output_dir)
-    if not found or earlier_run(Path(cfg.trainer.output_dir)) != (None, False):
+    found = [str(p) for p in list_checkpoints(trainer.output_dir)]
+    if not found or earlier_run(Path(trainer.output_dir)) != (None, False):
         return None  # nothing there, or a run `start_problem` refuses to start over
-    return (f"note: {cfg.trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
+    return (f"note: {trainer.output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
             f"{Path(found[-1]).name}); this run starts from scratch and overwrites checkpoints of the same step. "
             f"To continue that run instead: trainer.resume_from_checkpoint={found[-1]}; to keep it: "
             "trainer.output_dir=ANOTHER_DIR")

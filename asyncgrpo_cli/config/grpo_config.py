@@ -7,8 +7,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..config.rules import check_fields
-from ..config.validate import check_training_arguments, check_types
+from .rules import check_fields
+from .validate import check_training_arguments, check_types
 
 # Fields this class adds to TrainingArguments, in SPEC §16.2's signature order.
 ASYNC_GRPO_FIELDS = (

@@ -1,0 +1,251 @@
+"""The deep checks of a whole run, before any process starts (CLI and Python API alike, issue #19).
+
+`validate_run` is the CLI's pass over a composed config (`asyncgrpo train/serve/doctor`, ``--dry-run`` and
+``config --check``): model, lengths, the `AsyncGRPOConfig` transformers will build, imports, dataset and
+rewards. `validate_trainer_inputs` is the Python API's (called by `AsyncGRPOTrainer.__init__`). Both use
+the value checks of `asyncgrpo_cli.config.validate` and report every independent problem together
+(`ConfigErrors`), each naming the key, the value, why and the fix; warnings are returned, not raised.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
+from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
+                      looks_like_local_data, model_max_len)
+from .validate import check_lengths, check_training_arguments, start_warnings
+
+__all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
+
+
+class _Collector:
+    """Runs independent checks and keeps every `ConfigError` they raise."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+        self.warnings: list[str] = []
+
+    def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(*args, **kwargs)
+        except ConfigErrors as exc:
+            self.errors.extend(exc.errors)
+        except ConfigError as exc:
+            self.errors.append(exc)
+        except ConfigTypeError as exc:
+            self.errors.append(ConfigError(str(exc), key=exc.key))
+        return None
+
+    def raise_if_any(self) -> None:
+        if self.errors:
+            raise ConfigErrors(self.errors) if len(self.errors) > 1 else self.errors[0]
+
+
+# ------------------------------------------------------------------------------------------ the CLI pass
+def validate_run(cfg: Any, command: str = "train") -> list[str]:
+    """The CLI's deep pass over a composed (already type- and rule-checked) config, before anything starts.
+
+    Args:
+        cfg: the composed `DictConfig`.
+        command: ``train`` (everything), ``serve`` (model and lengths) or ``doctor`` (model name only).
+
+    Returns:
+        Warnings and notes to print.
+
+    Raises:
+        ConfigErrors: every problem found (model, lengths, TrainingArguments, imports, dataset, rewards).
+    """
+    c = _Collector()
+    trainer_values = {k: v for k, v in cfg.trainer.items()}
+    if command == "train":
+        c.run(check_training_arguments, trainer_values, lambda n: f"trainer.{n}")
+    folder = None
+    if cfg.model.name:
+        result = c.run(_model_for_cli, cfg)
+        if result is not None:
+            folder, notes = result
+            c.warnings.extend(notes)
+    max_len, src = cfg.sampler.max_model_len, ""
+    if max_len is None and folder is not None:
+        max_len, src = model_max_len(folder), "the model's max_position_embeddings"
+    w = c.run(check_lengths, int(cfg.rollout.max_completion_length), max_len, cfg.packing.token_budget,
+              len_source=src)
+    c.warnings.extend(w or [])
+    r = cfg.rollout
+    uses_sets = r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
+    c.warnings.extend(start_warnings(float(r.repetition_penalty), uses_sets, bool(r.sampling_mask_fallback)))
+    if command != "train":
+        c.raise_if_any()
+        return c.warnings
+    if not c.errors:
+        c.run(check_training_args_build, cfg)
+    imported = c.run(check_imports, cfg)
+    c.run(check_data_source, cfg.data.name)
+    local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
+    if not c.errors and local:  # loaded only when local (a Hub dataset is never downloaded by a check) and sound
+        from ..data import load_prompts
+
+        ds = c.run(_load_for_check, load_prompts, cfg)
+        if ds is not None:
+            columns = c.run(check_prompt_rows, ds, "prompt", key="data.prompt_column",
+                            dataset_key="data.name" if cfg.data.name else "data.task")
+            if columns is not None and imported is not None:
+                funcs, paths = imported
+                c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
+    c.raise_if_any()
+    return c.warnings
+
+
+_ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "SaveStrategy": "save_strategy",
+              "IntervalStrategy": "eval_strategy", "HubStrategy": "hub_strategy", "FSDPOption": "fsdp"}
+
+
+def _listed_values(text: str) -> list[str]:
+    """The values a transformers refusal lists (``... please select one of ['a', 'b']``)."""
+    found = re.search(r"select one of \[([^\]]*)\]", text)
+    return re.findall(r"'([^']*)'", found.group(1)) if found else []
+
+
+def check_training_args_build(cfg: Any) -> None:
+    """Build the `AsyncGRPOConfig` the trainer process will build, so transformers' own refusals (an unknown
+    optimizer or schedule, bf16 without a GPU, ...) come now, with the key, instead of from the trainer;
+    and check ``trainer.report_to``, which transformers checks only when the trainer is built.
+
+    Raises:
+        ConfigError: naming the ``trainer.`` key transformers refused (guessed from its message), its value
+            and the fix (the closest accepted value where transformers lists them).
+    """
+    from .compose import to_training_args
+
+    try:
+        args = to_training_args(cfg)
+    except (ConfigError, ConfigTypeError):
+        raise
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        name = next((k for enum, k in _ENUM_KEYS.items() if f"valid {enum}" in text), None)
+        if name is None:
+            name = next((k for k, v in cfg.trainer.items() if isinstance(v, str) and v and v in text), None)
+        if name is None:
+            name = next((k for k in ("bf16", "fp16", "use_cpu", "torch_compile") if k in text.lower()), None)
+        key = f"trainer.{name}" if name else "trainer"
+        value = cfg.trainer.get(name) if name else None
+        close = difflib.get_close_matches(str(value), _listed_values(text), n=1, cutoff=0.0) if name else []
+        fix = ("set trainer.bf16=false (this machine has no CUDA GPU), or trainer.use_cpu=true"
+               if name == "bf16" or "bf16" in text else f"{key}={close[0]}" if close
+               else "see transformers.TrainingArguments for the field")
+        listed = _listed_values(text) if name else []
+        reason = (f"transformers accepts one of {', '.join(listed)}" if listed else
+                  f"transformers refuses it: {text if len(text) <= 400 else text[:400].rsplit(' ', 1)[0] + ' ...'}")
+        raise _err(key, value, reason, fix) from None
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    known = sorted(INTEGRATION_TO_CALLBACK)
+    trackers = list(args.report_to or [])
+    for tracker in trackers:
+        if tracker not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(tracker, known, n=1)
+            fixed = [t for t in ((close[0] if close else "") if t == tracker else t for t in trackers)
+                     if t in INTEGRATION_TO_CALLBACK]
+            fix = "none" if not fixed else fixed[0] if len(fixed) == 1 else f"[{','.join(fixed)}]"
+            raise _err("trainer.report_to", tracker, f"not a tracker transformers knows (one of {', '.join(known)}, "
+                       "or none)", f"trainer.report_to={fix}")
+
+
+def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
+    from .models import plan_model_path
+
+    try:
+        path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    except ConfigError:  # a missing GGUF package: serve and train report it themselves (a dry run as a note)
+        return None, []
+    if gguf is not None:  # exported on the first start; the GGUF carries the chat template
+        return None, []
+    return check_model_source(path, "model.name")
+
+
+def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:
+    from datasets.utils import logging as ds_logging
+
+    bars = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()  # a check prints its verdict, not "Generating train split"
+    try:
+        return load_prompts(cfg)
+    except ConfigError:
+        raise
+    except FileNotFoundError as exc:
+        raise _err("data.name", cfg.data.name, f"datasets could not find it ({exc})",
+                   "set data.name to an existing file or folder, or a Hub dataset id") from None
+    except Exception as exc:  # noqa: BLE001 - datasets' errors are many; name the key and the cause
+        key = "data.name" if cfg.data.name else "data.task"
+        raise _err(key, cfg.data.name or cfg.data.task, f"loading the prompts failed ({type(exc).__name__}: "
+                   f"{str(exc)[:300]})", "check the path, data.subset and data.split") from None
+    finally:
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+# ------------------------------------------------------------------------------------------ the API pass
+def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_dataset: Any,
+                            environment_factory: Any = None, processing_class: Any = None) -> list[str]:
+    """The Python API's pass (`AsyncGRPOTrainer.__init__`): model, dataset and reward functions.
+
+    The config's own fields were checked when the `AsyncGRPOConfig` was built (`check_types`,
+    `check_training_arguments` and the rules of SPEC §2/§3/§7).
+
+    Returns:
+        Warnings to log.
+
+    Raises:
+        ConfigErrors (a ValueError): every problem, each naming the argument, the value and the fix.
+        ConfigTypeError: ``args`` is not an `AsyncGRPOConfig`.
+    """
+    from .grpo_config import AsyncGRPOConfig
+
+    if args is not None and not isinstance(args, AsyncGRPOConfig):
+        raise ConfigTypeError(f"args={type(args).__name__}: must be an AsyncGRPOConfig. Fix: "
+                              "args=AsyncGRPOConfig(output_dir=..., ...)", key="args")
+    from ..rollout.worker import main_guard_message, unguarded_main_call
+
+    c = _Collector()
+    where = unguarded_main_call()
+    if where is not None:
+        c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
+    if isinstance(model, str):
+        c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+    if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
+            not getattr(processing_class, "chat_template", None):
+        c.errors.append(_err("processing_class", type(processing_class).__name__, "the tokenizer has no chat template, "
+                             "and prompts are chat messages rendered with it (SPEC §2)",
+                             "use an instruct/chat model's tokenizer, or set tokenizer.chat_template"))
+    elif model is None:
+        c.errors.append(_err("model", None, "no model", "pass a Hub id, a local folder or a PreTrainedModel"))
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
+    if not funcs and environment_factory is None:
+        c.errors.append(_err("reward_funcs", reward_funcs, "rollouts could not be scored",
+                             "pass reward_funcs=[a function]"))
+    columns = None
+    if train_dataset is None:
+        if environment_factory is None:  # environment-owned data needs no dataset (SPEC §13.2)
+            c.errors.append(_err("train_dataset", None, "the async GRPO trainer needs prompts",
+                                 "pass a datasets.Dataset with a 'prompt' column of chat messages, or an "
+                                 "environment_factory whose reset() supplies them"))
+    elif environment_factory is None:
+        columns = c.run(check_prompt_rows, train_dataset, "prompt", key="train_dataset['prompt']",
+                        dataset_key="train_dataset", allow_text=False)
+    else:
+        columns = list(getattr(train_dataset, "column_names", None) or [])
+    if funcs:
+        c.run(check_reward_funcs, funcs, columns,
+              lambda i: f"reward_funcs[{i}]" if isinstance(reward_funcs, (list, tuple)) else "reward_funcs")
+    c.raise_if_any()
+    if args is not None:
+        c.warnings.extend(start_warnings(float(args.repetition_penalty), args.uses_candidate_sets,
+                                         bool(args.sampling_mask_fallback), penalty_key="repetition_penalty",
+                                         fallback_key="sampling_mask_fallback"))
+    return c.warnings
