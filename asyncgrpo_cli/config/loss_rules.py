@@ -10,15 +10,15 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .errors import ConfigError
+
 #: SPEC §3.3's loss is ``dapo`` with the ``token`` level and ``token_mask`` correction (the defaults).
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
 IS_LEVELS = ("token", "sequence")
 IS_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 
 
-def _error(key: str, value: Any, problem: str, fix: str):
-    from .rules import ConfigError
-
+def _error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}", key=key)
 
 

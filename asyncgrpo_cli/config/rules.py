@@ -10,49 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .citations import cite_shipped
+from .errors import ConfigError, ConfigErrors, ConfigTypeError  # noqa: F401  (the errors' home; re-exported)
 
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and the fix.
-
-    Attributes:
-        key: the config key at fault (``rollout.top_p``, ``num_generations`` ...), None when not one key.
-    """
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(cite_shipped(message))
-        self.key = key
-
-
-class ConfigTypeError(TypeError):
-    """A configuration value has the wrong type (``num_generations="8"``). Same message form as `ConfigError`.
-
-    Attributes:
-        key: the config key at fault.
-    """
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(cite_shipped(message))
-        self.key = key
-
-
-class ConfigErrors(ConfigError):
-    """Several independent configuration problems, one per line (each a `ConfigError`).
-
-    Attributes:
-        errors: the individual errors, in the order found.
-        keys: their keys (``key`` is the first one).
-    """
-
-    def __init__(self, errors: Sequence[ConfigError]) -> None:
-        self.errors = list(errors)
-        text = str(self.errors[0]) if len(self.errors) == 1 else \
-            f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
-        super().__init__(text, key=self.errors[0].key)
-        self.keys = [e.key for e in self.errors]
 
 
 def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:

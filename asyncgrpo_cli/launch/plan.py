@@ -131,7 +131,7 @@ def reference_notes(cfg: DictConfig) -> list[str]:
         return []
     if cfg.peft.enabled:
         return ["loss.beta > 0 with LoRA: the KL reference is the base model with the adapters disabled (no copy)"]
-    from .colocate import _model_shape_of, reference_copy_bytes
+    from ..server.colocate import _model_shape_of, reference_copy_bytes
 
     shape = _model_shape_of(str(cfg.model.name) if cfg.model.name else None, cfg.model.get("gguf_file"))
     dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
