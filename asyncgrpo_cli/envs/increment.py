@@ -2,7 +2,7 @@
 
 Used by ``asyncgrpo train +recipe=increment_env`` (no dataset: ``reset`` returns each rollout's prompt,
 ``max_steps`` bounds training). `tool_call_reward` is a trainer-owned shaping reward that scores whether the
-model called a tool at all (an untrained model seldom does), summed with ``get_reward`` (SPEC §13.2).
+model made a parsed call to the tool at all (an untrained model seldom does), summed with ``get_reward`` (SPEC §13.2).
 """
 
 from __future__ import annotations
@@ -72,25 +72,34 @@ class IncrementEnvWithExample(IncrementEnv):
 
 def tool_call_reward(completions: Sequence[list[dict[str, Any]]], tool_names: Sequence[str] = ("increment",),
                      **kwargs: Any) -> list[float]:
-    """Shaping reward for tool use: 0.5 when a completion called a tool that ran, 0.2 when it only tried (every
-    tool message is an error), 0.1 when it called none but its first reply names a tool, else 0.0.
+    """Shaping reward for tool use, earned by parsed tool calls only: 0.5 when a call to one of ``tool_names``
+    ran and returned a result, 0.2 when the completion's replies hold a parsed call to one of them but none
+    returned one (each ``tool`` message is an ``Error: ...``: bad arguments, an exception, a timeout; or the
+    call was past ``max_tool_calling_iterations`` and not run), else 0.0. Naming a tool in prose, a malformed ``<tool_call>`` block the tool loop could not read, or a call to a
+    tool not in ``tool_names`` earns nothing.
 
     Args:
-        completions: G completions, each the list of assistant and tool messages of one rollout.
-        tool_names: the names whose mention earns the smallest step (bind with functools.partial or the
-            rewards group's ``kwargs``).
+        completions: G completions, each the list of assistant and tool messages of one rollout (assistant
+            messages carry their parsed calls in ``tool_calls``; ``tool`` messages name the tool that ran).
+        tool_names: the tools whose calls earn the reward (bind with functools.partial or the rewards
+            group's ``kwargs``).
 
     Returns:
-        G floats in {0.0, 0.1, 0.2, 0.5}.
+        G floats in {0.0, 0.2, 0.5}.
     """
+    wanted = set(tool_names)
     out = []
     for messages in completions:
-        results = [m.get("content") or "" for m in messages if m.get("role") == "tool"]
-        first = next((m.get("content") or "" for m in messages if m.get("role") == "assistant"), "")
-        if any(not r.startswith("Error") for r in results):
+        called = any(
+            isinstance(call, dict) and (call.get("function") or call).get("name") in wanted
+            for m in messages if m.get("role") == "assistant"
+            for call in (m.get("tool_calls") or [])
+        )
+        results = [m.get("content") or "" for m in messages if m.get("role") == "tool" and m.get("name") in wanted]
+        if called and any(not r.startswith("Error") for r in results):
             out.append(0.5)
-        elif results:
+        elif called:
             out.append(0.2)
         else:
-            out.append(0.1 if any(name in first for name in tool_names) else 0.0)
+            out.append(0.0)
     return out

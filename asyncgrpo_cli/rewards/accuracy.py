@@ -1,9 +1,11 @@
 """``accuracy_reward``: math answer checking with math-verify (SPEC §1.2, §10.2).
 
 The ground truth comes from the dataset column ``solution`` (e.g. DeepMath-103K) or ``answer`` (e.g.
-reasoning-gym rows). Both the ground truth and the completion are parsed with ``math_verify.parse``:
-``\\boxed{...}`` answers, LaTeX and plain final answers ("... so the answer is 42") are all found;
-``math_verify.verify`` then compares them symbolically.
+reasoning-gym rows) and is parsed with ``math_verify.parse``'s defaults. Only the completion's **final
+answer** is credited (`asyncgrpo_cli.rewards.final_answer`): a ``\\boxed{...}`` answer, an explicit final
+statement ("the answer is 42", "#### 42"), "= 42" ending a computation, or a bare answer, the last one
+written; an expression of numbers not followed by its value ("To compute 3 + 4, add them") is no answer.
+``math_verify.verify`` then compares it with the ground truth symbolically (``\\frac{1}{2}`` = ``0.5``).
 
 math-verify bounds its own work with ``signal.alarm``, which only works in a process's main thread, and
 reward functions run in worker threads. Verification therefore runs in a module-level
@@ -111,10 +113,12 @@ def _worker_init() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     from math_verify import parse, verify
 
+    from asyncgrpo_cli.rewards.final_answer import extract_final_answer
+
     try:
         verify(
             parse("$\\frac{1}{2}$", parsing_timeout=None),
-            parse("so the answer is \\boxed{0.5}", parsing_timeout=None),
+            extract_final_answer("so the answer is \\boxed{0.5}"),
             timeout_seconds=None,
         )
     except Exception:  # warming up is best effort
@@ -134,10 +138,12 @@ def _verify_one(gold_text: str, answer_text: str, timeout_s: float) -> tuple[str
         try:
             from math_verify import parse, verify
 
+            from asyncgrpo_cli.rewards.final_answer import extract_final_answer
+
             gold = parse(gold_text, extraction_mode="first_match", parsing_timeout=None)
             if not gold:
                 return ("no_gold", None)
-            answer = parse(answer_text, parsing_timeout=None)
+            answer = extract_final_answer(answer_text)
             if not answer:
                 return ("ok", 0.0)
             correct = verify(gold, answer, timeout_seconds=None)
@@ -231,6 +237,10 @@ def accuracy_reward(
     **kwargs: Any,
 ) -> list[float | None]:
     """1.0 when a completion's final answer equals the ground truth, else 0.0 (math-verify).
+
+    The final answer is what `asyncgrpo_cli.rewards.final_answer.extract_final_answer` finds: boxed first,
+    then an explicit final statement, then the last value written; a restated expression ("3 + 4") is
+    none and scores 0.0.
 
     Args:
         completions: G completions, each a string or a list of message dicts (the last assistant

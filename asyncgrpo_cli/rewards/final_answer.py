@@ -1,0 +1,117 @@
+"""What counts as a completion's final answer for ``accuracy_reward`` (SPEC §1.2, §10.2).
+
+Extraction is math-verify's own (``math_verify.parse`` with the configs below); this module only chooses
+those configs and rejects one kind of candidate that math-verify would evaluate:
+
+* **Where the answer is looked for** (math-verify's priority tiers, the first tier with a match wins, and in
+  a tier the rightmost match, i.e. the last answer written): a ``\\boxed{...}`` answer first
+  (``boxed_match_priority=0``, as the reference trainer's ``accuracy_reward`` does); then an explicit final
+  statement ("final answer is ...", "answer: ...", "the answer is 7", "answer ... = 7"); then, with
+  ``try_extract_without_anchor=True`` on both configs, the last LaTeX or plain value in the text: a bare
+  answer ("7", "**7**"), "= 7" ending a computation, "#### 7". The reference trainer turns the
+  anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer is N" or
+  a bare number, which that setting would never credit, so it stays on here and the next rule closes the
+  hole it opens.
+* **An expression that still needs computing is not an answer** (`is_final_value`): when the chosen candidate
+  is an arithmetic expression of numbers whose value is a plain number ("3 + 4", "12 - 5", "2*3+1",
+  "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it and has no
+  answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers written as
+  numbers stay answers: integers, decimals, ``p/q`` and ``\\frac{p}{q}``, percentages, negatives; so do
+  closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``) and symbolic answers
+  (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$" answers 7,
+  "$x = 3+4$" answers nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["answer_extraction_config", "extract_final_answer", "is_final_value"]
+
+
+def answer_extraction_config() -> list[Any]:
+    """math-verify extraction targets for a completion: LaTeX (boxed first) and plain expressions, both
+    with their anchor-free tier on (see the module docstring).
+
+    Raises:
+        ImportError: math-verify is not installed.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return [
+        LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=True),
+        ExprExtractionConfig(try_extract_without_anchor=True),
+    ]
+
+
+def is_final_value(value: Any) -> bool:
+    """Whether a parsed answer (a sympy object from ``math_verify.parse``) states a value rather than a
+    computation still to be done.
+
+    False for a numeric expression (no free symbols, not a number as written) that ``doit()`` reduces to a
+    plain number, e.g. ``Add(3, 4)`` or ``Pow(2, 10)``; for an equation or inequality, its right-hand side
+    is checked; for a set or tuple, every element. True for everything else: numbers, fractions
+    ``p/q`` (``Mul(p, Pow(q, -1))``, with an optional ``-1`` sign factor), percentages
+    (``Mul(n, UnevaluatedExpr(1/100))``), irrational closed forms, symbolic expressions, matrices.
+    """
+    import sympy
+
+    if isinstance(value, sympy.core.relational.Relational):
+        return is_final_value(value.rhs)
+    if isinstance(value, (sympy.FiniteSet, sympy.Tuple, tuple, list)):
+        return all(is_final_value(v) for v in value)
+    if not isinstance(value, sympy.Expr) or value.is_Number or value.free_symbols:
+        return True
+    if _written_number(value):
+        return True
+    try:
+        reduced = value.doit()
+    except Exception:  # noqa: BLE001 - cannot be evaluated: not a plain-number computation
+        return True
+    return not reduced.is_Number
+
+
+def _written_number(value: Any) -> bool:
+    """A number as a person writes one, which math-verify keeps unevaluated: ``p/q``, ``-p/q``, ``n%``."""
+    import sympy
+
+    if not isinstance(value, sympy.Mul):
+        return False
+    factors = list(value.args)
+    if sympy.S.NegativeOne in factors and sum(f.is_Number for f in factors) > 1:  # the sign of -p/q
+        factors.remove(sympy.S.NegativeOne)
+    numbers = [f for f in factors if f.is_Number]
+    rest = [f for f in factors if not f.is_Number]
+    if len(numbers) != 1:
+        return False
+    if not rest:
+        return True
+    if len(rest) != 1:
+        return False
+    (other,) = rest
+    is_denominator = isinstance(other, sympy.Pow) and other.base.is_Integer and other.exp == -1
+    is_percent = isinstance(other, sympy.UnevaluatedExpr) and other.args[0] == sympy.Rational(1, 100)
+    return is_denominator or is_percent
+
+
+def extract_final_answer(text: str) -> list[Any]:
+    """The final answer of ``text`` as math-verify parses it, or ``[]`` when there is none.
+
+    Runs ``math_verify.parse`` with `answer_extraction_config`, ``extraction_mode="any_match"`` (a
+    candidate math-verify cannot parse, such as the ``7**`` it reads in ``**7**``, gives way to the next one
+    in its tier), no string fallback and no timeout of its own (the caller bounds it: math-verify's timer
+    needs the main thread). A candidate that fails `is_final_value` gives ``[]``.
+
+    Returns:
+        ``[sympy object]`` to pass to ``math_verify.verify``, or ``[]``.
+
+    Raises:
+        ImportError: math-verify is not installed.
+    """
+    from math_verify import parse
+
+    parsed = parse(text, extraction_config=answer_extraction_config(), extraction_mode="any_match",
+                   fallback_mode="no_fallback", parsing_timeout=None)
+    if not parsed or not is_final_value(parsed[0]):
+        return []
+    return parsed[:1]
