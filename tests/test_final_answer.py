@@ -40,6 +40,7 @@ TABLE = [
     ("3 + 4 = 8", "7", 0.0),
     ("The answer is 8", "7", 0.0),
     ("I am not sure.", "7", 0.0),
+    ("3 is already 1 / 1. There's no remainder to divide by 1, so 3 / ", "3", 0.0),  # cut off mid-expression
     # final answers
     ("3 + 4 = 7", "7", 1.0),
     ("It is 12 - 5 = 7 for sure", "7", 1.0),
@@ -49,6 +50,7 @@ TABLE = [
     ("3 + 4 makes 7. The answer is 7", "7", 1.0),
     ("7", "7", 1.0),
     ("**7**", "7", 1.0),
+    ("The answer is **-12**.", "-12", 1.0),
     ("\\boxed{7}", "7", 1.0),
     ("3 + 4 = 7, so 7 * 2 = 14. The answer is \\boxed{14}.", "14", 1.0),
     ("$3 + 4 = 7$", "7", 1.0),

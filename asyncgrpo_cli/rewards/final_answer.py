@@ -8,7 +8,8 @@ those configs and rejects one kind of candidate that math-verify would evaluate:
   (``boxed_match_priority=0``, as the reference trainer's ``accuracy_reward`` does); then an explicit final
   statement ("final answer is ...", "answer: ...", "the answer is 7", "answer ... = 7"); then, with
   ``try_extract_without_anchor=True`` on both configs, the last LaTeX or plain value in the text: a bare
-  answer ("7", "**7**"), "= 7" ending a computation, "#### 7". The reference trainer turns the
+  answer ("7", "**7**"), "= 7" ending a computation, "#### 7". Only that candidate counts: when math-verify
+  cannot parse it (a completion cut off inside an expression), there is no answer. The reference trainer turns the
   anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer is N" or
   a bare number, which that setting would never credit, so it stays on here and the next rule closes the
   hole it opens.
@@ -97,9 +98,11 @@ def _written_number(value: Any) -> bool:
 def extract_final_answer(text: str) -> list[Any]:
     """The final answer of ``text`` as math-verify parses it, or ``[]`` when there is none.
 
-    Runs ``math_verify.parse`` with `answer_extraction_config`, ``extraction_mode="any_match"`` (a
-    candidate math-verify cannot parse, such as the ``7**`` it reads in ``**7**``, gives way to the next one
-    in its tier), no string fallback and no timeout of its own (the caller bounds it: math-verify's timer
+    Runs ``math_verify.parse`` with `answer_extraction_config` and ``extraction_mode="first_match"``: only
+    the chosen candidate counts, so a completion that ends in an expression math-verify cannot parse (one cut
+    off mid-way, "so 3 / ") has no answer, rather than the number inside it. Markdown bold markers (``**``)
+    become spaces first: math-verify's plain-expression pattern would read the closing ``**`` of ``**7**`` as
+    an operator. No string fallback, and no timeout of its own (the caller bounds it: math-verify's timer
     needs the main thread). A candidate that fails `is_final_value` gives ``[]``.
 
     Returns:
@@ -110,8 +113,8 @@ def extract_final_answer(text: str) -> list[Any]:
     """
     from math_verify import parse
 
-    parsed = parse(text, extraction_config=answer_extraction_config(), extraction_mode="any_match",
-                   fallback_mode="no_fallback", parsing_timeout=None)
+    parsed = parse(text.replace("**", " "), extraction_config=answer_extraction_config(),
+                   extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
     if not parsed or not is_final_value(parsed[0]):
         return []
     return parsed[:1]
