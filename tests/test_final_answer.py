@@ -32,6 +32,9 @@ TABLE = [
     ("$2^{10}$", "1024", 0.0),
     ("$x = 3 + 4$", "7", 0.0),
     ("We have 3 + 4 = 7, then 7 - 1", "6", 0.0),
+    ("To calculate 8 * -1, we need to reverse the operation.", "-8", 0.0),  # a product, not a signed number
+    ("To calculate the square root of -(-8 / 2), we need to invert it.", "4", 0.0),  # 8/2 still needs computing
+    ("To find -(7 / 1), we convert the fraction.", "-7", 0.0),
     # intermediate results followed by a wrong (or no) final answer: the last answer counts
     ("3 + 4 = 7, and 7 * 2 = 14.", "7", 0.0),
     ("First 6 * 7 = 42. So the final answer is 41.", "42", 0.0),

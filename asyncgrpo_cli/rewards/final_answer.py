@@ -17,7 +17,8 @@ those configs and rejects one kind of candidate that math-verify would evaluate:
   is an arithmetic expression of numbers whose value is a plain number ("3 + 4", "12 - 5", "2*3+1",
   "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it and has no
   answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers written as
-  numbers stay answers: integers, decimals, ``p/q`` and ``\\frac{p}{q}``, percentages, negatives; so do
+  numbers stay answers: integers, decimals, ``p/q`` in lowest terms and ``\\frac{p}{q}``, percentages,
+  negatives; so do
   closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``) and symbolic answers
   (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$" answers 7,
   "$x = 3+4$" answers nothing).
@@ -52,7 +53,7 @@ def is_final_value(value: Any) -> bool:
     False for a numeric expression (no free symbols, not a number as written) that ``doit()`` reduces to a
     plain number, e.g. ``Add(3, 4)`` or ``Pow(2, 10)``; for an equation or inequality, its right-hand side
     is checked; for a set or tuple, every element. True for everything else: numbers, fractions
-    ``p/q`` (``Mul(p, Pow(q, -1))``, with an optional ``-1`` sign factor), percentages
+    ``p/q`` in lowest terms (``Mul(p, Pow(q, -1))``, with an optional ``-1`` sign factor), percentages
     (``Mul(n, UnevaluatedExpr(1/100))``), irrational closed forms, symbolic expressions, matrices.
     """
     import sympy
@@ -73,26 +74,33 @@ def is_final_value(value: Any) -> bool:
 
 
 def _written_number(value: Any) -> bool:
-    """A number as a person writes one, which math-verify keeps unevaluated: ``p/q``, ``-p/q``, ``n%``."""
+    """A number as a person writes one, which math-verify keeps unevaluated: a reduced fraction ``p/q``
+    (``q > 1``, ``gcd(p, q) = 1``; ``8/2`` or ``7/1`` still needs computing) or a percentage ``n%``, each with an
+    optional sign. ``8 * -1`` (``Mul(-1, 8)``) is a product, not a signed number."""
+    import math
+
     import sympy
 
     if not isinstance(value, sympy.Mul):
         return False
     factors = list(value.args)
-    if sympy.S.NegativeOne in factors and sum(f.is_Number for f in factors) > 1:  # the sign of -p/q
-        factors.remove(sympy.S.NegativeOne)
-    numbers = [f for f in factors if f.is_Number]
-    rest = [f for f in factors if not f.is_Number]
-    if len(numbers) != 1:
-        return False
-    if not rest:
-        return True
+    rest = [f for f in factors if not f.is_Number]  # the one denominator or percent factor
     if len(rest) != 1:
         return False
     (other,) = rest
-    is_denominator = isinstance(other, sympy.Pow) and other.base.is_Integer and other.exp == -1
-    is_percent = isinstance(other, sympy.UnevaluatedExpr) and other.args[0] == sympy.Rational(1, 100)
-    return is_denominator or is_percent
+    percent = isinstance(other, sympy.UnevaluatedExpr) and other.args[0] == sympy.Rational(1, 100)
+    fraction = isinstance(other, sympy.Pow) and other.base.is_Integer and other.exp == -1
+    if not (percent or fraction):
+        return False
+    numbers = [f for f in factors if f.is_Number]
+    if len(numbers) == 2 and sympy.S.NegativeOne in numbers:  # the sign of -p/q or -n%
+        numbers.remove(sympy.S.NegativeOne)
+    if len(numbers) != 1:
+        return False
+    if percent:
+        return True
+    p, q = numbers[0], other.base
+    return p.is_Integer and int(q) > 1 and math.gcd(int(p), int(q)) == 1
 
 
 def extract_final_answer(text: str) -> list[Any]:
