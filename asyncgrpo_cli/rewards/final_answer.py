@@ -9,19 +9,21 @@ those configs and rejects one kind of candidate that math-verify would evaluate:
   statement ("final answer is ...", "answer: ...", "the answer is 7", "answer ... = 7"); then, with
   ``try_extract_without_anchor=True`` on both configs, the last LaTeX or plain value in the text: a bare
   answer ("7", "**7**"), "= 7" ending a computation, "#### 7". Only that candidate counts: when math-verify
-  cannot parse it (a completion cut off inside an expression), there is no answer. The reference trainer turns the
-  anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer is N" or
-  a bare number, which that setting would never credit, so it stays on here and the next rule closes the
-  hole it opens.
+  cannot parse it (a completion cut off inside an expression), there is no answer. The reference trainer
+  turns the anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer
+  is N" or a bare number, which that setting would never credit, so it stays on here and the next rule
+  closes the hole it opens.
 * **An expression that still needs computing is not an answer** (`is_final_value`): when the chosen candidate
   is an arithmetic expression of numbers whose value is a plain number ("3 + 4", "12 - 5", "2*3+1",
-  "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it and has no
-  answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers written as
-  numbers stay answers: integers, decimals, ``p/q`` in lowest terms and ``\\frac{p}{q}``, percentages,
-  negatives; so do
-  closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``) and symbolic answers
-  (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$" answers 7,
-  "$x = 3+4$" answers nothing).
+  "8 * -1", "8/2", "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it
+  and has no answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers
+  written as numbers stay answers: integers, decimals, ``p/q`` in lowest terms and ``\\frac{p}{q}``,
+  percentages, negatives; so do closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``)
+  and symbolic answers (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$"
+  answers 7, "$x = 3+4$" answers nothing).
+
+Known limit (math-verify's plain-expression pattern): after "the answer is", the first value is taken, so
+"The answer is 7 or 8" answers 7; in LaTeX, "$7$ or $8$" is a set and matches no single ground truth.
 """
 
 from __future__ import annotations
