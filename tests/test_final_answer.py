@@ -32,6 +32,9 @@ TABLE = [
     ("$2^{10}$", "1024", 0.0),
     ("$x = 3 + 4$", "7", 0.0),
     ("We have 3 + 4 = 7, then 7 - 1", "6", 0.0),
+    ("To calculate 8 * -1, we need to reverse the operation.", "-8", 0.0),  # a product, not a signed number
+    ("To calculate the square root of -(-8 / 2), we need to invert it.", "4", 0.0),  # 8/2 still needs computing
+    ("To find -(7 / 1), we convert the fraction.", "-7", 0.0),
     # intermediate results followed by a wrong (or no) final answer: the last answer counts
     ("3 + 4 = 7, and 7 * 2 = 14.", "7", 0.0),
     ("First 6 * 7 = 42. So the final answer is 41.", "42", 0.0),
@@ -40,6 +43,7 @@ TABLE = [
     ("3 + 4 = 8", "7", 0.0),
     ("The answer is 8", "7", 0.0),
     ("I am not sure.", "7", 0.0),
+    ("3 is already 1 / 1. There's no remainder to divide by 1, so 3 / ", "3", 0.0),  # cut off mid-expression
     # final answers
     ("3 + 4 = 7", "7", 1.0),
     ("It is 12 - 5 = 7 for sure", "7", 1.0),
@@ -49,6 +53,7 @@ TABLE = [
     ("3 + 4 makes 7. The answer is 7", "7", 1.0),
     ("7", "7", 1.0),
     ("**7**", "7", 1.0),
+    ("The answer is **-12**.", "-12", 1.0),
     ("\\boxed{7}", "7", 1.0),
     ("3 + 4 = 7, so 7 * 2 = 14. The answer is \\boxed{14}.", "14", 1.0),
     ("$3 + 4 = 7$", "7", 1.0),

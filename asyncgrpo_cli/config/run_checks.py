@@ -18,7 +18,7 @@ from typing import Any
 from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
-from .validate import check_lengths, check_training_arguments, start_warnings
+from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
 __all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
 
@@ -94,6 +94,8 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
         if ds is not None:
             columns = c.run(check_prompt_rows, ds, "prompt", key="data.prompt_column",
                             dataset_key="data.name" if cfg.data.name else "data.task")
+            if columns is not None:
+                c.run(check_environment_column, (cfg.get("environment") or {}).get("factory"), columns)
             if columns is not None and imported is not None:
                 funcs, paths = imported
                 c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)

@@ -28,7 +28,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .citations import cite_shipped
@@ -249,8 +249,31 @@ def check_groups(cfg: Any) -> None:
          "rollout.max_tool_calling_iterations", r.max_tool_calling_iterations, "must be >= 0 turns",
          "set it to 10, or null for no limit")
     rule(cfg.data.seed >= 0, "data.seed", cfg.data.seed, "must be >= 0", "set data.seed=0")
+    factory = (cfg.get("environment") or {}).get("factory")
+    if isinstance(factory, Mapping) and not cfg.data.name and not cfg.data.generator:
+        rule(False, "environment.factory", dict(factory), "a dict of environments routes every example by its "
+             f"{ENVIRONMENT_COLUMN!r} field (SPEC §16.1), and no dataset is given (data.name, data.generator)",
+             f"set data.name to a dataset with an {ENVIRONMENT_COLUMN!r} column, or give one environment "
+             "(environment.factory=module:Class)")
     if errors:
         raise ConfigErrors(errors)
+
+
+#: The dataset column that routes an example to one of a dict of environments (SPEC §16.1).
+ENVIRONMENT_COLUMN = "environment"
+
+
+def check_environment_column(factory: Any, columns: Sequence[str]) -> None:
+    """With a dict ``environment.factory``, the loaded dataset must have the ``environment`` column.
+
+    Raises:
+        ConfigError: the columns lack it (names the columns and the fix).
+    """
+    if isinstance(factory, Mapping) and ENVIRONMENT_COLUMN not in columns:
+        raise _err("environment.factory", dict(factory), f"a dict of environments routes every example by its "
+                   f"{ENVIRONMENT_COLUMN!r} field (SPEC §16.1), and the dataset's columns {list(columns)} have none",
+                   f"add an {ENVIRONMENT_COLUMN!r} column naming one of {sorted(factory)} per row, or give one "
+                   "environment (environment.factory=module:Class)")
 
 
 # ------------------------------------------------------------------------------------------ lengths

@@ -8,18 +8,22 @@ those configs and rejects one kind of candidate that math-verify would evaluate:
   (``boxed_match_priority=0``, as the reference trainer's ``accuracy_reward`` does); then an explicit final
   statement ("final answer is ...", "answer: ...", "the answer is 7", "answer ... = 7"); then, with
   ``try_extract_without_anchor=True`` on both configs, the last LaTeX or plain value in the text: a bare
-  answer ("7", "**7**"), "= 7" ending a computation, "#### 7". The reference trainer turns the
-  anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer is N" or
-  a bare number, which that setting would never credit, so it stays on here and the next rule closes the
-  hole it opens.
+  answer ("7", "**7**"), "= 7" ending a computation, "#### 7". Only that candidate counts: when math-verify
+  cannot parse it (a completion cut off inside an expression), there is no answer. The reference trainer
+  turns the anchor-free tier off (LaTeX only, anchored or boxed); the arithmetic recipes ask for "The answer
+  is N" or a bare number, which that setting would never credit, so it stays on here and the next rule
+  closes the hole it opens.
 * **An expression that still needs computing is not an answer** (`is_final_value`): when the chosen candidate
   is an arithmetic expression of numbers whose value is a plain number ("3 + 4", "12 - 5", "2*3+1",
-  "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it and has no
-  answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers written as
-  numbers stay answers: integers, decimals, ``p/q`` and ``\\frac{p}{q}``, percentages, negatives; so do
-  closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``) and symbolic answers
-  (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$" answers 7,
-  "$x = 3+4$" answers nothing).
+  "8 * -1", "8/2", "$2^{10}$", "$\\sqrt{4}$"), the completion restated the computation instead of doing it
+  and has no answer (reward 0, even if an earlier line held the value: the last answer counts). Numbers
+  written as numbers stay answers: integers, decimals, ``p/q`` in lowest terms and ``\\frac{p}{q}``,
+  percentages, negatives; so do closed forms that do not reduce to a number (``1+\\sqrt{2}``, ``\\pi/2``)
+  and symbolic answers (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$"
+  answers 7, "$x = 3+4$" answers nothing).
+
+Known limit (math-verify's plain-expression pattern): after "the answer is", the first value is taken, so
+"The answer is 7 or 8" answers 7; in LaTeX, "$7$ or $8$" is a set and matches no single ground truth.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def is_final_value(value: Any) -> bool:
     False for a numeric expression (no free symbols, not a number as written) that ``doit()`` reduces to a
     plain number, e.g. ``Add(3, 4)`` or ``Pow(2, 10)``; for an equation or inequality, its right-hand side
     is checked; for a set or tuple, every element. True for everything else: numbers, fractions
-    ``p/q`` (``Mul(p, Pow(q, -1))``, with an optional ``-1`` sign factor), percentages
+    ``p/q`` in lowest terms (``Mul(p, Pow(q, -1))``, with an optional ``-1`` sign factor), percentages
     (``Mul(n, UnevaluatedExpr(1/100))``), irrational closed forms, symbolic expressions, matrices.
     """
     import sympy
@@ -72,34 +76,43 @@ def is_final_value(value: Any) -> bool:
 
 
 def _written_number(value: Any) -> bool:
-    """A number as a person writes one, which math-verify keeps unevaluated: ``p/q``, ``-p/q``, ``n%``."""
+    """A number as a person writes one, which math-verify keeps unevaluated: a reduced fraction ``p/q``
+    (``q > 1``, ``gcd(p, q) = 1``; ``8/2`` or ``7/1`` still needs computing) or a percentage ``n%``, each with an
+    optional sign. ``8 * -1`` (``Mul(-1, 8)``) is a product, not a signed number."""
+    import math
+
     import sympy
 
     if not isinstance(value, sympy.Mul):
         return False
     factors = list(value.args)
-    if sympy.S.NegativeOne in factors and sum(f.is_Number for f in factors) > 1:  # the sign of -p/q
-        factors.remove(sympy.S.NegativeOne)
-    numbers = [f for f in factors if f.is_Number]
-    rest = [f for f in factors if not f.is_Number]
-    if len(numbers) != 1:
-        return False
-    if not rest:
-        return True
+    rest = [f for f in factors if not f.is_Number]  # the one denominator or percent factor
     if len(rest) != 1:
         return False
     (other,) = rest
-    is_denominator = isinstance(other, sympy.Pow) and other.base.is_Integer and other.exp == -1
-    is_percent = isinstance(other, sympy.UnevaluatedExpr) and other.args[0] == sympy.Rational(1, 100)
-    return is_denominator or is_percent
+    percent = isinstance(other, sympy.UnevaluatedExpr) and other.args[0] == sympy.Rational(1, 100)
+    fraction = isinstance(other, sympy.Pow) and other.base.is_Integer and other.exp == -1
+    if not (percent or fraction):
+        return False
+    numbers = [f for f in factors if f.is_Number]
+    if len(numbers) == 2 and sympy.S.NegativeOne in numbers:  # the sign of -p/q or -n%
+        numbers.remove(sympy.S.NegativeOne)
+    if len(numbers) != 1:
+        return False
+    if percent:
+        return True
+    p, q = numbers[0], other.base
+    return p.is_Integer and int(q) > 1 and math.gcd(int(p), int(q)) == 1
 
 
 def extract_final_answer(text: str) -> list[Any]:
     """The final answer of ``text`` as math-verify parses it, or ``[]`` when there is none.
 
-    Runs ``math_verify.parse`` with `answer_extraction_config`, ``extraction_mode="any_match"`` (a
-    candidate math-verify cannot parse, such as the ``7**`` it reads in ``**7**``, gives way to the next one
-    in its tier), no string fallback and no timeout of its own (the caller bounds it: math-verify's timer
+    Runs ``math_verify.parse`` with `answer_extraction_config` and ``extraction_mode="first_match"``: only
+    the chosen candidate counts, so a completion that ends in an expression math-verify cannot parse (one cut
+    off mid-way, "so 3 / ") has no answer, rather than the number inside it. Markdown bold markers (``**``)
+    become spaces first: math-verify's plain-expression pattern would read the closing ``**`` of ``**7**`` as
+    an operator. No string fallback, and no timeout of its own (the caller bounds it: math-verify's timer
     needs the main thread). A candidate that fails `is_final_value` gives ``[]``.
 
     Returns:
@@ -110,8 +123,8 @@ def extract_final_answer(text: str) -> list[Any]:
     """
     from math_verify import parse
 
-    parsed = parse(text, extraction_config=answer_extraction_config(), extraction_mode="any_match",
-                   fallback_mode="no_fallback", parsing_timeout=None)
+    parsed = parse(text.replace("**", " "), extraction_config=answer_extraction_config(),
+                   extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
     if not parsed or not is_final_value(parsed[0]):
         return []
     return parsed[:1]

@@ -42,7 +42,7 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
-from .tool_loop import run_tool_loop
+from .tool_loop import record_tool_counters, run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
@@ -119,6 +119,7 @@ class AsyncRolloutLoop:
         self.environments: EnvironmentPool | None = None
         self.tool_executor: ThreadPoolExecutor | None = None
         self._toolboxes: dict[tuple, ToolBox] = {}
+        self._tool_names = static_tool_names(self.tools, environment_factory)  # counters logged as 0 when idle
         self.score_queue_maxsize = score_queue_maxsize
         if int(scorers) < 1:
             raise ValueError(f"scorers={scorers!r}: at least one group must be scored at a time; use 1 or more")
@@ -187,6 +188,7 @@ class AsyncRolloutLoop:
         box = self._toolboxes.get(key)
         if box is None:
             box = ToolBox(tools)
+            self._tool_names.update(box.names)
             if len(self._toolboxes) >= 4096:
                 self._toolboxes.pop(next(iter(self._toolboxes)))
             self._toolboxes[key] = box
@@ -701,6 +703,7 @@ class AsyncRolloutLoop:
             m.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in rollouts])
             if not any(r.tool_call_count for r in rollouts):
                 m.add("tools/failure_frequency", math.nan)  # NaN in a window without calls (SPEC §15.2)
+            record_tool_counters(m, self._tool_names)
         transitions = sum(s.transitions for s in stats)
         if transitions:
             m.add_many("rollout/fork_frac", [1.0] * sum(s.forks for s in stats) +

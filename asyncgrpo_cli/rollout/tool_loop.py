@@ -14,7 +14,7 @@ from .metrics import MetricsWindow
 from .tools import ToolBox, ToolResult, parse_assistant_reply, run_tool_call
 from .types import Rollout, TurnRecord
 
-__all__ = ["TurnLoop", "record_tool_call", "run_tool_loop"]
+__all__ = ["TurnLoop", "record_tool_call", "record_tool_counters", "run_tool_loop", "static_tool_names"]
 
 
 class TurnLoop(Protocol):
@@ -100,3 +100,27 @@ def record_tool_call(metrics: MetricsWindow, result: ToolResult) -> None:
     metrics.add(f"tools/{result.name}/latency_s", result.latency_s)
     metrics.add(f"tools/{result.name}/call_count", 1)
     metrics.add(f"tools/{result.name}/failure_count", int(result.failed))
+
+
+def static_tool_names(tools: Any, environment_factory: Any) -> set[str]:
+    """The tool names known before any rollout: the standalone tools' and the public methods of every
+    environment class of ``environment_factory`` (one class or a dict of them; a factory function's tools are
+    known once it made an instance)."""
+    from .environments import _public_method_names
+
+    names = {t.__name__ for t in tools or [] if hasattr(t, "__name__")}
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    for factory in factories:
+        if isinstance(factory, type):
+            names.update(_public_method_names(factory))
+    return names
+
+
+def record_tool_counters(metrics: MetricsWindow, names: Any) -> None:
+    """Add 0 to ``tools/unknown_name_count`` and to ``tools/<name>/call_count`` / ``/failure_count`` of every
+    tool in ``names``: a window without a call then logs these counters as 0 (SPEC §15.4), not as absent
+    (which reads as "not measured"). Sums, so the calls `record_tool_call` adds are unchanged."""
+    metrics.add("tools/unknown_name_count", 0)
+    for name in sorted(names):
+        metrics.add(f"tools/{name}/call_count", 0)
+        metrics.add(f"tools/{name}/failure_count", 0)

@@ -61,6 +61,8 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
     from ..config.loss_rules import check_reward_weights_count
 
     check_reward_weights_count(getattr(args, "reward_weights", None), len(funcs))
+    check_environment_column(environment_factory, None if isinstance(train_dataset, EnvironmentOwnedPrompts)
+                             else train_dataset)
     if (environment_factory is None and train_dataset.column_names is not None
             and "prompt" not in train_dataset.column_names):
         raise ValueError(f"train_dataset has columns {train_dataset.column_names} but no 'prompt' column of "
@@ -71,6 +73,33 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
     if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, EnvironmentOwnedPrompts):
         check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # images refused (SPEC §14)
     return list(funcs), train_dataset
+
+
+def check_environment_column(environment_factory, train_dataset) -> None:
+    """SPEC §16.1: with a dict of environments every example must carry an ``environment`` field naming its
+    environment, so the dataset must exist and have that column.
+
+    Raises:
+        ValueError: ``environment_factory`` is a dict and ``train_dataset`` is None, or its columns are known
+            and none is ``environment``.
+    """
+    from ..rollout.environments import ENVIRONMENT_COLUMN
+
+    if not isinstance(environment_factory, dict):
+        return
+    names = sorted(environment_factory)
+    if train_dataset is None:
+        raise ValueError(f"environment_factory is a dict of environments ({names}) but train_dataset=None: every "
+                         f"example must name its environment in an {ENVIRONMENT_COLUMN!r} field (SPEC §16.1). Fix: "
+                         f"pass a train_dataset with an {ENVIRONMENT_COLUMN!r} column, e.g. "
+                         f"Dataset.from_dict({{{ENVIRONMENT_COLUMN!r}: {names!r} * 100}}), or give one environment "
+                         "class instead of a dict")
+    columns = getattr(train_dataset, "column_names", None)
+    if columns is not None and ENVIRONMENT_COLUMN not in columns:
+        raise ValueError(f"environment_factory is a dict of environments ({names}) but train_dataset has columns "
+                         f"{list(columns)} and no {ENVIRONMENT_COLUMN!r} column: every example must name its "
+                         f"environment (SPEC §16.1). Fix: add an {ENVIRONMENT_COLUMN!r} column with one of {names} "
+                         "per row, or give one environment class instead of a dict")
 
 
 def check_peft_targets(peft_config) -> None:
@@ -158,5 +187,5 @@ def check_server_at_start(sampler, args, model_id: str, model=None) -> int:
     return server_token_budget(args, sampler)
 
 
-__all__ = ["ConfigError", "check_peft_targets", "check_sampling_mask", "check_server_at_start",
-           "check_server_lengths", "check_trainer_inputs", "server_token_budget"]
+__all__ = ["ConfigError", "check_environment_column", "check_peft_targets", "check_sampling_mask",
+           "check_server_at_start", "check_server_lengths", "check_trainer_inputs", "server_token_budget"]

@@ -388,8 +388,9 @@ class AsyncGRPOTrainer(Trainer):
         if resumed and adapter and self.weight_sync.backend is not None:
             # A new name per resumed run: the server may still cache prefixes under the old run's names.
             self.weight_sync.backend.prefix = f"policy-r{int(time.time())}"
-        if resumed and not (adapter and self.model_version == 0):
-            # The server holds the base model (or another run's weights): push the checkpoint's first.
+        if not (adapter and self.model_version == 0):
+            # Before the first request, fresh run or resume: the server may hold another run's weights (an
+            # external server, a restarted job) or the base model; push the trainer's own as this version.
             self.weight_sync.sync(self.model_version)
         if not self.is_world_process_zero():
             return

@@ -480,15 +480,18 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
     Raises:
         ValueError: unknown backend, a model without ``config``, or one that refuses the implementation.
         TreeAttentionUnavailable: ``flash`` on a non-CUDA model or without a loadable kernel.
+        UnsupportedModelFeature: attention sinks or logit soft-capping (``model_features``, SPEC §2.8).
         UnsupportedTokenMixer: a token-mixing layer tree packing does not support (SPEC §2.8).
         GatedDeltaNetUnavailable: the Gated DeltaNet kernel cannot run here (e.g. fla's refused backward).
 
     ``flex`` is accepted on CPU (its forward runs eagerly) but torch 2.13 has no CPU backward for it.
     """
     from asyncgrpo_cli.train.gated_deltanet import prepare_gated_deltanet
+    from asyncgrpo_cli.train.model_features import check_model_features
 
     device = _model_device(model)
     backend = resolve_backend(backend, device)
+    check_model_features(model, model_id)  # before the token mixers: named by the feature itself
     prepare_gated_deltanet(model, model_id)
     if backend == "flash":
         if device.type != "cuda":

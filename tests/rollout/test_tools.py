@@ -283,6 +283,18 @@ def test_failures_are_tool_messages_and_counted(harness, tokenizer):
     assert m["tools/parallel_calls_mean"] == 5.0
 
 
+def test_tool_counters_are_zero_in_a_window_without_calls(harness):
+    """A window where no rollout called a tool logs the call and failure counters as 0 (a missing key reads
+    as "not measured"); the failure frequency stays NaN (no calls to divide by, SPEC §15.2)."""
+    h = harness(lambda prompt: "No tool needed: 12.", tools=[multiply, explode], allowance=0)
+    h.outcomes(1, kind="kept")
+    m = h.metrics()
+    assert m["tools/unknown_name_count"] == 0
+    for name in ("multiply", "explode"):
+        assert m[f"tools/{name}/call_count"] == 0 and m[f"tools/{name}/failure_count"] == 0
+    assert m["tools/call_frequency"] == 0.0 and m["tools/failure_frequency"] != m["tools/failure_frequency"]
+
+
 def always_calls(prompt):
     return call("multiply", a=1, b=responses(prompt))
 

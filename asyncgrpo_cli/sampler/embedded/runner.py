@@ -36,6 +36,7 @@ from .sampling import (
     sample_tokens,
     top_logprobs,
 )
+from .weight_names import expert_weight_slots
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class ModelRunner:
             self._params[name] = param
         for name, buf in model.named_buffers(remove_duplicate=False):
             self._params.setdefault(name, buf)
+        self._expert_slots = expert_weight_slots(model, self._params)  # checkpoint names of fused MoE experts
         forward_params = inspect.signature(model.forward).parameters
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
         # transformers >= 5.2x names the KV argument ``cache`` (``past_key_values`` is deprecated)
@@ -403,7 +405,8 @@ class ModelRunner:
 
         Args:
             path: a ``.safetensors`` file holding at least the tensors in ``names`` (HF names).
-            names: parameter (or buffer) names of the model, as in its HF checkpoint.
+            names: parameter (or buffer) names of the model, as in its HF checkpoint; a fused MoE expert
+                parameter is written one checkpoint expert weight at a time (`weight_names.expert_weight_slots`).
             dtype_names: optional, one per name: the dtype the trainer wrote (checked against the file).
             shapes: optional, one per name: the shape the trainer wrote (checked against the model).
 
@@ -426,7 +429,7 @@ class ModelRunner:
         with safe_open(path, framework="pt", device="cpu") as f:
             available = set(f.keys())
             for i, name in enumerate(names):
-                if name not in self._params:
+                if name not in self._params and name not in self._expert_slots:
                     close = [n for n in self._params if n.endswith(name.split(".")[-1])][:3]
                     raise WeightUpdateError(
                         f"update_info.names[{i}]={name!r} is not a parameter of the served model "
@@ -435,7 +438,7 @@ class ModelRunner:
                 if name not in available:
                     raise WeightUpdateError(f"update_info.names[{i}]={name!r} is not in the file {path}")
                 tensor = f.get_tensor(name)
-                target = self._params[name]
+                target = self._params[name] if name in self._params else self._expert_slots[name]()
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise WeightUpdateError(
                         f"{name}: the file holds shape {list(tensor.shape)}, the model expects {list(target.shape)}"
