@@ -355,7 +355,7 @@ def serve_cmd(
     if command.problems:
         for problem in command.problems:
             err.print(f"[bold red]error:[/] {problem}", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(2)  # a configuration refusal
     for note in command.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
     from .config.compose import public_host_warning
@@ -366,7 +366,7 @@ def serve_cmd(
         argv = server_exec_argv(command)
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     env = {**os.environ, **command.env}
     err.print(Text(f"$ {command.shell_line()}", style="dim"), highlight=False, soft_wrap=True, crop=False)
     sys.stdout.flush()

@@ -210,8 +210,10 @@ def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_
         names: how each function was named (its import path), for the messages.
 
     Raises:
-        ConfigErrors: a string instead of a callable; a required argument that no column provides; a
-            function without ``**kwargs`` that does not accept every argument it is given.
+        ConfigErrors: a string instead of a callable; a required argument that no column provides; none of
+            the columns a function lists in its ``ground_truth_columns`` attribute (`accuracy_reward`:
+            ``solution`` or ``answer``); a function without ``**kwargs`` that does not accept every argument
+            it is given.
     """
     errors: list[ConfigError] = []
     passed = set(RESERVED_REWARD_KWARGS) | {c for c in columns or [] if c != "prompt"}
@@ -246,6 +248,14 @@ def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_
                                f"{', '.join(columns) or 'none'}); the worker passes prompts, completions, "
                                "completion_ids and every column by keyword", "add the column to the dataset, rename "
                                "it, or give the argument a default"))
+            continue
+        truth = getattr(func, "ground_truth_columns", None) or getattr(getattr(func, "func", None),
+                                                                       "ground_truth_columns", None)
+        if truth and not any(t in passed for t in truth):
+            errors.append(_err(key, shown, f"scores against a ground-truth column, one of {', '.join(truth)}, and "
+                               f"the dataset has none (columns: {', '.join(columns) or 'none'})",
+                               f"add or rename the ground-truth column to {truth[0]}, e.g. "
+                               f"dataset.rename_column('gold', '{truth[0]}')"))
             continue
         extra = sorted(passed - accepted)
         if not has_var_kw and extra:

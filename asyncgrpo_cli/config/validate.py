@@ -274,6 +274,15 @@ def check_groups(cfg: Any) -> None:
          "rollout.max_tool_calling_iterations", r.max_tool_calling_iterations, "must be >= 0 turns",
          "set it to 10, or null for no limit")
     rule(cfg.data.seed >= 0, "data.seed", cfg.data.seed, "must be >= 0", "set data.seed=0")
+    rule(la.stop_timeout is None or la.stop_timeout > 0, "launch.stop_timeout", la.stop_timeout,
+         "the seconds the trainer gets to save after a stop must be > 0",
+         "set launch.stop_timeout=300, or null to derive it from the measured step and save times")
+    rule(s.url is None or re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?(/\S*)?", str(s.url)) is not None, "sampler.url",
+         s.url, "not an http(s) URL", "set sampler.url=http://HOST:PORT (e.g. http://127.0.0.1:8000)")
+    out = cfg.trainer.get("output_dir")
+    rule(out is None or bool(str(out).strip()), "trainer.output_dir", out,
+         "an empty folder name (it would become ./outputs/run silently)",
+         "set trainer.output_dir=PATH, or leave it out for the default")
     if errors:
         raise ConfigErrors(errors)
 
@@ -379,6 +388,10 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
             if columns is not None and imported is not None:
                 funcs, paths = imported
                 c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
+            if columns is not None and folder is not None and not c.errors:
+                from .prompt_lengths import check_dataset_lengths
+
+                c.run(check_dataset_lengths, ds, folder, cfg)
     c.raise_if_any()
     return c.warnings
 

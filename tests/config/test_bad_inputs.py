@@ -57,6 +57,9 @@ def world(tmp_path_factory):
     (root / "text.jsonl").write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": "x"}) for i in range(3)))
     (root / "ints.jsonl").write_text("\n".join(json.dumps({"prompt": i, "answer": "x"}) for i in range(3)))
     (root / "empty.jsonl").write_text("")
+    long_rows = rows[:3] + [{"prompt": [{"role": "user", "content": " ".join(["seven"] * 150)}], "answer": "7"}]
+    (root / "long.jsonl").write_text("\n".join(json.dumps(r) for r in long_rows) + "\n")
+    (root / "no_answer.jsonl").write_text("\n".join(json.dumps({"prompt": r["prompt"], "gold": "x"}) for r in rows))
     (root / "rewards_mod").mkdir()
     (root / "rewards_mod" / "badrewards.py").write_text(REWARDS_MODULE)
     sys.path.insert(0, str(root / "rewards_mod"))
@@ -86,6 +89,7 @@ def world(tmp_path_factory):
     variant("missing_column", rewards=[{"func": "badrewards:needs_gold"}])
     variant("no_kwargs", rewards=[{"func": "badrewards:no_kwargs"}])
     variant("not_callable", rewards=[{"func": "badrewards:NOT_CALLABLE"}])
+    variant("accuracy", rewards=[{"func": "asyncgrpo_cli.rewards:accuracy_reward"}])
     variant("bad_kwargs", rewards=[{"func": "badrewards:no_kwargs", "kwargs": {"tolerance": 0.1}}])
     (recipes / "broken.yaml").write_text("# @package _global_\nrollout:\n  num_generations: 4\n   top_k: 8\n")
     yield {"root": root, "model": model, "recipes": recipes}
@@ -202,6 +206,15 @@ CLI_CASES = [
     ("lora_dropout_one", [R, "peft.lora_dropout=1.0"], "peft.lora_dropout", ""),
     ("cpu_processes_zero", [R, "launch.cpu_processes=0"], "launch.cpu_processes", ""),
     ("machine_rank_too_big", [R, "launch.num_machines=2", "launch.machine_rank=2"], "launch.machine_rank", ""),
+    # issue 25: accepted silently before
+    ("output_dir_empty", [R, "trainer.output_dir="], "trainer.output_dir", "empty"),
+    ("stop_timeout_negative", [R, "launch.stop_timeout=-1"], "launch.stop_timeout", "> 0"),
+    ("prompt_plus_completion_over_max_len", [R, "data.name={root}/long.jsonl", "rollout.max_completion_length=200"],
+     "rollout.max_completion_length", "row 3"),
+    ("no_prompt_fits_the_token_budget", [R, "packing.token_budget=4"], "packing.token_budget", "no prompt fits"),
+    ("accuracy_without_ground_truth", ["+recipe=accuracy", "data.name={root}/no_answer.jsonl"], "rewards[0].func",
+     "solution, answer"),
+    ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
 ]
 
 
