@@ -132,7 +132,8 @@ def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path):
     text = console.export_text()
     assert rc == 1
     assert "the trainer exited with code 3" in text
-    assert "RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "cause: RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "Traceback" not in text  # the frames stay in the log
     assert "failed" in text  # summary outcome
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
 
@@ -371,3 +372,19 @@ def test_a_plan_that_cannot_run_here_is_a_configuration_refusal(make_cfg):
         assert run_train(cfg, dry_run=dry_run, console=console, gpu_count=0, timeouts=FAST) == 2
         assert "sampler.backend=vllm needs a CUDA GPU" in console.export_text()
     assert not (out / "logs").exists()
+
+
+def test_an_external_server_that_refuses_connections_fails_fast_with_how_to_start_it(make_cfg, monkeypatch):
+    """sampler.backend=external with nothing listening: not "still loading" for sampler.timeout (it was up to 30
+    minutes) but exit 2 after a short bound, naming the refused URL and asyncgrpo serve."""
+    import asyncgrpo_cli.launch.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "REFUSED_BOUND_S", 1.0)
+    port = free_port()
+    cfg, out = make_cfg("sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}", "sampler.timeout=600")
+    console = record_console()
+    start = time.monotonic()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST) == 2
+    assert time.monotonic() - start < 60
+    text = console.export_text()
+    assert f"connection refused at http://127.0.0.1:{port}" in text and "asyncgrpo serve" in text, text
