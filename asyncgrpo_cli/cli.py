@@ -280,6 +280,8 @@ def config_cmd(
                   highlight=False, soft_wrap=True)
         return
     _validate(cfg, "train")  # the deep pass train runs, after the YAML: exit 2 with every problem it finds
+    err.print("[green]config --check: every check train runs before it starts passed[/] (the server's own "
+              "checks run when it answers: asyncgrpo doctor)", highlight=False, soft_wrap=True)
 
 
 @app.command("recipes")

@@ -214,6 +214,8 @@ CLI_CASES = [
     ("no_prompt_fits_the_token_budget", [R, "packing.token_budget=4"], "packing.token_budget", "no prompt fits"),
     ("accuracy_without_ground_truth", ["+recipe=accuracy", "data.name={root}/no_answer.jsonl"], "rewards[0].func",
      "solution, answer"),
+    ("output_dir_not_writable", [R, "trainer.output_dir={root}/good.jsonl/run"], "trainer.output_dir", "is a file"),
+    ("gguf_file_with_a_model_folder", [R, "model.gguf_file=model-q8.gguf"], "model.gguf_file", "not found"),
     ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
 ]
 
@@ -232,6 +234,23 @@ def test_cli_bad_input(world, tripwire, case_id, overrides, key, extra):
     assert not UNSHIPPED.search(out), out  # messages cite what ships: README sections
     assert elapsed < FAIL_WITHIN_S
     assert not tripwire, "a config error reached the launcher"
+
+
+def test_a_tracker_that_is_not_installed_is_refused_and_check_says_what_passed(world, tripwire):
+    import importlib.util
+
+    if importlib.util.find_spec("trackio") is not None:
+        pytest.skip("trackio is installed here")
+    for command in (["train", "--dry-run"], ["config", "--check"]):
+        result = runner.invoke(app, [*command, "--recipes-dir", str(world["recipes"]), R, "trainer.report_to=trackio"])
+        assert result.exit_code == 2 and "trainer.report_to" in result.output, result.output
+        assert "pip install trackio" in result.output and "Traceback" not in result.output
+    passed = runner.invoke(app, ["config", "--check", "--recipes-dir", str(world["recipes"]), R])
+    assert passed.exit_code == 0 and "every check train runs before it starts passed" in passed.output
+    refused = runner.invoke(app, ["config", "--check", "--recipes-dir", str(world["recipes"]), R,
+                                  "model.gguf_file=model-q8.gguf"])
+    assert refused.exit_code == 2 and "model.gguf_file" in refused.output and "passed" not in refused.output
+    assert not tripwire
 
 
 def test_cli_reports_several_problems_at_once(world, tripwire):

@@ -44,6 +44,7 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     rc = job.wait(STOP_BOUND_S + 60)
     elapsed = time.monotonic() - died
     text = job.output()
+    print(f"measured: server kill -9 during the sync -> job exit in {elapsed:.1f} s")  # docs/FAULTS.md
     assert rc == 1, text[-4000:]
     assert elapsed < STOP_BOUND_S, (elapsed, text[-4000:])  # not launch.stop_timeout=600, not sampler.timeout
     job.assert_no_process_left(30)
@@ -75,6 +76,7 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     # inside its retry loop), the rollout worker (bound to the trainer) and its children
     job.assert_no_process_left(STOP_BOUND_S)
     elapsed = time.monotonic() - killed
+    print(f"measured: supervisor kill -9 -> {family} processes gone in {elapsed:.1f} s")  # docs/FAULTS.md
     assert family >= 4 and elapsed < STOP_BOUND_S, (family, elapsed)
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert f"the supervisor (pid {job.pid}) is gone" in trainer_log, trainer_log[-4000:]
