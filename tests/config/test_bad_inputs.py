@@ -216,6 +216,8 @@ CLI_CASES = [
      "solution, answer"),
     ("output_dir_not_writable", [R, "trainer.output_dir={root}/good.jsonl/run"], "trainer.output_dir", "is a file"),
     ("gguf_file_with_a_model_folder", [R, "model.gguf_file=model-q8.gguf"], "model.gguf_file", "not found"),
+    ("group_option_unknown", [R, "loss=ppo"], "loss=ppo", "its options: default"),
+    ("list_override_malformed", [R, "rewards=[{fnc:badrewards:good_reward}]"], "rewards", "'rewards=["),
     ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
 ]
 
@@ -251,6 +253,16 @@ def test_a_tracker_that_is_not_installed_is_refused_and_check_says_what_passed(w
                                   "model.gguf_file=model-q8.gguf"])
     assert refused.exit_code == 2 and "model.gguf_file" in refused.output and "passed" not in refused.output
     assert not tripwire
+
+
+def test_list_overrides_on_the_command_line_set_the_list(world, tripwire):
+    """README's list form works as an override (Hydra alone reads rewards=[...] as an option file of the group)."""
+    result, _ = _cli(world, [R, "rewards=[badrewards:good_reward,{func:badrewards:good_reward,kwargs:{}}]",
+                             "tools=[asyncgrpo_cli.envs.calculator:calculate]"])
+    assert result.exit_code == 0, result.output
+    cfg = tripwire[0]
+    assert [r.func for r in cfg.rewards] == ["badrewards:good_reward"] * 2
+    assert list(cfg.tools) == ["asyncgrpo_cli.envs.calculator:calculate"]
 
 
 def test_cli_reports_several_problems_at_once(world, tripwire):
