@@ -357,7 +357,7 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
         c.run(check_training_arguments, trainer_values, lambda n: f"trainer.{n}")
     folder = None
     if cfg.model.name:
-        result = c.run(_model_for_cli, cfg)
+        result = c.run(_model_for_cli, cfg, command == "train")
         if result is not None:
             folder, notes = result
             c.warnings.extend(notes)
@@ -379,6 +379,8 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
     imported = c.run(check_imports, cfg)
     c.run(check_data_source, cfg.data.name)
     local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
+    if command == "train" and cfg.data.name and not local and not c.errors:
+        c.run(_check_hub_dataset, str(cfg.data.name))
     if not c.errors and local:  # loaded only when local (a Hub dataset is never downloaded by a check) and sound
         from ..data import load_prompts
 
@@ -502,7 +504,7 @@ def check_output_dir(output_dir: Any) -> None:
                    "choose a writable folder with trainer.output_dir=...")
 
 
-def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
+def _model_for_cli(cfg: Any, probe_hub: bool = False) -> tuple[Path | None, list[str]]:
     from ..models import plan_model_path
 
     try:
@@ -513,7 +515,19 @@ def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
         return None, []
     if gguf is not None:  # exported on the first start; the GGUF carries the chat template
         return None, []
-    return check_model_source(path, "model.name")
+    return check_model_source(path, "model.name", probe_hub=probe_hub)
+
+
+def _check_hub_dataset(name: str) -> None:
+    """A Hub dataset needs the Hub unless ``datasets`` runs offline on its cache (``HF_DATASETS_OFFLINE``)."""
+    import os
+
+    from .sources import check_hub_reachable
+
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
+        return  # datasets reads its cache (and says so itself when the dataset is not there)
+    check_hub_reachable(name, "data.name", what="dataset")
 
 
 def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:

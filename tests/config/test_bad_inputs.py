@@ -265,6 +265,27 @@ def test_list_overrides_on_the_command_line_set_the_list(world, tripwire):
     assert list(cfg.tools) == ["asyncgrpo_cli.envs.calculator:calculate"]
 
 
+def test_a_hub_id_without_the_hub_is_one_line_before_anything_starts(world, tripwire, monkeypatch):
+    """No network: a Hub model that is not cached, or a Hub dataset, is refused at once (it failed 70-98 s in
+    with a raw ConnectionError), naming the id, why the Hub cannot be used and the fix."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there: refused at once, whatever this machine's network
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for extra, key in (["model.name=someorg/not-cached-model"], "model.name"), (["data.name=someorg/prompts"],
+                                                                               "data.name"):
+        result, elapsed = _cli(world, [R, *extra])
+        out = result.output
+        assert result.exit_code == 2 and f"{key}='someorg/" in out and "unreachable" in out, out
+        assert "HF_HUB_OFFLINE=1" in out and "Traceback" not in out and elapsed < FAIL_WITHIN_S
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result, _ = _cli(world, [R, "model.name=someorg/not-cached-model"])
+    assert result.exit_code == 2 and "HF_HUB_OFFLINE is set" in result.output, result.output
+    assert not tripwire
+
+
 def test_cli_reports_several_problems_at_once(world, tripwire):
     result, _ = _cli(world, [R, "trainer.gradient_accumulation_steps=0", "trainer.learning_rate=-1",
                              "data.name=/nonexistent/p.jsonl"])
