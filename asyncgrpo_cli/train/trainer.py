@@ -30,7 +30,8 @@ from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import install_loss_head, row_loss
-from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
+from .batcher import (OVERSIZE_STREAK_LIMIT, MicroBatchPlan, TokenBudgetBatcher, batch_metrics,
+                      oversize_stop_message)
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
@@ -488,6 +489,13 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             plan = self.batcher.add(s)
             if plan is not None:
                 closed.append(plan)
+            if self.batcher.oversize_streak >= OVERSIZE_STREAK_LIMIT:  # every sample dropped: no step ever fills
+                from ..config.rules import ConfigError
+
+                raise ConfigError(oversize_stop_message(self.token_budget, len(s.input_ids),
+                                                        self.batcher.oversize_streak,
+                                                        key="token_budget (CLI: packing.token_budget)"),
+                                  key="token_budget")
         return closed
 
     def _drop_if_stale(self, sample: TrainingSequence) -> bool:
