@@ -1,6 +1,7 @@
 """The supervised server dies (kill -9) in the middle of a weight sync, and the supervisor itself is killed
 with -9 while the trainer waits on the server: the trainer stops retrying at once, saves the step it
-completed, the run ends with a final status and nothing is left running (docs/FAULTS.md, drills 14 and 15).
+completed, the run ends with a final status and nothing is left running (docs/FAULTS.md: the rows
+"the supervised server killed" and "the supervisor itself is killed").
 
 Both drills run the real ``asyncgrpo train`` (`supervised_job.py`); its embedded sampler is
 `outage_program.py server`, which dies (``--die-on``) or stops answering (``--hang-on``) at the first
