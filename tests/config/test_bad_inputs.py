@@ -57,6 +57,9 @@ def world(tmp_path_factory):
     (root / "text.jsonl").write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": "x"}) for i in range(3)))
     (root / "ints.jsonl").write_text("\n".join(json.dumps({"prompt": i, "answer": "x"}) for i in range(3)))
     (root / "empty.jsonl").write_text("")
+    (root / "empty_data").mkdir()
+    (root / "empty_data" / "train.jsonl").write_text("")
+    (root / "blank.jsonl").write_text("\n\n")
     long_rows = rows[:3] + [{"prompt": [{"role": "user", "content": " ".join(["seven"] * 150)}], "answer": "7"}]
     (root / "long.jsonl").write_text("\n".join(json.dumps(r) for r in long_rows) + "\n")
     (root / "no_answer.jsonl").write_text("\n".join(json.dumps({"prompt": r["prompt"], "gold": "x"}) for r in rows))
@@ -218,6 +221,8 @@ CLI_CASES = [
     ("gguf_file_with_a_model_folder", [R, "model.gguf_file=model-q8.gguf"], "model.gguf_file", "not found"),
     ("group_option_unknown", [R, "loss=ppo"], "loss=ppo", "its options: default"),
     ("list_override_malformed", [R, "rewards=[{fnc:badrewards:good_reward}]"], "rewards", "'rewards=["),
+    ("data_folder_of_empty_files", [R, "data.name={root}/empty_data"], "data.name", "no rows"),
+    ("data_blank_lines", [R, "data.name={root}/blank.jsonl"], "data.name", "no rows"),
     ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
 ]
 
