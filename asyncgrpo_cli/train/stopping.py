@@ -25,7 +25,10 @@ own_reason: list[str] = []
 
 def stop_reason(output_dir: str | Path, signum: int) -> str:
     """Why the trainer was asked to stop: the supervisor's line (`STOP_REASON_FILE`) or the signal's name."""
-    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
     try:
         text = own_reason[-1] if own_reason else (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
     except OSError:
