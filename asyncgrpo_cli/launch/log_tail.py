@@ -16,7 +16,8 @@ LOG_TAIL_LINES = 30
 _READ_BYTES = 262144
 
 _TRACEBACK = "Traceback (most recent call last):"
-_CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* (returned non-zero exit status|died with <Signals)")
+_CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* "
+                             r"(returned non-zero exit status|died with <Signals)")
 _DIED_WITH = re.compile(r"died with <Signals\.(SIG\w+): \d+>")
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 _OWN_ERROR = re.compile(r"^(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")

@@ -67,7 +67,8 @@ from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import failure_cause, killed_by, tail_lines, without_tracebacks
-from .preflight import _check_run_lock, check_server_port, free_port, health_refused, port_in_use, probe_health  # noqa: F401
+from .preflight import (_check_run_lock, check_server_port, free_port, health_refused, port_in_use,  # noqa: F401
+                        probe_health)
 from .server_command import ServerCommand
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
