@@ -315,6 +315,8 @@ def config_cmd(
                   highlight=False, soft_wrap=True)
         return
     _validate(cfg, "train")  # the deep pass train runs, after the YAML: exit 2 with every problem it finds
+    err.print("[green]config --check: every check train runs before it starts passed[/] (the server's own "
+              "checks run when it answers: asyncgrpo doctor)", highlight=False, soft_wrap=True)
 
 
 @app.command("recipes")
@@ -390,7 +392,7 @@ def serve_cmd(
     if command.problems:
         for problem in command.problems:
             err.print(f"[bold red]error:[/] {problem}", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(2)  # a configuration refusal
     for note in command.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
     from .config.compose import public_host_warning
@@ -401,7 +403,7 @@ def serve_cmd(
         argv = server_exec_argv(command)
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     env = {**os.environ, **command.env}
     err.print(Text(f"$ {command.shell_line()}", style="dim"), highlight=False, soft_wrap=True, crop=False)
     sys.stdout.flush()

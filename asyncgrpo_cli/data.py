@@ -87,10 +87,19 @@ def load_prompts(cfg: DictConfig):
     check_data_source(str(data.name))
     path = Path(str(data.name)).expanduser()
     builder = _FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
-    if builder is not None:  # one data file: datasets loads it with the builder of its format
-        ds = datasets.load_dataset(builder, data_files=str(path), split=str(data.split), streaming=bool(data.streaming))
-    else:
-        ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split), streaming=bool(data.streaming))
+    try:
+        if builder is not None:  # one data file: datasets loads it with the builder of its format
+            ds = datasets.load_dataset(builder, data_files=str(path), split=str(data.split),
+                                       streaming=bool(data.streaming))
+        else:
+            ds = datasets.load_dataset(str(data.name), data.subset, split=str(data.split),
+                                       streaming=bool(data.streaming))
+    except (StopIteration, ValueError) as exc:  # datasets' words for an empty file or folder
+        if not isinstance(exc, StopIteration) and "corresponds to no data" not in str(exc):
+            raise
+        raise ConfigError(f"data.name={str(data.name)!r}: no rows (the file, or every data file of the folder, is "
+                          "empty), so no prompt could ever be sampled. Fix: point data.name at a file or folder "
+                          "with at least one prompt (json, jsonl, csv, parquet)", key="data.name") from None
     column = str(data.prompt_column)
     names = ds.column_names or []
     if not data.streaming and len(ds) == 0:

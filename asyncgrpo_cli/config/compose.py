@@ -185,7 +185,7 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = list(overrides or [])
+    overrides, lists = _list_overrides(list(overrides or []))
     broken = _register(extra_recipe_dirs)
     for name in _selected_recipes(overrides):
         if name in broken:
@@ -200,9 +200,55 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
                           "Fix: a group (model, data, rewards, rollout, ...) is selected with group=option; to set "
                           "a list such as the reward functions, put it in a recipe (+recipe=NAME, --recipes-dir DIR)"
                           ) from exc
+    if lists:
+        _set_lists(cfg, lists)
     if validate:
         validate_config(cfg)
     return cfg
+
+
+LIST_GROUPS = ("rewards", "tools")
+"""Groups whose config is a list: ``rewards=[...]`` / ``tools=[...]`` on the command line set the list itself."""
+
+
+def _list_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``(the overrides for Hydra, the list overrides of `LIST_GROUPS`)``. Hydra reads ``tools=X`` as the option
+    X of the group, so ``tools=[pkg.mod:fn]`` would look for a file ``conf/tools/[pkg.mod:fn].yaml``."""
+    rest, lists = [], []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        (lists if sep and key in LIST_GROUPS and value.lstrip().startswith("[") else rest).append(o)
+    return rest, lists
+
+
+def _set_lists(cfg: DictConfig, lists: list[str]) -> None:
+    """Set each list override (Hydra's own override grammar parses the value); a reward given as a plain
+    ``module:function`` string becomes ``{func: ...}``.
+
+    Raises:
+        ConfigError: the value does not parse, or has the wrong form (naming the key and how to write it).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    example = {"rewards": "'rewards=[asyncgrpo_cli.rewards:accuracy_reward,{func:my_pkg.mod:fn,kwargs:{scale:0.5}}]'",
+               "tools": "'tools=[my_pkg.tools:add,my_pkg.tools:multiply]'"}
+    parser = OverridesParser.create()
+    for override in lists:
+        key = override.partition("=")[0]
+        try:
+            value = parser.parse_override(override).value()
+            if key == "rewards":
+                from .schema import RewardFuncConfig
+
+                value = [OmegaConf.merge(OmegaConf.structured(RewardFuncConfig), {"func": v} if isinstance(v, str)
+                                         else v) for v in value]
+            cfg[key] = value
+        except (HydraException, OmegaConfBaseException, TypeError, ValueError) as exc:
+            raise ConfigError(f"{override}: not a list of the form {key} takes ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}). Fix: quote the whole override for the shell, "
+                              f"e.g. {example[key]}", key=key) from None
 
 
 def _value_without(key: str, overrides: list[str], recipe_dirs: list[str | Path] | None) -> Any:
@@ -235,6 +281,16 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         hint = f"did you mean +recipe={close[0]}? Or use" if close else "use"
         return (f"+recipe={name}: there is no such recipe. Fix: {hint} one of the recipes ({', '.join(known)}), "
                 f"or add your folder with --recipes-dir DIR")
+    option = re.search(r"Could not (?:find|load) '([a-z_]+)/([^']+)'", msg)
+    if option and option.group(1) != "recipe":  # one line with the known options, not Hydra's search path
+        import difflib
+
+        group, name = option.groups()
+        known = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        close = difflib.get_close_matches(name, known, n=1)
+        pick = f"{group}={close[0] if close else known[0]}" if known else f"{group}=..."
+        return (f"{group}={name}: the {group} group has no option {name!r} (its options: {', '.join(known) or 'none'})"
+                f". Fix: {pick}, or set one key with {group}.KEY=VALUE (`asyncgrpo config` lists the keys)")
     if "Key" in msg and "not in" in msg:
         from .override_errors import unknown_key_message
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
         c.run(check_training_arguments, trainer_values, lambda n: f"trainer.{n}")
     folder = None
     if cfg.model.name:
-        result = c.run(_model_for_cli, cfg)
+        result = c.run(_model_for_cli, cfg, command == "train")
         if result is not None:
             folder, notes = result
             c.warnings.extend(notes)
@@ -84,9 +84,12 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
         return c.warnings
     if not c.errors:
         c.run(check_training_args_build, cfg)
+    c.run(check_output_dir, cfg.trainer.get("output_dir"))
     imported = c.run(check_imports, cfg)
     c.run(check_data_source, cfg.data.name)
     local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
+    if command == "train" and cfg.data.name and not local and not c.errors:
+        c.run(_check_hub_dataset, str(cfg.data.name))
     if not c.errors and local:  # loaded only when local (a Hub dataset is never downloaded by a check) and sound
         from ..data import load_prompts
 
@@ -99,6 +102,10 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
             if columns is not None and imported is not None:
                 funcs, paths = imported
                 c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
+            if columns is not None and folder is not None and not c.errors:
+                from .prompt_lengths import check_dataset_lengths
+
+                c.run(check_dataset_lengths, ds, folder, cfg)
     c.raise_if_any()
     return c.warnings
 
@@ -149,6 +156,7 @@ def check_training_args_build(cfg: Any) -> None:
 
     known = sorted(INTEGRATION_TO_CALLBACK)
     trackers = list(args.report_to or [])
+    check_trackers_installed(t for t in trackers if t in INTEGRATION_TO_CALLBACK)
     for tracker in trackers:
         if tracker not in INTEGRATION_TO_CALLBACK:
             close = difflib.get_close_matches(tracker, known, n=1)
@@ -159,16 +167,78 @@ def check_training_args_build(cfg: Any) -> None:
                        "or none)", f"trainer.report_to={fix}")
 
 
-def _model_for_cli(cfg: Any) -> tuple[Path | None, list[str]]:
+TRACKER_PACKAGES = {"trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml",
+                    "neptune": "neptune", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab",
+                    "tensorboard": ("tensorboard", "tensorboardX")}
+"""The package each ``report_to`` tracker needs (transformers looks for it only when the trainer is built)."""
+
+
+def check_trackers_installed(trackers: Iterable[str]) -> None:
+    """Every tracker of ``trainer.report_to`` is importable.
+
+    Raises:
+        ConfigError: naming the tracker, the missing package and the fix.
+    """
+    import importlib.util
+
+    for tracker in trackers:
+        packages = TRACKER_PACKAGES.get(tracker)
+        if packages is None:
+            continue
+        packages = (packages,) if isinstance(packages, str) else packages
+        if not any(importlib.util.find_spec(p) is not None for p in packages):
+            raise _err("trainer.report_to", tracker, f"{packages[0]} is not installed, and transformers needs it to "
+                       "report there", f"pip install {packages[0]}, or drop it from trainer.report_to (none to "
+                       "report nowhere)")
+
+
+def check_output_dir(output_dir: Any) -> None:
+    """``trainer.output_dir`` can be created and written (checked without creating anything: the nearest
+    existing folder on its path must be a writable folder).
+
+    Raises:
+        ConfigError: naming the folder, what is in the way and the fix.
+    """
+    import os
+
+    out = Path(str(output_dir)).expanduser().resolve() if output_dir else Path.cwd()  # default: under it
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    problem = None
+    if not probe.is_dir():
+        problem = f"{probe} is a file, not a folder"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problem = f"{probe} is not writable by this user"
+    if problem:
+        raise _err("trainer.output_dir", str(out), f"not writable ({problem})",
+                   "choose a writable folder with trainer.output_dir=...")
+
+
+def _model_for_cli(cfg: Any, probe_hub: bool = False) -> tuple[Path | None, list[str]]:
     from .models import plan_model_path
 
     try:
         path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
     except ConfigError:  # a missing GGUF package: serve and train report it themselves (a dry run as a note)
+        if Path(str(cfg.model.name)).expanduser().is_dir():  # a folder without the recipe's GGUF: refused now
+            raise
         return None, []
     if gguf is not None:  # exported on the first start; the GGUF carries the chat template
         return None, []
-    return check_model_source(path, "model.name")
+    return check_model_source(path, "model.name", probe_hub=probe_hub)
+
+
+def _check_hub_dataset(name: str) -> None:
+    """A Hub dataset needs the Hub unless ``datasets`` runs offline on its cache (``HF_DATASETS_OFFLINE``)."""
+    import os
+
+    from .sources import check_hub_reachable
+
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
+        return  # datasets reads its cache (and says so itself when the dataset is not there)
+    check_hub_reachable(name, "data.name", what="dataset")
 
 
 def _load_for_check(load_prompts: Callable[[Any], Any], cfg: Any) -> Any:

@@ -54,7 +54,46 @@ def model_max_len(folder: Path) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def check_model_source(name: Any, key: str = "model.name", *, needs_chat_template: bool = True) -> tuple[Path | None, list[str]]:
+HUB_PROBE_S = 5.0
+"""Timeout of the one request that tells whether the Hugging Face Hub answers (`hub_problem`)."""
+
+
+def hub_problem(timeout_s: float = HUB_PROBE_S) -> str | None:
+    """Why the Hugging Face Hub cannot be used from here (``HF_HUB_OFFLINE`` set, or its endpoint does not
+    answer within ``timeout_s``), None when it answers. One HEAD request to the endpoint's root."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    import httpx
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        httpx.head(endpoint, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"the Hugging Face Hub ({endpoint}) is unreachable ({type(exc).__name__}: {str(exc)[:120]})"
+    return None
+
+
+def check_hub_reachable(name: str, key: str, what: str = "model") -> None:
+    """A Hub id that is not cached here needs the Hub: refuse it now, in one line, when the Hub cannot be used
+    (else the server or the trainer fails a minute in with a raw ``ConnectionError``).
+
+    Raises:
+        ConfigError: naming the id, why the Hub cannot be used and the fix.
+    """
+    problem = hub_problem()
+    if problem is None:
+        return
+    local = "a local folder" if what == "model" else "a local data file or folder"
+    where = "is not in the local cache" if what == "model" else "is read from the Hub"
+    raise _err(key, name, f"this Hub {what} {where}, and {problem}",
+               f"set {key} to {local}, or download it where the Hub is reachable and run with HF_HUB_OFFLINE=1 "
+               "(the cached copy is used)")
+
+
+def check_model_source(name: Any, key: str = "model.name", *, needs_chat_template: bool = True,
+                       probe_hub: bool = False) -> tuple[Path | None, list[str]]:
     """Check that ``name`` is a local model folder or a well-formed Hub id (no network is used).
 
     Args:
@@ -93,6 +132,8 @@ def check_model_source(name: Any, key: str = "model.name", *, needs_chat_templat
     else:
         folder = _hub_cache_folder(name)
         if folder is None:  # downloaded when the server and the trainer start; its template is checked then
+            if probe_hub:
+                check_hub_reachable(name, key)
             return None, notes
     if needs_chat_template and not _has_chat_template(folder):
         raise _err(key, name, "its tokenizer has no chat template, and prompts are chat messages rendered with it "
@@ -210,8 +251,10 @@ def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_
         names: how each function was named (its import path), for the messages.
 
     Raises:
-        ConfigErrors: a string instead of a callable; a required argument that no column provides; a
-            function without ``**kwargs`` that does not accept every argument it is given.
+        ConfigErrors: a string instead of a callable; a required argument that no column provides; none of
+            the columns a function lists in its ``ground_truth_columns`` attribute (`accuracy_reward`:
+            ``solution`` or ``answer``); a function without ``**kwargs`` that does not accept every argument
+            it is given.
     """
     errors: list[ConfigError] = []
     passed = set(RESERVED_REWARD_KWARGS) | {c for c in columns or [] if c != "prompt"}
@@ -246,6 +289,14 @@ def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_
                                f"{', '.join(columns) or 'none'}); the worker passes prompts, completions, "
                                "completion_ids and every column by keyword", "add the column to the dataset, rename "
                                "it, or give the argument a default"))
+            continue
+        truth = getattr(func, "ground_truth_columns", None) or getattr(getattr(func, "func", None),
+                                                                       "ground_truth_columns", None)
+        if truth and not any(t in passed for t in truth):
+            errors.append(_err(key, shown, f"scores against a ground-truth column, one of {', '.join(truth)}, and "
+                               f"the dataset has none (columns: {', '.join(columns) or 'none'})",
+                               f"add or rename the ground-truth column to {truth[0]}, e.g. "
+                               f"dataset.rename_column('gold', '{truth[0]}')"))
             continue
         extra = sorted(passed - accepted)
         if not has_var_kw and extra:

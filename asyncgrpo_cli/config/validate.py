@@ -255,6 +255,15 @@ def check_groups(cfg: Any) -> None:
              f"{ENVIRONMENT_COLUMN!r} field (SPEC §16.1), and no dataset is given (data.name, data.generator)",
              f"set data.name to a dataset with an {ENVIRONMENT_COLUMN!r} column, or give one environment "
              "(environment.factory=module:Class)")
+    rule(la.stop_timeout is None or la.stop_timeout > 0, "launch.stop_timeout", la.stop_timeout,
+         "the seconds the trainer gets to save after a stop must be > 0",
+         "set launch.stop_timeout=300, or null to derive it from the measured step and save times")
+    rule(s.url is None or re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?(/\S*)?", str(s.url)) is not None, "sampler.url",
+         s.url, "not an http(s) URL", "set sampler.url=http://HOST:PORT (e.g. http://127.0.0.1:8000)")
+    out = cfg.trainer.get("output_dir")
+    rule(out is None or bool(str(out).strip()), "trainer.output_dir", out,
+         "an empty folder name (it would become ./outputs/run silently)",
+         "set trainer.output_dir=PATH, or leave it out for the default")
     if errors:
         raise ConfigErrors(errors)
 

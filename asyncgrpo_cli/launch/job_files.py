@@ -4,11 +4,24 @@ stop grace, closed with a final state when the trainer could not), and the newes
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 FINAL_STATES = ("finished", "stopped")
+
+
+def exit_text(code: int | None) -> str:
+    """``exited with code 3``, or ``was killed by SIGKILL`` for a `subprocess` return code of minus a signal."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def read_status(output_dir: str | Path) -> dict[str, Any]:
@@ -43,16 +56,21 @@ def stop_grace(configured: float | None, output_dir: str | Path, fallback_s: flo
 
 def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> None:
     """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
-    ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept;
-    an absent file stays absent (nothing ran)."""
+    ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept, except
+    a trainer's ``stopped`` when the job failed (rc 1: it was stopped because its server
+    died): the job's ``failed: <failure>`` then, the trainer's state in ``trainer_state``, so that the
+    file, the console and the exit status agree. An absent file stays absent (nothing ran)."""
     from ..run.state import write_json_atomic
 
     status = read_status(output_dir)
     if not status:
         return
     state = str(status.get("state", ""))
-    if state in FINAL_STATES or state.startswith("failed"):
+    if state.startswith("failed") or state == "finished" or (state == "stopped" and (rc in (0, 130, 143)
+                                                                                     or not failure)):
         return
+    if state == "stopped":  # the trainer stopped as asked, but the job failed (e.g. its server died)
+        status["trainer_state"] = state
     if rc == 0:
         final = "finished"
     elif rc in (130, 143):

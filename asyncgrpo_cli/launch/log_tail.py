@@ -16,7 +16,11 @@ LOG_TAIL_LINES = 30
 _READ_BYTES = 262144
 
 _TRACEBACK = "Traceback (most recent call last):"
-_CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* returned non-zero exit status")
+_CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* "
+                             r"(returned non-zero exit status|died with <Signals)")
+_DIED_WITH = re.compile(r"died with <Signals\.(SIG\w+): \d+>")
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
+_OWN_ERROR = re.compile(r"^(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")
 _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
 _RULE = re.compile(r"^=+\s*$")
 
@@ -79,3 +83,46 @@ def launcher_report_removed(lines: list[str]) -> list[str]:
 def failure_tail(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
     """The last ``n`` lines of a failed child's log once the launcher's own report is removed."""
     return launcher_report_removed(tail_lines(path, n + 60))[-n:]
+
+
+def killed_by(path: str | Path) -> str | None:
+    """The signal (``SIGKILL``) that killed the trainer, as its launcher reported it in the log (accelerate's
+    ``CalledProcessError ... died with <Signals.SIGKILL: 9>``: the launcher itself then exits with 1)."""
+    for line in reversed(tail_lines(path, 200)):
+        found = _DIED_WITH.search(line)
+        if found:
+            return found.group(1)
+    return None
+
+
+def failure_cause(lines: list[str]) -> str | None:
+    """The one line that says why a child failed: the last ``error: ...`` line it printed itself (the
+    trainer's own messages name the fix), else the last exception line of its tracebacks (the launcher's
+    removed first), cut to 600 characters; None when there is neither."""
+    kept = launcher_report_removed(lines)
+    for line in reversed(kept):
+        own = _OWN_ERROR.match(line.strip())
+        if own:
+            return own.group(1)[:600]
+    for line in reversed(kept):
+        found = _EXCEPTION.match(line.strip())
+        if found and not line.startswith(" "):
+            name, text = found.group(1), (found.group(2) or "").strip()
+            return (f"{name}: {text}" if text else name)[:600]
+    return None
+
+
+def without_tracebacks(lines: list[str]) -> list[str]:
+    """``lines`` with each traceback cut to its last line (the exception): the frames are in the log."""
+    out: list[str] = []
+    inside = False
+    for line in launcher_report_removed(lines):
+        if line.startswith(_TRACEBACK):
+            inside = True
+            continue
+        if inside and (line.startswith(" ") or not line.strip() or line.startswith("During handling")
+                       or line.startswith("The above exception")):
+            continue
+        inside = False
+        out.append(line)
+    return out

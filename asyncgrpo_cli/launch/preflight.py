@@ -23,6 +23,20 @@ def probe_health(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def health_refused(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET {url}/health`` fails because the connection is refused: nothing listens at ``url``
+    (unlike a server that accepts connections while it loads)."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout)
+    except httpx.ConnectError as exc:
+        return "refused" in str(exc).lower() or isinstance(exc.__cause__, ConnectionRefusedError)
+    except httpx.HTTPError:
+        return False
+    return False
+
+
 def free_port() -> int:
     """A TCP port free on this machine right now (for the single-machine rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

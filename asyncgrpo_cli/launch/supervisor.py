@@ -32,7 +32,8 @@ launcher and its direct children (the ranks: accelerate's single-process launche
 trainer saves), then sends SIGTERM,
 then SIGKILL; the server is stopped afterwards. A second signal skips the waits. Note: torchrun
 (2+ processes) itself kills ranks that have not exited 30 s after its SIGINT. Exit status: 0 when the trainer finished, 1 on a failure (with the
-failing component's last log lines), 2 on a config error, 130 / 143 after SIGINT / SIGTERM.
+failing component's cause and last log lines), 2 on a configuration refusal (a config error, a plan
+that cannot run here, a server the doctor refuses), 130 / 143 after SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -60,18 +61,22 @@ from rich.text import Text
 
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
+from ..train.stopping import clear_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
-from .job_files import finalize_status, newest_checkpoint, stop_grace
-from ..run.orphans import die_with_parent
-from .log_tail import LOG_TAIL_LINES, failure_tail, tail_lines
-from .preflight import _check_run_lock, check_server_port, free_port, port_in_use, probe_health  # noqa: F401
+from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
+from .child import Child  # noqa: F401 - re-exported
+from .log_tail import failure_cause, killed_by, tail_lines, without_tracebacks
+from .preflight import (_check_run_lock, check_server_port, free_port, health_refused, port_in_use,  # noqa: F401
+                        probe_health)
 from ..server.command import ServerCommand
 
+REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(INFO|WARNING|DEBUG|ERROR)?\s*(\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?)?\s*"
                          r"(\[[^\]]*\]\s*)?")
 PLOT_NAME = "training_curves.png"
+FAILURE_LINES = 12  # log lines shown under a failure (tracebacks cut to their exception line)
 
 #: ``_commands`` hook: (component name "server" / "trainer", argv) -> the argv actually started.
 CommandHook = Callable[[str, list[str]], list[str]]
@@ -128,123 +133,6 @@ def server_exec_argv(command: ServerCommand) -> list[str]:
     return argv
 
 
-class Child:
-    """A child process started in its own session, its output appended to ``log_path``.
-
-    Args:
-        name: component name (``server``, ``trainer``) used in messages.
-        argv: the command.
-        env: variables added to the supervisor's environment.
-        log_path: log file (stdout and stderr).
-    """
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name, self.argv, self.env, self.log_path = name, list(argv), dict(env), log_path
-        self.popen: subprocess.Popen | None = None
-        self._seen: dict[int, float] = {}  # descendant pid -> create time (psutil)
-        self._direct: dict[int, float] = {}  # direct children of the leader -> create time
-
-    def start(self) -> Child:
-        """Start the process (its own session / process group). It gets SIGTERM if the supervisor dies, even
-        by SIGKILL (`orphans.die_with_parent`); the trainer also follows the supervisor's pid itself, since
-        the launcher between them dies of that SIGTERM without passing it on."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            log.write(f"\n$ {' '.join(self.argv)}\n".encode())
-            log.flush()
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **self.env}, start_new_session=True,
-                                          preexec_fn=die_with_parent)
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        """The leader's pid (= its process group id)."""
-        return self.popen.pid if self.popen else None
-
-    def poll(self) -> int | None:
-        """The exit code, or None while it runs."""
-        return self.popen.poll() if self.popen else None
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the child's whole process group (ignored when the group is gone)."""
-        if self.popen is None:
-            return
-        try:
-            os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def group_alive(self) -> bool:
-        """Whether any process of the child's group is still there."""
-        if self.popen is None:
-            return False
-        self.poll()
-        try:
-            os.killpg(self.popen.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-
-    def track(self) -> None:
-        """Remember the current descendants (psutil; no-op without it) for the final sweep, and the
-        leader's direct children (the trainer ranks under accelerate) for `main_alive`."""
-        if self.popen is None or self.poll() is not None:
-            return
-        try:
-            import psutil
-
-            leader = psutil.Process(self.popen.pid)
-            for p in leader.children(recursive=False):
-                self._direct.setdefault(p.pid, p.create_time())
-            for p in leader.children(recursive=True):
-                self._seen.setdefault(p.pid, p.create_time())
-        except Exception:  # psutil missing or the process just exited
-            return
-
-    def main_alive(self) -> bool:
-        """Whether the leader or one of its direct children runs. accelerate's single-process launcher
-        dies at once on SIGINT while the trainer it started goes on saving a checkpoint: that trainer
-        is a direct child, so waiting on this waits for the save (the rollout worker, a grandchild, is
-        not waited for)."""
-        if self.poll() is None and self.popen is not None:
-            return True
-        try:
-            import psutil
-        except ImportError:
-            return False
-        for pid, created in self._direct.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    return True
-            except Exception:
-                continue
-        return False
-
-    def kill_leftovers(self) -> None:
-        """SIGKILL the group and every tracked descendant still running (same pid and start time)."""
-        self.signal_group(signal.SIGKILL)
-        if not self._seen:
-            return
-        try:
-            import psutil
-        except ImportError:
-            return
-        for pid, created in self._seen.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3:
-                    p.kill()
-            except Exception:
-                continue
-
-    def tail(self, n: int = LOG_TAIL_LINES) -> list[str]:
-        """The last ``n`` lines of its log, without the launcher's report of a non-zero exit
-        (`log_tail.launcher_report_removed`)."""
-        return failure_tail(self.log_path, n)
-
-
 # ------------------------------------------------------------------------------------------ printing
 def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool) -> None:
     """Print the launch plan: output folder, GPU split, model, sampler, both commands, accelerate setup,
@@ -299,6 +187,7 @@ class Supervisor:
         self._signals: list[int] = []
         self._failures: list[tuple[str, list[str], str]] = []  # (message, log lines, log path)
         self._monitoring = False
+        self._escalated_said = False
         self.lock = None
         self._checkpoints_before: str | None = None
 
@@ -327,11 +216,18 @@ class Supervisor:
         return 1
 
     def _print_failures(self) -> None:
+        """Each failure: the error, its cause in one line (the child's own ``error:`` line or its last
+        exception), then the log's last lines with every traceback cut to its exception line."""
         for message, lines, path in self._failures:
             self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
-            if lines:
-                self.console.print(Text(f"last {len(lines)} lines of {path}:", style="red"))
-                self.console.print(Text("\n".join(lines)), soft_wrap=True, markup=False, highlight=False)
+            cause = failure_cause(lines)
+            if cause:
+                self.console.print(Text(f"cause: {cause}", style="red"), soft_wrap=True)
+            short = without_tracebacks(lines)[-FAILURE_LINES:]
+            if short:
+                self.console.print(Text(f"last lines of {path} (tracebacks: see the file):", style="red"),
+                                   soft_wrap=True)
+                self.console.print(Text("\n".join(short)), soft_wrap=True, markup=False, highlight=False)
 
     # -------------------------------------------------------------- stages
     def run(self) -> int:
@@ -353,6 +249,9 @@ class Supervisor:
             if self.lock is not None:
                 self.lock.release()
         self._print_failures()
+        newest = self._newest_checkpoint() if self.lock is not None and rc not in (0, 2) else None
+        if newest:  # every stop and failure path that left a complete checkpoint
+            self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
         return rc
 
     def _argv(self, name: str, argv: list[str]) -> list[str]:
@@ -375,6 +274,7 @@ class Supervisor:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
         self.lock = lock
+        clear_stop_reason(out)
         problem = start_problem(self.cfg.trainer, out)
         if problem:
             return self._refuse(problem)
@@ -406,7 +306,8 @@ class Supervisor:
             try:
                 argv = self._argv("server", server_exec_argv(plan.server))
             except ConfigError as exc:
-                return self._fail(str(exc))
+                self._fail(str(exc))
+                return 2
             self.server = Child("server", argv, {**plan.server.env, "PYTHONUNBUFFERED": "1"},
                                 plan.logs_dir / "server.log").start()
             self.console.print(f"started the server (pid {self.server.pid}); log: {self.server.log_path}",
@@ -461,6 +362,7 @@ class Supervisor:
                            markup=False, highlight=False, soft_wrap=True)
         terminal = self.console.is_terminal
         last_report = t0
+        refused_since: float | None = None
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console,
                       transient=True, disable=not terminal) as progress:
             task = progress.add_task(f"waiting for {what} at {url}", total=None)
@@ -473,6 +375,10 @@ class Supervisor:
                 remaining = deadline - time.monotonic()
                 if probe_health(url, max(0.1, min(self.timeouts.health_probe_s, remaining))):
                     break
+                if self.server is None:  # external: a refused connection is not a server that loads
+                    refused_since = self._refused_since(url, refused_since)
+                    if refused_since is not None and time.monotonic() - refused_since >= REFUSED_BOUND_S:
+                        return self._refuse_unreachable(url, time.monotonic() - t0)
                 if time.monotonic() >= deadline:
                     hint = ("check the server log below" if self.server is not None else
                             "start it (asyncgrpo serve with the same overrides) or fix sampler.url")
@@ -484,11 +390,26 @@ class Supervisor:
                 progress.update(task, description=f"waiting for {what}" + (f": {status}" if status else ""))
                 if not terminal and time.monotonic() - last_report >= READY_REPORT_S:
                     last_report = time.monotonic()
-                    self.console.print(f"  still loading ({last_report - t0:.0f} s)" + (f": {status}" if status else ""),
+                    doing = f"connection refused at {url}" if refused_since is not None else "still loading"
+                    self.console.print(f"  {doing} ({last_report - t0:.0f} s)" + (f": {status}" if status else ""),
                                        markup=False, highlight=False, soft_wrap=True)
                 self._stop.wait(min(self.timeouts.poll_s, max(0.0, deadline - time.monotonic())))
         self.console.print(Text(f"{what} is ready at {url} ({time.monotonic() - t0:.1f} s)", style="green"))
         return None
+
+    def _refused_since(self, url: str, since: float | None) -> float | None:
+        """When the refusals at ``url`` began (kept while they go on), None once the port accepts connections."""
+        if not health_refused(url, self.timeouts.health_probe_s):
+            return None
+        return since if since is not None else time.monotonic()
+
+    def _refuse_unreachable(self, url: str, waited: float) -> int:
+        """sampler.backend=external and nothing listens at ``url``: exit 2 with how to start the server."""
+        self._fail(f"connection refused at {url}: no server listens there (sampler.backend=external starts none; "
+                   f"retried {waited:.0f} s). Fix: start it in another shell with `asyncgrpo serve` and the same "
+                   "model/sampler/rollout overrides (it prints the command it runs), then run this again; or fix "
+                   "sampler.url")
+        return 2
 
     def _server_status_line(self, width: int = 110) -> str:
         """The server log's last non-empty line, without vLLM's ``(APIServer pid=N) INFO 12-01 10:00:00
@@ -523,7 +444,8 @@ class Supervisor:
             restart = restart_command(self.cfg, facts)
             self.console.print(Text("The server does not match the config. Restart it with:", style="bold"))
             self.console.print(Text(restart.shell_line()), soft_wrap=True)
-            return self._fail(f"doctor: {len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
+            self._fail(f"doctor: {len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
+            return 2  # the server does not match the config: a configuration refusal
         for c in checks:
             if c.status == WARN:
                 self.console.print(Text.assemble(("doctor warning ", "yellow"), f"{c.name}: {c.message}",
@@ -565,10 +487,14 @@ class Supervisor:
                     if rc == 0:
                         outcome, status = "finished", 0
                     else:
-                        outcome, status = "failed", self._fail(f"the trainer exited with code {rc}", trainer)
+                        sig = killed_by(trainer.log_path)
+                        how = f"was killed by {sig}" if sig else exit_text(rc)
+                        outcome, status = "failed", self._fail(f"the trainer {how}; {self._checkpoint_report()}",
+                                                               trainer)
                     break
                 if self._stop.is_set():
                     sig = signal.Signals(self._signals[0]).name if self._signals else "signal"
+                    write_stop_reason(self.plan.output_dir, f"asyncgrpo train got {sig}")
                     grace = self._stop_grace()
                     dash.print(Text(f"{sig}: asking the trainer to save a checkpoint of its last completed step "
                                     f"and stop (up to {grace:.0f} s, launch.stop_timeout; send it again to stop "
@@ -579,11 +505,14 @@ class Supervisor:
                     break
                 if self.server is not None and self.server.poll() is not None:
                     code = self.server.poll()
-                    dash.print(Text(f"the server exited with code {code}: stopping the trainer (it saves its last "
-                                    "completed step if it can)", style="red"))
+                    write_stop_reason(self.plan.output_dir, f"the server (pid {self.server.pid}) "
+                                      f"{exit_text(code)}")
+                    dash.print(Text(f"the server (pid {self.server.pid}) {exit_text(code)}: stopping the trainer "
+                                    "(it saves its last completed step)", style="red"))
                     self._stop_child(trainer, signal.SIGINT, self._stop_grace())
-                    outcome, status = "failed", self._fail(f"the server exited with code {code} during training; "
-                                                           + self._checkpoint_report(), self.server)
+                    outcome, status = "failed", self._fail(f"the server (pid {self.server.pid}) {exit_text(code)} "
+                                                           "during training; " + self._checkpoint_report(),
+                                                           self.server)
                     break
                 trainer.track()
                 if self.server is not None:
@@ -612,6 +541,12 @@ class Supervisor:
         while child.main_alive():
             child.track()
             if time.monotonic() >= deadline or (interruptible and self._escalate.is_set()):
+                if interruptible and self._escalate.is_set() and not self._escalated_said:
+                    self._escalated_said = True
+                    say = self.dashboard.print if self._monitoring and self.dashboard is not None else \
+                        self.console.print
+                    say(Text(f"second {signal.Signals(self._signals[-1]).name}: stopping the {child.name} now, "
+                             "without waiting for its checkpoint", style="bold yellow"))
                 return False
             if self._monitoring and self.dashboard is not None:
                 self.dashboard.poll(self._processes())
@@ -676,9 +611,6 @@ class Supervisor:
         else:  # no box: a box of the console's width would cut long paths
             for line in summary_lines(summary):
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
-        newest = self._newest_checkpoint()
-        if outcome == "stopped" and newest:
-            self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
 
 
 def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,
@@ -696,8 +628,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         _commands: test hook ``(name, argv) -> argv`` applied to the server and trainer commands.
 
     Returns:
-        The exit status: 0 success (or a clean dry run), 1 failure (or a plan that cannot run here),
-        2 config error, 130 / 143 after SIGINT / SIGTERM.
+        The exit status: 0 success (or a clean dry run), 1 failure, 2 config error (also a plan that cannot
+        run here, and a server the doctor checks refuse), 130 / 143 after SIGINT / SIGTERM.
     """
     console = console or Console()
     if not cfg.model.name:
@@ -738,7 +670,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         if plan.problems:
             console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run on this machine.",
                                style="bold red"))
-            return 1
+            return 2  # a configuration refusal, as every other
         console.print(Text("dry run: nothing started.", style="dim"))
         return 0
 

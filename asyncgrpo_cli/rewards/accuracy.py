@@ -305,6 +305,9 @@ def accuracy_reward(
     return rewards
 
 
+accuracy_reward.ground_truth_columns = ("solution", "answer")  # checked before start (config.sources)
+
+
 def _run_jobs(
     jobs: list[tuple[int, str, str]], timeout_s: float
 ) -> tuple[dict[int, float | None], int]:

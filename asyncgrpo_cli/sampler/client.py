@@ -83,6 +83,7 @@ from .retry import (  # noqa: E402,F401 - the retry decisions (B.17) and their h
     _classify,
     _raise_for_4xx,
     _Readiness,
+    WAKE_S,
     _RetryState,
 )
 
@@ -523,7 +524,14 @@ class SyncSamplerClient:
             self.retry_count += 1
             if self.outage.active:
                 log.warning("sampler %s%s: %s", self.base_url, route, self.outage.status())
-            time.sleep(delay)
+            self._pause(delay)
+
+    def _pause(self, delay: float) -> None:
+        """Sleep ``delay`` s between tries, in slices of `WAKE_S` s, ending early once the outage was
+        abandoned (a stop signal: the next decision then raises)."""
+        deadline = time.monotonic() + delay
+        while self.outage.abandoned is None and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(WAKE_S, left))
 
     def _get_json(self, route: str, params: dict | None = None, allow_404: bool = False) -> Any:
         response = self._send("GET", route, params=params, allow_404=allow_404)

@@ -34,6 +34,8 @@ from .protocol import (
 Clock = Callable[[], float]
 
 TRANSPORT_ERRORS = (httpx.TimeoutException, httpx.TransportError, asyncio.TimeoutError)
+WAKE_S = 0.2
+"""The longest slice of a sleep between tries: a sleep ends this soon after `ServerOutage.abandon`."""
 
 
 def unreachable_text(seconds_left: float) -> str:
@@ -62,6 +64,13 @@ class ServerOutage:
         self.started = 0
         self.recoveries = 0
         self.last_error = ""
+        self.abandoned: str | None = None
+
+    def abandon(self, reason: str) -> None:
+        """Stop waiting for the server: every later retry decision raises `SamplerUnavailableError` naming
+        ``reason`` (a stop signal, the supervisor saw the server die). Only sets an attribute, so it is safe
+        in a signal handler; the clients' sleeps between tries check it at least every `WAKE_S` s."""
+        self.abandoned = reason
 
     @property
     def active(self) -> bool:
@@ -177,10 +186,16 @@ class _RetryState:
     def _backoff(self, n: int) -> float:
         return min(self.base_s * (2**n), self.max_s)
 
+    def _raise_if_abandoned(self, reason: Any) -> None:
+        if self.outage.abandoned is not None:
+            raise SamplerUnavailableError(f"{self.url}{self.route}: stopped waiting for the sampler server "
+                                          f"({self.outage.abandoned}); last error: {reason}", self.route)
+
     def on_refused(self, exc: Any, body: Any) -> float:
         """Connection refused (or a failed ``/health`` probe during an outage): the delay before the next
-        try, or raise `SamplerUnavailableError` once the outage has lasted ``timeout_s``."""
+        try, or raise `SamplerUnavailableError` once the outage has lasted ``timeout_s`` or was abandoned."""
         remaining = self.outage.refused(exc)
+        self._raise_if_abandoned(self.outage.last_error)
         if remaining <= 0:
             raise self.outage.give_up_error(self.route, body)
         delay = min(self._backoff(self.refusals), remaining)
@@ -189,7 +204,9 @@ class _RetryState:
 
     def on_failure(self, reason: str, body: Any, transport: bool = False) -> float:
         """Timeout, 5xx or dropped connection: the delay before retrying, or raise when exhausted
-        (`SamplerConnectionLost` when ``transport``, the last failure being no HTTP answer)."""
+        (`SamplerConnectionLost` when ``transport``, the last failure being no HTTP answer); after
+        `ServerOutage.abandon`, `SamplerUnavailableError` at once."""
+        self._raise_if_abandoned(reason)
         if self.retries >= self.max_retries:
             tried = f" after {self.retries} retries" if self.retries else ""
             error = SamplerConnectionLost if transport else SamplerRetryError

@@ -91,7 +91,8 @@ class TokenBudgetBatcher:
     4. Otherwise the micro-batch is closed and the sample opens the next one.
 
     A sample with more tokens than ``token_budget`` fits in no row: it is dropped with a warning and
-    counted in :attr:`dropped_oversize_count` (``batch/dropped_oversize_count``).
+    counted in :attr:`dropped_oversize_count` (``batch/dropped_oversize_count``); :attr:`oversize_streak` counts
+    those dropped since the last sample placed (the trainer stops on a long streak, `OVERSIZE_STREAK_LIMIT`).
 
     Args:
         token_budget: maximum forwarded (unique) tokens per row, >= 1.
@@ -108,6 +109,7 @@ class TokenBudgetBatcher:
         self.token_budget = token_budget
         self.num_processes = num_processes
         self.dropped_oversize_count = 0
+        self.oversize_streak = 0  # samples dropped as oversize since the last one placed
         self.dropped: list[TrainingSequence] = []
         self._next_index = 0
         self._open = _OpenMicroBatch(num_processes)
@@ -129,12 +131,14 @@ class TokenBudgetBatcher:
         self._next_index += 1
         if n > self.token_budget:
             self.dropped_oversize_count += 1
+            self.oversize_streak += 1
             self.dropped.append(sample)
             logger.warning(
                 "dropping sample %s of group %s: %d tokens exceed token_budget=%d (raise token_budget to "
                 "train on it)", sample.rollout_id or index, sample.group_id, n, self.token_budget,
             )
             return None
+        self.oversize_streak = 0
         key = _key(sample.input_ids)
         r, delta = self._choose(self._open, sample.group_id, key)
         if r is not None:
@@ -196,6 +200,17 @@ class TokenBudgetBatcher:
 # --------------------------------------------------------------------------------------------------
 # Batch metrics (SPEC §15.7)
 # --------------------------------------------------------------------------------------------------
+
+
+OVERSIZE_STREAK_LIMIT = 256
+"""Samples dropped as oversize in a row, none placed, after which the trainer stops: no step can ever fill."""
+
+
+def oversize_stop_message(budget: int, last_tokens: int, streak: int, key: str = "packing.token_budget") -> str:
+    """The error when `OVERSIZE_STREAK_LIMIT` samples in a row exceeded the token budget (no step can fill)."""
+    return (f"{key}={budget}: the last {streak} samples were all longer than the token budget (the last one "
+            f"{last_tokens} tokens) and were dropped, so no training step can fill. Fix: raise {key} to at least "
+            f"{last_tokens}, or null for sampler.max_model_len")
 
 
 def batch_metrics(

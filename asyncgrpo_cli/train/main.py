@@ -84,6 +84,9 @@ def _follow_supervisor() -> None:
         return
 
     def gone() -> None:
+        from .stopping import own_reason
+
+        own_reason.append(f"the supervisor (pid {owner}) is gone")
         print(f"asyncgrpo trainer: the supervisor (pid {owner}) is gone: saving the last completed step and "
               "stopping, as on SIGTERM", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)

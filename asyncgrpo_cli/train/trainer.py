@@ -11,7 +11,6 @@ resumption come from `transformers.Trainer`; the rollout position is saved besid
 from __future__ import annotations
 
 import math
-import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -31,11 +30,13 @@ from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, row_loss
-from .batcher import MicroBatchPlan, TokenBudgetBatcher, batch_metrics
+from .batcher import (OVERSIZE_STREAK_LIMIT, MicroBatchPlan, TokenBudgetBatcher, batch_metrics,
+                      oversize_stop_message)
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from ..run.state import LiveFiles, TrainedPosition
+from .stopping import StopHandling
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
 from .tree_attention import apply_tree_attention
@@ -83,7 +84,7 @@ def pull_outcome(get: Callable[[float], Any], poll_s: float,
     return outcome, clock() - start
 
 
-class AsyncGRPOTrainer(Trainer):
+class AsyncGRPOTrainer(StopHandling, Trainer):
     """Asynchronous GRPO trainer (SPEC §16.1). Generation runs on an external server (vLLM, or the embedded
     sampler) at ``args.vllm_server_base_url``, driven by a spawned rollout worker.
 
@@ -158,6 +159,7 @@ class AsyncGRPOTrainer(Trainer):
         self.model_version = 0
         self.window = MetricsWindow()
         self._stop_requested = False
+        self._stop_reason = ""
         self._num_tokens = 0
 
     # ------------------------------------------------------------------------------------ entry point
@@ -282,7 +284,9 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
-                             step=self.state.global_step, server_status=None)  # nothing retries any more
+                             step=self.state.global_step, server_status=None,  # nothing retries any more
+                             stopping=None, **({"note": f"stopped by {self._stop_reason}"} if self._stop_requested
+                                               else {}))
         self.is_in_train = False
         runtime = time.time() - start
         return TrainOutput(self.state.global_step, float(self._last_loss),
@@ -299,70 +303,6 @@ class AsyncGRPOTrainer(Trainer):
         from ..rollout.environments import EnvironmentOwnedPrompts
 
         return not self._is_iterable and not isinstance(self.train_dataset, EnvironmentOwnedPrompts)
-
-    def _on_stop_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        if self._stop_requested:  # a second signal: stop now, without saving
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        self._signal = signum
-
-    @property
-    def exit_code(self) -> int:
-        """What the CLI returns after `train`: 0, or 130 / 143 when SIGINT / SIGTERM stopped it."""
-        if not self._stop_requested:
-            return 0
-        return 143 if getattr(self, "_signal", None) == signal.SIGTERM else 130
-
-    def _on_failure(self, model, trial, exc: BaseException) -> None:
-        """A failure left the loop: save the last completed step when that is safe (one process, not inside
-        the optimizer step), then write the final ``failed: <reason>`` (or ``stopped``) status."""
-        from .checkpoint import CheckpointError
-
-        saved = None
-        if isinstance(exc, KeyboardInterrupt):
-            if self.live is not None:
-                self.live.update(force=True, state="stopped", step=self.state.global_step,
-                                 note="second signal: stopped without saving")
-            return
-        can_save = (self.accelerator.num_processes == 1 and not getattr(self, "_in_optimizer_step", False)
-                    and self.state.global_step > getattr(self, "_last_saved_step", 0)
-                    and getattr(self, "position", None) is not None and not isinstance(exc, CheckpointError))
-        note = ""
-        if can_save:
-            try:
-                saved = self._save_checkpoint_with_position(model, trial)
-                note = f"; checkpoint {saved} saved"
-            except Exception as save_exc:  # noqa: BLE001 - report the original failure
-                note = f"; no checkpoint could be written ({save_exc})"
-        elif self.state.global_step <= getattr(self, "_last_saved_step", 0):
-            note = "; nothing trained since the last checkpoint"
-        else:
-            note = f"; no checkpoint written: {self._why_not_saved(exc)}"
-        if self.live is not None:
-            reason = f"{type(exc).__name__}: {exc}"
-            lines = reason.splitlines()
-            cause = [ln for ln in lines[1:] if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", ln)]
-            summary = lines[0] + (f" {cause[-1]}" if cause else "")
-            self.live.update(force=True, state=f"failed: {summary[:300]}",
-                             last_error=(reason + note)[:4000], step=self.state.global_step)
-        if saved is not None and hasattr(exc, "add_note"):
-            exc.add_note(f"asyncgrpo: checkpoint {saved} (step {self.state.global_step}) was saved before exiting")
-
-    def _why_not_saved(self, exc: BaseException) -> str:
-        """Why `_on_failure` could not save after a failure, and which checkpoint holds the last saved step."""
-        from .checkpoint import CheckpointError
-
-        if isinstance(exc, CheckpointError):
-            why = "the checkpoint write itself failed"
-        elif self.accelerator.num_processes > 1:
-            why = (f"with {self.accelerator.num_processes} trainer processes, the others may be inside a collective "
-                   f"the failed one never joins, so a save could hang or tear")
-        elif getattr(self, "_in_optimizer_step", False):
-            why = "the failure came inside the optimizer step, so the weights may be half updated"
-        else:
-            why = "no rollout position to resume from yet"
-        last = getattr(self, "_last_saved_step", 0)
-        return why + (f"; checkpoint-{last} holds the last saved step" if last > 0 else "; no earlier checkpoint")
 
     # ------------------------------------------------------------------------------------ rollouts (rank 0)
     def _setup_rollouts(self, start_position: int, resumed: bool = False) -> None:
@@ -551,6 +491,13 @@ class AsyncGRPOTrainer(Trainer):
             plan = self.batcher.add(s)
             if plan is not None:
                 closed.append(plan)
+            if self.batcher.oversize_streak >= OVERSIZE_STREAK_LIMIT:  # every sample dropped: no step ever fills
+                from ..config.rules import ConfigError
+
+                raise ConfigError(oversize_stop_message(self.token_budget, len(s.input_ids),
+                                                        self.batcher.oversize_streak,
+                                                        key="token_budget (CLI: packing.token_budget)"),
+                                  key="token_budget")
         return closed
 
     def _drop_if_stale(self, sample: TrainingSequence) -> bool:
@@ -569,6 +516,8 @@ class AsyncGRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------ the loop
     def _loop(self, model, trial) -> None:
+        from .weight_sync import WeightSyncError
+
         args = self.args
         rank = self.accelerator.process_index
         nproc = self.accelerator.num_processes
@@ -580,7 +529,13 @@ class AsyncGRPOTrainer(Trainer):
             plan = self._next_step_plan() if self.is_world_process_zero() else None
             plan = self._broadcast(plan)
             if plan.repush:
-                self._push_weights(self.model_version, again=True)
+                try:
+                    self._push_weights(self.model_version, again=True)
+                except WeightSyncError as exc:
+                    if not self._sync_failed_while_stopping(exc):
+                        raise
+                    self._end_without_step(model, trial, StepPlan(stop=True, stop_reason="stopped"))
+                    break
                 continue
             if not plan.rows:
                 self._end_without_step(model, trial, plan)
@@ -614,8 +569,14 @@ class AsyncGRPOTrainer(Trainer):
             sync = {}
             trained_version = self.model_version
             if self.state.global_step % args.weight_sync_steps == 0:
-                sync = self._push_weights(self.model_version + 1)
-                self.model_version += 1
+                try:
+                    sync = self._push_weights(self.model_version + 1)
+                    self.model_version += 1
+                except WeightSyncError as exc:  # a stop abandoned the wait for a dead server: save this step
+                    if not self._sync_failed_while_stopping(exc):
+                        raise
+                    print(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was abandoned "
+                          f"by the stop ({exc})", flush=True)
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
@@ -745,7 +706,7 @@ class AsyncGRPOTrainer(Trainer):
                          server_status=self._server_status(),
                          groups_without_signal=int(self.worker.no_signal_value.value),
                          max_groups_without_signal=self.args.max_groups_without_signal,
-                         dataset_start_index=self.position.value)
+                         dataset_start_index=self.position.value, **self._stopping_status())
 
     def _queue_size(self) -> int | None:
         try:

@@ -57,6 +57,12 @@ def world(tmp_path_factory):
     (root / "text.jsonl").write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": "x"}) for i in range(3)))
     (root / "ints.jsonl").write_text("\n".join(json.dumps({"prompt": i, "answer": "x"}) for i in range(3)))
     (root / "empty.jsonl").write_text("")
+    (root / "empty_data").mkdir()
+    (root / "empty_data" / "train.jsonl").write_text("")
+    (root / "blank.jsonl").write_text("\n\n")
+    long_rows = rows[:3] + [{"prompt": [{"role": "user", "content": " ".join(["seven"] * 150)}], "answer": "7"}]
+    (root / "long.jsonl").write_text("\n".join(json.dumps(r) for r in long_rows) + "\n")
+    (root / "no_answer.jsonl").write_text("\n".join(json.dumps({"prompt": r["prompt"], "gold": "x"}) for r in rows))
     (root / "rewards_mod").mkdir()
     (root / "rewards_mod" / "badrewards.py").write_text(REWARDS_MODULE)
     sys.path.insert(0, str(root / "rewards_mod"))
@@ -86,6 +92,7 @@ def world(tmp_path_factory):
     variant("missing_column", rewards=[{"func": "badrewards:needs_gold"}])
     variant("no_kwargs", rewards=[{"func": "badrewards:no_kwargs"}])
     variant("not_callable", rewards=[{"func": "badrewards:NOT_CALLABLE"}])
+    variant("accuracy", rewards=[{"func": "asyncgrpo_cli.rewards:accuracy_reward"}])
     variant("bad_kwargs", rewards=[{"func": "badrewards:no_kwargs", "kwargs": {"tolerance": 0.1}}])
     (recipes / "broken.yaml").write_text("# @package _global_\nrollout:\n  num_generations: 4\n   top_k: 8\n")
     yield {"root": root, "model": model, "recipes": recipes}
@@ -218,6 +225,21 @@ CLI_CASES = [
     ("lora_dropout_one", [R, "peft.lora_dropout=1.0"], "peft.lora_dropout", ""),
     ("cpu_processes_zero", [R, "launch.cpu_processes=0"], "launch.cpu_processes", ""),
     ("machine_rank_too_big", [R, "launch.num_machines=2", "launch.machine_rank=2"], "launch.machine_rank", ""),
+    # issue 25: accepted silently before
+    ("output_dir_empty", [R, "trainer.output_dir="], "trainer.output_dir", "empty"),
+    ("stop_timeout_negative", [R, "launch.stop_timeout=-1"], "launch.stop_timeout", "> 0"),
+    ("prompt_plus_completion_over_max_len", [R, "data.name={root}/long.jsonl", "rollout.max_completion_length=200"],
+     "rollout.max_completion_length", "row 3"),
+    ("no_prompt_fits_the_token_budget", [R, "packing.token_budget=4"], "packing.token_budget", "no prompt fits"),
+    ("accuracy_without_ground_truth", ["+recipe=accuracy", "data.name={root}/no_answer.jsonl"], "rewards[0].func",
+     "solution, answer"),
+    ("output_dir_not_writable", [R, "trainer.output_dir={root}/good.jsonl/run"], "trainer.output_dir", "is a file"),
+    ("gguf_file_with_a_model_folder", [R, "model.gguf_file=model-q8.gguf"], "model.gguf_file", "not found"),
+    ("group_option_unknown", [R, "loss=ppo"], "loss=ppo", "its options: default"),
+    ("list_override_malformed", [R, "rewards=[{fnc:badrewards:good_reward}]"], "rewards", "'rewards=["),
+    ("data_folder_of_empty_files", [R, "data.name={root}/empty_data"], "data.name", "no rows"),
+    ("data_blank_lines", [R, "data.name={root}/blank.jsonl"], "data.name", "no rows"),
+    ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
 ]
 
 
@@ -235,6 +257,54 @@ def test_cli_bad_input(world, tripwire, case_id, overrides, key, extra):
     assert not UNSHIPPED.search(out), out  # messages cite what ships: README sections
     assert elapsed < FAIL_WITHIN_S
     assert not tripwire, "a config error reached the launcher"
+
+
+def test_a_tracker_that_is_not_installed_is_refused_and_check_says_what_passed(world, tripwire):
+    import importlib.util
+
+    if importlib.util.find_spec("trackio") is not None:
+        pytest.skip("trackio is installed here")
+    for command in (["train", "--dry-run"], ["config", "--check"]):
+        result = runner.invoke(app, [*command, "--recipes-dir", str(world["recipes"]), R, "trainer.report_to=trackio"])
+        assert result.exit_code == 2 and "trainer.report_to" in result.output, result.output
+        assert "pip install trackio" in result.output and "Traceback" not in result.output
+    passed = runner.invoke(app, ["config", "--check", "--recipes-dir", str(world["recipes"]), R])
+    assert passed.exit_code == 0 and "every check train runs before it starts passed" in passed.output
+    refused = runner.invoke(app, ["config", "--check", "--recipes-dir", str(world["recipes"]), R,
+                                  "model.gguf_file=model-q8.gguf"])
+    assert refused.exit_code == 2 and "model.gguf_file" in refused.output and "passed" not in refused.output
+    assert not tripwire
+
+
+def test_list_overrides_on_the_command_line_set_the_list(world, tripwire):
+    """README's list form works as an override (Hydra alone reads rewards=[...] as an option file of the group)."""
+    result, _ = _cli(world, [R, "rewards=[badrewards:good_reward,{func:badrewards:good_reward,kwargs:{}}]",
+                             "tools=[asyncgrpo_cli.envs.calculator:calculate]"])
+    assert result.exit_code == 0, result.output
+    cfg = tripwire[0]
+    assert [r.func for r in cfg.rewards] == ["badrewards:good_reward"] * 2
+    assert list(cfg.tools) == ["asyncgrpo_cli.envs.calculator:calculate"]
+
+
+def test_a_hub_id_without_the_hub_is_one_line_before_anything_starts(world, tripwire, monkeypatch):
+    """No network: a Hub model that is not cached, or a Hub dataset, is refused at once (it failed 70-98 s in
+    with a raw ConnectionError), naming the id, why the Hub cannot be used and the fix."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there: refused at once, whatever this machine's network
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for extra, key in (["model.name=someorg/not-cached-model"], "model.name"), (["data.name=someorg/prompts"],
+                                                                               "data.name"):
+        result, elapsed = _cli(world, [R, *extra])
+        out = result.output
+        assert result.exit_code == 2 and f"{key}='someorg/" in out and "unreachable" in out, out
+        assert "HF_HUB_OFFLINE=1" in out and "Traceback" not in out and elapsed < FAIL_WITHIN_S
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result, _ = _cli(world, [R, "model.name=someorg/not-cached-model"])
+    assert result.exit_code == 2 and "HF_HUB_OFFLINE is set" in result.output, result.output
+    assert not tripwire
 
 
 def test_cli_reports_several_problems_at_once(world, tripwire):

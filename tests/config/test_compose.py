@@ -156,9 +156,12 @@ def test_python_api_validates_too():
     assert args.learning_rate == 1e-6 and args.logging_steps == 1 and args.lr_scheduler_type == "constant"
 
 
-def test_list_override_of_a_group_is_a_config_error():
-    with pytest.raises(ConfigError, match="recipe"):
-        compose(["rewards=[{func: 'x:y'}]"])
+def test_list_override_of_a_group_sets_the_list():
+    """README documents the list form: rewards=[...] / tools=[...] set the list (issue 25: it was refused)."""
+    assert [r.func for r in compose(["rewards=[{func: 'x:y'}]"]).rewards] == ["x:y"]
+    assert list(compose(["tools=[a.b:c,d.e:f]"]).tools) == ["a.b:c", "d.e:f"]
+    with pytest.raises(ConfigError, match="quote the whole override"):
+        compose(["rewards=[{fnc: 'x:y'}]"])
 
 
 def test_unknown_key_suggests_the_closest():

@@ -3,7 +3,9 @@
 ``python outage_program.py server --events FILE -- <embedded sampler flags>``: the embedded sampler
 (``python -m asyncgrpo_cli.sampler.embedded``) that also appends one line per weight update finished and
 per generation request received to FILE (``<pid> <route>``), so a test can tell what a restarted server
-saw first.
+saw first. ``--die-on ROUTE``: the first request to ROUTE writes ``FILE.hit`` and SIGKILLs the server (kill -9
+in the middle of a weight sync); ``--hang-on ROUTE``: it writes ``FILE.hit`` and never answers; a SIGTERM (the
+parent-death signal) then ends the server at once.
 
 ``python outage_program.py train --model DIR --url URL --out DIR ...``: a Python-API training run
 (`AsyncGRPOTrainer.train()`, no CLI supervisor) against that server; prints ``TRAINED <steps>`` at the end.
@@ -12,8 +14,10 @@ saw first.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 
 GENERATION_ROUTES = ("/v1/completions", "/inference/v1/generate")
@@ -24,7 +28,7 @@ def token_parity_reward(completion_ids, **kwargs):
     return [float(bool(ids) and ids[0] % 2 == ids[-1] % 2) for ids in completion_ids]
 
 
-def serve(events: str, argv: list[str]) -> int:
+def serve(events: str, argv: list[str], die_on: str | None = None, hang_on: str | None = None) -> int:
     from aiohttp import web
 
     from asyncgrpo_cli.sampler.embedded import __main__ as embedded
@@ -39,6 +43,15 @@ def serve(events: str, argv: list[str]) -> int:
         async def record(request, handler):
             if request.path in GENERATION_ROUTES:
                 _append(events, request.path)
+            if request.path in (die_on, hang_on):
+                with open(events + ".hit", "w") as f:
+                    f.write(f"{os.getpid()} {request.path}\n")
+                if request.path == die_on:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # like vLLM, die of the parent-death signal at once (the embedded server would first wait for
+                # this request to end)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, os._exit, 143)
+                await asyncio.Event().wait()
             response = await handler(request)
             if request.path == "/finish_weight_update" and response.status == 200:
                 _append(events, request.path)
@@ -86,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "server":
         p = argparse.ArgumentParser()
         p.add_argument("--events", required=True)
+        p.add_argument("--die-on", default=None)
+        p.add_argument("--hang-on", default=None)
         split = argv.index("--")
         known = p.parse_args(argv[1:split])
-        return serve(known.events, argv[split + 1:])
+        return serve(known.events, argv[split + 1:], known.die_on, known.hang_on)
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--url", required=True)

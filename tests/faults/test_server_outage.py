@@ -103,6 +103,54 @@ def test_failures_are_retried_max_retries_times_and_say_whether_the_transport_fa
     assert state.on_error(httpx.ConnectError("refused"), None) == 1.0
 
 
+def test_an_abandoned_outage_ends_every_wait_at_once():
+    """A stop signal abandons the wait for the server (issue 25): the next decision raises, naming why."""
+    from asyncgrpo_cli.sampler.protocol import SamplerUnavailableError
+
+    clock = FakeClock()
+    state, outage = retry_state(clock, timeout_s=1000.0)
+    assert state.on_refused(ConnectionRefusedError("refused"), None) == 1.0
+    outage.abandon("SIGINT: the trainer stops")
+    for decide in (lambda: state.on_refused(ConnectionRefusedError("refused"), None),
+                   lambda: state.on_failure("HTTP 503", None)):
+        with pytest.raises(SamplerUnavailableError, match=r"stopped waiting for the sampler server \(SIGINT"):
+            decide()
+
+
+def test_a_sync_client_sleeping_between_tries_wakes_up_when_the_wait_is_abandoned():
+    import threading
+
+    from asyncgrpo_cli.sampler.client import SyncSamplerClient
+    from asyncgrpo_cli.sampler.protocol import SamplerUnavailableError
+
+    tried = threading.Event()
+
+    def refuse(request):
+        tried.set()
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    client = SyncSamplerClient("http://127.0.0.1:9", timeout_s=1000.0, backoff_base_s=60.0, backoff_max_s=60.0,
+                               transport=httpx.MockTransport(refuse))
+    result = {}
+
+    def call():
+        start = time.monotonic()
+        try:
+            client.pause("keep")
+        except SamplerUnavailableError as exc:
+            result["error"] = str(exc)
+        result["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    assert tried.wait(30), "the client never tried"
+    client.outage.abandon("SIGTERM: the supervisor (pid 1) is gone")  # it now sleeps a 60 s backoff
+    thread.join(30)
+    assert not thread.is_alive() and result["elapsed"] < 20, result
+    assert "stopped waiting for the sampler server (SIGTERM: the supervisor (pid 1) is gone)" in result["error"]
+    client.close()
+
+
 def test_4xx_is_final_and_5xx_is_retried():
     state, _ = retry_state(FakeClock())
     assert state.on_response(httpx.Response(200), None, allow_404=False) == (True, 0.0)

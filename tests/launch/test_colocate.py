@@ -208,4 +208,4 @@ def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in line and '{"backend": "ipc"}' in line
     assert "--gpu-memory-utilization 0.1" in line and "# memory split: vLLM" in dry.output
     refused = CliRunner().invoke(app, [*args, "sampler.host=0.0.0.0", "sampler.allow_public=true"])
-    assert refused.exit_code == 1 and "sampler.host=0.0.0.0" in refused.output
+    assert refused.exit_code == 2 and "sampler.host=0.0.0.0" in refused.output

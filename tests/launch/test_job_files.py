@@ -29,3 +29,23 @@ def test_finalize_status(tmp_path):
     write(tmp_path, state="finished")
     finalize_status(tmp_path, 1, "x")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"  # a final state is kept
+    write(tmp_path, state="stopped", step=1)  # stopped because its server died: the job failed, and says so
+    finalize_status(tmp_path, 1, "the server (pid 7) was killed by SIGKILL during training")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed: the server (pid 7) was killed by SIGKILL during training"
+    assert status["trainer_state"] == "stopped"
+    write(tmp_path, state="stopped", step=1)
+    finalize_status(tmp_path, 130, None)
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "stopped"
+
+
+def test_the_stop_reason_the_supervisor_writes_is_what_the_trainer_reports(tmp_path):
+    import signal
+
+    from asyncgrpo_cli.train import stopping
+
+    assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT"  # no reason written: the signal alone
+    stopping.write_stop_reason(tmp_path, "the server (pid 7) was killed by SIGKILL")
+    assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT: the server (pid 7) was killed by SIGKILL"
+    stopping.clear_stop_reason(tmp_path)  # a new job starts without the last one's reason
+    assert stopping.stop_reason(tmp_path, signal.SIGTERM) == "SIGTERM"

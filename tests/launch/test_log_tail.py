@@ -6,7 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from asyncgrpo_cli.launch.log_tail import failure_tail, launcher_report_removed
+from asyncgrpo_cli.launch.log_tail import (failure_cause, failure_tail, killed_by, launcher_report_removed,
+                                           without_tracebacks)
 
 TORCHRUN_REPORT = """\
 Traceback (most recent call last):
@@ -58,3 +59,32 @@ def test_a_traceback_of_something_else_is_kept():
     assert launcher_report_removed(other) == other
     cut = TORCHRUN_REPORT[:6]  # the tail ends inside the report: the part that is there goes
     assert launcher_report_removed(["a", *cut]) == ["a"]
+
+
+def test_a_trainer_killed_by_sigkill_under_accelerate_is_named_and_its_report_removed(tmp_path):
+    """accelerate's launcher exits 1 when its trainer is killed by a signal (issue 25: "code 1" for a kill -9):
+    the signal is read from its report, and the report is not shown."""
+    script = tmp_path / "victim.py"
+    script.write_text("import os, signal\nprint('training step 1', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert rc == 1 and "died with <Signals.SIGKILL: 9>" in log.read_text()
+    assert killed_by(log) == "SIGKILL"
+    lines = failure_tail(log)
+    assert "training step 1" in lines and not any("CalledProcessError" in ln for ln in lines), lines
+
+
+def test_the_cause_is_one_line_and_tracebacks_are_cut_to_their_exception():
+    lines = ["step 3 done", "Traceback (most recent call last):", '  File "t.py", line 3, in sync',
+             "    post()", "asyncgrpo_cli.train.weight_sync.base.WeightSyncError: weight sync to model version 4 "
+             "failed at /pause: unreachable for 60 s. Fix: start the server again", *TORCHRUN_REPORT]
+    assert failure_cause(lines) == ("WeightSyncError: weight sync to model version 4 failed at /pause: unreachable "
+                                    "for 60 s. Fix: start the server again")
+    assert without_tracebacks(lines) == ["step 3 done", lines[4]]
+    own = ["Traceback (most recent call last):", "  x", "ValueError: boom",
+           "asyncgrpo trainer: error: resuming from c: not a complete checkpoint. Fix: resume from checkpoint-2"]
+    assert failure_cause(own) == "resuming from c: not a complete checkpoint. Fix: resume from checkpoint-2"
+    assert failure_cause(["all good"]) is None

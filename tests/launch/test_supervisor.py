@@ -58,7 +58,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(make_cfg):
 def test_dry_run_reports_problems(make_cfg):
     cfg, out = make_cfg("sampler.backend=vllm")
     console = record_console()
-    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
     assert "needs a CUDA GPU" in text and "cannot run on this machine" in text
     assert "vllm serve fake-org/tiny-model" in text
@@ -132,7 +132,8 @@ def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path):
     text = console.export_text()
     assert rc == 1
     assert "the trainer exited with code 3" in text
-    assert "RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "cause: RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "Traceback" not in text  # the frames stay in the log
     assert "failed" in text  # summary outcome
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
 
@@ -167,7 +168,7 @@ def test_doctor_failure_stops_with_restart_command(make_cfg, tmp_path):
     console = record_console()
     rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("bad_logprobs", "ok", pids))
     text = console.export_text()
-    assert rc == 1
+    assert rc == 2  # a configuration refusal
     assert "logprobs mode" in text and "Restart it with" in text
     assert "-m asyncgrpo_cli.sampler.embedded --model fake-org/tiny-model" in text
     assert not (out / "logs" / "trainer.log").exists()
@@ -270,7 +271,7 @@ def test_refusals_before_anything_starts(tmp_path):
     assert "trainer.resume_from_checkpoint=" in text  # the CLI's key
     assert RunLock(out).read() is None  # released
     console = record_console()  # the dry run says the same, starting nothing
-    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
     assert "trainer.resume_from_checkpoint=" in text and "not a complete checkpoint" in text
 
@@ -288,7 +289,7 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     (out / "model.safetensors").write_bytes(b"x")  # a finished run's final model, no checkpoint kept
     cfg = compose(base_overrides(out, free_port()))
     console = record_console()
-    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+    assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
     assert f"trainer.output_dir={out} already holds an earlier run (the final model)" in text
     assert f"trainer.output_dir={out}-2" in text and "resume_from_checkpoint" not in text
@@ -306,7 +307,7 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     assert "output dir" not in text and "GPUs" not in text  # refused first: the plan is not printed
     ended = compose(base_overrides(out, free_port(), "trainer.max_steps=3"))  # the run ended at its max_steps
     console = record_console()
-    assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 1
+    assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 2
     assert "continue it (it ended at step 3 = max_steps) with: trainer.resume_from_checkpoint=true " \
         "trainer.max_steps=6" in console.export_text()
     assert f"trainer.output_dir={out}-3" in text
@@ -366,7 +367,7 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
         port = busy.getsockname()[1]
         cfg, out = make_cfg(f"sampler.port={port}")
         console = record_console()
-        assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 1
+        assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
     assert f"sampler.port={port}: another process already listens" in text and "cannot run on this machine" in text
     assert not out.exists()
@@ -383,3 +384,30 @@ def test_the_resume_line_repeats_the_command_with_its_overrides():
     assert resume_command("/c/checkpoint-5", ["/venv/bin/asyncgrpo", "train", "-m", "lr=1,2"]) == \
         "trainer.resume_from_checkpoint=/c/checkpoint-5"  # a sweep: each job has its own folder
     assert resume_command("/c/checkpoint-5", ["pytest", "-q"]) == "trainer.resume_from_checkpoint=/c/checkpoint-5"
+
+
+def test_a_plan_that_cannot_run_here_is_a_configuration_refusal(make_cfg):
+    """sampler.backend=vllm on a machine without GPU: exit 2 like every other configuration refusal (it was 1),
+    from the real run and from its dry run alike, starting nothing."""
+    cfg, out = make_cfg("sampler.backend=vllm")
+    for dry_run in (False, True):
+        console = record_console()
+        assert run_train(cfg, dry_run=dry_run, console=console, gpu_count=0, timeouts=FAST) == 2
+        assert "sampler.backend=vllm needs a CUDA GPU" in console.export_text()
+    assert not (out / "logs").exists()
+
+
+def test_an_external_server_that_refuses_connections_fails_fast_with_how_to_start_it(make_cfg, monkeypatch):
+    """sampler.backend=external with nothing listening: not "still loading" for sampler.timeout (it was up to 30
+    minutes) but exit 2 after a short bound, naming the refused URL and asyncgrpo serve."""
+    import asyncgrpo_cli.launch.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "REFUSED_BOUND_S", 1.0)
+    port = free_port()
+    cfg, out = make_cfg("sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}", "sampler.timeout=600")
+    console = record_console()
+    start = time.monotonic()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST) == 2
+    assert time.monotonic() - start < 60
+    text = console.export_text()
+    assert f"connection refused at http://127.0.0.1:{port}" in text and "asyncgrpo serve" in text, text

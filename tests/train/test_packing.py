@@ -443,3 +443,18 @@ def test_batch_metrics_empty_step_and_attention_cost_helper():
     assert isinstance(RowStats(), RowStats)
     with pytest.raises(ValueError, match="token_budget"):
         batch_metrics([], token_budget=0)
+
+
+def test_an_oversize_streak_is_counted_until_a_sample_fits_and_names_the_fix():
+    """Issue 25: a budget no sample fits dropped everything silently for minutes; the trainer now stops once
+    `OVERSIZE_STREAK_LIMIT` samples in a row were dropped, with this message."""
+    from asyncgrpo_cli.train.batcher import oversize_stop_message
+
+    b = TokenBudgetBatcher(token_budget=4, num_processes=1)
+    for _ in range(3):
+        assert b.add(seq([1, 2, 3, 4, 5, 6], trained_from=3)) is None
+    assert b.oversize_streak == 3 and b.dropped_oversize_count == 3
+    b.add(seq([1, 2, 3], trained_from=1))
+    assert b.oversize_streak == 0 and b.dropped_oversize_count == 3
+    text = oversize_stop_message(32, 49, 256)
+    assert text.startswith("packing.token_budget=32: the last 256 samples were all longer") and "at least 49" in text

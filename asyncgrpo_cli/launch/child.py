@@ -1,0 +1,129 @@
+"""`Child`: one process the supervisor starts (the server, the trainer's launcher), in its own session, with
+its descendants tracked so that no orphan survives the job (see `launch.supervisor`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from ..run.orphans import die_with_parent
+from .log_tail import LOG_TAIL_LINES, failure_tail
+
+
+class Child:
+    """A child process started in its own session, its output appended to ``log_path``.
+
+    Args:
+        name: component name (``server``, ``trainer``) used in messages.
+        argv: the command.
+        env: variables added to the supervisor's environment.
+        log_path: log file (stdout and stderr).
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.argv, self.env, self.log_path = name, list(argv), dict(env), log_path
+        self.popen: subprocess.Popen | None = None
+        self._seen: dict[int, float] = {}  # descendant pid -> create time (psutil)
+        self._direct: dict[int, float] = {}  # direct children of the leader -> create time
+
+    def start(self) -> Child:
+        """Start the process (its own session / process group). It gets SIGTERM if the supervisor dies, even
+        by SIGKILL (`orphans.die_with_parent`); the trainer also follows the supervisor's pid itself, since
+        the launcher between them dies of that SIGTERM without passing it on."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"\n$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **self.env}, start_new_session=True,
+                                          preexec_fn=die_with_parent)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The leader's pid (= its process group id)."""
+        return self.popen.pid if self.popen else None
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return self.popen.poll() if self.popen else None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole process group (ignored when the group is gone)."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self) -> bool:
+        """Whether any process of the child's group is still there."""
+        if self.popen is None:
+            return False
+        self.poll()
+        try:
+            os.killpg(self.popen.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def track(self) -> None:
+        """Remember the current descendants (psutil; no-op without it) for the final sweep, and the
+        leader's direct children (the trainer ranks under accelerate) for `main_alive`."""
+        if self.popen is None or self.poll() is not None:
+            return
+        try:
+            import psutil
+
+            leader = psutil.Process(self.popen.pid)
+            for p in leader.children(recursive=False):
+                self._direct.setdefault(p.pid, p.create_time())
+            for p in leader.children(recursive=True):
+                self._seen.setdefault(p.pid, p.create_time())
+        except Exception:  # psutil missing or the process just exited
+            return
+
+    def main_alive(self) -> bool:
+        """Whether the leader or one of its direct children runs. accelerate's single-process launcher
+        dies at once on SIGINT while the trainer it started goes on saving a checkpoint: that trainer
+        is a direct child, so waiting on this waits for the save (the rollout worker, a grandchild, is
+        not waited for)."""
+        if self.poll() is None and self.popen is not None:
+            return True
+        try:
+            import psutil
+        except ImportError:
+            return False
+        for pid, created in self._direct.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except Exception:
+                continue
+        return False
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL the group and every tracked descendant still running (same pid and start time)."""
+        self.signal_group(signal.SIGKILL)
+        if not self._seen:
+            return
+        try:
+            import psutil
+        except ImportError:
+            return
+        for pid, created in self._seen.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3:
+                    p.kill()
+            except Exception:
+                continue
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> list[str]:
+        """The last ``n`` lines of its log, without the launcher's report of a non-zero exit
+        (`log_tail.launcher_report_removed`)."""
+        return failure_tail(self.log_path, n)

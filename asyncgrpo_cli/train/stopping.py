@@ -1,0 +1,140 @@
+"""How `AsyncGRPOTrainer` stops: stop signals, a lost supervisor, and failures (rank 0 writes the status).
+
+- SIGINT / SIGTERM (`StopHandling._on_stop_signal`): training stops after the step in progress and saves it.
+  Any wait for the sampler server in progress or later is abandoned at once (`ServerOutage.abandon`): a
+  weight sync retrying against a dead server ends within `sampler.retry.WAKE_S` s, the step it followed is
+  complete and is saved. ``status.json`` says ``stopping`` with the reason meanwhile (the supervisor names
+  it in `STOP_REASON_FILE` before it signals: "the server exited with code -9", "the supervisor is gone").
+  A second signal stops at once, without saving.
+- A failure (`StopHandling._on_failure`): the last completed step is saved when that is safe, then
+  ``status.json`` gets its final ``failed: <reason>``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+STOP_REASON_FILE = "stop_reason.txt"
+"""In ``<output_dir>/logs/``: one line written by the supervisor before it signals the trainer (why it stops)."""
+
+own_reason: list[str] = []
+"""Set by this process before it signals itself (the trainer's supervisor watchdog): read first by `stop_reason`."""
+
+
+def stop_reason(output_dir: str | Path, signum: int) -> str:
+    """Why the trainer was asked to stop: the supervisor's line (`STOP_REASON_FILE`) or the signal's name."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    try:
+        text = own_reason[-1] if own_reason else (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
+    except OSError:
+        text = ""
+    return f"{name}: {text}" if text else name
+
+
+def write_stop_reason(output_dir: str | Path, reason: str) -> None:
+    """The supervisor's side of `stop_reason` (best effort: a missing folder only loses the reason)."""
+    try:
+        path = Path(output_dir) / "logs" / STOP_REASON_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(reason + "\n")
+    except OSError:
+        pass
+
+
+def clear_stop_reason(output_dir: str | Path) -> None:
+    """Remove an earlier run's reason before a new job starts."""
+    try:
+        (Path(output_dir) / "logs" / STOP_REASON_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+class StopHandling:
+    """Mixin of `AsyncGRPOTrainer`: the stop and failure paths (module docstring)."""
+
+    def _on_stop_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        """First signal: stop after this step and save it; abandon any wait for the server. Second: stop now.
+        Only sets attributes (no lock is taken: the main thread may hold any)."""
+        if self._stop_requested:  # a second signal: stop now, without saving
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        self._signal = signum
+        self._stop_reason = stop_reason(self.args.output_dir, signum)
+        outage = getattr(getattr(self, "sampler", None), "outage", None)
+        if outage is not None:
+            outage.abandon(f"{self._stop_reason}: the trainer stops")
+
+    def _stopping_status(self) -> dict:
+        """``status.json`` fields while a stop is under way (merged by the status ticker)."""
+        if not self._stop_requested:
+            return {}
+        return {"stopping": f"{getattr(self, '_stop_reason', 'stop requested')}: saving the last completed "
+                            f"step (step {self.state.global_step}) and stopping"}
+
+    @property
+    def exit_code(self) -> int:
+        """What the CLI returns after `train`: 0, or 130 / 143 when SIGINT / SIGTERM stopped it."""
+        if not self._stop_requested:
+            return 0
+        return 143 if getattr(self, "_signal", None) == signal.SIGTERM else 130
+
+    def _sync_failed_while_stopping(self, exc: BaseException) -> bool:
+        """Whether a failed weight sync only failed because a stop abandoned the wait for the server (one
+        process: the step is complete and is saved; with more ranks the others may wait in a collective)."""
+        return bool(self._stop_requested and self.accelerator.num_processes == 1)
+
+    def _on_failure(self, model, trial, exc: BaseException) -> None:
+        """A failure left the loop: save the last completed step when that is safe (one process, not inside
+        the optimizer step), then write the final ``failed: <reason>`` (or ``stopped``) status."""
+        from .checkpoint import CheckpointError
+
+        saved = None
+        if isinstance(exc, KeyboardInterrupt):
+            if self.live is not None:
+                self.live.update(force=True, state="stopped", step=self.state.global_step,
+                                 note="second signal: stopped without saving")
+            return
+        can_save = (self.accelerator.num_processes == 1 and not getattr(self, "_in_optimizer_step", False)
+                    and self.state.global_step > getattr(self, "_last_saved_step", 0)
+                    and getattr(self, "position", None) is not None and not isinstance(exc, CheckpointError))
+        note = ""
+        if can_save:
+            try:
+                saved = self._save_checkpoint_with_position(model, trial)
+                note = f"; checkpoint {saved} saved"
+            except Exception as save_exc:  # noqa: BLE001 - report the original failure
+                note = f"; no checkpoint could be written ({save_exc})"
+        elif self.state.global_step <= getattr(self, "_last_saved_step", 0):
+            note = "; nothing trained since the last checkpoint"
+        else:
+            note = f"; no checkpoint written: {self._why_not_saved(exc)}"
+        if self.live is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+            lines = reason.splitlines()
+            cause = [ln for ln in lines[1:] if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", ln)]
+            summary = lines[0] + (f" {cause[-1]}" if cause else "")
+            self.live.update(force=True, state=f"failed: {summary[:300]}",
+                             last_error=(reason + note)[:4000], step=self.state.global_step)
+        if saved is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"asyncgrpo: checkpoint {saved} (step {self.state.global_step}) was saved before exiting")
+
+    def _why_not_saved(self, exc: BaseException) -> str:
+        """Why `_on_failure` could not save after a failure, and which checkpoint holds the last saved step."""
+        from .checkpoint import CheckpointError
+
+        if isinstance(exc, CheckpointError):
+            why = "the checkpoint write itself failed"
+        elif self.accelerator.num_processes > 1:
+            why = (f"with {self.accelerator.num_processes} trainer processes, the others may be inside a collective "
+                   f"the failed one never joins, so a save could hang or tear")
+        elif getattr(self, "_in_optimizer_step", False):
+            why = "the failure came inside the optimizer step, so the weights may be half updated"
+        else:
+            why = "no rollout position to resume from yet"
+        last = getattr(self, "_last_saved_step", 0)
+        return why + (f"; checkpoint-{last} holds the last saved step" if last > 0 else "; no earlier checkpoint")
