@@ -18,8 +18,9 @@ tokens, staleness at the step that trains it) and every sample dropped stale. Fi
 - ``long_share_data`` / ``long_share_trained``: share of the longest class among the prompts of the data and
   among the trained samples;
 - ``class_share_trained``: the same for every class;
-- ``dropped_generated_token_frac``: generated (completion) tokens of samples dropped stale / generated tokens
-  of samples trained or dropped stale;
+- ``dropped_generated_token_frac``: generated (completion) tokens of samples dropped stale (by the trainer, and
+  by the worker for groups that came back stale and were re-queued) / the same plus the generated tokens of the
+  trained samples; ``dropped_stale_by_class`` counts the trainer's drops, ``requeued_stale_groups`` the worker's;
 - ``trained_tokens_per_s``: trained (completion) tokens / wall seconds from the end of step 1 to the end of the
   last step (start-up excluded);
 - ``staleness_max``: the largest staleness of a trained sample (must be <= ``max_staleness``).
@@ -103,6 +104,7 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
     step_ends: list[float] = []
     step_tokens: list[int] = []
     lengths_by_row: dict[int, int] = {}
+    worker = {"dropped_generated": 0.0, "requeued": 0.0}
 
     class Trainer(AsyncGRPOTrainer):
         loop_cls = __getattr__("LengthLoop")
@@ -120,6 +122,10 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
                 trained.append((lengths_by_row[s.row_index], s.num_trained_tokens, trained_version - s.model_version))
             step_ends.append(time.monotonic())
             step_tokens.append(sum(s.num_trained_tokens for s in samples))
+            for snapshot in self.worker.drain_metrics():  # the worker's own stale drops (re-queued groups)
+                worker["dropped_generated"] += snapshot.get("sample/dropped_stale_token_frac", (0, 0.0))[1]
+                worker["requeued"] += snapshot.get("rollout/requeued_stale_count", (0, 0.0))[1]
+                self.window.merge(snapshot)
             return super()._finish_step(plan, *args, **kwargs)
 
     dataset = make_dataset(lengths, 4000, seed)
@@ -137,7 +143,7 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
     n_trained = len(trained)
     shares = {str(c): sum(1 for t in trained if t[0] == c) / n_trained if n_trained else 0.0 for c in lengths}
     gen_trained = sum(t[1] for t in trained)
-    gen_dropped = sum(d[1] for d in dropped)
+    gen_dropped = sum(d[1] for d in dropped) + worker["dropped_generated"]
     wall = step_ends[-1] - step_ends[0] if len(step_ends) > 1 else float("nan")
     return {
         "max_staleness": max_staleness,
@@ -149,6 +155,7 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
         "trained_samples": n_trained,
         "dropped_stale_samples": len(dropped),
         "dropped_stale_by_class": {str(c): sum(1 for d in dropped if d[0] == c) for c in lengths},
+        "requeued_stale_groups": int(worker["requeued"]),
         "dropped_generated_token_frac": gen_dropped / (gen_dropped + gen_trained) if gen_dropped + gen_trained else 0.0,
         "trained_generated_tokens": gen_trained,
         "trained_tokens_per_s": sum(step_tokens[1:]) / wall if len(step_ends) > 1 else float("nan"),
