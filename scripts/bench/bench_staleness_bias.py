@@ -160,6 +160,7 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
         "trained_generated_tokens": gen_trained,
         "trained_tokens_per_s": sum(step_tokens[1:]) / wall if len(step_ends) > 1 else float("nan"),
         "staleness_max": max((t[2] for t in trained), default=0),
+        "staleness_bound_holds": all(t[2] <= max_staleness for t in trained),
         "wall_s_after_step1": wall,
     }
 

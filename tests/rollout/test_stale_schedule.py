@@ -205,3 +205,55 @@ def test_length_classes_and_stale_verdict_metrics():
     assert out["sample/trained_frac_short"] == 1.0 and out["sample/trained_frac_long"] == 0.5
     assert out["sample/dropped_stale_count"] == 1
     assert "sample/trained_frac_medium" not in out
+
+
+# ----------------------------------------------------------------------------- the rollout loop's wiring
+def test_a_group_back_stale_is_generated_again_first_instead_of_shipped(tmp_path):
+    import asyncio
+    import queue
+    import threading
+
+    from asyncgrpo_cli.rollout.concurrency import ConcurrencyCap
+    from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo_cli.rollout.types import Rollout, TurnRecord
+    from asyncgrpo_cli.train.config import AsyncGRPOConfig
+
+    class _Value:
+        def __init__(self, value):
+            self.value = value
+
+    class TrainerRunsAhead(AsyncRolloutLoop):
+        """The trainer makes two weight updates while the first rollout of the group generates."""
+
+        async def generate_one(self, prompt, tools, group_id=0):
+            if group_id == 0 and self.model_version_value.value == 0:
+                self.model_version_value.value = 2
+            turn = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.5, -0.5], finish_reason="stop")
+            return Rollout(completion=[{"role": "assistant", "content": "x"}], completion_ids=[3, 4], turns=[turn])
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, max_staleness=1,
+                          vllm_server_base_url="http://127.0.0.1:1", max_concurrent_rollouts=8, report_to="none")
+    dataset = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    loop = TrainerRunsAhead(cfg, "m", dataset, [lambda completions, **kw: [0.0, 1.0]], None, [0], queue.Queue(),
+                            _Value(0), _Value(1e9), _Value(0.0), threading.Event(), queue.Queue(), queue.Queue(),
+                            consumed_tokens_value=_Value(0.0))
+    loop.cap = ConcurrencyCap(8)
+    prompts = loop._prompts_with_retries()
+    position, row_index, row = next(prompts)
+
+    async def run_group():
+        loop._slot_changed = asyncio.Condition()
+        score_queue: asyncio.Queue = asyncio.Queue()
+        loop.allowance.on_group_started(2)
+        loop.schedule.on_group_started(0, 0, 0.0)
+        loop._waiting_rollouts += 2
+        await loop._run_group(0, position, row_index, row, score_queue)
+        return score_queue.qsize()
+
+    assert asyncio.run(run_group()) == 0  # not scored, not shipped: the trainer would drop all of it
+    assert loop.schedule.deadline_admission and loop.allowance.committed_tokens == 0
+    assert next(prompts) == (position, row_index, row)  # generated again before the next new prompt
+    assert next(prompts)[0] == position + 1
+    window = loop.metrics.flush()
+    assert window["rollout/requeued_stale_count"] == 1 and window["sample/dropped_stale_count"] == 2
+    assert window["sample/dropped_stale_token_frac"] == 1.0 and window["sample/trained_frac_medium"] == 0.0
