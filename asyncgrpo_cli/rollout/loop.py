@@ -551,7 +551,7 @@ class AsyncRolloutLoop(StaleScheduling):
         stamp: list[int] = []
         results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
         model_version = stamp[0]
-        sequences, stats, generated = [], [], 0
+        sequences, stats = [], []
         for res in results:
             rollout = res.rollout
             seqs, st = rollout_to_sequences(rollout, group_id=group_id, row_index=row_index,
@@ -562,8 +562,7 @@ class AsyncRolloutLoop(StaleScheduling):
             stats.append(st)
             self.allowance.on_rollout_finished(sum(s.num_tokens for s in seqs))
             self.metrics.add("rollout/duration_s", res.duration)
-            generated += sum(len(t.output_ids) for t in rollout.turns)
-        self._generated_tokens += generated
+            self._generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.allowance.on_group_finished()
         if self._retry_if_stale(group_id, model_version, position, row_index, row, sequences):
             return

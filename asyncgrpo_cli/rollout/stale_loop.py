@@ -35,7 +35,7 @@ class StaleScheduling:
         the prompt order instead of being scored; returns whether it did (`StaleSchedule`). Its samples count
         as dropped stale (``sample/dropped_stale_count``, ``sample/dropped_stale_token_frac``, and
         ``sample/trained_frac_*`` of their length class); ``rollout/requeued_stale_count`` counts the group."""
-        if not (self.schedule.on_group_finished(group_id, int(self.model_version_value.value))
+        if not (self.schedule.on_group_finished(group_id, int(self.model_version_value.value), stamp)
                 and self.schedule.requeue(position, (position, row_index, row))):
             return False
         self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in sequences for s in seqs))

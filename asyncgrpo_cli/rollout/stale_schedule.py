@@ -154,15 +154,19 @@ class StaleSchedule:
             raise ValueError(f"on_group_started: group {group_id} is already in flight")
         self._groups[group_id] = (version, est)
 
-    def on_group_finished(self, group_id: int, version: int | None = None) -> bool:
+    def on_group_finished(self, group_id: int, version: int | None = None, stamp: int | None = None) -> bool:
         """The group's last rollout is back; returns whether it is already stale (retry it, do not score it).
+
+        ``stamp`` is the group's real model version (the policy when its first rollout started, SPEC §3.1);
+        default the version given to :meth:`on_group_started`. ``version``: default the observed one.
 
         Raises:
             ValueError: ``group_id`` is not in flight.
         """
         if group_id not in self._groups:
             raise ValueError(f"on_group_finished: group {group_id} is not in flight")
-        stamp, _ = self._groups.pop(group_id)
+        started, _ = self._groups.pop(group_id)
+        stamp = started if stamp is None else stamp
         stale = self.is_stale(stamp, version)
         self.deadline_admission = self.deadline_admission or stale
         return stale

@@ -168,7 +168,10 @@ def test_a_stale_group_is_retried_first_at_most_max_retries_times():
     s.on_group_started(7, version=0, est_tokens=10)
     assert s.on_group_finished(7, version=0) is False  # same version: trainable
     s.on_group_started(8, version=0, est_tokens=10)
-    assert s.on_group_finished(8, version=1) is True
+    assert s.on_group_finished(8, version=1, stamp=1) is False  # its first rollout started under version 1
+    assert not s.deadline_admission
+    s.on_group_started(8, version=0, est_tokens=10)
+    assert s.on_group_finished(8, version=1) is True and s.deadline_admission
     assert s.requeue(5, ("p5",)) and s.requeue(6, ("p6",))
     assert s.retries_waiting == 2
     assert s.next_retry() == ("p5",) and s.next_retry() == ("p6",) and s.next_retry() is None
