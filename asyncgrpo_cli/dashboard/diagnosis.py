@@ -83,6 +83,9 @@ class Thresholds:
     dup_creep: float = 0.02
     entropy_fall_frac: float = 0.02
     hold_windows: int = 3
+    length_bias_gap: float = 0.10
+    stale_waste_frac: float = 0.05
+    stale_windows: int = 10
 
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -392,12 +395,42 @@ def tool_use(m: Mapping[str, Any], th: Thresholds = DEFAULT_THRESHOLDS) -> Diagn
     return Diagnosis("tools_ok", f"tools {calls:.2g} calls/rollout" if calls is not None else "tools ok", OK)
 
 
+def length_bias(history: MetricsHistory, settings: RunSettings = RunSettings(),
+                th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """Stale drops that fall on long completions, so the trainer sees fewer long prompts than the data holds
+    (issue #28).
+
+    Reads ``sample/trained_frac_short`` / ``sample/trained_frac_long`` (share of each completion-length third
+    trained rather than dropped stale) and ``sample/dropped_stale_token_frac``, averaged over the newest
+    ``th.stale_windows`` windows that logged them. Length bias (warn): the short share exceeds the long one by
+    ``th.length_bias_gap`` or more. Stale waste (info): ``th.stale_waste_frac`` or more of the generated tokens
+    dropped. None when the waste metric was never logged.
+    """
+    def recent(name: str) -> float | None:
+        vals = history.values(name)[-th.stale_windows:]
+        return sum(vals) / len(vals) if vals else None
+
+    waste = recent("sample/dropped_stale_token_frac")
+    if waste is None:
+        return None
+    short, long_ = recent("sample/trained_frac_short"), recent("sample/trained_frac_long")
+    limit = settings.max_staleness
+    if short is not None and long_ is not None and short - long_ >= th.length_bias_gap:
+        return Diagnosis("length_bias", f"length bias: {1 - long_:.0%} of long completions dropped stale against "
+                         f"{1 - short:.0%} of short ones ({waste:.0%} of generated tokens): long prompts are trained "
+                         f"less than the data holds; raise staleness.max_staleness (now {limit})", WARN)
+    if waste >= th.stale_waste_frac:
+        return Diagnosis("stale_waste", f"{waste:.0%} of generated tokens dropped stale (no length bias); raise "
+                         f"staleness.max_staleness (now {limit}) to waste less", INFO)
+    return Diagnosis("stale_ok", f"{waste:.0%} of generated tokens dropped stale", OK)
+
+
 def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
              th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The ONE diagnosis line of the dashboard for the newest window of ``history``.
 
-    The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, in that
-    order). A generation-bound diagnosis gets the active concurrency limit appended (SPEC §4.4 says
+    The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, length bias,
+    in that order). A generation-bound diagnosis gets the active concurrency limit appended (SPEC §4.4 says
     what holds generation back). When everything is ok the line starts with ``healthy:`` and lists the
     findings.
     """
@@ -406,7 +439,8 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
         return Diagnosis("waiting", "waiting for the first logged step", OK)
     limit = active_limit(m, settings, th)
     found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th),
-                         bottleneck(m, settings, th), limit, tool_use(m, th)) if d is not None]
+                         bottleneck(m, settings, th), limit, length_bias(history, settings, th), tool_use(m, th))
+             if d is not None]
     if not found:
         return Diagnosis("no_data", "no diagnosable metrics in this step", OK)
     best = max(found, key=lambda d: d.rank)  # max keeps the first of equal ranks

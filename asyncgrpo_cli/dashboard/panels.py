@@ -263,6 +263,9 @@ def staleness_panel(view: DashboardView) -> Panel:
         ("staleness max", Text(fmt(smax, ".0f") + f" / {limit}",
                                style="yellow" if smax is not None and smax >= limit else "")),
         ("dropped stale (step)", fmt(num(m, "sample/dropped_stale_count"), ".0f")),
+        ("dropped stale tokens", fmt_pct(num(m, "sample/dropped_stale_token_frac"))),
+        ("trained short/med/long", " / ".join(fmt_pct(num(m, f"sample/trained_frac_{c}"))
+                                              for c in ("short", "medium", "long"))),
         ("time in queue", fmt_s(num(m, "sample/time_in_queue_s"))),
         ("importance ratio", _ratio_text(num(m, "sampling/importance_sampling_ratio/mean"))),
     ]

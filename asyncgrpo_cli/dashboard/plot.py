@@ -35,6 +35,8 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("clipped share", "fraction", ("completions/clipped_ratio", "clip_ratio/region_mean")),
     ("groups without reward spread", "fraction of groups", ("frac_reward_zero_std",)),
     ("staleness", "model versions", ("sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_count")),
+    ("stale drops by length", "fraction", ("sample/dropped_stale_token_frac", "sample/trained_frac_short",
+                                           "sample/trained_frac_medium", "sample/trained_frac_long")),
     ("completion length", "tokens", ("completions/mean_length", "completions/max_length",
                                      "completions/mean_terminated_length")),
     ("throughput", "tokens / s", THROUGHPUT_CURVES),

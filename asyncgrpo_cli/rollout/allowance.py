@@ -170,6 +170,11 @@ class TokenAllowance:
         return self._queued_tokens
 
     @property
+    def consumed_total_seen(self) -> float:
+        """The trainer's pulled-token counter as last applied by :meth:`sync_consumed_total` (0.0 before)."""
+        return self._consumed_total_seen
+
+    @property
     def tokens_per_rollout(self) -> float | None:
         """Running mean of sample tokens per finished rollout; ``None`` before any rollout finished."""
         if self._finished_rollouts_total == 0:

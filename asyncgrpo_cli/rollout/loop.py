@@ -42,6 +42,8 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
+from .stale_loop import StaleScheduling
+from .stale_schedule import StaleSchedule
 from .tool_loop import record_tool_counters, run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -58,7 +60,7 @@ class EpochExhaustedError(RuntimeError):
     """Every prompt of an epoch was rejected by ``filter_prompt`` (SPEC §11): no batch could ever form."""
 
 
-class AsyncRolloutLoop:
+class AsyncRolloutLoop(StaleScheduling):
     """Generates and scores rollouts for `AsyncGRPOTrainer` in the spawned worker process (SPEC §16.5).
 
     Subclass it, override a hook, and set the subclass as the trainer's ``loop_cls``. Hooks read
@@ -133,6 +135,7 @@ class AsyncRolloutLoop:
         self._own_client = client is None
         self.server_values = server_values
         self.allowance = TokenAllowance()
+        self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)))  # issue #28: no prompt left behind
         self.no_signal = NoSignalWatch(int(getattr(config, "max_groups_without_signal", 0) or 0))
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
@@ -431,11 +434,11 @@ class AsyncRolloutLoop:
 
     async def _producer(self, score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations
-        for position, row_index, row in self._prompt_stream():
+        for position, row_index, row in self._prompts_with_retries():
             waited = None
             while not self._stop:
                 self._sync_consumed()
-                if self.allowance.can_start_group(float(self.token_allowance.value)):
+                if self._may_start_group(float(self.token_allowance.value)):
                     break
                 waited = waited if waited is not None else time.monotonic()
                 await asyncio.sleep(0.02)
@@ -454,6 +457,8 @@ class AsyncRolloutLoop:
             if self._stop:
                 return
             self.allowance.on_group_started(G)
+            self.schedule.on_group_started(self._group_counter, int(self.model_version_value.value),
+                                           G * (self.allowance.tokens_per_rollout or 0.0))
             self._waiting_rollouts += G
             group_id = self._group_counter
             self._group_counter += 1
@@ -561,6 +566,8 @@ class AsyncRolloutLoop:
             self.metrics.add("rollout/duration_s", res.duration)
             self._generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.allowance.on_group_finished()
+        if self._retry_if_stale(group_id, model_version, position, row_index, row, sequences):
+            return
         rollouts = [r.rollout for r in results]
         columns = {k: [v] * G for k, v in row.items() if k != "prompt"}  # B.1 (``environment`` included)
         group = RolloutGroup(prompts=[r.prompt for r in results], reward_kwargs=columns,
@@ -610,6 +617,7 @@ class AsyncRolloutLoop:
     def _finish_group(self, group: RolloutGroup, rollouts: list[Rollout], position: int, result) -> None:
         """Advantages, the drop rule, metrics and the rollout-queue entry of one scored group (SPEC §3.2)."""
         G = len(rollouts)
+        self.schedule.forget(position)
         env_rewards = [None if e is None else e[1] for e in group.env_rewards]
         weights = getattr(self.config, "reward_weights", None)  # reward_weights: one per function (README: Loss variants)
         group.rewards = total_rewards(weighted_rewards(list(result.per_function.values()), weights),
@@ -729,6 +737,7 @@ class AsyncRolloutLoop:
     def _sync_consumed(self) -> None:
         if self.consumed_tokens_value is not None:
             self.allowance.sync_consumed_total(float(self.consumed_tokens_value.value))
+        self.schedule.observe(int(self.model_version_value.value), self.allowance.consumed_total_seen)
 
     async def _monitor(self) -> None:
         last_poll = -math.inf

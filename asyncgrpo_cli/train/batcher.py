@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from asyncgrpo_cli.rollout.stale_schedule import record_stale_verdict  # noqa: F401 - the trainer's, with the plan
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
 from .packing import PackedRow, RowStats, _key, _RowCounter, _span_cost
@@ -149,6 +150,16 @@ class TokenBudgetBatcher:
         self._open.place(0, sample, index, key, (n, _span_cost(0, n)))
         return closed
 
+    def pending(self) -> list[TrainingSequence]:
+        """The samples of the open micro-batch, row by row (not removed)."""
+        return [s for row in self._open.rows for s in row]
+
+    def take_pending(self) -> list[TrainingSequence]:
+        """Remove and return the samples of the open micro-batch, row by row (the batcher is then empty)."""
+        samples = self.pending()
+        self._open = _OpenMicroBatch(self.num_processes)
+        return samples
+
     def flush(self) -> MicroBatchPlan | None:
         """Close the open micro-batch and return it, or ``None`` if it holds no sample."""
         if self._open.num_samples == 0:
@@ -195,6 +206,54 @@ class TokenBudgetBatcher:
         if best is None:
             return None, (0, 0)
         return best[1], best_delta
+
+
+# --------------------------------------------------------------------------------------------------
+# Deadline-ordered last micro-batch (issue #28)
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_edge_first(plans: list[MicroBatchPlan], batcher: TokenBudgetBatcher, version: int,
+                    max_staleness: int) -> list[MicroBatchPlan]:
+    """Re-plan ``plans[-1]`` (the step's last micro-batch) with ``batcher``'s open micro-batch, edge samples first.
+
+    The batcher fills micro-batches in pull order: the sample that does not fit the step's last micro-batch
+    opens the next one and trains one model version later. A sample pulled exactly ``max_staleness`` versions
+    behind is then dropped at the next step (SPEC §3.1, B.6), and long samples are the ones that do not fit a
+    nearly full row: a length bias (issue #28, `scripts/bench/bench_staleness_bias.py`). When a carried sample
+    would be stale at ``version + 1``, the last micro-batch and the carried samples are planned again, oldest
+    model version first: the edge samples train now, fresher ones are carried instead. Rows keep at most
+    ``token_budget`` forwarded tokens; the trainer's drop rule still checks every trained sample.
+
+    Args:
+        plans: the micro-batches of the step about to train at model ``version``; the last one may be replaced
+            (in place). An empty list is left as it is.
+        batcher: the trainer's batcher; its open micro-batch holds the samples carried to the next step
+            (trained at ``version + 1``). Changed in place: it keeps the samples carried after re-planning.
+        version: the model version the step trains (carried samples train at ``version + 1``).
+        max_staleness: the drop rule's limit in versions (>= 0).
+
+    Returns:
+        Rarely, whole micro-batches the carried samples fill on their own (the caller trains them with the next
+        step); usually ``[]``. Nothing changes when no carried sample would be stale at ``version + 1``.
+    """
+    if not plans or not any(version + 1 - s.model_version > max_staleness for s in batcher.pending()):
+        return []
+    last = plans[-1]
+    samples: list[TrainingSequence] = [s for row in last.rows for s in row] + batcher.take_pending()
+    samples.sort(key=lambda s: (s.model_version, s.group_id))  # stable: a group's samples stay in order
+    fresh = TokenBudgetBatcher(batcher.token_budget, batcher.num_processes)
+    new_last, rest = None, []
+    for s in samples:
+        if new_last is not None:
+            rest.append(s)
+            continue
+        closed = fresh.add(s)
+        if closed is not None:
+            new_last = closed
+            rest = fresh.take_pending()
+    plans[-1] = new_last if new_last is not None else (fresh.flush() or last)  # None: all of it fits one
+    return [p for p in (batcher.add(s) for s in rest) if p is not None]
 
 
 # --------------------------------------------------------------------------------------------------

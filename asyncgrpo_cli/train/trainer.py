@@ -31,7 +31,7 @@ from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy
 from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, row_loss
 from .batcher import (OVERSIZE_STREAK_LIMIT, MicroBatchPlan, TokenBudgetBatcher, batch_metrics,
-                      oversize_stop_message)
+                      oversize_stop_message, plan_edge_first, record_stale_verdict)
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
@@ -454,6 +454,7 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
                 continue
             closed = self._take(outcome)
             plans.extend(closed)
+        self._carried_plans = [] if stop else plan_edge_first(plans, self.batcher, self.model_version, args.max_staleness)
         if stop:
             last = self.batcher.flush()
             if last is not None:
@@ -505,7 +506,7 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         train (SPEC §3.1, B.6); returns whether it was dropped."""
         if self.model_version - sample.model_version <= self.args.max_staleness:
             return False
-        self.window.add("sample/dropped_stale_count", 1)
+        record_stale_verdict(self.window, sample.num_trained_tokens, self.args.max_completion_length, trained=False)
         self._sample_finished(sample)
         return True
 
@@ -651,6 +652,7 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             staleness = trained_version - s.model_version
             w.add("sample/staleness_mean", staleness)
             w.add("sample/staleness_max", staleness)
+            record_stale_verdict(w, s.num_trained_tokens, args.max_completion_length, trained=True)
             self._sample_finished(s)
         w.add("perf/step_s", step_s)
         self._last_step_s = step_s

@@ -228,3 +228,35 @@ def test_a_diagnosis_shows_only_once_it_holds_over_several_windows():
     assert d.rule == "mix" and d.severity == WARN and d.text.endswith("(held over steps 2-4)")
     # an ok line needs no holding
     assert steady_diagnosis(history_of(mix, healthy), SETTINGS).text.startswith("healthy:")
+
+
+# ----------------------------------------------------------------------------- length bias (issue #28)
+def _stale_history(windows):
+    from asyncgrpo_cli.dashboard.diagnosis import MetricsHistory
+
+    h = MetricsHistory()
+    for w in windows:
+        h.push(w)
+    return h
+
+
+def test_length_bias_is_named_when_long_completions_are_the_ones_dropped_stale():
+    from asyncgrpo_cli.dashboard.diagnosis import RunSettings, diagnose, length_bias
+
+    biased = {"sample/dropped_stale_token_frac": 0.39, "sample/trained_frac_short": 0.99,
+              "sample/trained_frac_long": 0.55}
+    h = _stale_history([biased] * 3)
+    d = length_bias(h, RunSettings(max_staleness=1))
+    assert d.rule == "length_bias" and d.severity == "warn"
+    assert "45% of long completions" in d.text and "1% of short" in d.text and "max_staleness (now 1)" in d.text
+    assert diagnose(h, RunSettings(max_staleness=1)).rule == "length_bias"
+
+
+def test_stale_waste_without_length_bias_and_no_finding_without_the_metric():
+    from asyncgrpo_cli.dashboard.diagnosis import length_bias
+
+    even = {"sample/dropped_stale_token_frac": 0.2, "sample/trained_frac_short": 0.8, "sample/trained_frac_long": 0.78}
+    assert length_bias(_stale_history([even])).rule == "stale_waste"
+    low = {"sample/dropped_stale_token_frac": 0.01, "sample/trained_frac_short": 1.0, "sample/trained_frac_long": 0.97}
+    assert length_bias(_stale_history([low])).rule == "stale_ok"
+    assert length_bias(_stale_history([{"loss": 1.0}])) is None

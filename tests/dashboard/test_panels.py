@@ -264,3 +264,20 @@ def test_training_curves_png(tmp_path):
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
     assert plot_training_curves([{"step": 1, "grad_norm": 0.3}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_staleness_panel_and_curves_show_the_stale_waste_by_length(tmp_path):
+    from asyncgrpo_cli.dashboard.panels import staleness_panel
+    from asyncgrpo_cli.dashboard.plot import PANELS
+
+    h = MetricsHistory()
+    h.push({"step": 1, "sample/dropped_stale_token_frac": 0.39, "sample/trained_frac_short": 1.0,
+            "sample/trained_frac_medium": 0.9, "sample/trained_frac_long": 0.55})
+    view = DashboardView(status=None, history=h, diagnosis=diagnose(h), now=T0, started_at=T0)
+    console = record_console()
+    console.print(staleness_panel(view))
+    text = console.export_text()
+    assert "dropped stale tokens" in text and "39" in text
+    assert "100% / 90% / 55%" in text.replace(".0%", "%")
+    curves = {name for _, _, names in PANELS for name in names}
+    assert {"sample/dropped_stale_token_frac", "sample/trained_frac_long"} <= curves

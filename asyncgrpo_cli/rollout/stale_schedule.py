@@ -1,0 +1,238 @@
+"""Scheduling so that stale drops do not bias training toward short prompts (SPEC §3.1, §4.1, B.4, B.6; issue #28).
+
+The token allowance (`asyncgrpo_cli.rollout.allowance`) bounds what is queued plus in flight at the moment a
+group starts. It cannot see that a long group started at version ``v`` is overtaken by short groups started
+after it: those finish first, the trainer consumes them, and by the time the long group is pulled the trainer
+is more than ``max_staleness`` versions ahead, so it is dropped. Long (often harder) prompts were then trained
+less often than the data holds (`scripts/bench/bench_staleness_bias.py`).
+
+:class:`StaleSchedule` adds two rules on top of the allowance, which stays the contract for what may be in
+flight (a group starts only when both agree):
+
+- **Deadline admission**, from the first group that comes back stale on (until then nothing was lost, and the
+  rule would only cost throughput). A group stamped ``v`` can be trained while the trainer's version is at most
+  ``v + max_staleness``: the trainer may still pull about ``(v + max_staleness − V + 1 − headroom_margin) ×
+  tokens_per_version − consumed_this_version`` sample tokens before it is lost (its *headroom*). A new group
+  starts only if, for every group in flight, the tokens committed ahead of it (everything committed but its own
+  estimate, counted pessimistically as pulled first) plus the new group's estimate fit its headroom. When a long
+  group nears its deadline, generation stops adding short work that would overtake it, the queue drains, and the
+  trainer's version waits for the long group instead of leaving it behind.
+- **No prompt left behind.** A group that comes back already stale (``V − v > max_staleness`` when its last
+  rollout finishes: versions only grow, so the trainer would drop every one of its samples) is not scored; its
+  prompt goes to the front of the prompt order and is generated again under the current policy, at most
+  ``max_retries`` times (then it is shipped and the trainer drops it, as before).
+
+Neither rule changes what is trained: the trainer's drop rule (B.6) still checks every sample at pull time,
+so no trained token is more than ``max_staleness`` versions old. Pure: no I/O, no clocks; the rollout loop
+feeds it events and asks it questions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from .allowance import _require_int, _require_tokens
+
+__all__ = ["LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verdict"]
+
+#: Completion-length classes of ``sample/trained_frac_{class}``: thirds of ``max_completion_length``.
+LENGTH_CLASSES = ("short", "medium", "long")
+
+
+def length_class(completion_tokens: int, max_completion_length: int) -> str:
+    """``short`` / ``medium`` / ``long``: which third of ``max_completion_length`` (tokens, >= 1) a sample's
+    ``completion_tokens`` (its trained tokens) fall in; the upper bound of a third belongs to it."""
+    limit = max(int(max_completion_length), 1)
+    third = min(2, max(0, (3 * int(completion_tokens) - 1) // limit))
+    return LENGTH_CLASSES[third]
+
+
+def record_stale_verdict(window, completion_tokens: int, max_completion_length: int, trained: bool) -> None:
+    """Record what became of one sample: trained, or dropped for exceeding ``max_staleness`` (issue #28).
+
+    Adds to ``window`` (a `MetricsWindow`):
+
+    - ``sample/dropped_stale_token_frac``: generated (trained-mask) tokens dropped stale / generated tokens of
+      every sample with a verdict, a ratio of window totals;
+    - ``sample/trained_frac_{short,medium,long}``: per completion-length third (`length_class`), the share of
+      its samples that were trained (1.0 trained, 0.0 dropped stale), a per-sample mean;
+    - ``sample/dropped_stale_count`` += 1 for a dropped sample (SPEC §15.6).
+    """
+    tokens = int(completion_tokens)
+    window.add_ratio("sample/dropped_stale_token_frac", 0 if trained else tokens, tokens)
+    window.add(f"sample/trained_frac_{length_class(tokens, max_completion_length)}", 1.0 if trained else 0.0)
+    if not trained:
+        window.add("sample/dropped_stale_count", 1)
+
+
+class StaleSchedule:
+    """Deadline admission and re-queueing of stale groups (module docstring; SPEC §3.1, §4.1, B.6).
+
+    Args:
+        max_staleness: weight updates a sample may lag (>= 0), as the trainer's drop rule uses it.
+        max_retries: how often one prompt may be generated again after coming back stale (>= 0).
+        headroom_margin: versions' worth of tokens kept in reserve by deadline admission (>= 0), for what its
+            estimates miss (in-flight rollouts count as the mean rollout; the last step stands for the next).
+
+    Raises:
+        TypeError / ValueError: an argument is not an int or is negative.
+
+    Events, in the order the rollout loop sees them::
+
+        observe(version, consumed_total)          # whenever the trainer's version / pulled counter is read
+        on_group_started(group_id, version, est)  # est: the group's estimated sample tokens
+        on_group_finished(group_id, version)      # -> True: it is stale, retry it (requeue) instead of scoring
+        requeue(prompt)                           # then next_retry() hands it out before any new prompt
+    """
+
+    def __init__(self, max_staleness: int, max_retries: int = 3, headroom_margin: float = 0.25) -> None:
+        self.max_staleness = _require_int("max_staleness", max_staleness, 0)
+        self.max_retries = _require_int("max_retries", max_retries, 0)
+        self.headroom_margin = _require_tokens("headroom_margin", headroom_margin)
+        self.deadline_admission = False  # on from the first group that comes back stale
+        self._groups: dict[int, tuple[int, float]] = {}  # group id -> (stamp version, estimated tokens)
+        self._retries: deque[tuple[Any, ...]] = deque()
+        self._tries: dict[Any, int] = {}
+        self._version = 0
+        self._consumed = 0.0
+        self._consumed_at_version = 0.0
+        self.requeued_total = 0
+
+    # ------------------------------------------------------------------ observations
+    @property
+    def version(self) -> int:
+        """The latest trainer model version observed."""
+        return self._version
+
+    @property
+    def consumed_this_version(self) -> float:
+        """Sample tokens the trainer pulled since the current version was first observed."""
+        return max(0.0, self._consumed - self._consumed_at_version)
+
+    def observe(self, version: int, consumed_total: float) -> None:
+        """The trainer's model version and its monotonic count of pulled sample tokens (B.4).
+
+        Raises:
+            ValueError: ``version`` or ``consumed_total`` went down, or is negative.
+        """
+        version = _require_int("version", version, 0)
+        consumed = _require_tokens("consumed_total", consumed_total)
+        if version < self._version or consumed < self._consumed:
+            raise ValueError(f"observe: version {self._version} -> {version} and consumed_total {self._consumed} "
+                             f"-> {consumed}: the trainer's version and pulled-token counter only grow")
+        if version > self._version:
+            # The trainer pulls a step's samples, trains, then publishes the version: what it pulled before
+            # this read belongs to the step that made the version, so the new version starts here.
+            self._consumed_at_version = consumed
+        self._version = version
+        self._consumed = consumed
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups started and not yet finished."""
+        return len(self._groups)
+
+    def is_stale(self, stamp: int, version: int | None = None) -> bool:
+        """Whether a group stamped ``stamp`` is past training at ``version`` (default: the observed one):
+        ``version − stamp > max_staleness``, the trainer's drop rule (SPEC §3.1, B.6)."""
+        return (self._version if version is None else version) - stamp > self.max_staleness
+
+    def on_group_started(self, group_id: int, version: int, est_tokens: float) -> None:
+        """A group goes in flight, stamped at ``version``, estimated at ``est_tokens`` sample tokens.
+
+        The stamp may be a lower bound of the real one (the version when its first rollout starts): a lower
+        stamp only makes admission stricter.
+
+        Raises:
+            ValueError: ``group_id`` is already in flight, or a negative argument.
+        """
+        _require_int("version", version, 0)
+        est = _require_tokens("est_tokens", est_tokens)
+        if group_id in self._groups:
+            raise ValueError(f"on_group_started: group {group_id} is already in flight")
+        self._groups[group_id] = (version, est)
+
+    def on_group_finished(self, group_id: int, version: int | None = None, stamp: int | None = None) -> bool:
+        """The group's last rollout is back; returns whether it is already stale (retry it, do not score it).
+
+        ``stamp`` is the group's real model version (the policy when its first rollout started, SPEC §3.1);
+        default the version given to :meth:`on_group_started`. ``version``: default the observed one.
+
+        Raises:
+            ValueError: ``group_id`` is not in flight.
+        """
+        if group_id not in self._groups:
+            raise ValueError(f"on_group_finished: group {group_id} is not in flight")
+        started, _ = self._groups.pop(group_id)
+        stamp = started if stamp is None else stamp
+        stale = self.is_stale(stamp, version)
+        self.deadline_admission = self.deadline_admission or stale
+        return stale
+
+    def headroom_tokens(self, stamp: int, tokens_per_version: float) -> float:
+        """Sample tokens the trainer may still pull before a group stamped ``stamp`` is past training, less the
+        margin: ``(stamp + max_staleness − version + 1 − headroom_margin) × tokens_per_version −
+        consumed_this_version`` (may be < 0)."""
+        versions_left = stamp + self.max_staleness - self._version + 1 - self.headroom_margin
+        return versions_left * tokens_per_version - self.consumed_this_version
+
+    def can_admit(self, committed_tokens: float, new_group_tokens: float, tokens_per_version: float) -> bool:
+        """Whether a new group may start without pushing a group in flight past its deadline.
+
+        Args:
+            committed_tokens: the allowance's queued + finished + estimated in-flight sample tokens.
+            new_group_tokens: the new group's estimated sample tokens (0 while no rollout has finished).
+            tokens_per_version: sample tokens the trainer consumes per weight update (the published allowance
+                divided by ``max(max_staleness, 1)``: ``weight_sync_steps`` steps of the last step's tokens).
+
+        Returns:
+            ``True`` before deadline admission is on (no group came back stale yet), when no group is in
+            flight, or when for every group in flight that can still be trained,
+            ``committed_tokens − its own estimate + new_group_tokens <= its headroom``. Groups already stale
+            are left out (they are re-queued when they come back).
+
+        Raises:
+            TypeError / ValueError: a token count is not a finite number >= 0.
+        """
+        committed = _require_tokens("committed_tokens", committed_tokens)
+        new = _require_tokens("new_group_tokens", new_group_tokens)
+        per_version = _require_tokens("tokens_per_version", tokens_per_version)
+        if not self.deadline_admission:
+            return True
+        for stamp, est in self._groups.values():
+            if self.is_stale(stamp):
+                continue
+            if committed - est + new > self.headroom_tokens(stamp, per_version):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ prompts
+    def requeue(self, key: Any, prompt: tuple[Any, ...]) -> bool:
+        """Put ``prompt`` (what the loop needs to start its group again) at the front of the prompt order.
+
+        ``key`` identifies the prompt across retries (its position). Returns ``False`` (not queued) once the
+        prompt was retried ``max_retries`` times; the caller then ships the group as it is.
+        """
+        tries = self._tries.get(key, 0)
+        if tries >= self.max_retries:
+            self._tries.pop(key, None)
+            return False
+        self._tries[key] = tries + 1
+        self._retries.append(prompt)
+        self.requeued_total += 1
+        return True
+
+    def next_retry(self) -> tuple[Any, ...] | None:
+        """The oldest re-queued prompt, or ``None``; re-queued prompts go before any new one."""
+        return self._retries.popleft() if self._retries else None
+
+    @property
+    def retries_waiting(self) -> int:
+        """Re-queued prompts not yet handed out."""
+        return len(self._retries)
+
+    def forget(self, key: Any) -> None:
+        """The prompt reached the trainer (scored and shipped): its retry count is dropped."""
+        self._tries.pop(key, None)

@@ -1,0 +1,262 @@
+"""`StaleSchedule` (issue #28): deadline admission and re-queueing of stale groups, driven step by step.
+
+The simulation below runs the worker's real bookkeeping (`TokenAllowance`, `StaleSchedule`) against a trainer
+model that applies the trainer's drop rule (SPEC §3.1, B.6) at pull time and again when the step trains, with
+lockstep decoding (every rollout in flight gains one token per tick, as in a continuous-batching server). No
+clock, no sleeps: one loop iteration is one decode step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from asyncgrpo_cli.metrics import MetricsWindow
+from asyncgrpo_cli.rollout.allowance import TokenAllowance, allowance_steps, initial_allowance
+from asyncgrpo_cli.rollout.stale_schedule import StaleSchedule, length_class, record_stale_verdict
+
+PROMPT = 10  # prompt tokens of every sample
+
+
+def simulate(lengths=(4, 40), max_staleness=1, scheduled=True, steps=150, cap=16, G=2, budget=256,
+             train_ticks=0, seed=0):
+    """Run ``steps`` optimizer steps; returns the trained samples ``(length, staleness)``, the generated tokens
+    dropped stale and trained, and the ticks taken. ``scheduled=False`` is the behaviour before issue #28."""
+    rng = random.Random(seed)
+    data = [lengths[i % len(lengths)] for i in range(4000)]
+    rng.shuffle(data)
+    stream = iter(enumerate(data))
+    allowance = TokenAllowance()
+    schedule = StaleSchedule(max_staleness)
+    published = float(initial_allowance(max_staleness, 1, budget, 1, 1))
+    version, consumed = 0, 0.0
+    groups: dict[int, dict] = {}
+    queue: deque = deque()
+    step: list = []
+    step_tokens = 0
+    busy = 0
+    trained, dropped_gen, trained_gen = [], 0, 0
+    next_id, tick = 0, 0
+    while version < steps:
+        tick += 1
+        assert tick < 200_000, "the simulation stalled"
+        # worker: admit groups
+        allowance.sync_consumed_total(consumed)
+        schedule.observe(version, consumed)
+        while sum(g["left"] for g in groups.values()) + G <= cap:
+            if not allowance.can_start_group(published):
+                break
+            new = G * (allowance.tokens_per_rollout or 0.0)
+            if scheduled and not schedule.can_admit(allowance.committed_tokens, new, published / max(max_staleness, 1)):
+                break
+            retry = schedule.next_retry() if scheduled else None
+            position, length = retry if retry is not None else next(stream)
+            allowance.on_group_started(G)
+            schedule.on_group_started(next_id, version, new)
+            groups[next_id] = {"position": position, "length": length, "stamp": version, "done": 0, "left": G}
+            next_id += 1
+        # decode one token for everything in flight; finished groups go to the queue
+        for gid in list(groups):
+            g = groups[gid]
+            g["done"] += 1
+            if g["done"] < g["length"]:
+                continue
+            del groups[gid]
+            for _ in range(G):
+                allowance.on_rollout_finished(PROMPT + g["length"])
+            allowance.on_group_finished()
+            tokens = G * (PROMPT + g["length"])
+            if schedule.on_group_finished(gid, version) and scheduled \
+                    and schedule.requeue(g["position"], (g["position"], g["length"])):
+                allowance.on_samples_discarded(tokens)
+                dropped_gen += G * g["length"]
+                continue
+            allowance.on_samples_queued(tokens)
+            queue.extend((g["length"], g["stamp"]) for _ in range(G))
+        # trainer: pull (drop rule at pull), train when the row is full
+        if busy:
+            busy -= 1
+            continue
+        while queue and step_tokens < budget:
+            length, stamp = queue.popleft()
+            consumed += PROMPT + length
+            if version - stamp > max_staleness:
+                dropped_gen += length
+                continue
+            step.append((length, stamp))
+            step_tokens += PROMPT + length
+        if step_tokens >= budget:
+            for length, stamp in step:
+                assert version - stamp <= max_staleness  # the bound, for every trained token of the step
+                trained.append((length, version - stamp))
+                trained_gen += length
+            published = float(allowance_steps(max_staleness, 1) * step_tokens)
+            version += 1
+            step, step_tokens, busy = [], 0, train_ticks
+    return trained, dropped_gen, trained_gen, tick
+
+
+def long_share(trained, longest=40):
+    return sum(1 for length, _ in trained if length == longest) / len(trained)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 4])
+@pytest.mark.parametrize("lengths", [(4, 40), (4, 16, 40)])
+def test_trained_mix_follows_the_data_and_every_trained_sample_is_within_max_staleness(lengths, max_staleness):
+    trained, dropped, kept, ticks = simulate(lengths, max_staleness)
+    assert max(s for _, s in trained) <= max_staleness
+    assert abs(long_share(trained) - 1 / len(lengths)) <= 0.05
+    _, dropped_before, kept_before, ticks_before = simulate(lengths, max_staleness, scheduled=False)
+    waste, waste_before = dropped / (dropped + kept), dropped_before / (dropped_before + kept_before)
+    assert waste <= (0.10 if max_staleness == 1 else 0.05)
+    assert waste <= 0.4 * waste_before or waste_before == 0
+    assert kept / ticks >= 0.95 * kept_before / ticks_before  # generated tokens trained per decode step
+
+
+def test_without_the_schedule_long_prompts_are_trained_less_than_the_data_holds():
+    # The behaviour before issue #28: the allowance alone lets short groups overtake long ones.
+    trained, dropped, kept, _ = simulate((4, 40), 1, scheduled=False)
+    assert long_share(trained) < 0.5 - 0.05
+    assert dropped / (dropped + kept) > 0.05
+
+
+def test_a_slow_trainer_is_unaffected():
+    # Trainer-bound (each step takes 40 decode steps): no group comes back stale, deadline admission stays off.
+    runs = [simulate((4, 40), 1, scheduled=scheduled, steps=40, train_ticks=40) for scheduled in (False, True)]
+    assert runs[0][1:] == runs[1][1:]
+    assert abs(long_share(runs[1][0]) - 0.5) <= 0.05
+
+
+def test_deadline_admission_is_off_until_a_group_comes_back_stale():
+    s = StaleSchedule(max_staleness=1, headroom_margin=0.0)
+    s.on_group_started(0, version=0, est_tokens=50)
+    assert s.can_admit(committed_tokens=10_000, new_group_tokens=50, tokens_per_version=100)
+    s.on_group_started(1, version=0, est_tokens=50)
+    s.observe(2, 0)
+    assert s.on_group_finished(1) is True and s.deadline_admission
+    assert s.can_admit(10_000, 50, 100)  # group 0 is stale as well: it is left out
+    s.on_group_started(2, version=2, est_tokens=50)
+    assert not s.can_admit(10_000, 50, 100)  # group 2 has 200 tokens of headroom
+    assert s.can_admit(150, 50, 100)
+
+
+def test_admission_stops_when_a_group_in_flight_would_be_overtaken_past_its_deadline():
+    s = StaleSchedule(max_staleness=1, headroom_margin=0.0)
+    s.deadline_admission = True
+    s.observe(0, 0)
+    assert s.can_admit(0, 50, 100)  # nothing in flight
+    s.on_group_started(0, version=0, est_tokens=50)
+    # headroom of group 0 at version 0: (0 + 1 - 0 + 1) * 100 - 0 = 200
+    assert s.headroom_tokens(0, 100) == 200
+    assert s.can_admit(committed_tokens=150, new_group_tokens=50, tokens_per_version=100)  # 100 + 50 <= 200
+    assert not s.can_admit(committed_tokens=250, new_group_tokens=50, tokens_per_version=100)  # 250 > 200
+    s.observe(1, 100)  # one step later: one version of headroom left, none of it pulled yet
+    assert s.headroom_tokens(0, 100) == 100
+    assert s.can_admit(100, 50, 100) and not s.can_admit(150, 50, 100)
+    s.observe(1, 160)  # 60 tokens of that version already pulled
+    assert s.headroom_tokens(0, 100) == 40
+    assert not s.can_admit(100, 50, 100)
+    s.observe(2, 200)  # group 0 is now past training: it no longer holds admission back
+    assert s.is_stale(0) and s.can_admit(1000, 50, 100)
+    assert s.on_group_finished(0) is True
+
+
+def test_a_stale_group_is_retried_first_at_most_max_retries_times():
+    s = StaleSchedule(max_staleness=0, max_retries=2)
+    s.on_group_started(7, version=0, est_tokens=10)
+    assert s.on_group_finished(7, version=0) is False  # same version: trainable
+    s.on_group_started(8, version=0, est_tokens=10)
+    assert s.on_group_finished(8, version=1, stamp=1) is False  # its first rollout started under version 1
+    assert not s.deadline_admission
+    s.on_group_started(8, version=0, est_tokens=10)
+    assert s.on_group_finished(8, version=1) is True and s.deadline_admission
+    assert s.requeue(5, ("p5",)) and s.requeue(6, ("p6",))
+    assert s.retries_waiting == 2
+    assert s.next_retry() == ("p5",) and s.next_retry() == ("p6",) and s.next_retry() is None
+    assert s.requeue(5, ("p5",))  # second try of position 5
+    assert not s.requeue(5, ("p5",))  # third: shipped as it is (the trainer drops and counts it)
+    s.forget(6)
+    assert s.requeue(6, ("p6",))  # a prompt that reached the trainer starts counting again
+
+
+def test_bad_events_are_refused_with_the_reason():
+    s = StaleSchedule(1)
+    with pytest.raises(ValueError, match="not in flight"):
+        s.on_group_finished(3)
+    s.on_group_started(3, 0, 1.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        s.on_group_started(3, 0, 1.0)
+    s.observe(2, 10)
+    with pytest.raises(ValueError, match="only grow"):
+        s.observe(1, 10)
+    with pytest.raises(ValueError, match="max_staleness"):
+        StaleSchedule(-1)
+
+
+def test_length_classes_and_stale_verdict_metrics():
+    assert [length_class(n, 30) for n in (0, 1, 10, 11, 20, 21, 30, 99)] == \
+        ["short", "short", "short", "medium", "medium", "long", "long", "long"]
+    w = MetricsWindow()
+    record_stale_verdict(w, 4, 40, trained=True)
+    record_stale_verdict(w, 4, 40, trained=True)
+    record_stale_verdict(w, 40, 40, trained=True)
+    record_stale_verdict(w, 40, 40, trained=False)
+    out = w.flush()
+    assert out["sample/dropped_stale_token_frac"] == pytest.approx(40 / 88)
+    assert out["sample/trained_frac_short"] == 1.0 and out["sample/trained_frac_long"] == 0.5
+    assert out["sample/dropped_stale_count"] == 1
+    assert "sample/trained_frac_medium" not in out
+
+
+# ----------------------------------------------------------------------------- the rollout loop's wiring
+def test_a_group_back_stale_is_generated_again_first_instead_of_shipped(tmp_path):
+    import asyncio
+    import queue
+    import threading
+
+    from asyncgrpo_cli.rollout.concurrency import ConcurrencyCap
+    from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo_cli.rollout.types import Rollout, TurnRecord
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+
+    class _Value:
+        def __init__(self, value):
+            self.value = value
+
+    class TrainerRunsAhead(AsyncRolloutLoop):
+        """The trainer makes two weight updates while the first rollout of the group generates."""
+
+        async def generate_one(self, prompt, tools, group_id=0):
+            if group_id == 0 and self.model_version_value.value == 0:
+                self.model_version_value.value = 2
+            turn = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.5, -0.5], finish_reason="stop")
+            return Rollout(completion=[{"role": "assistant", "content": "x"}], completion_ids=[3, 4], turns=[turn])
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, max_staleness=1,
+                          vllm_server_base_url="http://127.0.0.1:1", max_concurrent_rollouts=8, report_to="none")
+    dataset = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    loop = TrainerRunsAhead(cfg, "m", dataset, [lambda completions, **kw: [0.0, 1.0]], None, [0], queue.Queue(),
+                            _Value(0), _Value(1e9), _Value(0.0), threading.Event(), queue.Queue(), queue.Queue(),
+                            consumed_tokens_value=_Value(0.0))
+    loop.cap = ConcurrencyCap(8)
+    prompts = loop._prompts_with_retries()
+    position, row_index, row = next(prompts)
+
+    async def run_group():
+        loop._slot_changed = asyncio.Condition()
+        score_queue: asyncio.Queue = asyncio.Queue()
+        loop.allowance.on_group_started(2)
+        loop.schedule.on_group_started(0, 0, 0.0)
+        loop._waiting_rollouts += 2
+        await loop._run_group(0, position, row_index, row, score_queue)
+        return score_queue.qsize()
+
+    assert asyncio.run(run_group()) == 0  # not scored, not shipped: the trainer would drop all of it
+    assert loop.schedule.deadline_admission and loop.allowance.committed_tokens == 0
+    assert next(prompts) == (position, row_index, row)  # generated again before the next new prompt
+    assert next(prompts)[0] == position + 1
+    window = loop.metrics.flush()
+    assert window["rollout/requeued_stale_count"] == 1 and window["sample/dropped_stale_count"] == 2
+    assert window["sample/dropped_stale_token_frac"] == 1.0 and window["sample/trained_frac_medium"] == 0.0
