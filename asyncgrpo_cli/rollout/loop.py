@@ -44,7 +44,8 @@ from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
 from .stale_loop import StaleScheduling
 from .stale_schedule import StaleSchedule
-from .tool_loop import record_tool_counters, run_tool_loop, static_tool_names
+from .rollout_metrics import record_rollout_metrics
+from .tool_loop import run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
@@ -684,41 +685,8 @@ class AsyncRolloutLoop(StaleScheduling):
     # ----------------------------------------------------------------------------------- metrics
     def _record_rollout_metrics(self, rollouts: list[Rollout], stats: list[ReconcileStats],
                                 sequences: list[list[TrainingSequence]]) -> None:
-        m = self.metrics
-        lengths = [len(r.completion_ids) for r in rollouts]
-        terminated = [n for r, n in zip(rollouts, lengths) if r.turns and self._ends_with_eos(r.turns[-1])]
-        m.add_many("completions/mean_length", lengths)
-        m.add("completions/min_length", min(lengths))
-        m.add("completions/max_length", max(lengths))
-        if terminated:
-            m.add_many("completions/mean_terminated_length", terminated)
-            m.add("completions/min_terminated_length", min(terminated))
-            m.add("completions/max_terminated_length", max(terminated))
-        m.add_many("completions/clipped_ratio",
-                   [0.0 if r.turns and self._ends_with_eos(r.turns[-1]) else 1.0 for r in rollouts])
-        seen: set[tuple[int, ...]] = set()
-        dup = []
-        for r in rollouts:
-            key = tuple(t for turn in r.turns for t in turn.output_ids)
-            dup.append(1.0 if key in seen else 0.0)
-            seen.add(key)
-        m.add_many("completions/duplicate_frac", dup)
-        m.add_many("rollout/turns_mean", [len(r.turns) for r in rollouts])
-        m.add("rollout/turns_max", max(len(r.turns) for r in rollouts))
-        m.add_many("rollout/samples_per_rollout", [len(s) for s in sequences])
-        if self.tools or self.environment_factory is not None:  # SPEC §15.2, §15.4: only with tools
-            m.add_many("tools/call_frequency", [r.tool_call_count for r in rollouts])
-            m.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in rollouts])
-            if not any(r.tool_call_count for r in rollouts):
-                m.add("tools/failure_frequency", math.nan)  # NaN in a window without calls (SPEC §15.2)
-            record_tool_counters(m, self._tool_names)
-        transitions = sum(s.transitions for s in stats)
-        if transitions:
-            m.add_many("rollout/fork_frac", [1.0] * sum(s.forks for s in stats) +
-                       [0.0] * (transitions - sum(s.forks for s in stats)))
-            drift = [d for s in stats for d in s.drift_tokens]
-            m.add_many("rollout/drift_tokens_mean", drift)
-            m.add("rollout/drift_tokens_max", max(drift))
+        record_rollout_metrics(self.metrics, rollouts, stats, sequences, self._ends_with_eos,
+                               bool(self.tools or self.environment_factory is not None), self._tool_names)
 
     def _trained_completions(self, rollouts: list[Rollout]) -> list[bool]:
         """Which completions are trained: all, or with ``mask_truncated_completions`` those ending with EOS (a
