@@ -61,7 +61,7 @@ from rich.text import Text
 
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
-from ..train.stopping import clear_stop_reason, write_stop_reason
+from ..run.stop_reason import clear_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
 from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace

@@ -13,7 +13,7 @@ from collections import deque
 
 import pytest
 
-from asyncgrpo_cli.metrics import MetricsWindow
+from asyncgrpo_cli.rollout.metrics import MetricsWindow
 from asyncgrpo_cli.rollout.allowance import TokenAllowance, allowance_steps, initial_allowance
 from asyncgrpo_cli.rollout.stale_schedule import StaleSchedule, length_class, record_stale_verdict
 

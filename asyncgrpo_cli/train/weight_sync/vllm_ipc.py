@@ -34,7 +34,7 @@ import torch
 
 from .base import SyncTimings, WeightSyncBackend, WeightSyncError, drain_quietly, now
 from .params import FullWeightSource
-from .vllm_nccl import _checked
+from .vllm_source import CurrentSource, _checked
 
 TWO_GPU_ALTERNATIVE = ("or use two GPUs: launch.colocate=false on a machine with 2+ GPUs (vLLM on one, the trainer "
                        "on the other, NCCL weight transfer)")
@@ -104,7 +104,7 @@ def http_update_info(update_info: Any) -> dict[str, Any]:
     return fields
 
 
-class VllmIpcSync(WeightSyncBackend):
+class VllmIpcSync(CurrentSource, WeightSyncBackend):
     """Full-weight sync to a vLLM server on the same GPU (CUDA IPC; vLLM 0.26+).
 
     Args:
@@ -216,10 +216,7 @@ class VllmIpcSync(WeightSyncBackend):
                 except WeightSyncError:
                     raise
                 except Exception as exc:
-                    raise WeightSyncError(
-                        f"weight sync to model version {version} failed in the CUDA-IPC send: "
-                        f"{type(exc).__name__}: {exc} (the server must run on the trainer's GPU, "
-                        f"{self.device}; {TWO_GPU_ALTERNATIVE})", "ipc send", version) from exc
+                    raise self._send_error(version, exc) from exc
                 self.call("/finish_weight_update", version, self.client.finish_weight_update,
                           str(version) if self.send_weight_version else None)
                 timings.transfer_s = now() - t0
@@ -231,6 +228,11 @@ class VllmIpcSync(WeightSyncBackend):
                 torch.cuda.ipc_collect()  # free the blocks the server has let go of
         timings.total_s = now() - start
         return timings
+
+    def _send_error(self, version: int, exc: Exception) -> WeightSyncError:
+        return WeightSyncError(f"weight sync to model version {version} failed in the CUDA-IPC send: "
+                               f"{type(exc).__name__}: {exc} (the server must run on the trainer's GPU, "
+                               f"{self.device}; {TWO_GPU_ALTERNATIVE})", "ipc send", version)
 
     # ------------------------------------------------------------------ vLLM 0.33: the trainer-side engine
     def _wire(self) -> Any:
@@ -257,21 +259,6 @@ class VllmIpcSync(WeightSyncBackend):
 
         return _Wire()
 
-    def _source(self) -> FullWeightSource:
-        if self._current is None:
-            raise RuntimeError("VllmIpcSync: vLLM asked for weights outside sync()")
-        return self._current
-
-    def _vllm_source(self) -> Any:
-        from .vllm_source import vllm_weight_source
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            source = self._source()
-            self._live = source.tensors()
-            return _checked(source.metadata(), self._live, self.device)
-
-        return vllm_weight_source(self._api, lambda: self._source().metadata(), tensors)
-
     def _sync_engine(self, source: FullWeightSource, version: int) -> SyncTimings:
         """vLLM 0.33: ``/pause`` → ``engine.send_weights()`` (``/start_weight_update`` → ``/update_weights``
         with the CUDA-IPC handles → ``/finish_weight_update``) → ``/reset_prefix_cache`` → ``/resume``."""
@@ -290,10 +277,7 @@ class VllmIpcSync(WeightSyncBackend):
                 except WeightSyncError:
                     raise
                 except Exception as exc:
-                    raise WeightSyncError(
-                        f"weight sync to model version {version} failed in the CUDA-IPC send: "
-                        f"{type(exc).__name__}: {exc} (the server must run on the trainer's GPU, "
-                        f"{self.device}; {TWO_GPU_ALTERNATIVE})", "ipc send", version) from exc
+                    raise self._send_error(version, exc) from exc
                 timings.transfer_s = now() - t0
         except BaseException:
             drain_quietly(self._live if self._live is not None else source.tensors())

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 
 from .base import Background, SyncTimings, WeightSyncBackend, WeightSyncError, drain_quietly, now
-from .names import ParamMeta
 from .params import FullWeightSource
-from .vllm_source import metadata_is_cached_property, vllm_weight_source
+from .vllm_source import CurrentSource, _checked, metadata_is_cached_property  # noqa: F401 (_checked: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -112,26 +111,6 @@ def _import_028() -> SimpleNamespace:
                            NCCLTrainerInitInfo=NCCLTrainerInitInfo,
                            HTTPVLLMWeightSyncClient=HTTPVLLMWeightSyncClient,
                            WeightSource=WeightSource, ParamMeta=VllmParamMeta)
-
-
-def _checked(meta: list[ParamMeta], tensors: Iterator[tuple[str, torch.Tensor]],
-             device: torch.device | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``tensors`` moved to ``device``, checked against the announced metadata, in order."""
-    count = 0
-    for index, (name, tensor) in enumerate(tensors):
-        expected = meta[index] if index < len(meta) else None
-        if expected is None or expected.name != name or tuple(tensor.shape) != expected.shape \
-                or tensor.dtype != expected.dtype:
-            raise RuntimeError(
-                f"weight stream disagrees with its metadata at #{index}: got {name!r} "
-                f"{tuple(tensor.shape)} {tensor.dtype}, announced {expected}"
-            )
-        if device is not None and tensor.device != device:
-            tensor = tensor.to(device, non_blocking=True)
-        count += 1
-        yield name, tensor
-    if count != len(meta):
-        raise RuntimeError(f"weight stream yielded {count} tensors, metadata announced {len(meta)}")
 
 
 class _NcclBase(WeightSyncBackend):
@@ -290,7 +269,7 @@ def _accepts(cls: Any, name: str) -> bool:
         return False
 
 
-class VllmNccl028Sync(_NcclBase):
+class VllmNccl028Sync(CurrentSource, _NcclBase):
     """NCCL weight sync for vLLM 0.28+ (trainer-side engine API).
 
     Same arguments as `VllmNccl026Sync`; ``vllm_api`` provides ``WeightTransferTrainerFactory``,
@@ -305,22 +284,6 @@ class VllmNccl028Sync(_NcclBase):
     _engine: Any = None
     _current: FullWeightSource | None = None
     _live: Iterator[tuple[str, torch.Tensor]] | None = None
-
-    def _vllm_source(self) -> Any:
-        def metadata() -> list[ParamMeta]:
-            return self._source().metadata()
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            source = self._source()
-            self._live = source.tensors()
-            return _checked(source.metadata(), self._live, self.device)
-
-        return vllm_weight_source(self._api, metadata, tensors)
-
-    def _source(self) -> FullWeightSource:
-        if self._current is None:
-            raise RuntimeError("VllmNccl028Sync: vLLM asked for weights outside sync()")
-        return self._current
 
     def init(self) -> None:
         """``GET /get_world_size``, then vLLM's ``trainer_init`` (it POSTs

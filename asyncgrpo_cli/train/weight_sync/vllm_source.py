@@ -25,6 +25,26 @@ import torch
 from .names import ParamMeta
 
 
+def _checked(meta: list[ParamMeta], tensors: Iterator[tuple[str, torch.Tensor]],
+             device: torch.device | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` moved to ``device``, checked against the announced metadata, in order."""
+    count = 0
+    for index, (name, tensor) in enumerate(tensors):
+        expected = meta[index] if index < len(meta) else None
+        if expected is None or expected.name != name or tuple(tensor.shape) != expected.shape \
+                or tensor.dtype != expected.dtype:
+            raise RuntimeError(
+                f"weight stream disagrees with its metadata at #{index}: got {name!r} "
+                f"{tuple(tensor.shape)} {tensor.dtype}, announced {expected}"
+            )
+        if device is not None and tensor.device != device:
+            tensor = tensor.to(device, non_blocking=True)
+        count += 1
+        yield name, tensor
+    if count != len(meta):
+        raise RuntimeError(f"weight stream yielded {count} tensors, metadata announced {len(meta)}")
+
+
 def metadata_is_cached_property(api: Any) -> bool:
     """True when the installed vLLM's ``WeightSource.metadata`` is a property (vLLM 0.33 and later)."""
     base = getattr(api, "WeightSource", None)
@@ -72,3 +92,30 @@ def vllm_weight_source(api: Any, metadata: Callable[[], list[ParamMeta]],
             return tensors()
 
     return _LegacySource()
+
+
+class CurrentSource:
+    """The `FullWeightSource` of the sync in progress, handed to vLLM's engine as its ``WeightSource``.
+
+    A backend sets ``_current`` for the length of a sync; vLLM's engine, which holds the source from
+    ``trainer_init`` on, reads the metadata and the checked stream (``_live`` keeps the generator, so a failure
+    can drain the gathers the other ranks wait on). Needs ``_api`` (vLLM's names) and ``device`` on the backend.
+    """
+
+    _current: Any = None
+    _live: Iterator[tuple[str, torch.Tensor]] | None = None
+    _api: Any
+    device: torch.device | None
+
+    def _source(self) -> Any:
+        if self._current is None:
+            raise RuntimeError(f"{type(self).__name__}: vLLM asked for weights outside sync()")
+        return self._current
+
+    def _vllm_source(self) -> Any:
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            source = self._source()
+            self._live = source.tensors()
+            return _checked(source.metadata(), self._live, self.device)
+
+        return vllm_weight_source(self._api, lambda: self._source().metadata(), tensors)

@@ -1,0 +1,44 @@
+"""Why a trainer is asked to stop: the one line the supervisor writes into the run folder before it signals, read
+by the trainer's stop path (it goes into status.json and the console's outcome)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+STOP_REASON_FILE = "stop_reason.txt"
+"""In ``<output_dir>/logs/``: one line written by the supervisor before it signals the trainer (why it stops)."""
+
+own_reason: list[str] = []
+"""Set by this process before it signals itself (the trainer's supervisor watchdog): read first by `stop_reason`."""
+
+
+def stop_reason(output_dir: str | Path, signum: int) -> str:
+    """Why the trainer was asked to stop: the supervisor's line (`STOP_REASON_FILE`) or the signal's name."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    try:
+        text = own_reason[-1] if own_reason else (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
+    except OSError:
+        text = ""
+    return f"{name}: {text}" if text else name
+
+
+def write_stop_reason(output_dir: str | Path, reason: str) -> None:
+    """The supervisor's side of `stop_reason` (best effort: a missing folder only loses the reason)."""
+    try:
+        path = Path(output_dir) / "logs" / STOP_REASON_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(reason + "\n")
+    except OSError:
+        pass
+
+
+def clear_stop_reason(output_dir: str | Path) -> None:
+    """Remove an earlier run's reason before a new job starts."""
+    try:
+        (Path(output_dir) / "logs" / STOP_REASON_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass
