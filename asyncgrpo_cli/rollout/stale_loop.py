@@ -37,6 +37,7 @@ class StaleScheduling:
         ``sample/trained_frac_*`` of their length class); ``rollout/requeued_stale_count`` counts the group."""
         if not (self.schedule.on_group_finished(group_id, int(self.model_version_value.value), stamp)
                 and self.schedule.requeue(position, (position, row_index, row))):
+            self.metrics.add("rollout/requeued_stale_count", 0)  # present (0) in windows without a re-queue
             return False
         self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in sequences for s in seqs))
         for s in (s for seqs in sequences for s in seqs):

@@ -19,17 +19,34 @@ from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, new
 __all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem", "train_command"]
 
 
+NOT_REPEATED = ("--dry-run",)
+"""Flags of the command line that the printed command leaves out (a printed way to continue is a real run)."""
+
+
+def _launcher(argv: list[str]) -> list[str] | None:
+    """How this process was started as ``asyncgrpo train``: ``["asyncgrpo"]`` for the console script,
+    ``["python", "-m", "asyncgrpo_cli"]`` for ``python -m asyncgrpo_cli``; None for anything else."""
+    if len(argv) < 2 or argv[1] != "train" or any(a in ("-m", "--multirun") for a in argv):
+        return None
+    program = Path(argv[0])
+    if program.name == "asyncgrpo":
+        return ["asyncgrpo"]
+    if program.name == "__main__.py" and program.parent.name == "asyncgrpo_cli":
+        return ["python", "-m", "asyncgrpo_cli"]
+    return None
+
+
 def train_command(overrides: list[str], argv: list[str] | None = None) -> str | None:
     """This ``asyncgrpo train`` command line (``argv``, default ``sys.argv``) with ``overrides`` (``key=value``)
     in place of its own overrides of the same keys; None when the process is not ``asyncgrpo train`` (the
     Python API) or is a sweep (``-m``)."""
     argv = list(sys.argv if argv is None else argv)
-    if len(argv) < 2 or Path(argv[0]).name != "asyncgrpo" or argv[1] != "train" or \
-            any(a in ("-m", "--multirun") for a in argv):
+    launcher = _launcher(argv)
+    if launcher is None:
         return None
     keys = {o.split("=", 1)[0] for o in overrides}
-    kept = [a for a in argv[2:] if a.lstrip("+~").split("=", 1)[0] not in keys]
-    return shlex.join(["asyncgrpo", "train", *kept, *overrides])
+    kept = [a for a in argv[2:] if a.lstrip("+~").split("=", 1)[0] not in keys and a not in NOT_REPEATED]
+    return shlex.join([*launcher, "train", *kept, *overrides])
 
 
 def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str:
@@ -38,11 +55,12 @@ def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str
     override itself when the process is not ``asyncgrpo train`` (the Python API) or is a sweep (``-m``)."""
     argv = list(sys.argv if argv is None else argv)
     override = f"trainer.resume_from_checkpoint={checkpoint}"
-    if len(argv) < 2 or Path(argv[0]).name != "asyncgrpo" or argv[1] != "train" or \
-            any(a in ("-m", "--multirun") for a in argv):
+    launcher = _launcher(argv)
+    if launcher is None:
         return override
-    kept = [a for a in argv[2:] if not a.lstrip("+~").startswith("trainer.resume_from_checkpoint=")]
-    return shlex.join(["asyncgrpo", "train", *kept, override])
+    kept = [a for a in argv[2:] if not a.lstrip("+~").startswith("trainer.resume_from_checkpoint=")
+            and a not in NOT_REPEATED]
+    return shlex.join([*launcher, "train", *kept, override])
 
 
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:

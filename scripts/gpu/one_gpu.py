@@ -243,12 +243,13 @@ def phase_train() -> int:
     # Run 2: resume with the command run 1 printed ("resume with: asyncgrpo train ..."), as a user would.
     ckpt = run_dir / run1["checkpoints"][-1]
     resumed_from = int(ckpt.name.split("-")[-1])
-    printed = re.findall(r"resume with: (asyncgrpo train .+)", text)
+    printed = re.findall(r"resume with: ((?:asyncgrpo|python -m asyncgrpo_cli) train .+)", text)
     result["run1_interrupted"]["printed_resume_command"] = printed[-1].strip() if printed else None
     if printed:
         import shlex
 
-        argv2 = [*CLI, *shlex.split(printed[-1].strip())[1:], "logging.dashboard=rich"]
+        words = shlex.split(printed[-1].strip())
+        argv2 = [*CLI, *words[words.index("train"):], "logging.dashboard=rich"]
     else:
         argv2 = [*argv, f"trainer.resume_from_checkpoint={ckpt}"]
     t0 = time.monotonic()

@@ -384,6 +384,15 @@ def test_the_resume_line_repeats_the_command_with_its_overrides():
     assert resume_command("/c/checkpoint-5", ["/venv/bin/asyncgrpo", "train", "-m", "lr=1,2"]) == \
         "trainer.resume_from_checkpoint=/c/checkpoint-5"  # a sweep: each job has its own folder
     assert resume_command("/c/checkpoint-5", ["pytest", "-q"]) == "trainer.resume_from_checkpoint=/c/checkpoint-5"
+    # python -m asyncgrpo_cli is repeated as such; a dry run's printed commands are real runs
+    main = "/site/asyncgrpo_cli/__main__.py"
+    assert resume_command("/c/checkpoint-5", [main, "train", "+recipe=smoke"]) == \
+        "python -m asyncgrpo_cli train +recipe=smoke trainer.resume_from_checkpoint=/c/checkpoint-5"
+    from asyncgrpo_cli.run.folder import train_command
+
+    assert train_command(["trainer.max_steps=16"], ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "--dry-run",
+                                                    "trainer.max_steps=8"]) == \
+        "asyncgrpo train +recipe=smoke trainer.max_steps=16"
 
 
 def test_a_plan_that_cannot_run_here_is_a_configuration_refusal(make_cfg):
