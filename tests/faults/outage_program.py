@@ -3,7 +3,7 @@
 ``python outage_program.py server --events FILE -- <embedded sampler flags>``: the embedded sampler
 (``python -m asyncgrpo_cli.sampler.embedded``) that also appends one line per weight update finished and
 per generation request received to FILE (``<pid> <route>``), so a test can tell what a restarted server
-saw first. ``--die-on ROUTE``: the first request to ROUTE writes ``FILE.hit`` and SIGKILLs the server (kill -9
+saw first. ``--die-on ROUTE[@N]``: the first (N-th) request to ROUTE writes ``FILE.hit`` and SIGKILLs the server (kill -9
 in the middle of a weight sync); ``--hang-on ROUTE``: it writes ``FILE.hit`` and never answers; a SIGTERM (the
 parent-death signal) then ends the server at once.
 
@@ -35,6 +35,13 @@ def serve(events: str, argv: list[str], die_on: str | None = None, hang_on: str 
     from asyncgrpo_cli.sampler.embedded.server import EmbeddedServer
 
     build_app = EmbeddedServer.build_app
+    # ``ROUTE@N``: the fault hits the N-th request to ROUTE (default 1). Every run pushes its weights once as
+    # model version 0 before its first request, so "the weight sync after step 1" is /update_weights@2.
+    fault_route, nth = (die_on or hang_on or "@1").rsplit("@", 1) if "@" in (die_on or hang_on or "") else \
+        (die_on or hang_on, "1")
+    die_on = fault_route if die_on else None
+    hang_on = fault_route if hang_on else None
+    seen = {"n": 0}
 
     def recording_app(self):
         app = build_app(self)
@@ -44,6 +51,8 @@ def serve(events: str, argv: list[str], die_on: str | None = None, hang_on: str 
             if request.path in GENERATION_ROUTES:
                 _append(events, request.path)
             if request.path in (die_on, hang_on):
+                seen["n"] += 1
+            if request.path in (die_on, hang_on) and seen["n"] >= int(nth):
                 with open(events + ".hit", "w") as f:
                     f.write(f"{os.getpid()} {request.path}\n")
                 if request.path == die_on:

@@ -26,7 +26,7 @@ STOP_BOUND_S = 90.0  # the trainer notices, saves a tiny model, the worker and t
 
 def supervised(argv: list[str], events: Path, fault: str) -> list[str]:
     assert argv[1:3] == ["-m", "asyncgrpo_cli"]
-    return [sys.executable, "-m", "tests.faults.supervised_job", "--events", str(events), fault, "/update_weights",
+    return [sys.executable, "-m", "tests.faults.supervised_job", "--events", str(events), fault, "/update_weights@2",  # @2: after version 0's push at start
             "--", *argv[3:]]
 
 
