@@ -66,6 +66,7 @@ class DashboardView:
     now: float = field(default_factory=time.time)
     title: str = "asyncgrpo"
     outcome: str | None = None
+    eval: Mapping[str, Any] | None = None  # the newest eval round record (README "Evaluation"), None = none yet
 
     @property
     def ended(self) -> bool:
@@ -300,7 +301,16 @@ def rewards_panel(view: DashboardView) -> Panel:
         ("entropy", fmt(num(m, "entropy"), ".3g")),
     ]
     rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    rows += eval_rows(view.eval)
     return Panel(_kv_table(rows), title="rewards", border_style="blue")
+
+
+def eval_rows(record: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """The eval row of the rewards panel: the newest round's mean reward and pass rate, and its step."""
+    if not record:
+        return []
+    return [(f"eval @ step {fmt(num(record, 'step'), '.0f')}",
+             f"{fmt(num(record, 'eval/reward'), '.3g')} (pass {fmt_pct(num(record, 'eval/pass_rate'))})")]
 
 
 def throughput_panel(view: DashboardView) -> Panel:
@@ -397,7 +407,7 @@ def render_dashboard(view: DashboardView, width: int | None = None, height: int 
     `WIDE_MIN_HEIGHT` (plus the per-function reward rows), the compact layout (`compact_dashboard`) is
     drawn instead: it fits 80x24 without truncating or wrapping a value. None = wide.
     """
-    extra = len(reward_names(view.metrics))
+    extra = len(reward_names(view.metrics)) + len(eval_rows(view.eval))
     if (width is not None and width < WIDE_MIN_WIDTH) or (height is not None and height < WIDE_MIN_HEIGHT + extra):
         return compact_dashboard(view)
     grid = Table.grid(expand=True, padding=(0, 1))
@@ -437,6 +447,7 @@ def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
         ("duplicates", fmt_pct(num(m, "completions/duplicate_frac"))),
     ]
     rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    rows += eval_rows(view.eval)
     rows += [
         ("queue", fmt(view.live("queue_size", "rollout/queue_size"), ".0f")),
         ("in flight/cap/max", f"{fmt(conc, '.0f')}/{fmt(cap, '.0f')}/{ceiling:.0f}"),

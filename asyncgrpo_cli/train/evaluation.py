@@ -6,9 +6,9 @@ reached or the epochs done) unless that step already had one. One round at a tim
 previous one still runs is skipped (counted in ``eval/skipped_rounds``), never queued behind it.
 
 `TrainerEvaluation` is the glue on rank 0: it asks the rollout worker (`RolloutWorker.request_eval`), collects
-`EvalResult`s, and hands each round's metrics to exactly one ``metrics.jsonl`` line (and the trackers): the
-next logged window during training, or a line of its own at the end of the run, where the trainer waits for
-the last rounds (at most ``vllm_server_timeout`` seconds).
+`EvalResult`s after each step, and writes each round once: one ``metrics.jsonl`` record (`EVAL_EVENT`) and one
+log to the trackers. At the end of a run the trainer waits for the last rounds (at most
+``vllm_server_timeout`` seconds each) before it saves.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def eval_log(result, skipped: int = 0) -> dict[str, float]:
             "eval/duration_s": float(result.duration_s), "eval/skipped_rounds": float(skipped)})
 
 
+EVAL_EVENT = "eval"
+"""``metrics.jsonl`` records of eval rounds: ``{"event": "eval", "step": S, "time": t, "eval/...": ...}``, ``S`` the
+optimizer step whose weights were evaluated (an event record, so the windows' step sequence stays as it is)."""
+
+
 class TrainerEvaluation:
     """Rank 0's eval rounds for `AsyncGRPOTrainer` (see the module docstring).
 
@@ -89,53 +94,41 @@ class TrainerEvaluation:
         on = has_eval_dataset and strategy_name(args.eval_strategy) == "steps"
         self.schedule = EvalSchedule(int(args.eval_steps) if on else 0)
         self.wait_s = float(args.vllm_server_timeout)
-        self._pending: list[Any] = []
 
-    def collect(self, worker, window) -> None:
-        """Drain the worker's metrics queue (window snapshots go to ``window``) and keep the eval results."""
+    def collect(self, trainer) -> None:
+        """Drain the worker's metrics queue (window snapshots go to the trainer's window) and write each eval
+        result that arrived: one ``metrics.jsonl`` record (`EVAL_EVENT`) and one tracker log per round."""
+        worker = trainer.worker
         if worker is None:
             return
         for snapshot in worker.drain_metrics():
-            window.merge(snapshot)
+            trainer.window.merge(snapshot)
         for result in worker.take_eval_results():
             self.schedule.receive(result.step)
-            self._pending.append(result)
+            logs = eval_log(result, self.schedule.skipped)
+            trainer.log({k: v for k, v in logs.items() if v is not None})
+            if trainer.live is not None:
+                trainer.live.append_metrics({"event": EVAL_EVENT, "step": result.step, "time": time.time(), **logs})
 
-    def after_step(self, worker, window, step: int) -> None:
-        """After optimizer step ``step`` (not the last one): ask for a round when one is due."""
-        if not self.schedule.enabled or worker is None:
-            return
-        self.collect(worker, window)
-        if self.schedule.due(step):
-            self.schedule.request(step)
-            worker.request_eval(step)
-
-    def take_log(self) -> dict[str, float]:
-        """The oldest round not logged yet, as log entries ({} when none): for the next metrics line."""
-        if not self._pending:
-            return {}
-        return eval_log(self._pending.pop(0), self.schedule.skipped)
-
-    def finish(self, trainer, step: int) -> None:
-        """The run ended normally after step ``step``: wait for the round in flight, ask for the final one
-        (unless ``step`` had one), wait for it, and write every round not logged yet as a line of its own."""
+    def after_step(self, trainer, step: int, final: bool = False) -> None:
+        """After optimizer step ``step``: write the rounds that came back, ask for one when due. ``final`` (the
+        run ends normally after this step): wait for the round in flight, ask for the last one unless ``step``
+        had one, and wait for it (at most ``vllm_server_timeout`` seconds each)."""
         if not self.schedule.enabled or trainer.worker is None:
             return
-        self._wait(trainer)
-        if self.schedule.due(step, final=True):
+        self.collect(trainer)
+        if final:
+            self._wait(trainer)
+        if self.schedule.due(step, final=final):
             self.schedule.request(step)
             trainer.worker.request_eval(step)
-            self._wait(trainer)
-        while self._pending:
-            logs = self.take_log()
-            trainer.log(dict(logs))
-            if trainer.live is not None:
-                trainer.live.append_metrics({"step": step, "time": time.time(), **logs})
+            if final:
+                self._wait(trainer)
 
     def _wait(self, trainer) -> None:
         deadline = time.monotonic() + self.wait_s
         while self.schedule.in_flight:
-            self.collect(trainer.worker, trainer.window)
+            self.collect(trainer)
             if not self.schedule.in_flight:
                 return
             trainer.worker.check_alive()  # an eval round that failed fails the run (RolloutWorkerError)
@@ -145,7 +138,6 @@ class TrainerEvaluation:
                 self.schedule.receive(self.schedule.requested)
                 return
             time.sleep(WAIT_POLL_S)
-
 
 
 def check_eval_inputs(args, eval_dataset, reward_funcs, environment_factory=None) -> None:

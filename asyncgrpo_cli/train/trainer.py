@@ -586,7 +586,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
                           f"by the stop ({exc})", flush=True)
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
-            self.evaluation.after_step(self.worker, self.window, self.state.global_step)  # README "Evaluation"
+            last = (plan.stop or 0 < args.max_steps <= self.state.global_step) and not self._stop_requested
+            self.evaluation.after_step(self, self.state.global_step, final=last)  # README "Evaluation"
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
                 self._log_window()
@@ -596,8 +597,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             if self._broadcast(self._stop_requested):  # a signal during the step (rank 0 decides): save, stop
                 self._stop_requested = True
                 self.control.should_save = self.control.should_training_stop = True
-            if self.control.should_training_stop and not self._stop_requested and self.is_world_process_zero():
-                self.evaluation.finish(self, self.state.global_step)  # the last rounds, each its own line
             if self.control.should_save:
                 self._save_checkpoint_with_position(model, trial)
                 self.control.should_save = False
@@ -734,7 +733,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
                 self.window.add("rollout/queue_size", qs)
         self.window.add("sample/dropped_stale_count", 0)  # present (0) in windows without drops
         logs = {k: v for k, v in self.window.flush().items() if v is not None}
-        logs.update(self.evaluation.take_log())  # one eval round at most per line (train/evaluation.py)
         if not self.is_world_process_zero():
             return
         logs["num_tokens"] = self._num_tokens  # a running total (resumed from rollout_state.json), not a window mean

@@ -78,32 +78,52 @@ def test_eval_metrics_means_and_pass_rate():
     assert logged["eval/reward"] is None and logged["eval/step"] == 4.0 and logged["eval/skipped_rounds"] == 1.0
 
 
-def test_trainer_side_logs_each_round_once():
+def test_trainer_side_writes_each_round_once_and_waits_at_the_end():
     class FakeWorker:
         def __init__(self):
-            self.asked, self.results, self.snapshots = [], [], []
+            self.asked, self.results = [], []
 
         def request_eval(self, step):
             self.asked.append(step)
+            self.results.append(EvalResult(step=step, model_version=step, metrics={"eval/reward": step / 10}))
 
         def drain_metrics(self):
-            out, self.snapshots = self.snapshots, []
-            return out
+            return []
 
         def take_eval_results(self):
             out, self.results = self.results, []
             return out
 
+        def check_alive(self):
+            pass
+
+    class FakeLive:
+        def __init__(self):
+            self.lines = []
+
+        def append_metrics(self, record):
+            self.lines.append(record)
+
+    class FakeTrainer:
+        def __init__(self):
+            self.worker, self.window, self.live, self.logged = FakeWorker(), MetricsWindow(), FakeLive(), []
+
+        def log(self, logs):
+            self.logged.append(logs)
+
     args = AsyncGRPOConfig(output_dir="/tmp/x", report_to="none", eval_strategy="steps", eval_steps=2)
-    ev, worker, window = TrainerEvaluation(args, True), FakeWorker(), MetricsWindow()
-    ev.after_step(worker, window, 1)
-    ev.after_step(worker, window, 2)
-    assert worker.asked == [2] and ev.take_log() == {}
-    worker.results.append(EvalResult(step=2, model_version=2, metrics={"eval/reward": 0.5}))
-    ev.after_step(worker, window, 3)
-    assert ev.take_log()["eval/reward"] == 0.5 and ev.take_log() == {}  # once
-    ev.after_step(worker, window, 4)
-    assert worker.asked == [2, 4]
+    ev, trainer = TrainerEvaluation(args, True), FakeTrainer()
+    for step in (1, 2, 3):
+        ev.after_step(trainer, step)
+    ev.after_step(trainer, 4)  # the round of step 2 is written here; step 4's is asked for
+    assert trainer.worker.asked == [2, 4] and [line["step"] for line in trainer.live.lines] == [2]
+    ev.after_step(trainer, 5, final=True)  # waits for step 4's round, asks for the final one, waits for it
+    assert trainer.worker.asked == [2, 4, 5]
+    assert [(line["event"], line["step"], line["eval/reward"]) for line in trainer.live.lines] == [
+        ("eval", 2, 0.2), ("eval", 4, 0.4), ("eval", 5, 0.5)]
+    assert [logs["eval/step"] for logs in trainer.logged] == [2.0, 4.0, 5.0]  # the trackers: once per round
+    ev.after_step(trainer, 5, final=True)
+    assert trainer.worker.asked == [2, 4, 5]  # never twice for one step
 
 
 # ------------------------------------------------------------------------------------ the worker's round

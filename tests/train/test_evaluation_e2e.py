@@ -45,15 +45,16 @@ def test_eval_rounds_are_logged(server, tmp_path):
     trainer = AsyncGRPOTrainer(model=str(path), reward_funcs=[parity_reward, target_reward], args=args,
                                train_dataset=datasets.Dataset.from_list(rows),
                                eval_dataset=datasets.Dataset.from_list(evals))
+    assert trainer.evaluation.schedule.eval_steps == 2
     assert trainer.train().global_step == 3
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rounds = [line for line in lines if "eval/reward" in line]
-    assert [r["eval/step"] for r in rounds] == [2, 3]  # every eval_steps, then the final step, once each
+    assert [(r["event"], r["step"], r["eval/step"]) for r in rounds] == [("eval", 2, 2), ("eval", 3, 3)]
     for r in rounds:
         assert r["eval/num_completions"] == 5 and r["eval/num_scored"] == 5
         assert 0.0 <= r["eval/pass_rate"] <= 1.0
         parity, target = r["eval/rewards/parity_reward/mean"], r["eval/rewards/target_reward/mean"]
         assert r["eval/reward"] == pytest.approx(parity + target)
-    training = [line for line in lines if "loss" in line]
-    assert [line["step"] for line in training] == [1, 2, 3]
+    training = [line for line in lines if "event" not in line]
+    assert [line["step"] for line in training] == [1, 2, 3] and not any("eval/reward" in line for line in training)
     assert json.loads((out / "status.json").read_text())["state"] == "finished"
