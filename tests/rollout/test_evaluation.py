@@ -224,3 +224,50 @@ def test_eval_dataset_without_the_ground_truth_column_is_refused():
         check_eval_dataset(evals, [accuracy_reward], "eval_dataset")
     ok = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "solution": "2"}])
     assert "solution" in check_eval_dataset(ok, [accuracy_reward], "eval_dataset")
+
+
+def test_the_api_refuses_at_construction(tmp_path):
+    from asyncgrpo_cli import AsyncGRPOTrainer
+    from asyncgrpo_cli.testing import make_tiny_model
+    from asyncgrpo_cli.train.evaluation import check_eval_inputs
+
+    train = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "solution": "2"}])
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", eval_strategy="steps", eval_steps=2)
+    with pytest.raises(ConfigError, match=r"eval_dataset=None: eval_strategy=steps needs eval prompts"):
+        AsyncGRPOTrainer(model=str(make_tiny_model(tmp_path / "tiny")), reward_funcs=[accuracy_reward], args=args,
+                         train_dataset=train)
+    gold = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "gold": "2"}])
+    with pytest.raises(ValueError, match=r"eval_dataset.*ground-truth column"):
+        check_eval_inputs(args, gold, [accuracy_reward])
+    with pytest.raises(ConfigError, match=r"environment_factory is not supported"):
+        check_eval_inputs(args, train, [accuracy_reward], environment_factory=object)
+    off = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.warns(UserWarning, match="never evaluated"):
+        check_eval_inputs(off, train, [accuracy_reward])
+
+
+def test_the_cli_checks_name_the_data_eval_keys(tmp_path):
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.run_checks import check_cli_eval
+    from asyncgrpo_cli.imports import reward_functions
+
+    base = ["+recipe=smoke", f"trainer.output_dir={tmp_path}/out"]
+    with pytest.raises(ConfigError, match=r"data.eval_name=None: trainer.eval_strategy=steps needs eval prompts"):
+        check_cli_eval(compose([*base, "trainer.eval_strategy=steps", "trainer.eval_steps=2"]))
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"prompt": "1+1?", "gold": "2"}\n')
+    cfg = compose([*base, "trainer.eval_strategy=steps", "trainer.eval_steps=2", f"data.eval_name={bad}"])
+    funcs = (reward_functions(list(cfg.rewards)), ["asyncgrpo_cli.rewards:accuracy_reward"])
+    with pytest.raises(ValueError, match=r"rewards\[0\].func \(on data.eval_name\).*ground-truth.*Fix"):
+        check_cli_eval(cfg, funcs)
+    with pytest.raises(ConfigError, match=r"data.eval_name='.*missing.jsonl'"):
+        check_cli_eval(compose([*base, "trainer.eval_strategy=steps", f"data.eval_name={tmp_path}/missing.jsonl"]))
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(f'{{"prompt": "{i}+1?", "solution": "{i + 1}"}}\n' for i in range(5)))
+    cfg = compose([*base, "trainer.eval_strategy=steps", f"data.eval_name={good}", "data.eval_size=3"])
+    check_cli_eval(cfg, funcs)
+    from asyncgrpo_cli.data import load_eval_prompts
+
+    assert len(load_eval_prompts(cfg)) == 3 and load_eval_prompts(compose(base)) is None
+    gen = load_eval_prompts(compose([*base, "data.eval_generator=reasoning_gym", "data.eval_size=5"]))
+    assert len(gen) == 5 and "prompt" in gen.column_names
