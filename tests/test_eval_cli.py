@@ -34,3 +34,4 @@ def test_train_cli_with_eval_rounds(tiny, tmp_path):
     assert [line["step"] for line in lines if "event" not in line] == [1, 2, 3]
     assert "eval @ step 2 | eval reward" in stdout and "eval @ step 3 | eval reward" in stdout
     assert (out / "training_curves.png").is_file()
+    assert "final eval @ step 3" in stdout  # the end-of-run summary

@@ -590,6 +590,7 @@ class RunSummary:
         mean_step_s: mean of ``perf/step_s``.
         output_dir: the run folder; checkpoints: its ``checkpoint-*`` folders (oldest first).
         plot_path: the training-curves PNG, when written.
+        final_eval: the run's last eval round (``{"event": "eval", "step": S, ...}``), None without eval.
     """
 
     outcome: str
@@ -604,6 +605,7 @@ class RunSummary:
     plot_path: str | None = None
     final_reward_windows: int = 0
     final_model: str | None = None
+    final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
 
 
 def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
@@ -638,8 +640,9 @@ def final_model_line(output_dir: str | Path) -> str | None:
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
-              plot_path: str | Path | None = None) -> RunSummary:
-    """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first)."""
+              plot_path: str | Path | None = None, final_eval: Mapping[str, Any] | None = None) -> RunSummary:
+    """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first); ``final_eval``: its last
+    eval round record."""
     last = rows[-1] if rows else {}
     step = num(last, "step")
     rewards = [v for v in (num(r, "reward") for r in rows) if v is not None][-FINAL_REWARD_WINDOWS:]
@@ -649,7 +652,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
                       mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
-                      checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None)
+                      checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None,
+                      final_eval=final_eval)
 
 
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
@@ -662,6 +666,7 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("time", fmt_duration(summary.elapsed_s)),
         ("final reward", fmt(summary.final_reward, ".4g") + (f" (mean of the last {summary.final_reward_windows} "
                                                              "steps)" if summary.final_reward_windows > 1 else "")),
+        *[("final " + label, value) for label, value in eval_rows(summary.final_eval)],
         ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
         ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
         ("mean step time", fmt_s(summary.mean_step_s)),

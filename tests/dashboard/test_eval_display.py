@@ -9,7 +9,7 @@ import json
 from rich.console import Console
 
 from asyncgrpo_cli.dashboard import Dashboard
-from asyncgrpo_cli.dashboard.panels import render_dashboard
+from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
 from asyncgrpo_cli.dashboard.plot import curve_panels, plot_run, run_history
 
 from .test_panels import STATUS, view_of, window
@@ -61,3 +61,9 @@ def test_the_end_of_run_plot_has_an_eval_curve(tmp_path):
     with (tmp_path / "metrics.jsonl").open("w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
     assert plot_run(tmp_path, tmp_path / "curves.png").is_file()
+
+
+def test_the_end_of_run_summary_names_the_last_round(tmp_path):
+    lines = summary_lines(summarize([window(1)], 10.0, tmp_path, "finished", final_eval=eval_record(3, 0.5, 0.25)))
+    assert any("final eval @ step 3" in line and "0.5 (pass 25%)" in line for line in lines)
+    assert not any("eval" in line for line in summary_lines(summarize([window(1)], 10.0, tmp_path, "finished")))
