@@ -119,3 +119,44 @@ def load_prompts(cfg: DictConfig):
     elif data.system_prompt or (names and not isinstance(next(iter(ds), {}).get("prompt", []), list)):
         ds = ds.map(convert)
     return ds
+
+
+#: ``data.*`` keys of the training source -> the eval source's keys, for the messages of `load_eval_prompts`.
+_EVAL_KEYS = {"data.name": "data.eval_name", "data.split": "data.eval_split", "data.generator": "data.eval_generator",
+              "data.size": "data.eval_size"}
+
+
+def has_eval_prompts(cfg: DictConfig) -> bool:
+    """Whether the composed config names eval prompts (``data.eval_name`` or ``data.eval_generator``)."""
+    data = cfg.data
+    return bool(data.get("eval_name") or data.get("eval_generator"))
+
+
+def load_eval_prompts(cfg: DictConfig):
+    """The eval prompts of a composed config (README "Evaluation"), as a `datasets.Dataset`, or None when
+    neither ``data.eval_name`` nor ``data.eval_generator`` is set. Loaded like the training prompts
+    (`load_prompts`: same ``subset``, ``prompt_column``, ``system_prompt``, ``task``, ``task_kwargs``), never
+    streamed; ``data.eval_size`` > 0 keeps the first ``eval_size`` rows of a dataset.
+
+    Raises:
+        ConfigError: as `load_prompts`, naming the ``data.eval_*`` key.
+    """
+    if not has_eval_prompts(cfg):
+        return None
+    data = cfg.data
+    seed = data.get("eval_seed")
+    values = OmegaConf.to_container(data, resolve=True)
+    values.update(name=data.get("eval_name"), generator=data.get("eval_generator"),
+                  split=data.get("eval_split") or data.split, size=int(data.get("eval_size", 64)),
+                  seed=int(seed) if seed is not None else int(data.seed) + 1, streaming=False)
+    try:
+        ds = load_prompts(OmegaConf.create({"data": values}))
+    except ConfigError as exc:
+        text, key = str(exc), exc.key
+        for train_key, eval_key in _EVAL_KEYS.items():
+            text = text.replace(train_key + "=", eval_key + "=").replace("Fix: " + train_key, "Fix: " + eval_key)
+        raise ConfigError(text, key=_EVAL_KEYS.get(key, key)) from None
+    size = int(data.get("eval_size", 64))
+    if not data.get("eval_generator") and size > 0 and len(ds) > size:
+        ds = ds.select(range(size))
+    return ds

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from .rules import check_fields
 from .validate import check_training_arguments, check_types
@@ -54,6 +55,13 @@ class AsyncGRPOConfig(TrainingArguments):
     lr_scheduler_type: str = "constant"
     ignore_data_skip: bool = True
     remove_unused_columns: bool = False
+    # Evaluation (issue #27): TrainingArguments' fields, as this trainer implements them (README "Evaluation").
+    eval_strategy: IntervalStrategy | str = field(default="no", metadata={
+        "help": "no, or steps: an eval round on eval_dataset every eval_steps optimizer steps and after the last "
+                "step (README: Evaluation); epoch is not supported."})
+    eval_steps: float | None = field(default=None, metadata={
+        "help": "Optimizer steps between eval rounds (a whole number >= 1) with eval_strategy=steps; None = "
+                "logging_steps (README: Evaluation)."})
 
     # Model.
     model_init_kwargs: dict[str, Any] | str | None = field(

@@ -106,8 +106,46 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
                 from .prompt_lengths import check_dataset_lengths
 
                 c.run(check_dataset_lengths, ds, folder, cfg)
+    c.run(check_cli_eval, cfg, imported if not c.errors else None)
     c.raise_if_any()
     return c.warnings
+
+
+def check_cli_eval(cfg: Any, imported: Any = None) -> None:
+    """``trainer.eval_strategy`` / ``trainer.eval_steps`` against ``data.eval_*`` (README "Evaluation"); local
+    eval prompts are loaded and checked like the training ones (prompt column, reward columns, ground truth).
+
+    Raises:
+        ConfigError / ConfigErrors: naming the ``trainer.eval_*`` or ``data.eval_*`` key, its value and the fix.
+    """
+    from ..data import has_eval_prompts, load_eval_prompts
+    from .eval_rules import check_eval_dataset, check_eval_setup
+
+    t, data = cfg.trainer, cfg.data
+    steps = t.get("eval_steps") or t.get("logging_steps")  # TrainingArguments' own fallback
+    key = "data.eval_generator" if data.get("eval_generator") else "data.eval_name"
+    has = has_eval_prompts(cfg)
+    check_eval_setup(t.get("eval_strategy"), steps, has, eval_on_start=bool(t.get("eval_on_start")),
+                     strategy_key="trainer.eval_strategy", steps_key="trainer.eval_steps", data_key=key,
+                     data_fix="set data.eval_name=PATH_OR_HUB_ID (or data.eval_generator=reasoning_gym "
+                     "data.eval_size=64)", environment=has and bool((cfg.get("environment") or {}).get("factory")))
+    if not has:
+        return
+    if data.get("eval_name"):
+        check_data_source(data.eval_name, key="data.eval_name")
+        if not looks_like_local_data(str(data.eval_name)):
+            return  # a Hub dataset is never downloaded by a check
+    from datasets.utils import logging as ds_logging
+
+    bars = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()  # a check prints its verdict, not "Generating train split"
+    try:
+        ds = load_eval_prompts(cfg)
+    finally:
+        if bars:
+            ds_logging.enable_progress_bar()
+    funcs, paths = imported if imported is not None else ([], None)
+    check_eval_dataset(ds, funcs, key, lambda i: f"rewards[{i}].func (on {key})", paths)
 
 
 _ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "SaveStrategy": "save_strategy",

@@ -92,6 +92,18 @@ class DataConfig:
     """Number of prompts a generator makes (one epoch)."""
     seed: int = 0
     """Generator seed."""
+    eval_name: Optional[str] = None
+    """Eval prompts (README "Evaluation"): Hub id or local path, as ``name``; evaluated with
+    ``trainer.eval_strategy=steps trainer.eval_steps=N``, never trained. Same ``subset``, ``prompt_column`` and
+    ``system_prompt`` as the training data."""
+    eval_split: Optional[str] = None
+    """Split of ``eval_name``; null = ``split``."""
+    eval_generator: Optional[str] = None
+    """Procedural eval prompts instead of ``eval_name``: ``reasoning_gym`` (the same ``task`` and ``task_kwargs``)."""
+    eval_size: int = 64
+    """Number of eval prompts the generator makes; with ``eval_name``, the first ``eval_size`` rows (0 = all)."""
+    eval_seed: Optional[int] = None
+    """Seed of the eval generator; null = ``seed`` + 1 (other prompts than the training ones)."""
 
 
 @dataclass

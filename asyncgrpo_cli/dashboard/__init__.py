@@ -144,6 +144,7 @@ class Dashboard:
         self._live: Live | None = None
         self._processes: list[ProcessInfo] = []
         self.outcome: str | None = None
+        self.eval: dict[str, Any] | None = None  # the newest eval round record
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -173,7 +174,7 @@ class Dashboard:
         """The current frame's data."""
         return DashboardView(status=self.status, history=self.history, diagnosis=self.diagnosis,
                              processes=list(self._processes), settings=self.settings, started_at=self.started_at,
-                             now=time.time(), title=self.title, outcome=self.outcome)
+                             now=time.time(), title=self.title, outcome=self.outcome, eval=self.eval)
 
     def renderable(self):
         """The rich renderable of the current frame, `LIVE_MARGIN` columns narrower than the console: the
@@ -229,6 +230,14 @@ class Dashboard:
         self.poll(processes)
 
     def _print_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "eval":  # one eval round (README "Evaluation"): the rewards panel shows it
+            self.eval = event
+            if self.mode == "plain":
+                from .panels import eval_rows
+
+                label, value = eval_rows(event)[0]
+                self.console.print(f"{label} | eval reward {value}", markup=False, highlight=False, soft_wrap=True)
+            return
         if event.get("event") == "resume" and self.mode != "off":
             self.console.print(f"resumed at step {event.get('step')} from {event.get('from')}", markup=False,
                                highlight=False, soft_wrap=True)

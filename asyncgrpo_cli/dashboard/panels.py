@@ -66,6 +66,7 @@ class DashboardView:
     now: float = field(default_factory=time.time)
     title: str = "asyncgrpo"
     outcome: str | None = None
+    eval: Mapping[str, Any] | None = None  # the newest eval round record (README "Evaluation"), None = none yet
 
     @property
     def ended(self) -> bool:
@@ -300,7 +301,16 @@ def rewards_panel(view: DashboardView) -> Panel:
         ("entropy", fmt(num(m, "entropy"), ".3g")),
     ]
     rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    rows += eval_rows(view.eval)
     return Panel(_kv_table(rows), title="rewards", border_style="blue")
+
+
+def eval_rows(record: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """The eval row of the rewards panel: the newest round's mean reward and pass rate, and its step."""
+    if not record:
+        return []
+    return [(f"eval @ step {fmt(num(record, 'step'), '.0f')}",
+             f"{fmt(num(record, 'eval/reward'), '.3g')} (pass {fmt_pct(num(record, 'eval/pass_rate'))})")]
 
 
 def throughput_panel(view: DashboardView) -> Panel:
@@ -397,7 +407,7 @@ def render_dashboard(view: DashboardView, width: int | None = None, height: int 
     `WIDE_MIN_HEIGHT` (plus the per-function reward rows), the compact layout (`compact_dashboard`) is
     drawn instead: it fits 80x24 without truncating or wrapping a value. None = wide.
     """
-    extra = len(reward_names(view.metrics))
+    extra = len(reward_names(view.metrics)) + len(eval_rows(view.eval))
     if (width is not None and width < WIDE_MIN_WIDTH) or (height is not None and height < WIDE_MIN_HEIGHT + extra):
         return compact_dashboard(view)
     grid = Table.grid(expand=True, padding=(0, 1))
@@ -437,6 +447,7 @@ def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
         ("duplicates", fmt_pct(num(m, "completions/duplicate_frac"))),
     ]
     rows += [(name[len("rewards/"):-len("/mean")], fmt(num(m, name), ".3g")) for name in reward_names(m)]
+    rows += eval_rows(view.eval)
     rows += [
         ("queue", fmt(view.live("queue_size", "rollout/queue_size"), ".0f")),
         ("in flight/cap/max", f"{fmt(conc, '.0f')}/{fmt(cap, '.0f')}/{ceiling:.0f}"),
@@ -579,6 +590,7 @@ class RunSummary:
         mean_step_s: mean of ``perf/step_s``.
         output_dir: the run folder; checkpoints: its ``checkpoint-*`` folders (oldest first).
         plot_path: the training-curves PNG, when written.
+        final_eval: the run's last eval round (``{"event": "eval", "step": S, ...}``), None without eval.
     """
 
     outcome: str
@@ -593,6 +605,7 @@ class RunSummary:
     plot_path: str | None = None
     final_reward_windows: int = 0
     final_model: str | None = None
+    final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
 
 
 def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
@@ -627,8 +640,9 @@ def final_model_line(output_dir: str | Path) -> str | None:
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
-              plot_path: str | Path | None = None) -> RunSummary:
-    """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first)."""
+              plot_path: str | Path | None = None, final_eval: Mapping[str, Any] | None = None) -> RunSummary:
+    """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first); ``final_eval``: its last
+    eval round record."""
     last = rows[-1] if rows else {}
     step = num(last, "step")
     rewards = [v for v in (num(r, "reward") for r in rows) if v is not None][-FINAL_REWARD_WINDOWS:]
@@ -638,7 +652,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
                       mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
-                      checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None)
+                      checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None,
+                      final_eval=final_eval)
 
 
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
@@ -651,6 +666,7 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("time", fmt_duration(summary.elapsed_s)),
         ("final reward", fmt(summary.final_reward, ".4g") + (f" (mean of the last {summary.final_reward_windows} "
                                                              "steps)" if summary.final_reward_windows > 1 else "")),
+        *[("final " + label, value) for label, value in eval_rows(summary.final_eval)],
         ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
         ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
         ("mean step time", fmt_s(summary.mean_step_s)),

@@ -24,6 +24,7 @@ REWARD_CURVES = ("reward", "reward_kept")
 THROUGHPUT_CURVES = ("rollout/generated_tokens_per_s", "perf/fwd_bwd_forwarded_tokens_per_s",
                      "perf/wall_clock_trained_tokens_per_s")
 RESUME_EVENT = "resume"
+EVAL_EVENT = "eval"  # one record per eval round (train/evaluation.py; README "Evaluation")
 KV_METRIC = "rollout/vllm_kv_cache_usage_frac"
 #: ``sampler.backend`` -> what the KV usage curve is (the metric keeps its SPEC name, the legend says what it is).
 KV_SOURCES = {"vllm": "vLLM", "embedded": "embedded sampler", "external": "server"}
@@ -85,7 +86,9 @@ def run_history(records: Sequence[Mapping[str, Any]]) -> RunHistory:
     last_step: float | None = None
     for rec in records:
         if is_event(rec):
-            if rec.get("event") == RESUME_EVENT:
+            if rec.get("event") == EVAL_EVENT:  # kept in place (a resume drops the rounds after its step)
+                out.rows.append(dict(rec))
+            elif rec.get("event") == RESUME_EVENT:
                 at = num(rec, "step") or 0.0
                 out.rows = [r for r in out.rows if (num(r, "step") or 0.0) <= at]
                 out.resumes = [r for r in out.resumes if r[0] <= at] + [(at, str(rec.get("from") or ""))]
@@ -140,6 +143,21 @@ def reward_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[li
     return curves
 
 
+def eval_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[list[float], list[float]]]]:
+    """(label, series) of the eval panel from the eval round records (``{"event": "eval", "step": S, ...}``):
+    ``eval/reward``, ``eval/pass_rate`` and each ``eval/rewards/<f>/mean`` against the evaluated step, one point
+    per round (joined: the rounds are sparse, not windows with gaps)."""
+    rounds = [r for r in rows if r.get("event") == EVAL_EVENT and num(r, "step") is not None]
+    names = ["eval/reward", "eval/pass_rate",
+             *sorted({k for r in rounds for k in r if k.startswith("eval/rewards/") and k.endswith("/mean")})]
+    curves = []
+    for name in names:
+        points = [(num(r, "step"), num(r, name)) for r in rounds if num(r, name) is not None]
+        if points:
+            curves.append((name, ([float(x) for x, _ in points], [float(y) for _, y in points])))
+    return curves
+
+
 def kv_label(sampler: str | None) -> str:
     """The legend of the KV usage curve: what it measures (``sampler``: ``sampler.backend``; None = unknown)."""
     source = KV_SOURCES.get(str(sampler or ""))
@@ -149,16 +167,19 @@ def kv_label(sampler: str | None) -> str:
 def curve_panels(rows: Sequence[Mapping[str, Any]], sampler: str | None = None
                  ) -> list[tuple[str, str, list[tuple[str, tuple[list[float], list[float]]]]]]:
     """(title, y label, [(legend label, series)]) of each panel, reward panel first (`PANELS` after it, then
-    `TOOLS_PANEL` when a window logs tool metrics).
+    `TOOLS_PANEL` when a window logs tool metrics, then the eval panel when the run has eval rounds).
 
     ``sampler`` (``sampler.backend``) names the KV usage curve (`kv_label`). Event records are skipped.
     """
+    evals = eval_curves(rows)
     rows = [r for r in rows if not is_event(r)]
     panels = [("reward", "reward", reward_curves(rows))]
     with_tools = any(has_tool_metrics(r) for r in rows)
     for title, ylabel, names in (*PANELS, *([TOOLS_PANEL] if with_tools else [])):
         curves = [(kv_label(sampler) if n == KV_METRIC else n, s) for n in names if _has(s := _series(rows, n))]
         panels.append((title, ylabel, curves))
+    if evals:
+        panels.append(("eval (held-out prompts)", "reward / share", evals))
     return panels
 
 

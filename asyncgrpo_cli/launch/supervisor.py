@@ -605,7 +605,8 @@ class Supervisor:
                             sampler=getattr(self.cfg.sampler.backend, "value", self.cfg.sampler.backend))
         except Exception as exc:  # a plotting problem must not hide the run's outcome
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
-        summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot)
+        summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot,
+                            final_eval=getattr(self.dashboard, "eval", None))
         if self.console.is_terminal:
             self.console.print(summary_panel(summary))
         else:  # no box: a box of the console's width would cut long paths

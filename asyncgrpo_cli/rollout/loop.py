@@ -37,6 +37,7 @@ from .advantages import group_advantages, group_reward_std, should_drop_group, t
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
 from .completions import ship_group_records
+from .evaluation import EvalRounds
 from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, EnvironmentPool, compose_prompt,
                            environment_tools, route_environment)
 from .no_signal import NoLearningSignalError, NoSignalWatch
@@ -61,7 +62,7 @@ class EpochExhaustedError(RuntimeError):
     """Every prompt of an epoch was rejected by ``filter_prompt`` (SPEC §11): no batch could ever form."""
 
 
-class AsyncRolloutLoop(StaleScheduling):
+class AsyncRolloutLoop(EvalRounds, StaleScheduling):
     """Generates and scores rollouts for `AsyncGRPOTrainer` in the spawned worker process (SPEC §16.5).
 
     Subclass it, override a hook, and set the subclass as the trainer's ``loop_cls``. Hooks read
@@ -76,6 +77,8 @@ class AsyncRolloutLoop(StaleScheduling):
             the worker publishes when it gives up on an unreachable server (wall clock, 0 = reachable)
             and counts the outages it saw end; after each, generation waits until the trainer has
             re-pushed its weights (``repushed`` reaches the count) for at most ``vllm_server_timeout``.
+        eval_dataset / eval_request_value: eval prompts and the shared step counter the trainer raises to ask
+            for an eval round (`rollout.evaluation.EvalRounds`; never trained, outside the allowance).
         scorers: scoring batches in flight at once (default `SCORERS`). Each scorer takes every group
             waiting when it wakes (one batch: cheap rewards cost one thread hop per batch); several let a
             slow reward (math-verify, a judge) work on more than one batch. Synchronous reward functions
@@ -103,8 +106,9 @@ class AsyncRolloutLoop(StaleScheduling):
                  exception_info_queue, metrics_queue, tools=None, environment_factory=None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
                  consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
-                 scorers: int = SCORERS, server_values=None) -> None:
+                 scorers: int = SCORERS, server_values=None, eval_dataset=None, eval_request_value=None) -> None:
         self.config = config
+        self.init_eval(eval_dataset, eval_request_value)  # README "Evaluation" (rollout/evaluation.py)
         self.model_name = model_name
         self.dataset = dataset
         self.reward_runner = RewardRunner(list(reward_funcs or []))
@@ -330,7 +334,8 @@ class AsyncRolloutLoop(StaleScheduling):
                 self.ready_event.set()
             tasks = [asyncio.create_task(self._monitor(), name="monitor"),
                      *(asyncio.create_task(self._scorer(score_queue), name=f"scorer-{i}") for i in range(self.scorers)),
-                     asyncio.create_task(self._producer(score_queue), name="producer")]
+                     asyncio.create_task(self._producer(score_queue), name="producer"),
+                     *([asyncio.create_task(self._eval_rounds(), name="eval")] if self.has_eval else [])]
             stopper = asyncio.create_task(self._stop_event.wait(), name="stop")
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..run.orphans import set_parent_death_signal
 from .completions import CompletionRecords
+from .evaluation import EvalResult
 from .loop import AsyncRolloutLoop
 from .reward_runner import check_picklable
 from .types import PromptOutcome
@@ -253,6 +254,7 @@ class RolloutWorker:
         eos_token_ids: ids that end a completion.
         loop_cls: `AsyncRolloutLoop` or a subclass defined at module level.
         dataset_start_index: prompt index to resume from (SPEC §12).
+        eval_dataset: eval prompts (README "Evaluation"); None = no eval rounds.
 
     Raises:
         TypeError: a reward function, tool, environment factory or the loop class cannot be pickled
@@ -262,7 +264,7 @@ class RolloutWorker:
     def __init__(self, config, model_name: str, dataset, reward_funcs, processing_class, eos_token_ids,
                  loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop, tools=None, environment_factory=None,
                  lora_name: str | None = None, dataset_start_index: int = 0, score_queue_maxsize: int = 16,
-                 initial_allowance: float = 0.0) -> None:
+                 initial_allowance: float = 0.0, eval_dataset=None) -> None:
         for func in reward_funcs or []:
             check_picklable(func, "reward function")
         for tool in tools or []:
@@ -293,6 +295,8 @@ class RolloutWorker:
         self.exception_info_queue = ctx.Queue()
         self.metrics_queue = ctx.Queue()
         self._completions: list[dict[str, Any]] = []  # drained completion records (take_completions)
+        self.eval_request_value = ctx.Value("q", 0)  # the last step an eval round was asked for (request_eval)
+        self._eval_results: list[EvalResult] = []  # drained eval rounds (take_eval_results)
         self._loop_cls = loop_cls
         self._kwargs = dict(
             config=config, model_name=model_name, dataset=dataset, reward_funcs=list(reward_funcs or []),
@@ -305,6 +309,8 @@ class RolloutWorker:
             consumed_tokens_value=self.consumed_tokens_value, concurrency_value=self.concurrency_value,
             cap_value=self.cap_value,
             server_values=(self.server_down_until, self.server_returns, self.server_repushed))
+        if eval_dataset is not None:  # only then: a custom loop_cls without these arguments keeps working
+            self._kwargs.update(eval_dataset=eval_dataset, eval_request_value=self.eval_request_value)
         self.process: mp.process.BaseProcess | None = None
         self._consumed = 0.0
 
@@ -451,6 +457,8 @@ class RolloutWorker:
                 return out
             if isinstance(item, CompletionRecords):
                 self._completions.extend(item.records)
+            elif isinstance(item, EvalResult):
+                self._eval_results.append(item)
             else:
                 out.append(item)
 
@@ -459,3 +467,13 @@ class RolloutWorker:
         the next call returns only newer ones."""
         records, self._completions = self._completions, []
         return records
+
+    def request_eval(self, step: int) -> None:
+        """Ask for an eval round with the current weights, labelled with optimizer step ``step`` (README
+        "Evaluation"); its `EvalResult` comes back through `drain_metrics` / `take_eval_results`."""
+        self.eval_request_value.value = max(int(self.eval_request_value.value), int(step))
+
+    def take_eval_results(self) -> list[EvalResult]:
+        """The eval rounds drained so far (`drain_metrics`), oldest first; the next call returns only newer ones."""
+        results, self._eval_results = self._eval_results, []
+        return results

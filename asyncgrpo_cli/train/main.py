@@ -16,7 +16,7 @@ def build_trainer(cfg):
     from omegaconf import OmegaConf
 
     from ..config.compose import to_training_args
-    from ..data import load_prompts
+    from ..data import load_eval_prompts, load_prompts
     from ..imports import import_object, reward_functions
     from ..config.models import resolve_model_path
     from .trainer import AsyncGRPOTrainer
@@ -40,7 +40,8 @@ def build_trainer(cfg):
     owns_data = environment_factory is not None and not cfg.data.name and not cfg.data.generator
     return trainer_cls(model=model, reward_funcs=reward_functions(list(cfg.rewards)), args=args,
                        train_dataset=None if owns_data else load_prompts(cfg), peft_config=peft_config,
-                       tools=tools or None, environment_factory=environment_factory)
+                       tools=tools or None, environment_factory=environment_factory,
+                       eval_dataset=load_eval_prompts(cfg))
 
 
 def agent_objects(cfg):

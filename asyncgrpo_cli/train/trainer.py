@@ -101,6 +101,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         tools: sync or async module-level functions with type hints and a Google-style docstring (SPEC §13.1).
         environment_factory: a zero-argument callable (typically a class) or a dict name -> callable; one
             instance per in-flight rollout, its public methods become tools (SPEC §13.2).
+        eval_dataset: eval prompts (``prompt`` column, the reward functions' columns), evaluated every
+            ``eval_steps`` steps with ``eval_strategy="steps"`` and logged as ``eval/*`` (README "Evaluation").
 
     Class attribute ``loop_cls``: the `AsyncRolloutLoop` subclass the worker runs.
 
@@ -114,12 +116,15 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
-                 environment_factory=None) -> None:
+                 environment_factory=None, eval_dataset=None) -> None:
         from ..rollout.environments import EnvironmentOwnedPrompts
+        from .evaluation import TrainerEvaluation, check_eval_inputs
 
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
         funcs, train_dataset = check_trainer_inputs(model, reward_funcs, args, train_dataset, tools,
                                                     environment_factory, processing_class)
+        check_eval_inputs(args, eval_dataset, funcs, environment_factory)
+        self.evaluation = TrainerEvaluation(args, eval_dataset is not None)
         if isinstance(model, str):
             model_id = model
             model = load_policy(model_id, args)
@@ -146,8 +151,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args,
                          train_dataset=None if isinstance(train_dataset, EnvironmentOwnedPrompts) else train_dataset,
-                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers,
-                         data_collator=lambda rows: rows)
+                         eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
+                         optimizers=optimizers, data_collator=lambda rows: rows)
         self.train_dataset = train_dataset
         if args.torch_compile:
             from accelerate.utils import DynamoBackend
@@ -344,6 +349,7 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             args, self.model_id, self.train_dataset, self.reward_funcs,
             self.processing_class, self.eos_token_ids, loop_cls=self.loop_cls, tools=self.tools,
             environment_factory=self.environment_factory, dataset_start_index=start_position,
+            eval_dataset=self.eval_dataset if self.evaluation.schedule.enabled else None,
             lora_name=f"{prefix}-v{{version}}" if adapter else None,
             initial_allowance=initial_allowance(args.max_staleness, args.weight_sync_steps, self.token_budget,
                                                 args.gradient_accumulation_steps, self.accelerator.num_processes))
@@ -580,6 +586,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
                           f"by the stop ({exc})", flush=True)
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
+            last = (plan.stop or 0 < args.max_steps <= self.state.global_step) and not self._stop_requested
+            self.evaluation.after_step(self, self.state.global_step, final=last)  # README "Evaluation"
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
                 self._log_window()
