@@ -24,7 +24,7 @@ def strategy_name(value: Any) -> str:
 def check_eval_setup(strategy: Any, eval_steps: Any, has_eval_data: bool, *, eval_on_start: bool = False,
                      strategy_key: str = "eval_strategy", steps_key: str = "eval_steps",
                      data_key: str = "eval_dataset", data_fix: str = "pass eval_dataset=a datasets.Dataset with a "
-                     "'prompt' column", environment: bool = False) -> None:
+                     "'prompt' column", environment: bool = False, on_start_key: str = "eval_on_start") -> None:
     """Refuse an evaluation set-up the trainer cannot run exactly.
 
     Raises:
@@ -38,13 +38,14 @@ def check_eval_setup(strategy: Any, eval_steps: Any, has_eval_data: bool, *, eva
                           f"(one of {', '.join(EVAL_STRATEGIES)}). Fix: set {strategy_key}=steps and {steps_key}=N",
                           key=strategy_key)
     if eval_on_start:
-        raise ConfigError(f"eval_on_start=True: not supported by this trainer (the first round runs at step "
-                          f"{steps_key}). Fix: set eval_on_start=False", key="eval_on_start")
+        raise ConfigError(f"{on_start_key}=true: not supported by this trainer (the first round runs at step "
+                          f"{steps_key}). Fix: set {on_start_key}=false", key=on_start_key)
     if name == "no":
         return
     steps = eval_steps
     if isinstance(steps, bool) or not isinstance(steps, (int, float)) or steps < 1 or int(steps) != steps:
-        raise ConfigError(f"{steps_key}={steps!r}: {strategy_key}=steps needs a whole number of optimizer steps "
+        shown = int(steps) if isinstance(steps, float) and steps == int(steps) else steps
+        raise ConfigError(f"{steps_key}={shown!r}: {strategy_key}=steps needs a whole number of optimizer steps "
                           f">= 1 between eval rounds. Fix: set {steps_key}=50", key=steps_key)
     if not has_eval_data:
         raise ConfigError(f"{data_key}=None: {strategy_key}=steps needs eval prompts. Fix: {data_fix}, or set "

@@ -122,13 +122,14 @@ def check_cli_eval(cfg: Any, imported: Any = None) -> None:
     from .eval_rules import check_eval_dataset, check_eval_setup
 
     t, data = cfg.trainer, cfg.data
-    steps = t.get("eval_steps") or t.get("logging_steps")  # TrainingArguments' own fallback
+    steps = t.get("eval_steps") if t.get("eval_steps") is not None else t.get("logging_steps")  # transformers' fallback
     key = "data.eval_generator" if data.get("eval_generator") else "data.eval_name"
     has = has_eval_prompts(cfg)
     check_eval_setup(t.get("eval_strategy"), steps, has, eval_on_start=bool(t.get("eval_on_start")),
                      strategy_key="trainer.eval_strategy", steps_key="trainer.eval_steps", data_key=key,
                      data_fix="set data.eval_name=PATH_OR_HUB_ID (or data.eval_generator=reasoning_gym "
-                     "data.eval_size=64)", environment=has and bool((cfg.get("environment") or {}).get("factory")))
+                     "data.eval_size=64)", environment=has and bool((cfg.get("environment") or {}).get("factory")),
+                     on_start_key="trainer.eval_on_start")
     if not has:
         return
     if data.get("eval_name"):

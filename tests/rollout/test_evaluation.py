@@ -269,5 +269,13 @@ def test_the_cli_checks_name_the_data_eval_keys(tmp_path):
     from asyncgrpo_cli.data import load_eval_prompts
 
     assert len(load_eval_prompts(cfg)) == 3 and load_eval_prompts(compose(base)) is None
+    # eval_steps=0 is no "unset": it is refused (it became an eval every step); eval_on_start by its CLI key
+    with pytest.raises(ConfigError, match=r"trainer.eval_steps=0: .*whole number"):
+        check_cli_eval(compose([*base, "trainer.eval_strategy=steps", "trainer.eval_steps=0", f"data.eval_name={good}"]))
+    with pytest.raises(ConfigError, match=r"trainer.eval_steps=-1: "):
+        check_cli_eval(compose([*base, "trainer.eval_strategy=steps", "trainer.eval_steps=-1", f"data.eval_name={good}"]))
+    with pytest.raises(ConfigError, match=r"trainer.eval_on_start=true: .*Fix: set trainer.eval_on_start=false"):
+        check_cli_eval(compose([*base, "trainer.eval_strategy=steps", "trainer.eval_on_start=true",
+                                f"data.eval_name={good}"]))
     gen = load_eval_prompts(compose([*base, "data.eval_generator=reasoning_gym", "data.eval_size=5"]))
     assert len(gen) == 5 and "prompt" in gen.column_names
