@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .model_features import model_configs as _configs
+
 __all__ = [
     "GDN_KERNELS",
     "SUPPORTED_FAMILIES",
@@ -106,16 +108,6 @@ def _is_gdn(module: torch.nn.Module) -> bool:
 def gated_deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's Gated DeltaNet modules (any family), in module order."""
     return [m for m in model.modules() if _is_gdn(m)]
-
-
-def _configs(model: torch.nn.Module) -> list[Any]:
-    config = getattr(model, "config", None)
-    out = [config] if config is not None else []
-    for name in ("text_config", "language_config", "llm_config"):
-        sub = getattr(config, name, None) if config is not None else None
-        if sub is not None and not isinstance(sub, dict):
-            out.append(sub)
-    return out
 
 
 def check_token_mixers(model: torch.nn.Module, model_id: str | None = None) -> list[torch.nn.Module]:

@@ -23,7 +23,8 @@ class UnsupportedModelFeature(ValueError):
     """The model uses an attention or logit feature the tree-packed trainer cannot reproduce (SPEC §2.8)."""
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
+def model_configs(model: torch.nn.Module) -> list[Any]:
+    """The model's config and its text sub-config(s) (``text_config``, ``language_config``, ``llm_config``)."""
     config = getattr(model, "config", None)
     out = [config] if config is not None else []
     for name in ("text_config", "language_config", "llm_config"):
@@ -42,7 +43,7 @@ def check_model_features(model: torch.nn.Module, model_id: str | None = None) ->
     Raises:
         UnsupportedModelFeature: naming the model, the feature, where it was found, and the fix.
     """
-    configs = _configs(model)
+    configs = model_configs(model)
     model_id = model_id or (getattr(configs[0], "_name_or_path", None) if configs else None) or type(model).__name__
     model_type = next((getattr(c, "model_type", None) for c in configs if getattr(c, "model_type", None)), None)
     kind = f" (model type {model_type!r})" if model_type else ""
