@@ -10,7 +10,9 @@ and the HTTP side is the recording server of the 0.26 IPC tests.
 
 from __future__ import annotations
 
+import base64
 import functools
+import pickle
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -161,7 +163,9 @@ class HTTP033:
         self.client.start_weight_update()
 
     def update_weights(self, update_info):
-        self.client._post("/update_weights", {"update_info": {**update_info, "ipc_handles_pickled": "gA=="}})
+        # the recording server decodes IPC handles for every update: one (empty) handle per name
+        handles = base64.b64encode(pickle.dumps([{}] * len(update_info["names"]))).decode()
+        self.client._post("/update_weights", {"update_info": {**update_info, "ipc_handles_pickled": handles}})
 
     def finish_weight_update(self, weight_version=None):
         self.client.finish_weight_update(weight_version)
@@ -243,6 +247,7 @@ def test_nccl_033_defers_the_rendezvous_to_the_first_sync(model_dir):  # noqa: F
                                    "/start_weight_update", "/update_weights", "/finish_weight_update",
                                    "/reset_prefix_cache?reset_running_requests=true", "/resume"]
         (engine,) = Factory033.engines
+        assert [u["names"] for u in server.updates] == [[m.name for m in source.metadata()]]  # the receiver got it
         params = dict(model.named_parameters())
         assert [n for n, _ in engine.sent] == [m.name for m in source.metadata()]
         assert all(torch.equal(t, params[n].detach().bfloat16()) for n, t in engine.sent)
