@@ -330,6 +330,16 @@ def make_qwen3_06b(out: Path, shape: dict | None = None, device: str = "cuda") -
     return out
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it was started with ``start_new_session``), SIGKILL after 60 s."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
 def sampled_logprob_gap(url: str, model, prompt: list[int], seed: int) -> float:
     """Mean |server − trainer| log-prob of the tokens the server samples for ``prompt`` (temperature 1)."""
     import httpx
@@ -416,12 +426,7 @@ def phase_bench() -> int:
         del model
         torch.cuda.empty_cache()
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
         log.close()
         (WORK / "serve_06b.tail.log").write_text("\n".join((WORK / "serve_06b.log").read_text(errors="replace")
                                                             .splitlines()[-200:]))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent.parent
 PIECE = 58 * 1024 * 1024
 GROUP_ORDER = ["project", "core", "nccl", "nvshmem", "cusparselt", "cudnn"]
-ANY_PLATFORMS = ["any"]
 
 
 def sha256(path: Path) -> str:

@@ -22,7 +22,6 @@ Exit status: 0 installed and checked; 2 waiting for parts (the message names the
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata as md
 import os
 import shutil
@@ -39,13 +38,8 @@ CONDITIONAL = {"nccl": "nvidia-nccl-cu13", "nvshmem": "nvidia-nvshmem-cu13", "cu
                "cudnn": "nvidia-cudnn-cu13"}
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+sys.path.insert(0, str(HERE))
+from build_parts import sha256  # noqa: E402  (the same digest both sides)
 
 
 def read_plan() -> tuple[dict, list]:

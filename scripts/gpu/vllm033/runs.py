@@ -168,12 +168,7 @@ def phase_p9() -> int:
             entry["tok_s_top8"] = round(asyncio.run(_throughput(url, name, 256, 256, 8)))
             entry["top8_cost"] = round(1 - entry["tok_s_top8"] / entry["tok_s_no_logprobs"], 4)
         finally:
-            if server.poll() is None:
-                os.killpg(server.pid, signal.SIGTERM)
-                try:
-                    server.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(server.pid, signal.SIGKILL)
+            one_gpu.stop_server(server)
             log.close()
         save()
         print(json.dumps(entry), flush=True)
