@@ -637,7 +637,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                              f"per rollout, shape ({G},)")
         dropped = should_drop_group(group.rewards)
         scored = group.rewards[~np.isnan(group.rewards)]
-        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function)
+        trained = self._trained_completions(rollouts)  # mask_truncated_completions (README: Loss variants)
+        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function, sum(trained))
         if getattr(self, "no_signal_value", None) is not None:  # shared with the trainer (its panels)
             self.no_signal_value.value = self.no_signal.consecutive
         if diagnosis is not None:
@@ -662,8 +663,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
                                                   group_id=group.group_id))
             return
+        if getattr(self.config, "mask_truncated_completions", False):
+            m.add_many("completions/masked_truncated_frac", [0.0 if k else 1.0 for k in trained])
         samples: list[TrainingSequence] = []
-        trained = self._trained_completions(rollouts)  # mask_truncated_completions (README: Loss variants)
         for seqs, adv, keep in zip(group.completions_sequences, advantages, trained):
             for s in seqs:
                 s.advantage = 0.0 if math.isnan(adv) else float(adv)
@@ -698,9 +700,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         cut one is scored and counts in its group's advantage, but not trained; ``completions/masked_truncated_frac``)."""
         if not getattr(self.config, "mask_truncated_completions", False):
             return [True] * len(rollouts)
-        keep = [bool(r.turns) and self._ends_with_eos(r.turns[-1]) for r in rollouts]
-        self.metrics.add_many("completions/masked_truncated_frac", [0.0 if k else 1.0 for k in keep])
-        return keep
+        return [bool(r.turns) and self._ends_with_eos(r.turns[-1]) for r in rollouts]
 
     def _ends_with_eos(self, turn: TurnRecord) -> bool:
         if turn.finish_reason is not None:

@@ -1,7 +1,8 @@
 """Stop a run that cannot learn: too many consecutive groups without a learning signal (issue #19).
 
 A group carries no signal when it is dropped (SPEC §3.2): every scored completion got the same total
-reward, or fewer than two were scored at all (rewards None / NaN). A reward that never spreads inside a
+reward, or fewer than two were scored at all (rewards None / NaN); or when its rewards spread but none of its
+completions is trained (with ``mask_truncated_completions`` every one was cut at ``max_completion_length``). A reward that never spreads inside a
 group leaves the trainer waiting forever while the worker cycles the dataset. `NoSignalWatch` counts
 consecutive such groups and, at ``limit``, returns a diagnosis naming each reward function, what it
 returned lately and what to check. Pure: no I/O, no clock.
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from ..config.citations import cite_shipped
 
 LIMIT_KEY = "rollout.max_groups_without_signal"
+MASK_KEY = "loss.mask_truncated_completions"
+LENGTH_KEY = "rollout.max_completion_length"
 
 
 class NoLearningSignalError(RuntimeError):
@@ -53,6 +56,7 @@ class NoSignalWatch:
     consecutive: int = 0
     unscored: int = 0  # of the consecutive groups: those with fewer than two scored completions
     unscored_run: int = 0  # consecutive unscored groups
+    untrained: int = 0  # of the consecutive groups: kept, but every completion masked as truncated
     fired: str | None = None  # the diagnosis once given: the run stops, later groups change nothing
     _stats: dict[str, _FunctionStats] = field(default_factory=dict)
 
@@ -60,13 +64,16 @@ class NoSignalWatch:
     def unscored_limit(self) -> int:
         return min(self.limit, max(4, self.limit // 4)) if self.limit > 0 else 0
 
-    def observe(self, has_signal: bool, num_scored: int, per_function: Mapping[str, Sequence[float | None]]) -> str | None:
+    def observe(self, has_signal: bool, num_scored: int, per_function: Mapping[str, Sequence[float | None]],
+                num_trained: int | None = None) -> str | None:
         """Account one scored group.
 
         Args:
             has_signal: the group was kept (its rewards spread).
             num_scored: completions with a total reward (not None / NaN).
             per_function: reward function name → its G values for this group.
+            num_trained: of a kept group, the completions that are trained (``None``: all). A kept group with
+                none (``mask_truncated_completions`` and every completion cut) carries no signal either.
 
         Returns:
             None, or the diagnosis when this group makes ``limit`` consecutive groups without signal. Once
@@ -75,14 +82,16 @@ class NoSignalWatch:
         """
         if self.fired is not None:
             return self.fired
-        if has_signal:
-            self.consecutive, self.unscored, self.unscored_run = 0, 0, 0
+        untrained = has_signal and num_trained is not None and num_trained <= 0
+        if has_signal and not untrained:
+            self.consecutive, self.unscored, self.unscored_run, self.untrained = 0, 0, 0, 0
             self._stats.clear()
             return None
         self.consecutive += 1
+        self.untrained += int(untrained)
         self.unscored += int(num_scored < 2)
         self.unscored_run = self.unscored_run + 1 if num_scored < 2 else 0
-        for name, values in per_function.items():
+        for name, values in ({} if untrained else per_function).items():  # their rewards spread: not the cause
             st = self._stats.setdefault(name, _FunctionStats())
             for v in values:
                 if _missing(v):
@@ -100,10 +109,17 @@ class NoSignalWatch:
     def diagnosis(self) -> str:
         """What the last consecutive groups looked like and what to check."""
         n = self.consecutive
-        lines = [f"no learning signal: the last {n} groups were all dropped ({n - self.unscored} with every "
-                 f"completion scored the same, {self.unscored} with fewer than two completions scored at all), so "
-                 "the trainer has nothing to train on (SPEC §3.2). The reward functions returned:"]
+        same = n - self.unscored - self.untrained
+        cut = (f", {self.untrained} with every completion cut at {LENGTH_KEY} and so masked by {MASK_KEY}"
+               if self.untrained else "")
+        lines = [f"no learning signal: the last {n} groups were all dropped ({same} with every "
+                 f"completion scored the same, {self.unscored} with fewer than two completions scored at all{cut}), "
+                 "so the trainer has nothing to train on (SPEC §3.2)."
+                 + (" The reward functions returned:" if same + self.unscored else "")]
         checks = []
+        if self.untrained:
+            checks.append(f"no completion ends with EOS within {LENGTH_KEY}, and {MASK_KEY}=true trains only those "
+                          f"that do: raise {LENGTH_KEY} or set {MASK_KEY}=false")
         for name, st in self._stats.items():
             total = st.none + st.scored
             shown = ", ".join("None" if _missing(v) else f"{float(v):g}" for v in st.last)
@@ -120,9 +136,11 @@ class NoSignalWatch:
             else:
                 what = f"values {sorted(st.values)[:6]} but never different within one group"
             lines.append(f"  - {name}: {what}; last group: [{shown}]")
-        if not self._stats:
+        if not self._stats and same + self.unscored:
             lines.append("  - (no reward function: only rollout/environment rewards, none of which spread)")
         lines.append("Check: " + ("; ".join(checks) if checks else "the rewards should differ between the "
                                   "completions of one prompt (raise rollout.temperature, or rollout.num_generations)"))
-        lines.append(f"Fix: correct the reward or the data, or raise {LIMIT_KEY} (0 never stops)")
+        fix = (f"raise {LENGTH_KEY} or set {MASK_KEY}=false" if self.untrained == n
+               else "correct the reward or the data")
+        lines.append(f"Fix: {fix}, or raise {LIMIT_KEY} (0 never stops)")
         return cite_shipped("\n".join(lines))

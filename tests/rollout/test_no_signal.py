@@ -56,6 +56,26 @@ def test_unscored_groups_stop_sooner_than_constant_ones():
     assert watch.consecutive == 56
 
 
+def test_kept_groups_with_nothing_trained_count_as_without_signal():
+    """With mask_truncated_completions a group whose every completion was cut trains nothing although its rewards
+    spread: such groups must end the run too (they kept the trainer waiting forever: CI of 2026-12-01)."""
+    watch = NoSignalWatch(limit=3)
+    spread = {"length_reward": [0.0, 1.0, 0.5, 1.0]}
+    assert watch.observe(True, G, spread, num_trained=0) is None
+    assert watch.observe(True, G, spread, num_trained=1) is None and watch.consecutive == 0  # one trained: signal
+    assert watch.observe(True, G, spread, num_trained=0) is None
+    assert watch.observe(True, G, spread, num_trained=0) is None
+    text = watch.observe(True, G, spread, num_trained=0)
+    assert text is not None and "3 with every completion cut at rollout.max_completion_length" in text
+    assert "Fix: raise rollout.max_completion_length or set loss.mask_truncated_completions=false" in text
+    assert "length_reward" not in text  # the rewards spread: they are not what to fix
+    mixed = NoSignalWatch(limit=2)
+    assert mixed.observe(False, G, {"r": [0.0] * G}) is None
+    text = mixed.observe(True, G, {"r": [0.0, 1.0, 0.0, 1.0]}, num_trained=0)
+    assert "1 with every completion scored the same" in text and "1 with every completion cut" in text
+    assert "r: always 0" in text and "Fix: correct the reward or the data" in text
+
+
 class _Value:
     def __init__(self, value):
         self.value = value
@@ -69,10 +89,14 @@ def constant_reward(completions, **kwargs):
     return [0.5 for _ in completions]
 
 
-def _loop(tmp_path, reward, limit):
+def spread_reward(completions, **kwargs):
+    return [float(i % 2) for i, _ in enumerate(completions)]
+
+
+def _loop(tmp_path, reward, limit, **options):
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=G, max_completion_length=4,
                           vllm_server_base_url="http://127.0.0.1:1", max_concurrent_rollouts=8,
-                          vllm_server_timeout=30.0, report_to="none", max_groups_without_signal=limit)
+                          vllm_server_timeout=30.0, report_to="none", max_groups_without_signal=limit, **options)
     dataset = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
     return AsyncRolloutLoop(cfg, "m", dataset, [reward], None, [0], queue.Queue(), _Value(0), _Value(1e9),
                             _Value(0.0), threading.Event(), queue.Queue(), queue.Queue(),
@@ -109,6 +133,15 @@ def test_loop_stops_after_the_limit_with_the_diagnosis(tmp_path, reward, expect)
     loop.report_failure(info.value)  # what the trainer receives: the diagnosis, no traceback
     text = loop.exception_info_queue.get_nowait()
     assert text.startswith("NoLearningSignalError: no learning signal") and "Traceback" not in text
+
+
+def test_loop_stops_when_every_completion_is_masked_as_truncated(tmp_path):
+    loop = _loop(tmp_path, spread_reward, limit=2, mask_truncated_completions=True)
+    asyncio.run(loop._score_groups([_group(loop, 0)]))  # no turn ends with EOS: nothing of it is trained
+    outcome = loop.rollout_buffer.get_nowait()
+    assert outcome.kind == "kept" and outcome.samples == []
+    with pytest.raises(NoLearningSignalError, match="loss.mask_truncated_completions=false"):
+        asyncio.run(loop._score_groups([_group(loop, 1)]))
 
 
 # ------------------------------------------------------------------------------------------ real processes

@@ -26,6 +26,14 @@ def length_reward(completion_ids, **kwargs):
     return [len(ids) / 8.0 for ids in completion_ids]
 
 
+def brevity_reward(completion_ids, **kwargs):
+    """For mask_truncated_completions: only completions ending with EOS are trained, and length_reward would give
+    every one of them a negative advantage, so that one step at lr 1e-2 could leave every completion cut (then
+    nothing is trained and the run stops for want of signal). Rewarding brevity keeps EOS likely, and the case's
+    lower learning rate keeps the first step from making every completion a bare EOS (all scored the same)."""
+    return [1.0 - len(ids) / 8.0 for ids in completion_ids]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_eos"))
@@ -50,7 +58,7 @@ CASES = {
     "gspo_seq_tis_grpo_masked_weighted": dict(
         score_centering=False, loss_type="grpo", importance_sampling_level="sequence",
         vllm_importance_sampling_mode="sequence_truncate", mask_truncated_completions=True,
-        reward_weights=[1.0, 0.5], epsilon=3e-4, epsilon_high=4e-4),
+        reward_weights=[1.0, 0.5], epsilon=3e-4, epsilon_high=4e-4, learning_rate=1e-4),
     "cispo_token_tis": dict(score_centering=False, loss_type="cispo", epsilon_high=5.0,
                             vllm_importance_sampling_mode="token_truncate"),
     "centering_dr_grpo_token_tis_kl": dict(loss_type="dr_grpo", vllm_importance_sampling_mode="token_truncate",
@@ -61,15 +69,16 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_variant_trains(model_dir, server, tmp_path, case):
     out = tmp_path / case
-    args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
-                           num_sampler_logprobs=3, vllm_server_base_url=server.url, learning_rate=1e-2,
-                           save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
-                           vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd",
-                           max_grad_norm=0.0, **CASES[case])
+    options = dict(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
+                   num_sampler_logprobs=3, vllm_server_base_url=server.url, learning_rate=1e-2,
+                   save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
+                   vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0, optim="sgd", max_grad_norm=0.0)
+    args = AsyncGRPOConfig(**{**options, **CASES[case]})
+    second = brevity_reward if args.mask_truncated_completions else length_reward
     prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]}
                                           for i in range(16)])
     before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
-    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[parity_reward, length_reward], args=args,
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[parity_reward, second], args=args,
                                train_dataset=prompts)
     assert trainer.loss_config.loss_type == args.loss_type
     result = trainer.train()
@@ -83,7 +92,7 @@ def test_variant_trains(model_dir, server, tmp_path, case):
     keys = set().union(*lines)
     if args.mask_truncated_completions:
         assert "completions/masked_truncated_frac" in keys
-        assert {"rewards/parity_reward/weight", "rewards/length_reward/weight"} <= keys
+        assert {"rewards/parity_reward/weight", "rewards/brevity_reward/weight"} <= keys
     else:
         assert not any(k.endswith("/weight") for k in keys) and "completions/masked_truncated_frac" not in keys
     assert ("kl" in keys) == (args.beta > 0)
