@@ -63,8 +63,15 @@ def plan_model_path(name: str, gguf_file: str | None = None) -> tuple[str, Path 
         return str(folder), None
     gguf = folder / gguf_file
     if not gguf.is_file():
-        raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder}. "
-                          f"Fix: one of {sorted(p.name for p in folder.glob('*.gguf'))}")
+        package = package_dir(name) if base.is_dir() else None
+        if package is not None and (package / gguf_file).is_file():  # a folder in the working directory shadows it
+            raise ConfigError(f"model.name={name!r}: the folder {base.resolve()} in the current directory shadows the "
+                              f"installed package {name} (which holds {gguf_file}), and has no such file. Fix: run "
+                              f"from another directory, or set model.name={package}")
+        found = sorted(p.name for p in folder.glob("*.gguf"))
+        raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder.resolve()}. Fix: "
+                          + (f"one of {found}" if found else "point model.name at the folder or installed package "
+                             "that holds it (this one holds no GGUF file)"))
     out = export_dir(gguf)
     return str(out), (None if (out / _DONE).is_file() else gguf)
 
