@@ -158,7 +158,9 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
     """
     n = visible_gpu_count() if gpu_count is None else int(gpu_count)
     if layout is None:
-        layout = decide_layout(cfg, n, gpu_memory)
+        layout = decide_layout(n, gpu_memory, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                               trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                               loss=cfg.loss)
     if layout.colocated:
         return _colocated_plan(cfg, n, layout, start_server)
     launch = cfg.launch
@@ -404,6 +406,10 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                       main_process_port: int | None = None, gpu_memory: int | None = None) -> LaunchPlan:
     """The whole launch plan for a composed config.
 
+    It takes the whole composed config because it is the top of ``asyncgrpo train``'s launch: the plan
+    reads nearly every group (the layout, the server command, the GPU split, the accelerate config, the
+    output folder) and hands each part only the groups it reads.
+
     Args:
         cfg: composed config; ``model.name`` as it will be served (the supervisor passes the resolved path).
         gpu_count: visible GPUs (None = `visible_gpu_count()`).
@@ -428,9 +434,13 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
     else:
         reason = ""
     n = visible_gpu_count() if gpu_count is None else int(gpu_count)
-    layout = decide_layout(cfg, n, gpu_memory)
+    layout = decide_layout(n, gpu_memory, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                           trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                           loss=cfg.loss)
     gpus = plan_gpus(cfg, n, start_server=not reason, layout=layout)
-    server = None if reason else build_server_command(cfg, layout=layout)
+    server = None if reason else build_server_command(
+        layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch, rollout=cfg.rollout,
+        trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
     if server is not None:
         gpus.problems.extend(p for p in server.problems if p not in gpus.problems)
     out = output_dir_of(cfg)

@@ -431,7 +431,9 @@ class Supervisor:
             return self._fail(f"doctor could not read the server at {self.plan.url}: {exc}", self.server)
         started_vllm = self.plan.server is not None and "vllm" in " ".join(self.plan.server.argv[:3])
         colocated = True if self.plan.gpus.colocated else (False if started_vllm else None)
-        checks = evaluate(self.cfg, facts, colocated=colocated)
+        cfg = self.cfg
+        checks = evaluate(facts, colocated=colocated, model=cfg.model, rollout=cfg.rollout, sampler=cfg.sampler,
+                          staleness=cfg.staleness, trainer=cfg.trainer, peft=cfg.peft, launch=cfg.launch)
         failed = [c for c in checks if c.status == FAIL]
         if failed:
             table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")
@@ -643,7 +645,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     if not dry_run and int(cfg.launch.machine_rank) == 0:
         try:
             _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
-            check_server_port(cfg, answering=running)
+            check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
@@ -660,7 +662,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         return 2
     if dry_run and int(cfg.launch.machine_rank) == 0:
         try:  # what the real run would refuse before loading anything
-            check_server_port(cfg, answering=running)
+            check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
         problem = start_problem(cfg.trainer, plan.output_dir)
