@@ -239,7 +239,7 @@ def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
     for job in jobs:
         cfg = _compose(job.overrides, recipes_dirs)
         if not output_swept:
-            base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg))
+            base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg.trainer))
             cfg.trainer.output_dir = str(job_output_dir(base, job))
             bases.add(base)
         composed.append((job, cfg))

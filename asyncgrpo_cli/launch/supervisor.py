@@ -650,7 +650,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
         # a used folder: refused before the plan and the model, named as the user wrote it
-        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser()
+        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
         problem = start_problem(cfg.trainer, typed)
         if problem:
             console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
@@ -679,7 +679,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
 
     from ..config.models import resolve_model_path
 
-    output_dir = output_dir_of(cfg)
+    output_dir = output_dir_of(cfg.trainer)
     try:
         model_path = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
         rcfg = resolved_config(cfg, model_path, output_dir)

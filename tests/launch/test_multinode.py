@@ -102,7 +102,7 @@ def test_the_example_accelerate_config_is_the_generated_one():
     cfg = compose(machine0[2:])
     plan = build_launch_plan(cfg, gpu_count=GPUS, server_running=False)
     shipped = yaml.safe_load((EXAMPLE / "accelerate_two_nodes.yaml").read_text())
-    assert shipped == accelerate_config(cfg, plan.gpus)
+    assert shipped == accelerate_config(plan.gpus, **config_groups(accelerate_config, cfg))
 
 
 def test_readme_links_the_example():
