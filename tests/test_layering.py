@@ -347,3 +347,41 @@ def test_launch_and_doctor_functions_take_typed_groups(module, name):
         assert p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD), p
         assert p.kind is inspect.Parameter.KEYWORD_ONLY or len(taken) == 1, \
             f"{name}: with several groups each is keyword-only ({p.name})"
+
+
+#: What an orchestrator may still hand the whole config: `restart_command` rebuilds the config (the address
+#: in ``sampler.url``) before it passes groups on.
+WHOLE_CONFIG_CALLEES = {"run_doctor": {"restart_command"}, "build_launch_plan": set()}
+
+
+def _calls_given_cfg(fn) -> set[str]:
+    """Names of the functions ``fn``'s body calls with the bare name ``cfg`` as an argument."""
+    import inspect
+    import textwrap
+
+    out = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+        if isinstance(node, ast.Call):
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(v, ast.Name) and v.id == "cfg" for v in values):
+                f = node.func
+                out.add(f.id if isinstance(f, ast.Name) else getattr(f, "attr", ast.dump(f)))
+    return out
+
+
+def test_the_call_scan_sees_cfg_handed_on():
+    def f(cfg):
+        g(cfg.sampler, x=1)
+        h.k(1, c=cfg)
+
+    assert _calls_given_cfg(f) == {"k"}
+
+
+@pytest.mark.parametrize("module,name", [(m, n) for m, n in GROUP_FUNCTIONS if n in ORCHESTRATORS],
+                         ids=sorted(ORCHESTRATORS))
+def test_orchestrators_pass_only_groups_down(module, name):
+    import importlib
+
+    fn = getattr(importlib.import_module(module), name)
+    extra = _calls_given_cfg(fn) - WHOLE_CONFIG_CALLEES[name]
+    assert not extra, f"{name} hands the whole cfg to {sorted(extra)}: pass the groups they read"
