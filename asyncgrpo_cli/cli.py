@@ -239,7 +239,7 @@ def _sweep_jobs(overrides: list[str], sweep_dir: str | None, recipes_dirs):
     for job in jobs:
         cfg = _compose(job.overrides, recipes_dirs)
         if not output_swept:
-            base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg))
+            base = sweep_dir if sweep_dir is not None else str(output_dir_of(cfg.trainer))
             cfg.trainer.output_dir = str(job_output_dir(base, job))
             bases.add(base)
         composed.append((job, cfg))
@@ -345,6 +345,7 @@ def serve_cmd(
     info: bool = _info_flag(),
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
+    from .server.colocate import decide_layout, visible_gpu_count
     from .server.command import build_server_command
     from .launch.supervisor import server_exec_argv
 
@@ -354,7 +355,12 @@ def serve_cmd(
         _check_port(cfg)
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
-        command = build_server_command(cfg)
+        layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                               trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                               loss=cfg.loss)
+        command = build_server_command(layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
+                                       rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
+                                       staleness=cfg.staleness)
     except ConfigError as exc:
         _print_error(exc)
         raise typer.Exit(2) from None
@@ -362,8 +368,6 @@ def serve_cmd(
         command.notes.append(export_note)
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend == "vllm":
-        from .server.colocate import visible_gpu_count
-
         if visible_gpu_count() == 0:
             where = "sampler.backend=vllm: no CUDA GPU is visible here, and vLLM needs one. "
             if dry_run:
@@ -376,7 +380,7 @@ def serve_cmd(
         from .launch.supervisor import check_server_port
 
         try:
-            check_server_port(cfg)
+            check_server_port(cfg.sampler)
         except ConfigError as exc:
             command.problems.append(str(exc))
         for note in command.notes:
@@ -416,7 +420,7 @@ def _check_port(cfg) -> None:
     from .launch.supervisor import check_server_port
 
     try:
-        check_server_port(cfg, command="serve")
+        check_server_port(cfg.sampler, command="serve")
     except ConfigError as exc:
         err.print(Text.assemble(("config error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

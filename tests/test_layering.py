@@ -309,3 +309,79 @@ def test_every_public_name_resolves_to_its_own_object():
     assert asyncgrpo_cli.TurnRecord is rollout_turn_record  # one TurnRecord, re-exported by rollout.types
     with pytest.raises(AttributeError, match="no attribute"):
         asyncgrpo_cli.NotAName  # noqa: B018
+
+
+#: The launch and doctor functions that once took the whole composed config (issue #29, "The house"): each
+#: takes the typed groups it reads. Only the two top-level orchestrators keep ``cfg``, and say why.
+GROUP_FUNCTIONS = [
+    ("asyncgrpo_cli.server.checks", "evaluate"),
+    ("asyncgrpo_cli.server.command", "build_server_command"),
+    ("asyncgrpo_cli.server.colocate", "decide_layout"),
+    ("asyncgrpo_cli.launch.preflight", "check_server_port"),
+    ("asyncgrpo_cli.launch.plan", "build_launch_plan"),
+    ("asyncgrpo_cli.doctor.report", "run_doctor"),
+]
+ORCHESTRATORS = {"build_launch_plan", "run_doctor"}
+
+
+@pytest.mark.parametrize("module,name", GROUP_FUNCTIONS, ids=[n for _, n in GROUP_FUNCTIONS])
+def test_launch_and_doctor_functions_take_typed_groups(module, name):
+    import dataclasses
+    import importlib
+    import inspect
+
+    from asyncgrpo_cli.config.schema import AppConfig
+
+    fn = getattr(importlib.import_module(module), name)
+    params = inspect.signature(fn).parameters
+    groups = {f.name for f in dataclasses.fields(AppConfig)}
+    if name in ORCHESTRATORS:
+        assert "cfg" in params, f"{name} no longer takes cfg: take it off ORCHESTRATORS"
+        assert "whole composed config because" in " ".join(inspect.getdoc(fn).split()), \
+            f"{name} takes the whole config: its docstring must say why"
+        return
+    assert "cfg" not in params, f"{name}{inspect.signature(fn)} takes the whole config; pass the groups it reads"
+    taken = [p for p in params.values() if p.name in groups]
+    assert taken, f"{name} takes no config group"
+    for p in taken:  # by name at every call site: sampler=cfg.sampler
+        assert p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD), p
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY or len(taken) == 1, \
+            f"{name}: with several groups each is keyword-only ({p.name})"
+
+
+#: What an orchestrator may still hand the whole config: `restart_command` rebuilds the config (the address
+#: in ``sampler.url``) before it passes groups on.
+WHOLE_CONFIG_CALLEES = {"run_doctor": {"restart_command"}, "build_launch_plan": set()}
+
+
+def _calls_given_cfg(fn) -> set[str]:
+    """Names of the functions ``fn``'s body calls with the bare name ``cfg`` as an argument."""
+    import inspect
+    import textwrap
+
+    out = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+        if isinstance(node, ast.Call):
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(v, ast.Name) and v.id == "cfg" for v in values):
+                f = node.func
+                out.add(f.id if isinstance(f, ast.Name) else getattr(f, "attr", ast.dump(f)))
+    return out
+
+
+def test_the_call_scan_sees_cfg_handed_on():
+    def f(cfg):
+        g(cfg.sampler, x=1)
+        h.k(1, c=cfg)
+
+    assert _calls_given_cfg(f) == {"k"}
+
+
+@pytest.mark.parametrize("module,name", [(m, n) for m, n in GROUP_FUNCTIONS if n in ORCHESTRATORS],
+                         ids=sorted(ORCHESTRATORS))
+def test_orchestrators_pass_only_groups_down(module, name):
+    import importlib
+
+    fn = getattr(importlib.import_module(module), name)
+    extra = _calls_given_cfg(fn) - WHOLE_CONFIG_CALLEES[name]
+    assert not extra, f"{name} hands the whole cfg to {sorted(extra)}: pass the groups they read"

@@ -392,12 +392,17 @@ def public_host_warning(cfg: DictConfig) -> str | None:
 
 def server_url(cfg: DictConfig) -> str:
     """Base URL of the sampler: ``sampler.url`` when set, else the address of the server the CLI starts."""
-    if cfg.sampler.url:
-        return str(cfg.sampler.url).rstrip("/")
-    host = cfg.sampler.host
+    return sampler_url(cfg.sampler)
+
+
+def sampler_url(sampler: Any) -> str:
+    """`server_url` from the ``sampler`` group alone (`SamplerConfig`: ``url``, ``host``, ``port``)."""
+    if sampler.url:
+        return str(sampler.url).rstrip("/")
+    host = sampler.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    return f"http://{host}:{cfg.sampler.port}"
+    return f"http://{host}:{sampler.port}"
 
 
 def validate_config(cfg: DictConfig) -> None:

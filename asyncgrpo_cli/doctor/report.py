@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from omegaconf import DictConfig
 
-from ..config.compose import server_url
+from ..config.compose import sampler_url
 from ..server.checks import (FAIL, PASS, SKIP, WARN, ServerFacts, _expected_colocation, evaluate, read_facts,
                              restart_command)
 
@@ -17,13 +17,29 @@ __all__ = ["run_doctor"]
 
 
 def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None = None) -> int:
-    """Run every check, print them, and return the exit status (0 = no failure, 1 = a failure)."""
+    """Run every check, print them, and return the exit status (0 = no failure, 1 = a failure).
+
+    It takes the whole composed config because it is the top of ``asyncgrpo doctor``: the checks get only
+    the groups they read (`server.checks.evaluate`), and the restart command is rebuilt from the whole
+    config (`server.checks.restart_command`, the address in ``sampler.url``).
+
+    Args:
+        cfg: composed config (`asyncgrpo_cli.config.compose`).
+        as_json: print the checks and the restart command as JSON instead of a table.
+        facts: what the server answered (None = read it from ``sampler.url`` now, `read_facts`).
+
+    Raises:
+        ConfigError: from `server.checks.restart_command` when a check failed and the server command cannot
+            be built (e.g. an invalid LoRA rank).
+    """
     from rich.console import Console
     from rich.table import Table
 
     if facts is None:
-        facts = read_facts(server_url(cfg), timeout=min(float(cfg.sampler.timeout), 10.0))
-    checks = evaluate(cfg, facts, colocated=_expected_colocation(cfg))
+        facts = read_facts(sampler_url(cfg.sampler), timeout=min(float(cfg.sampler.timeout), 10.0))
+    checks = evaluate(facts, colocated=_expected_colocation(launch=cfg.launch, sampler=cfg.sampler),
+                      model=cfg.model, rollout=cfg.rollout, sampler=cfg.sampler, staleness=cfg.staleness,
+                      trainer=cfg.trainer, peft=cfg.peft, launch=cfg.launch)
     failed = any(c.status == FAIL for c in checks)
     restart = restart_command(cfg, facts) if failed and cfg.model.name else None
     if as_json:

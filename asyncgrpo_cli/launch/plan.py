@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from omegaconf import DictConfig
 
 from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
@@ -46,20 +48,23 @@ CONFIG_NAME = "asyncgrpo_config.yaml"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
 DEFAULT_OUTPUT_DIR = "outputs/run"
 
+if TYPE_CHECKING:
+    from ..config.schema import LaunchConfig, LossConfig, ModelConfig, PeftConfig, SamplerConfig, TrainerConfig
 
-def _backend(cfg: DictConfig) -> str:
-    b = cfg.sampler.backend
+
+def _backend(sampler: SamplerConfig) -> str:
+    b = sampler.backend
     return b.value if hasattr(b, "value") else str(b)
 
 
-def server_uses_gpu(cfg: DictConfig, gpu_count: int) -> bool:
+def server_uses_gpu(gpu_count: int, *, sampler: SamplerConfig) -> bool:
     """Whether a server started by `asyncgrpo train` runs on a GPU: vLLM always; the embedded sampler with
     ``sampler.device`` ``cuda*``, or ``auto`` when ``gpu_count`` > 0; an external server never (locally)."""
-    backend = _backend(cfg)
+    backend = _backend(sampler)
     if backend == "vllm":
         return True
     if backend == "embedded":
-        device = str(cfg.sampler.device)
+        device = str(sampler.device)
         return device.startswith("cuda") or (device == "auto" and gpu_count > 0)
     return False
 
@@ -124,45 +129,46 @@ class GpuPlan:
         return f"{self.gpu_count} GPU(s) visible | server: {server} | trainer: {trainer}, {kind}"
 
 
-def reference_notes(cfg: DictConfig) -> list[str]:
+def reference_notes(*, loss: LossConfig, peft: PeftConfig, model: ModelConfig) -> list[str]:
     """The plan's line on the KL reference (``loss.beta`` > 0, README: Loss variants): with full fine-tuning a
     frozen copy of the weights in every training process (its size when the model's config is readable)."""
-    if not float(cfg.loss.get("beta", 0.0) or 0.0) > 0:
+    if not float(loss.get("beta", 0.0) or 0.0) > 0:
         return []
-    if cfg.peft.enabled:
+    if peft.enabled:
         return ["loss.beta > 0 with LoRA: the KL reference is the base model with the adapters disabled (no copy)"]
     from ..server.colocate import _model_shape_of, reference_copy_bytes
 
-    shape = _model_shape_of(str(cfg.model.name) if cfg.model.name else None, cfg.model.get("gguf_file"))
-    dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+    shape = _model_shape_of(str(model.name) if model.name else None, model.get("gguf_file"))
+    dtype = model.dtype.value if hasattr(model.dtype, "value") else str(model.dtype)
     size = f" (~{reference_copy_bytes(shape, dtype) / 2**30:.2f} GiB)" if shape is not None else ""
     return [f"loss.beta > 0: every training process holds a frozen reference copy of the weights{size} and runs one "
             "more forward pass per row"]
 
 
-def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bool = True,
-              layout: Layout | None = None, gpu_memory: int | None = None) -> GpuPlan:
+def plan_gpus(gpu_count: int | None = None, *, layout: Layout, start_server: bool = True, launch: LaunchConfig,
+              sampler: SamplerConfig, trainer: TrainerConfig, loss: LossConfig, peft: PeftConfig,
+              model: ModelConfig) -> GpuPlan:
     """Split this machine's GPUs between the server and the trainer (rules in the module docstring).
 
     Args:
-        cfg: composed config (``launch.*``, ``sampler.backend``, ``sampler.device``).
         gpu_count: visible GPUs; None = `visible_gpu_count()`.
+        layout: the colocation decision (`colocate.decide_layout`).
         start_server: whether `asyncgrpo train` starts a server on this machine (False for an external
             server, a server already running, or a machine of rank > 0).
-        layout: the colocation decision (None = `colocate.decide_layout` with ``gpu_memory``).
-        gpu_memory: the shared GPU's memory in bytes for that decision (None = read with nvidia-smi).
+        launch: ``server_gpus``, ``trainer_gpus``, ``cpu_processes``, ``num_machines``, ``machine_rank``,
+            ``main_process_ip``.
+        sampler: ``backend``, ``device``, ``data_parallel_size``.
+        trainer: ``torch_compile``, ``torch_compile_backend`` (a note).
+        loss, peft, model: the KL reference's note (`reference_notes`).
 
     Returns:
         A `GpuPlan`; problems are collected in ``plan.problems`` rather than raised, so that
         ``--dry-run`` can print them next to the plan.
     """
     n = visible_gpu_count() if gpu_count is None else int(gpu_count)
-    if layout is None:
-        layout = decide_layout(cfg, n, gpu_memory)
     if layout.colocated:
-        return _colocated_plan(cfg, n, layout, start_server)
-    launch = cfg.launch
-    backend = _backend(cfg)
+        return _colocated_plan(n, layout, start_server, loss=loss, peft=peft, model=model)
+    backend = _backend(sampler)
     notes: list[str] = []
     problems: list[str] = []
     explicit_server = list(launch.server_gpus) if launch.server_gpus is not None else None
@@ -170,16 +176,16 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
 
     # GPUs the server holds on this machine, whether we start it or it already runs (started by
     # `asyncgrpo serve`, or on each machine of a multi-node job): the trainer's default split avoids them.
-    server_on_gpu = server_uses_gpu(cfg, n)
+    server_on_gpu = server_uses_gpu(n, sampler=sampler)
     if n == 0:
         held: list[int] = []
     elif server_on_gpu:
-        held = explicit_server or list(range(max(1, data_parallel_size(cfg.sampler))))  # one GPU per vLLM engine
+        held = explicit_server or list(range(max(1, data_parallel_size(sampler))))  # one GPU per vLLM engine
     else:
         held = explicit_server or []
     server = held if start_server and server_on_gpu else []
     if start_server and server_on_gpu and n == 0:
-        what = "sampler.backend=vllm" if backend == "vllm" else f"sampler.device={cfg.sampler.device}"
+        what = "sampler.backend=vllm" if backend == "vllm" else f"sampler.device={sampler.device}"
         problems.append(f"{what} needs a CUDA GPU but none is visible (torch.cuda.device_count() == 0). Fix: run "
                         "the sampler on CPU with sampler.backend=embedded sampler.device=cpu, or use a running "
                         "server with sampler.backend=external sampler.url=http://HOST:PORT")
@@ -189,39 +195,39 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
                      "same number of trainer processes (set launch.trainer_gpus to change it on every machine)")
 
     if explicit_trainer is not None:
-        trainer = explicit_trainer
-        if not trainer and n > 0:
+        trainer_gpus = explicit_trainer
+        if not trainer_gpus and n > 0:
             notes.append("launch.trainer_gpus=[]: the trainer runs on CPU although GPUs are visible")
     else:
-        trainer = [g for g in range(n) if g not in reserved]
-        if not trainer and held and n > 0:
+        trainer_gpus = [g for g in range(n) if g not in reserved]
+        if not trainer_gpus and held and n > 0:
             if backend != "vllm":
-                trainer = list(held)
+                trainer_gpus = list(held)
                 notes.append(f"the sampler shares GPU(s) {','.join(map(str, held))} with the trainer")
             else:
                 problems.append(f"vLLM and the trainer need different GPUs (NCCL weight transfer, README: GPUs, weight sync and LoRA) but "
                                 f"all {n} visible GPU(s) go to the server (GPUs {held}). Fix: use a machine with "
                                 f"at least {len(held) + 1} GPUs, share one GPU with vLLM through CUDA IPC "
                                 f"(launch.colocate=true), or use sampler.backend=embedded")
-    if backend == "vllm" and set(held) & set(trainer):
-        problems.append(f"launch.trainer_gpus={trainer} overlaps the vLLM server's GPUs {held} (README: GPUs, weight sync and LoRA). Fix: "
-                        f"launch.trainer_gpus={[g for g in trainer if g not in set(held)] or [max(held) + 1]}")
-    if trainer and n == 0:
-        problems.append(f"launch.trainer_gpus={trainer}: no CUDA GPU is visible here. Fix: leave launch.trainer_gpus "
+    if backend == "vllm" and set(held) & set(trainer_gpus):
+        problems.append(f"launch.trainer_gpus={trainer_gpus} overlaps the vLLM server's GPUs {held} (README: GPUs, weight sync and LoRA). Fix: "
+                        f"launch.trainer_gpus={[g for g in trainer_gpus if g not in set(held)] or [max(held) + 1]}")
+    if trainer_gpus and n == 0:
+        problems.append(f"launch.trainer_gpus={trainer_gpus}: no CUDA GPU is visible here. Fix: leave launch.trainer_gpus "
                         "unset (the trainer then runs on CPU with launch.cpu_processes processes)")
-    for key, ids in (("launch.server_gpus", held), ("launch.trainer_gpus", trainer if n else [])):
+    for key, ids in (("launch.server_gpus", held), ("launch.trainer_gpus", trainer_gpus if n else [])):
         missing = [g for g in ids if g >= n]
         if missing:
             problems.append(f"{key}={ids}: GPU(s) {missing} do not exist, {n} visible (CUDA_VISIBLE_DEVICES "
                             f"applies). Fix: use indices 0..{n - 1}, or leave {key} unset")
 
-    if bool(cfg.trainer.get("torch_compile", False)) or cfg.trainer.get("torch_compile_backend"):
+    if bool(trainer.get("torch_compile", False)) or trainer.get("torch_compile_backend"):
         notes.append("trainer.torch_compile=true: the decoder layers and the loss kernel's tiles compile during the "
-                     "first step (a minute or two)" + ("" if trainer else "; on a CPU trainer the compiled step is "
+                     "first step (a minute or two)" + ("" if trainer_gpus else "; on a CPU trainer the compiled step is "
                                                        "often no faster than eager, the gain is on GPUs"))
-    notes.extend(reference_notes(cfg))
-    if trainer:
-        per_machine = len(trainer)
+    notes.extend(reference_notes(loss=loss, peft=peft, model=model))
+    if trainer_gpus:
+        per_machine = len(trainer_gpus)
     else:
         per_machine = int(launch.cpu_processes)
         if per_machine < 1:
@@ -237,11 +243,12 @@ def plan_gpus(cfg: DictConfig, gpu_count: int | None = None, *, start_server: bo
     if machines > 1 and not launch.main_process_ip:
         problems.append(f"launch.num_machines={machines} needs launch.main_process_ip (the address of machine 0). "
                         "Fix: add launch.main_process_ip=10.0.0.1 launch.main_process_port=29500")
-    return GpuPlan(gpu_count=n, server_gpus=server, trainer_gpus=trainer, processes_per_machine=per_machine,
+    return GpuPlan(gpu_count=n, server_gpus=server, trainer_gpus=trainer_gpus, processes_per_machine=per_machine,
                    num_machines=machines, machine_rank=rank, notes=notes, problems=problems)
 
 
-def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool) -> GpuPlan:
+def _colocated_plan(n: int, layout: Layout, start_server: bool, *, loss: LossConfig, peft: PeftConfig,
+                    model: ModelConfig) -> GpuPlan:
     """The colocated layout: vLLM (started here or already running) and one trainer process on ``layout.gpu``."""
     gpu = int(layout.gpu or 0)
     problems = list(layout.problems)
@@ -253,29 +260,32 @@ def _colocated_plan(cfg: DictConfig, n: int, layout: Layout, start_server: bool)
         notes.append(f"memory split: {layout.memory.describe()}")
         notes.append(f"why: {layout.memory.reason}")
         notes.extend(layout.memory.notes)
-    notes.extend(r for r in reference_notes(cfg) if layout.memory is None or cfg.peft.enabled)
+    notes.extend(r for r in reference_notes(loss=loss, peft=peft, model=model) if layout.memory is None or peft.enabled)
     return GpuPlan(gpu_count=n, server_gpus=[gpu] if start_server and n else [], trainer_gpus=[gpu] if n else [],
                    processes_per_machine=1, notes=notes, problems=problems, layout=layout)
 
 
-def mixed_precision(cfg: DictConfig) -> str:
-    """accelerate's ``mixed_precision`` from the trainer's compute dtype: ``bf16``, ``fp16`` or ``no``."""
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(cfg.trainer, cfg.model), "no")
+def mixed_precision(*, trainer: TrainerConfig, model: ModelConfig) -> str:
+    """accelerate's ``mixed_precision`` from the trainer's compute dtype (`compute_dtype` of the ``trainer``
+    and ``model`` groups): ``bf16``, ``fp16`` or ``no``."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(compute_dtype(trainer, model), "no")
 
 
-def accelerate_config(cfg: DictConfig, gpus: GpuPlan, main_process_port: int | None = None) -> dict[str, Any]:
+def accelerate_config(gpus: GpuPlan, main_process_port: int | None = None, *, launch: LaunchConfig,
+                      trainer: TrainerConfig, model: ModelConfig) -> dict[str, Any]:
     """The accelerate config file (as a dict) for the trainer.
 
     Args:
-        cfg: composed config (``launch.*``, ``trainer.bf16``/``fp16``, ``model.dtype``).
         gpus: the `GpuPlan` from `plan_gpus`.
         main_process_port: rendezvous port; None = ``launch.main_process_port`` (accelerate's default
             29500 when that is unset too).
+        launch: ``main_process_port``, ``main_process_ip``.
+        trainer, model: the compute dtype (`mixed_precision`: ``trainer.bf16``/``fp16``, ``model.dtype``).
 
     Returns:
         Keys of accelerate 1.15's ``ClusterConfig``; ``fsdp_config`` only when more than one process runs.
     """
-    port = main_process_port if main_process_port is not None else cfg.launch.main_process_port
+    port = main_process_port if main_process_port is not None else launch.main_process_port
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -285,15 +295,15 @@ def accelerate_config(cfg: DictConfig, gpus: GpuPlan, main_process_port: int | N
         "gpu_ids": "all",  # CUDA_VISIBLE_DEVICES already holds the trainer's GPUs
         "machine_rank": gpus.machine_rank,
         "main_training_function": "main",
-        "mixed_precision": mixed_precision(cfg),
+        "mixed_precision": mixed_precision(trainer=trainer, model=model),
         "num_machines": gpus.num_machines,
         "num_processes": gpus.num_processes,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": gpus.use_cpu,
     }
-    if cfg.launch.main_process_ip:
-        out["main_process_ip"] = str(cfg.launch.main_process_ip)
+    if launch.main_process_ip:
+        out["main_process_ip"] = str(launch.main_process_ip)
     if port is not None:
         out["main_process_port"] = int(port)
     if gpus.num_processes > 1:
@@ -334,7 +344,7 @@ def trainer_env(gpus: GpuPlan) -> dict[str, str]:
     return env
 
 
-def cpu_thread_split(cfg: DictConfig, gpus: GpuPlan, server: Any, cores: int | None = None
+def cpu_thread_split(gpus: GpuPlan, server: Any, cores: int | None = None, *, sampler: SamplerConfig
                      ) -> tuple[int, int, int] | None:
     """``(sampler threads, trainer threads per process, cores)`` when the embedded sampler and the trainer
     both compute on this machine's CPU; None otherwise, or when ``OMP_NUM_THREADS`` is already set (in the
@@ -343,23 +353,24 @@ def cpu_thread_split(cfg: DictConfig, gpus: GpuPlan, server: Any, cores: int | N
     Generation and training overlap (asynchronous GRPO), so with torch's default (every core for each
     process) they oversubscribe the cores; half the cores for the sampler and the rest shared by the
     trainer's processes made the smoke recipe 1.4-1.5x faster on 2 cores (151 s against 215-231 s).
-    ``cores``: the CPUs this process may run on (None = ``os.sched_getaffinity``).
+    ``cores``: the CPUs this process may run on (None = ``os.sched_getaffinity``); ``sampler``: the
+    ``sampler`` group (``backend``, ``env``).
     """
-    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    backend = getattr(sampler.backend, "value", sampler.backend)
     if server is None or backend != "embedded" or not gpus.use_cpu or gpus.server_gpus:
         return None
-    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (cfg.sampler.env or {}):
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (sampler.env or {}):
         return None
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    sampler = max(1, cores // 2)
-    trainer = max(1, (cores - sampler) // max(1, gpus.processes_per_machine))
-    return sampler, trainer, cores
+    sampler_threads = max(1, cores // 2)
+    trainer_threads = max(1, (cores - sampler_threads) // max(1, gpus.processes_per_machine))
+    return sampler_threads, trainer_threads, cores
 
 
-def output_dir_of(cfg: DictConfig) -> Path:
-    """The run's output folder (``trainer.output_dir``, default ``outputs/run``), absolute."""
-    return Path(str(cfg.trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve()
+def output_dir_of(trainer: TrainerConfig) -> Path:
+    """The run's output folder from the ``trainer`` group (``output_dir``, default ``outputs/run``), absolute."""
+    return Path(str(trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve()
 
 
 @dataclass
@@ -404,6 +415,10 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                       main_process_port: int | None = None, gpu_memory: int | None = None) -> LaunchPlan:
     """The whole launch plan for a composed config.
 
+    It takes the whole composed config because it is the top of ``asyncgrpo train``'s launch: the plan
+    reads nearly every group (the layout, the server command, the GPU split, the accelerate config, the
+    output folder) and hands each part only the groups it reads.
+
     Args:
         cfg: composed config; ``model.name`` as it will be served (the supervisor passes the resolved path).
         gpu_count: visible GPUs (None = `visible_gpu_count()`).
@@ -414,10 +429,10 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
     Raises:
         ConfigError: from the server command builder (e.g. ``model.name`` unset).
     """
-    from ..config.compose import server_url
+    from ..config.compose import sampler_url
 
-    backend = _backend(cfg)
-    url = server_url(cfg)
+    backend = _backend(cfg.sampler)
+    url = sampler_url(cfg.sampler)
     if backend == "external":
         reason = f"sampler.backend=external: using the server at {url}"
     elif server_running:
@@ -428,15 +443,20 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
     else:
         reason = ""
     n = visible_gpu_count() if gpu_count is None else int(gpu_count)
-    layout = decide_layout(cfg, n, gpu_memory)
-    gpus = plan_gpus(cfg, n, start_server=not reason, layout=layout)
-    server = None if reason else build_server_command(cfg, layout=layout)
+    layout = decide_layout(n, gpu_memory, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                           trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                           loss=cfg.loss)
+    gpus = plan_gpus(n, layout=layout, start_server=not reason, launch=cfg.launch, sampler=cfg.sampler,
+                     trainer=cfg.trainer, loss=cfg.loss, peft=cfg.peft, model=cfg.model)
+    server = None if reason else build_server_command(
+        layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch, rollout=cfg.rollout,
+        trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
     if server is not None:
         gpus.problems.extend(p for p in server.problems if p not in gpus.problems)
-    out = output_dir_of(cfg)
+    out = output_dir_of(cfg.trainer)
     acc_path, cfg_path = out / ACCELERATE_CONFIG_NAME, out / CONFIG_NAME
     env = trainer_env(gpus)
-    split = cpu_thread_split(cfg, gpus, server)
+    split = cpu_thread_split(gpus, server, sampler=cfg.sampler)
     if split is not None and server is not None:
         sampler_threads, trainer_threads, cores = split
         server.env["OMP_NUM_THREADS"] = str(sampler_threads)
@@ -445,6 +465,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                           f"{cores} cores (OMP_NUM_THREADS; both run at once, so they split the cores instead of "
                           "contending for all of them; export OMP_NUM_THREADS to choose yourself)")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,
-                      accelerate=accelerate_config(cfg, gpus, main_process_port),
+                      accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
+                                                   trainer=cfg.trainer, model=cfg.model),
                       trainer_argv=trainer_argv(acc_path, cfg_path), trainer_env=env,
                       output_dir=out, config_path=cfg_path, accelerate_config_path=acc_path, logs_dir=out / "logs")

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from ..config.compose import server_url
+from ..config.compose import sampler_url
 from ..config.rules import ConfigError
+
+if TYPE_CHECKING:
+    from ..config.schema import SamplerConfig
 
 
 def probe_health(url: str, timeout: float = 2.0) -> bool:
@@ -80,11 +84,12 @@ def _check_run_lock(cfg: DictConfig) -> None:
         lock.release()
 
 
-def check_server_port(cfg: DictConfig, *, answering: bool | None = None, command: str = "train") -> None:
+def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, command: str = "train") -> None:
     """Before the model is loaded: the server this job starts can take ``sampler.host:sampler.port``.
 
     Args:
-        cfg: composed config (nothing is checked for ``sampler.backend=external``).
+        sampler: the ``sampler`` group (``backend``, ``host``, ``port``, ``url``; nothing is checked for
+            ``sampler.backend=external``).
         answering: whether a server already answers ``/health`` at the URL (None = probe it now).
         command: the CLI command asking, ``"train"`` or ``"serve"``; it picks the fix the message gives.
 
@@ -93,10 +98,10 @@ def check_server_port(cfg: DictConfig, *, answering: bool | None = None, command
             ``sampler.backend=external sampler.url=URL``), or another process holds the port; the
             message names ``sampler.port`` and suggests a free port.
     """
-    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    backend = getattr(sampler.backend, "value", sampler.backend)
     if backend == "external":
         return
-    host, port, url = str(cfg.sampler.host), int(cfg.sampler.port), server_url(cfg)
+    host, port, url = str(sampler.host), int(sampler.port), sampler_url(sampler)
     if answering is None:
         answering = probe_health(url, timeout=1.0)
     if answering and command == "serve":

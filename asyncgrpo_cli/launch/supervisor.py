@@ -431,7 +431,9 @@ class Supervisor:
             return self._fail(f"doctor could not read the server at {self.plan.url}: {exc}", self.server)
         started_vllm = self.plan.server is not None and "vllm" in " ".join(self.plan.server.argv[:3])
         colocated = True if self.plan.gpus.colocated else (False if started_vllm else None)
-        checks = evaluate(self.cfg, facts, colocated=colocated)
+        cfg = self.cfg
+        checks = evaluate(facts, colocated=colocated, model=cfg.model, rollout=cfg.rollout, sampler=cfg.sampler,
+                          staleness=cfg.staleness, trainer=cfg.trainer, peft=cfg.peft, launch=cfg.launch)
         failed = [c for c in checks if c.status == FAIL]
         if failed:
             table = Table("check", "status", "detail", "fix", title=f"doctor: {facts.url}")
@@ -643,12 +645,12 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     if not dry_run and int(cfg.launch.machine_rank) == 0:
         try:
             _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
-            check_server_port(cfg, answering=running)
+            check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
         # a used folder: refused before the plan and the model, named as the user wrote it
-        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg))).expanduser()
+        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
         problem = start_problem(cfg.trainer, typed)
         if problem:
             console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
@@ -660,7 +662,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         return 2
     if dry_run and int(cfg.launch.machine_rank) == 0:
         try:  # what the real run would refuse before loading anything
-            check_server_port(cfg, answering=running)
+            check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
         problem = start_problem(cfg.trainer, plan.output_dir)
@@ -677,7 +679,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
 
     from ..config.models import resolve_model_path
 
-    output_dir = output_dir_of(cfg)
+    output_dir = output_dir_of(cfg.trainer)
     try:
         model_path = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
         rcfg = resolved_config(cfg, model_path, output_dir)

@@ -1,6 +1,6 @@
 """`asyncgrpo doctor`: compare a running server with what the config needs (DESIGN.md §4, SPEC §7–§9).
 
-`evaluate(cfg, facts)` is pure: it turns what was read from the server (`ServerFacts`) into a list of
+`evaluate(facts, ...)` is pure: it turns what was read from the server (`ServerFacts`) into a list of
 `Check`s, each pass / warn / fail with a message and a fix; `read_facts` reads them over HTTP, and
 `restart_command` is the complete command from the one builder that `asyncgrpo serve` uses. The trainer
 runs these checks at start (`train.server_checks`), the supervisor before it starts the trainer, and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -27,6 +27,10 @@ from .command import (
     parse_version,
     uses_candidate_sets,
 )
+
+if TYPE_CHECKING:
+    from ..config.schema import (LaunchConfig, ModelConfig, PeftConfig, RolloutConfig, SamplerConfig,
+                                 StalenessConfig, TrainerConfig)
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 SKIP = "skip"  # the check does not apply here (its message says why)
@@ -93,19 +97,35 @@ def _precision_flags(dtype: str) -> str:
             f"dtype={dtype!r}")
 
 
-def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
-             gpu_count: int | None = None) -> list[Check]:
-    """All checks for ``cfg`` against ``facts`` (no I/O but the installed versions). See the module docstring.
+def evaluate(facts: ServerFacts, colocated: bool | None = None, gpu_count: int | None = None, *,
+             model: ModelConfig, rollout: RolloutConfig, sampler: SamplerConfig, staleness: StalenessConfig,
+             trainer: TrainerConfig, peft: PeftConfig, launch: LaunchConfig) -> list[Check]:
+    """All checks of a config's groups against ``facts`` (no I/O but the installed versions). See the module
+    docstring.
 
-    ``colocated``: whether the trainer shares the server's GPU (`server.colocate.decide_layout`): the
-    server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted.
-    ``gpu_count``: the GPUs this machine sees (None = ask torch); with none the GPU split is skipped."""
+    Args:
+        facts: what was read from the server (`read_facts`).
+        colocated: whether the trainer shares the server's GPU (`server.colocate.decide_layout`): the
+            server's weight transfer must then be ``ipc``, else ``nccl``; None = either is accepted.
+        gpu_count: the GPUs this machine sees (None = ask torch); with none the GPU split is skipped.
+        model: ``name``, ``dtype`` (served model, compute dtype).
+        rollout: ``max_completion_length``, ``num_sampler_logprobs``, the filters and
+            ``sampling_mask_fallback``.
+        sampler: ``max_model_len``, ``backend``.
+        staleness: ``max_concurrent_rollouts``, ``max_staleness`` (LoRA slots).
+        trainer: ``bf16``, ``fp16`` (compute dtype).
+        peft: ``enabled``, ``r``.
+        launch: ``server_gpus``, ``trainer_gpus``, ``colocate`` (the GPU split).
+
+    Returns:
+        The checks, in order; nothing is raised (a failed check carries its fix).
+    """
     checks: list[Check] = []
     add = checks.append
     if not facts.reachable:
         add(Check("server reachable", FAIL, f"no answer from {facts.url}: {facts.error}",
                   "start it with `asyncgrpo serve` (same overrides), or set sampler.url to where it runs"))
-        checks.extend(_local_checks(cfg, gpu_count))
+        checks.extend(_local_checks(gpu_count, launch=launch, sampler=sampler))
         return checks
     kind = "asyncgrpo embedded sampler" if facts.embedded else f"vLLM {(facts.version or {}).get('version', '?')}"
     add(Check("server reachable", PASS, f"{kind} at {facts.url}"))
@@ -113,7 +133,7 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
     # Model name and length limit (/v1/models).
     models = (facts.models or {}).get("data") or []
     names = {m.get("id") for m in models} | {m.get("root") for m in models}
-    want = str(cfg.model.name) if cfg.model.name else None
+    want = str(model.name) if model.name else None
     if want is None:
         add(Check("model", WARN, "model.name is not set; cannot compare", "add +recipe=NAME or model.name=..."))
     elif want in names:
@@ -123,7 +143,7 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
                   "restart the server with the config's model"))
     server_len = next((m.get("max_model_len") for m in models if m.get("id") in (want, None) or m.get("root") == want),
                       None) or _dig(facts.server_info, "model_config", "max_model_len")
-    completion = cfg.rollout.max_completion_length
+    completion = rollout.max_completion_length
     if server_len is None:
         add(Check("max_model_len", WARN, "the server does not report max_model_len", ""))
     elif completion >= server_len:
@@ -131,9 +151,9 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
                   f"rollout.max_completion_length={completion}",
                   f"restart with a larger sampler.max_model_len (prompt + {completion}), or lower "
                   "rollout.max_completion_length"))
-    elif cfg.sampler.max_model_len is not None and server_len != cfg.sampler.max_model_len:
+    elif sampler.max_model_len is not None and server_len != sampler.max_model_len:
         add(Check("max_model_len", FAIL, f"server max_model_len {server_len} != sampler.max_model_len "
-                  f"{cfg.sampler.max_model_len} (it is also the default token budget and the cap's unit)",
+                  f"{sampler.max_model_len} (it is also the default token budget and the cap's unit)",
                   "restart the server with the config's --max-model-len"))
     else:
         add(Check("max_model_len", PASS, f"{server_len} tokens: prompts up to {server_len - completion} tokens "
@@ -145,19 +165,21 @@ def evaluate(cfg: DictConfig, facts: ServerFacts, colocated: bool | None = None,
                   "restart with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config)"))
     else:
         add(Check("dev mode", PASS, "development routes are on (keep the server on a private address)"))
-        _server_info_checks(cfg, facts, info, add, colocated)
+        _server_info_checks(facts, info, add, colocated, rollout=rollout, trainer=trainer, model=model, peft=peft,
+                            staleness=staleness)
     if not facts.metrics_ok:
         add(Check("/metrics", WARN, "no Prometheus metrics: the adaptive concurrency cap falls back to "
-                  f"staleness.max_concurrent_rollouts={cfg.staleness.max_concurrent_rollouts}", ""))
+                  f"staleness.max_concurrent_rollouts={staleness.max_concurrent_rollouts}", ""))
     else:
         add(Check("/metrics", PASS, "KV-cache usage and queue depth readable"))
-    checks.extend(_version_checks(cfg, facts))
-    checks.extend(_local_checks(cfg, gpu_count))
+    checks.extend(_version_checks(facts))
+    checks.extend(_local_checks(gpu_count, launch=launch, sampler=sampler))
     return checks
 
 
-def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], add,
-                        colocated: bool | None = None) -> None:
+def _server_info_checks(facts: ServerFacts, info: dict[str, Any], add, colocated: bool | None = None, *,
+                        rollout: RolloutConfig, trainer: TrainerConfig, model: ModelConfig, peft: PeftConfig,
+                        staleness: StalenessConfig) -> None:
     mode = _dig(info, "model_config", "logprobs_mode")
     if mode == "processed_logprobs":
         add(Check("logprobs mode", PASS, "processed_logprobs (after temperature and filtering)"))
@@ -165,7 +187,7 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
         add(Check("logprobs mode", FAIL, f"logprobs mode is {mode!r}: importance ratios would compare different "
                   "distributions (README: Log-probabilities and the loss)", "restart with --logprobs-mode processed_logprobs"))
     max_lp = _dig(info, "model_config", "max_logprobs")
-    need = cfg.rollout.num_sampler_logprobs
+    need = rollout.num_sampler_logprobs
     if max_lp is None:
         add(Check("max logprobs", WARN, "server does not report max_logprobs", ""))
     elif max_lp != -1 and max_lp < need:
@@ -183,12 +205,12 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     else:
         add(Check("weight transfer", FAIL, f"weight transfer backend is {backend!r}",
                   "restart with --weight-transfer-config '{\"backend\": \"nccl\"}'"))
-    verdict = sampling_mask_verdict(uses_candidate_sets(cfg.rollout), info, facts.version,
-                                    fallback=bool(cfg.rollout.get("sampling_mask_fallback", False)),
+    verdict = sampling_mask_verdict(uses_candidate_sets(rollout), info, facts.version,
+                                    fallback=bool(rollout.get("sampling_mask_fallback", False)),
                                     scale_out=facts.extra.get("scale_out"))
     if verdict is not None:
         add(Check("sampling mask", verdict.status, verdict.message, verdict.fix))
-    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(cfg.trainer, cfg.model)
+    dtype, want = str(_dig(info, "model_config", "dtype") or ""), compute_dtype(trainer, model)
     dtype = dtype.replace("torch.", "")
     if not dtype:
         add(Check("dtype", WARN, "server does not report its dtype", ""))
@@ -200,8 +222,8 @@ def _server_info_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any
     else:
         add(Check("dtype", PASS, f"{dtype} on both sides"))
     count = _dig(info, "parallel_config", "_api_process_count") or info.get("api_server_count")
-    if cfg.peft.enabled:
-        _lora_checks(cfg, facts, info, count, add)
+    if peft.enabled:
+        _lora_checks(facts, info, count, add, peft=peft, staleness=staleness)
     elif need > 0 and not facts.embedded:
         version = facts.vllm_version
         old = version is not None and version < TOP_LOGPROBS_CHEAP_VLLM
@@ -247,11 +269,12 @@ def _ipc_checks(facts: ServerFacts, backend: Any, colocated: bool | None, add) -
                       f"reached at {host}: whoever reaches it can run code there", "bind it to 127.0.0.1"))
 
 
-def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], count: Any, add) -> None:
-    rank_needed, loras_needed = lora_limits(cfg.peft, cfg.staleness)
+def _lora_checks(facts: ServerFacts, info: dict[str, Any], count: Any, add, *, peft: PeftConfig,
+                 staleness: StalenessConfig) -> None:
+    rank_needed, loras_needed = lora_limits(peft, staleness)
     lora = info.get("lora_config")
     if not lora:
-        add(Check("lora", FAIL, f"peft.enabled=true (r={cfg.peft.r}) but the server was started without LoRA",
+        add(Check("lora", FAIL, f"peft.enabled=true (r={peft.r}) but the server was started without LoRA",
                   f"restart with --enable-lora --max-lora-rank {rank_needed} --max-loras {loras_needed} and "
                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or use merged sync: peft stays on, the server serves merged "
                   "weights)"))
@@ -264,11 +287,11 @@ def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], coun
     else:
         add(Check("lora runtime updating", PASS, "on"))
     rank = lora.get("max_lora_rank")
-    if rank not in ALLOWED_LORA_RANKS or rank < cfg.peft.r:
-        add(Check("lora rank", FAIL, f"--max-lora-rank {rank} cannot serve peft.r={cfg.peft.r}",
+    if rank not in ALLOWED_LORA_RANKS or rank < peft.r:
+        add(Check("lora rank", FAIL, f"--max-lora-rank {rank} cannot serve peft.r={peft.r}",
                   f"restart with --max-lora-rank {rank_needed}"))
     else:
-        add(Check("lora rank", PASS, f"max {rank} >= r {cfg.peft.r}"))
+        add(Check("lora rank", PASS, f"max {rank} >= r {peft.r}"))
     loras = lora.get("max_loras") or 0
     if loras < loras_needed:
         add(Check("lora slots", FAIL, f"--max-loras {loras} < staleness.max_staleness + 2 = {loras_needed} "
@@ -281,7 +304,7 @@ def _lora_checks(cfg: DictConfig, facts: ServerFacts, info: dict[str, Any], coun
                   "more than one API server", "restart with --api-server-count 1"))
 
 
-def _version_checks(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
+def _version_checks(facts: ServerFacts) -> list[Check]:
     version = facts.vllm_version
     if version is None:
         return []
@@ -298,7 +321,7 @@ def _version_checks(cfg: DictConfig, facts: ServerFacts) -> list[Check]:
     return [Check("vLLM version", PASS, f"{text} (run on an H200: scripts/gpu/results)")]
 
 
-def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
+def _local_checks(gpu_count: int | None = None, *, launch: LaunchConfig, sampler: SamplerConfig) -> list[Check]:
     checks = []
     try:
         tv = importlib.metadata.version("transformers")
@@ -308,7 +331,7 @@ def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
         checks.append(Check("transformers", FAIL, f"transformers {tv} < 5.2", "pip install 'transformers>=5.2'"))
     else:
         checks.append(Check("transformers", PASS, tv))
-    server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
+    server, trainer = launch.server_gpus, launch.trainer_gpus
     if gpu_count is None:
         from .colocate import visible_gpu_count
 
@@ -316,8 +339,8 @@ def _local_checks(cfg: DictConfig, gpu_count: int | None = None) -> list[Check]:
     if gpu_count == 0:
         checks.append(Check("GPU split", SKIP, "not applicable: no CUDA GPU visible here, nothing to split "
                             "(launch.server_gpus / launch.trainer_gpus apply on a GPU machine)"))
-    elif server is not None and trainer is not None and set(server) & set(trainer) and not cfg.launch.get("colocate"):
-        status = WARN if cfg.sampler.backend.value == "embedded" else FAIL
+    elif server is not None and trainer is not None and set(server) & set(trainer) and not launch.get("colocate"):
+        status = WARN if sampler.backend.value == "embedded" else FAIL
         checks.append(Check("GPU split", status, f"server GPUs {list(server)} and trainer GPUs {list(trainer)} overlap",
                             "give the server and the trainer different GPUs (launch.server_gpus / launch.trainer_gpus)"))
     else:
@@ -353,9 +376,22 @@ def restart_config(cfg: DictConfig) -> DictConfig:
 
 def restart_command(cfg: DictConfig, facts: ServerFacts):
     """The `ServerCommand` that starts a server matching ``cfg`` at the address the config uses
-    (`restart_config`), for the vLLM version ``facts`` reports."""
+    (`restart_config`), for the vLLM version ``facts`` reports, on this machine's layout. It takes the
+    whole config because `restart_config` rebuilds it (sampler address, flags) before the groups go to
+    `colocate.decide_layout` and `command.build_server_command`.
+
+    Raises:
+        ConfigError: from `command.build_server_command` (``model.name`` unset, an invalid LoRA rank).
+    """
+    from .colocate import decide_layout, visible_gpu_count
+
     version = (facts.version or {}).get("version") if not facts.embedded else None
-    return build_server_command(restart_config(cfg), vllm_version=version)
+    cfg = restart_config(cfg)
+    layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                           trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                           loss=cfg.loss)
+    return build_server_command(version, layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
+                                rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
 
 
 def read_facts(url: str, timeout: float) -> ServerFacts:
@@ -394,9 +430,9 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
     return facts
 
 
-def _expected_colocation(cfg: DictConfig) -> bool | None:
+def _expected_colocation(*, launch: LaunchConfig, sampler: SamplerConfig) -> bool | None:
     """`server.colocate.expected_colocation` on this machine (its visible GPUs)."""
     from .colocate import expected_colocation
     from .colocate import visible_gpu_count
 
-    return expected_colocation(cfg, visible_gpu_count())
+    return expected_colocation(visible_gpu_count(), launch=launch, sampler=sampler)

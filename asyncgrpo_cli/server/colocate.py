@@ -30,7 +30,11 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config.schema import (LaunchConfig, LossConfig, ModelConfig, PackingConfig, PeftConfig, SamplerConfig,
+                                 StalenessConfig, TrainerConfig)
 
 GiB = 2**30
 TRAINER_OVERHEAD_BYTES = 3 * GiB
@@ -309,8 +313,8 @@ class Layout:
     problems: list[str] = field(default_factory=list)
 
 
-def _backend(cfg: Any) -> str:
-    b = cfg.sampler.backend
+def _backend(sampler: SamplerConfig) -> str:
+    b = sampler.backend
     return b.value if hasattr(b, "value") else str(b)
 
 
@@ -337,60 +341,84 @@ def _model_shape_of(name: str | None, gguf_file: str | None = None) -> ModelShap
     return model_shape(Path(cached).parent) if isinstance(cached, str) else None
 
 
-def wants_colocation(cfg: Any, gpu_count: int) -> tuple[bool, str]:
+def wants_colocation(gpu_count: int, *, launch: LaunchConfig, sampler: SamplerConfig) -> tuple[bool, str]:
     """Whether vLLM and the trainer share a GPU: ``launch.colocate`` when set, else automatically with
-    ``sampler.backend=vllm`` and exactly one visible GPU (unless ``launch.trainer_gpus`` names others)."""
-    if _backend(cfg) != "vllm":
+    ``sampler.backend=vllm`` and exactly one visible GPU (unless ``launch.trainer_gpus`` names others).
+
+    Args:
+        gpu_count: visible GPUs.
+        launch: the ``launch`` group (``colocate``, ``server_gpus``, ``trainer_gpus``).
+        sampler: the ``sampler`` group (``backend``).
+
+    Returns:
+        (colocated, the reason to print; "" when there is nothing to say).
+    """
+    if _backend(sampler) != "vllm":
         return False, ""
-    setting = cfg.launch.get("colocate")
+    setting = launch.get("colocate")
     if setting is True:
         return True, "launch.colocate=true"
     if setting is False:
         return False, "launch.colocate=false"
-    trainer = cfg.launch.trainer_gpus
-    server = cfg.launch.server_gpus
+    trainer = launch.trainer_gpus
+    server = launch.server_gpus
     if gpu_count == 1 and (trainer is None or server is None or set(trainer) <= set(server)):
         return True, ("one GPU is visible and sampler.backend=vllm: vLLM and the trainer share it "
                       "(launch.colocate=false turns this off)")
     return False, ""
 
 
-def expected_colocation(cfg: Any, gpu_count: int) -> bool | None:
+def expected_colocation(gpu_count: int, *, launch: LaunchConfig, sampler: SamplerConfig) -> bool | None:
     """What `asyncgrpo doctor` expects of a running server: True = the trainer shares its GPU (``ipc``),
     False = separate GPUs (``nccl``), None = cannot tell (an external server and ``launch.colocate``
-    unset: either backend is accepted, the trainer follows the server)."""
-    setting = cfg.launch.get("colocate")
+    unset: either backend is accepted, the trainer follows the server).
+
+    Args:
+        gpu_count: visible GPUs.
+        launch: the ``launch`` group (``colocate``, ``server_gpus``, ``trainer_gpus``).
+        sampler: the ``sampler`` group (``backend``).
+    """
+    setting = launch.get("colocate")
     if setting is not None:
         return bool(setting)
-    if _backend(cfg) == "vllm":
-        return wants_colocation(cfg, gpu_count)[0]
+    if _backend(sampler) == "vllm":
+        return wants_colocation(gpu_count, launch=launch, sampler=sampler)[0]
     return None
 
 
-def decide_layout(cfg: Any, gpu_count: int, gpu_memory: int | None = None) -> Layout:
-    """The layout for ``cfg`` on a machine with ``gpu_count`` visible GPUs.
+def decide_layout(gpu_count: int, gpu_memory: int | None = None, *, launch: LaunchConfig, sampler: SamplerConfig,
+                  model: ModelConfig, trainer: TrainerConfig, packing: PackingConfig, staleness: StalenessConfig,
+                  peft: PeftConfig, loss: LossConfig) -> Layout:
+    """The layout for a config's groups on a machine with ``gpu_count`` visible GPUs.
 
     Args:
-        cfg: composed config (``launch.*``, ``sampler.*``, ``model.*``, ``trainer.*``, ``packing.*``).
         gpu_count: visible GPUs.
         gpu_memory: the shared GPU's memory in bytes; None = read it (`gpu_memory_bytes`).
+        launch: ``colocate``, ``server_gpus``, ``trainer_gpus``, ``num_machines``.
+        sampler: ``backend``, ``host``, ``max_model_len``, ``gpu_memory_utilization``.
+        model: ``name``, ``gguf_file``, ``dtype`` (the model's size, for the memory split).
+        trainer: ``activation_checkpointing``.
+        packing: ``token_budget`` (None = ``sampler.max_model_len``).
+        staleness: ``max_concurrent_rollouts`` (the KV cache's sequences).
+        peft: ``enabled`` (LoRA: the trainer's memory).
+        loss: ``beta`` (> 0: a reference model on the GPU).
 
     Returns:
         A `Layout`; its ``problems`` name every setting that stops the colocated layout (with a fix).
+        Nothing is raised: the problems are collected so that ``--dry-run`` prints them with the plan.
     """
-    on, reason = wants_colocation(cfg, gpu_count)
+    on, reason = wants_colocation(gpu_count, launch=launch, sampler=sampler)
     if not on:
         return Layout(False, reason)
-    launch = cfg.launch
     gpus = list(launch.server_gpus or launch.trainer_gpus or [0])
     gpu = gpus[0]
     problems: list[str] = []
     if launch.server_gpus is not None and len(launch.server_gpus) > 1:
         problems.append(f"launch.server_gpus={list(launch.server_gpus)} with the colocated layout: vLLM runs on one "
                         f"GPU shared with the trainer. Fix: launch.server_gpus=[{gpu}], or launch.colocate=false")
-    trainer = launch.trainer_gpus
-    if trainer is not None and list(trainer) not in ([], [gpu]):
-        problems.append(f"launch.trainer_gpus={list(trainer)} with the colocated layout: the trainer runs as one "
+    trainer_gpus = launch.trainer_gpus
+    if trainer_gpus is not None and list(trainer_gpus) not in ([], [gpu]):
+        problems.append(f"launch.trainer_gpus={list(trainer_gpus)} with the colocated layout: the trainer runs as one "
                         f"process on vLLM's GPU {gpu}. Fix: launch.trainer_gpus=[{gpu}] (or unset), or "
                         "launch.colocate=false for separate GPUs")
     if int(launch.num_machines) > 1:
@@ -399,7 +427,7 @@ def decide_layout(cfg: Any, gpu_count: int, gpu_memory: int | None = None) -> La
     if gpu_count == 0:
         problems.append("the colocated layout needs a CUDA GPU but none is visible. Fix: run on a GPU machine, or "
                         "sampler.backend=embedded sampler.device=cpu")
-    host = str(cfg.sampler.host)
+    host = str(sampler.host)
     if host not in ("127.0.0.1", "localhost", "::1"):
         problems.append(f"sampler.host={host} with the colocated layout: the server accepts pickled CUDA-IPC handles "
                         "(VLLM_ALLOW_INSECURE_SERIALIZATION=1), so anyone reaching its port could run code in it. "
@@ -407,20 +435,20 @@ def decide_layout(cfg: Any, gpu_count: int, gpu_memory: int | None = None) -> La
     total = gpu_memory if gpu_memory is not None else (gpu_memory_bytes(gpu) if gpu_count else None)
     memory = None
     if total:
-        mml = cfg.sampler.max_model_len
-        shape = _model_shape_of(str(cfg.model.name) if cfg.model.name else None, cfg.model.get("gguf_file"))
-        dtype = cfg.model.dtype.value if hasattr(cfg.model.dtype, "value") else str(cfg.model.dtype)
+        mml = sampler.max_model_len
+        shape = _model_shape_of(str(model.name) if model.name else None, model.get("gguf_file"))
+        dtype = model.dtype.value if hasattr(model.dtype, "value") else str(model.dtype)
         max_len = int(mml) if mml is not None else 4096
-        budget = cfg.packing.token_budget
-        memory = plan_memory(int(total), shape, configured=cfg.sampler.gpu_memory_utilization, dtype=dtype,
+        budget = packing.token_budget
+        memory = plan_memory(int(total), shape, configured=sampler.gpu_memory_utilization, dtype=dtype,
                              token_budget=int(budget) if budget is not None else max_len, max_model_len=max_len,
-                             max_concurrent=int(cfg.staleness.max_concurrent_rollouts),
-                             activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
-                             lora=bool(cfg.peft.enabled), reference=float(cfg.loss.get("beta", 0.0) or 0.0) > 0)
+                             max_concurrent=int(staleness.max_concurrent_rollouts),
+                             activation_checkpointing=bool(trainer.get("activation_checkpointing", False)),
+                             lora=bool(peft.enabled), reference=float(loss.get("beta", 0.0) or 0.0) > 0)
         if mml is None:
             memory.notes.append("sampler.max_model_len is unset: the KV estimate assumes 4096 tokens a sequence")
         problems.extend(memory.problems)
-    elif cfg.sampler.gpu_memory_utilization is None and gpu_count:
+    elif sampler.gpu_memory_utilization is None and gpu_count:
         problems.append("the shared GPU's memory could not be read (nvidia-smi). Fix: set "
                         "sampler.gpu_memory_utilization (vLLM's share, e.g. 0.3)")
     return Layout(True, reason, gpu, memory, problems)

@@ -10,15 +10,16 @@ import json
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 from ..config.rules import max_lora_rank_for
-from . import colocate
-from .colocate import vllm_ipc_problem
+from .colocate import Layout, vllm_ipc_problem
 from .vllm_versions import (MIN_VLLM, NEWEST_SUPPORTED_VLLM, SAMPLING_MASK_MIN_VLLM,  # noqa: F401  (re-exported)
                             SCALE_OUT_MIN_VLLM, installed_vllm_version, parse_version, vllm_has_flag)
+
+if TYPE_CHECKING:
+    from ..config.schema import (LaunchConfig, ModelConfig, PeftConfig, RolloutConfig, SamplerConfig,
+                                 StalenessConfig, TrainerConfig)
 
 
 @dataclass
@@ -99,33 +100,40 @@ def server_gpus(launch: Any, sampler: Any) -> list[int]:
     return list(range(max(1, data_parallel_size(sampler))))
 
 
-def detect_layout(cfg: DictConfig) -> Any:
-    """`colocate.decide_layout` for this machine (visible GPUs, the shared GPU's memory)."""
-    return colocate.decide_layout(cfg, colocate.visible_gpu_count())
-
-
-def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
-                         use_installed: bool = True, layout: Any = None) -> ServerCommand:
-    """The server command for a composed config: vLLM's ``vllm serve`` or the embedded sampler's.
+def build_server_command(vllm_version: str | None = None, *, layout: Layout, model: ModelConfig,
+                         sampler: SamplerConfig, launch: LaunchConfig, rollout: RolloutConfig,
+                         trainer: TrainerConfig, peft: PeftConfig, staleness: StalenessConfig,
+                         use_installed: bool = True) -> ServerCommand:
+    """The server command for a config's groups: vLLM's ``vllm serve`` or the embedded sampler's.
 
     Args:
-        cfg: composed config (`asyncgrpo_cli.config.compose`).
         vllm_version: vLLM version the flags are for; None = the installed one (when ``use_installed``),
             else the newest supported release (said in ``notes``).
-        layout: the `colocate.Layout` (None = `detect_layout`). Colocated, vLLM gets the shared GPU,
+        layout: the `colocate.Layout` (`colocate.decide_layout`). Colocated, vLLM gets the shared GPU,
             its memory share (``--gpu-memory-utilization``), ``--weight-transfer-config
             '{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; otherwise the NCCL
-            backend on ``launch.server_gpus``.
+            backend on ``launch.server_gpus``. Unused by the embedded sampler.
+        model: ``name``, ``dtype``, ``trust_remote_code``, ``gguf_file``.
+        sampler: ``backend``, ``host``, ``port``, ``max_model_len``, ``api_server_count``,
+            ``data_parallel_size``, ``gpu_memory_utilization``, ``max_logprobs``, ``kv_cache_tokens``,
+            ``device``, ``extra_args``, ``env``.
+        launch: ``server_gpus``.
+        rollout: ``num_sampler_logprobs`` and the filters (``top_k``, ``top_p``, ``min_p``: sampling masks).
+        trainer: ``bf16``, ``fp16`` (`compute_dtype`).
+        peft: ``enabled``, ``r`` (LoRA flags).
+        staleness: ``max_staleness`` (``--max-loras``).
+        use_installed: look at the installed vLLM (its version, its CUDA-IPC engine).
 
     Raises:
         ConfigError: when the config lacks what the server needs (``model.name``) or a LoRA rank is invalid.
     """
     from ..config.rules import ConfigError
 
-    if not cfg.model.name:
+    if not model.name:
         raise ConfigError("model.name=None: the server needs a model. Fix: add +recipe=NAME or model.name=HUB_ID_OR_DIR")
-    if cfg.sampler.backend.value == "embedded":
-        return _embedded_command(cfg)
+    if sampler.backend.value == "embedded":
+        return _embedded_command(model=model, sampler=sampler, launch=launch, rollout=rollout, trainer=trainer,
+                                 peft=peft, staleness=staleness)
     notes: list[str] = []
     if vllm_version is None and use_installed:
         vllm_version = installed_vllm_version()
@@ -135,12 +143,10 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         notes.append(f"vLLM {vllm_version} is older than the supported 0.26: upgrade with pip install 'vllm>=0.26'")
     version = vllm_version or NEWEST_SUPPORTED_VLLM
 
-    if layout is None:
-        layout = detect_layout(cfg)
     problems: list[str] = []
-    gpus = server_gpus(cfg.launch, cfg.sampler)
+    gpus = server_gpus(launch, sampler)
     transfer = "nccl"
-    memory_share = cfg.sampler.gpu_memory_utilization
+    memory_share = sampler.gpu_memory_utilization
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if layout.colocated:
         gpus, transfer = [layout.gpu], "ipc"
@@ -154,7 +160,7 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         ipc = vllm_ipc_problem(version, installed_vllm_version()) if use_installed else None
         if ipc:
             problems.append(ipc)
-    dp = data_parallel_size(cfg.sampler)
+    dp = data_parallel_size(sampler)
     if dp < 1:
         problems.append(f"sampler.data_parallel_size={dp}: must be >= 1 vLLM engine. Fix: sampler.data_parallel_size=1")
     elif dp > 1 and layout.colocated:
@@ -165,21 +171,21 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
                         f"{gpus}. Fix: launch.server_gpus=[{','.join(str(g) for g in range(dp))}], or leave "
                         "launch.server_gpus unset (the server then takes the first sampler.data_parallel_size GPUs)")
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), **env}
-    argv = ["vllm", "serve", str(cfg.model.name), "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
+    argv = ["vllm", "serve", str(model.name), "--host", str(sampler.host), "--port", str(sampler.port),
             "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--logprobs-mode", "processed_logprobs",
-            "--api-server-count", str(api_server_count(cfg.sampler, cfg.peft))]
+            "--api-server-count", str(api_server_count(sampler, peft))]
     if dp > 1:
         argv += ["--data-parallel-size", str(dp)]
-    if cfg.sampler.max_model_len is not None:
-        argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
-    argv += ["--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
-             "--dtype", compute_dtype(cfg.trainer, cfg.model)]
+    if sampler.max_model_len is not None:
+        argv += ["--max-model-len", str(sampler.max_model_len)]
+    argv += ["--max-logprobs", str(max_logprobs(sampler, rollout)),
+             "--dtype", compute_dtype(trainer, model)]
     if memory_share is not None:
         argv += ["--gpu-memory-utilization", f"{float(memory_share):g}"]
-    if cfg.model.trust_remote_code:
+    if model.trust_remote_code:
         argv += ["--trust-remote-code"]
-    if uses_candidate_sets(cfg.rollout):
+    if uses_candidate_sets(rollout):
         if vllm_has_flag("--return-sampling-mask", version):
             argv += ["--return-sampling-mask"]
             if vllm_has_flag("--enable-scale-out", version):
@@ -187,37 +193,38 @@ def build_server_command(cfg: DictConfig, vllm_version: str | None = None, *,
         else:
             notes.append(f"vLLM {version} cannot return sampling masks (needs >= 0.28): the trainer normalises over "
                          "the full vocabulary and its importance ratios are biased (README: Sampling filters)")
-    if cfg.peft.enabled:
-        rank, loras = lora_limits(cfg.peft, cfg.staleness)
+    if peft.enabled:
+        rank, loras = lora_limits(peft, staleness)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
-        if cfg.sampler.api_server_count != 1:
+        if sampler.api_server_count != 1:
             notes.append("runtime LoRA updating needs --api-server-count 1 (vLLM refuses more)")
-    env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
-    argv += [str(a) for a in cfg.sampler.extra_args]
+    env.update({str(k): str(v) for k, v in sampler.env.items()})
+    argv += [str(a) for a in sampler.extra_args]
     return ServerCommand(argv, env, notes, problems)
 
 
-def _embedded_command(cfg: DictConfig) -> ServerCommand:
+def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: LaunchConfig, rollout: RolloutConfig,
+                      trainer: TrainerConfig, peft: PeftConfig, staleness: StalenessConfig) -> ServerCommand:
     """The embedded sampler's command line: the same settings as vLLM's, under our own module."""
-    device = cfg.sampler.device
+    device = sampler.device
     env: dict[str, str] = {}
     if device.startswith("cuda") or device == "auto":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(cfg.launch, cfg.sampler))
-    argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(cfg.model.name),
-            "--host", str(cfg.sampler.host), "--port", str(cfg.sampler.port),
-            "--max-logprobs", str(max_logprobs(cfg.sampler, cfg.rollout)),
-            "--dtype", compute_dtype(cfg.trainer, cfg.model),
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(launch, sampler))
+    argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(model.name),
+            "--host", str(sampler.host), "--port", str(sampler.port),
+            "--max-logprobs", str(max_logprobs(sampler, rollout)),
+            "--dtype", compute_dtype(trainer, model),
             "--device", "cuda" if device.startswith("cuda") else device]
-    if cfg.model.gguf_file:
-        argv += ["--gguf-file", str(cfg.model.gguf_file)]
-    if cfg.sampler.max_model_len is not None:
-        argv += ["--max-model-len", str(cfg.sampler.max_model_len)]
-    if cfg.sampler.kv_cache_tokens is not None:
-        argv += ["--kv-cache-tokens", str(cfg.sampler.kv_cache_tokens)]
-    if cfg.peft.enabled:
-        rank, loras = lora_limits(cfg.peft, cfg.staleness)
+    if model.gguf_file:
+        argv += ["--gguf-file", str(model.gguf_file)]
+    if sampler.max_model_len is not None:
+        argv += ["--max-model-len", str(sampler.max_model_len)]
+    if sampler.kv_cache_tokens is not None:
+        argv += ["--kv-cache-tokens", str(sampler.kv_cache_tokens)]
+    if peft.enabled:
+        rank, loras = lora_limits(peft, staleness)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
-    env.update({str(k): str(v) for k, v in cfg.sampler.env.items()})
-    argv += [str(a) for a in cfg.sampler.extra_args]
+    env.update({str(k): str(v) for k, v in sampler.env.items()})
+    argv += [str(a) for a in sampler.extra_args]
     return ServerCommand(argv, env, [])

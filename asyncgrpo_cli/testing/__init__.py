@@ -185,3 +185,24 @@ def deadline_s(idle_s: float, *, floor_s: float | None = None) -> float:
     """A test deadline for work taking up to ``idle_s`` seconds on an idle machine: ``idle_s`` times
     (1 + `machine_slowdown`), at least ``floor_s`` (default ``idle_s``)."""
     return max(floor_s if floor_s is not None else idle_s, idle_s * (1.0 + machine_slowdown()))
+
+
+def config_groups(fn, cfg) -> dict:
+    """The config groups ``fn`` takes, from a composed config: ``{name: cfg[name]}`` for each keyword-only
+    parameter of ``fn`` named after a group of `config.schema.AppConfig` (``sampler``, ``rollout``, ...),
+    so that a test calls ``fn(..., **config_groups(fn, cfg))`` with exactly what its signature names.
+
+    Raises:
+        TypeError: ``fn`` takes no config group (nothing to fill in).
+    """
+    import dataclasses
+    import inspect
+
+    from ..config.schema import AppConfig
+
+    names = {f.name for f in dataclasses.fields(AppConfig)}
+    wanted = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in names]
+    if not wanted:
+        raise TypeError(f"{getattr(fn, '__name__', fn)} takes no config group")
+    return {name: cfg[name] for name in wanted}

@@ -114,7 +114,9 @@ def check_server(sampler, args: Any, model_id: str, model=None, say: Callable[[s
     peft_config = getattr(model, "peft_config", None)
     rank = next(iter(peft_config.values())).r if peft_config else None
     cfg = doctor_config(args, model_id, rank)
-    checks = evaluate(cfg, read_facts(url, timeout=min(10.0, float(args.vllm_server_timeout))))
+    checks = evaluate(read_facts(url, timeout=min(10.0, float(args.vllm_server_timeout))), model=cfg.model,
+                      rollout=cfg.rollout, sampler=cfg.sampler, staleness=cfg.staleness, trainer=cfg.trainer,
+                      peft=cfg.peft, launch=cfg.launch)
     for c in checks:
         if c.status == WARN:
             say(f"doctor warning: {c.name}: {api_names(c.message)}" + (f" (fix: {api_names(c.fix)})" if c.fix else ""))

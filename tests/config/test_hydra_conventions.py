@@ -148,7 +148,7 @@ def listening_port():
 def test_busy_port_refused_before_the_model_loads(listening_port):
     cfg = compose(["+recipe=smoke", f"sampler.port={listening_port}"])
     with pytest.raises(ConfigError, match=rf"sampler.port={listening_port}: another process.*sampler.port=\d+"):
-        check_server_port(cfg)
+        check_server_port(cfg.sampler)
     console = Console(record=True, width=100, force_terminal=False)
     assert run_train(cfg, console=console, gpu_count=0) == 2  # the GGUF would be exported after this point
     assert "sampler.port" in console.export_text()
@@ -173,8 +173,8 @@ def test_a_server_this_job_did_not_start_is_refused_unless_external():
         port = httpd.server_address[1]
         cfg = compose(["+recipe=smoke", f"sampler.port={port}"])
         with pytest.raises(ConfigError, match=rf"already answers.*sampler.backend=external sampler.url=http://127.0.0.1:{port}"):
-            check_server_port(cfg)
-        check_server_port(compose(["+recipe=smoke", "sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}"]))
+            check_server_port(cfg.sampler)
+        check_server_port(compose(["+recipe=smoke", "sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}"]).sampler)
         served = invoke("serve", "+recipe=smoke", f"sampler.port={port}")  # serve's fix is doctor, not training
         assert served.exit_code == 2 and "asyncgrpo doctor" in served.output and "train against" not in served.output
     finally:

@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
+from asyncgrpo_cli.server.colocate import decide_layout, visible_gpu_count
 from asyncgrpo_cli.server.command import build_server_command, parse_version, vllm_has_flag
+from asyncgrpo_cli.testing import config_groups
 
 BASE = ("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3.5-2B --host 127.0.0.1 --port 8000 "
         "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --api-server-count 8 "
@@ -96,12 +98,18 @@ def test_dtype_and_logprobs_and_gpus_follow_config():
     assert flags["--max-logprobs"] == "16" and env["CUDA_VISIBLE_DEVICES"] == "2,3" and flags["--port"] == "9000"
 
 
+def _command(cfg, vllm_version=None):
+    """`build_server_command` on this machine's layout (what `asyncgrpo serve` builds)."""
+    layout = decide_layout(visible_gpu_count(), **config_groups(decide_layout, cfg))
+    return build_server_command(vllm_version, layout=layout, **config_groups(build_server_command, cfg))
+
+
 def test_old_vllm_gets_no_unknown_flags():
     cfg = compose(["+recipe=deepmath", "rollout.top_k=50"])
-    old = build_server_command(cfg, "0.26.0")
+    old = _command(cfg, "0.26.0")
     assert "--return-sampling-mask" not in old.argv and "--enable-scale-out" not in old.argv
     assert any("0.28" in n for n in old.notes)
-    mid = build_server_command(cfg, "0.28.0")
+    mid = _command(cfg, "0.28.0")
     assert "--return-sampling-mask" in mid.argv and "--enable-scale-out" not in mid.argv
 
 
@@ -117,7 +125,7 @@ def test_serve_without_model_is_a_clear_error():
 
 
 def test_embedded_backend_command():
-    cmd = build_server_command(compose(["+recipe=smoke"]))
+    cmd = _command(compose(["+recipe=smoke"]))
     assert cmd.argv[1:3] == ["-m", "asyncgrpo_cli.sampler.embedded"]
     assert cmd.flag("--max-model-len") == "256" and cmd.flag("--device") == "cpu" and cmd.flag("--dtype") == "float32"
 

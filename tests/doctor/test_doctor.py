@@ -9,7 +9,7 @@ from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.server.checks import FAIL, PASS, SKIP, WARN, ServerFacts, evaluate
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
-from asyncgrpo_cli.testing import make_tiny_model
+from asyncgrpo_cli.testing import config_groups, make_tiny_model
 
 runner = CliRunner()
 
@@ -83,19 +83,23 @@ def vllm_facts(models_len=4096, **info):
                        server_info=server_info, server_env=server_info.pop("vllm_env"), metrics_ok=True)
 
 
+def _evaluate(cfg, facts, **kw):
+    return evaluate(facts, **kw, **config_groups(evaluate, cfg))
+
+
 def statuses(checks):
     return {c.name: c.status for c in checks}
 
 
 def test_vllm_checks_pass_for_the_builders_own_flags():
-    st = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
+    st = statuses(_evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
     assert all(v == PASS for v in st.values()), st
 
 
 def test_gpu_split_is_skipped_with_the_reason_on_a_machine_without_gpus():
-    cpu = {c.name: c for c in evaluate(compose(["+recipe=smoke"]), vllm_facts(), gpu_count=0)}
+    cpu = {c.name: c for c in _evaluate(compose(["+recipe=smoke"]), vllm_facts(), gpu_count=0)}
     assert cpu["GPU split"].status == SKIP and "no CUDA GPU" in cpu["GPU split"].message
-    gpu = statuses(evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
+    gpu = statuses(_evaluate(compose(["+recipe=deepmath"]), vllm_facts(), gpu_count=2))
     assert gpu["GPU split"] == PASS
 
 
@@ -119,17 +123,17 @@ def test_gpu_split_is_skipped_with_the_reason_on_a_machine_without_gpus():
      ["peft.enabled=true", "peft.r=32"], "lora api servers", FAIL),
 ])
 def test_each_vllm_misconfiguration_is_caught(facts, ov, name, status):
-    st = statuses(evaluate(compose(["+recipe=deepmath", *ov]), vllm_facts(**facts)))
+    st = statuses(_evaluate(compose(["+recipe=deepmath", *ov]), vllm_facts(**facts)))
     assert st[name] == status, st
 
 
 def test_old_vllm_warns_about_top_logprob_cost_and_version():
     facts = vllm_facts()
     facts.version = {"version": "0.26.0"}
-    st = statuses(evaluate(compose(["+recipe=deepmath"]), facts))
+    st = statuses(_evaluate(compose(["+recipe=deepmath"]), facts))
     assert st["api servers"] == WARN and st["vLLM version"] == PASS
     facts.version = {"version": "0.20.1"}
-    assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["vLLM version"] == FAIL
+    assert statuses(_evaluate(compose(["+recipe=deepmath"]), facts))["vLLM version"] == FAIL
 
 
 @pytest.mark.parametrize("version,status", [("0.26.0", PASS), ("0.33.0", PASS), ("0.33.1", PASS), ("0.28.2", WARN),
@@ -138,7 +142,7 @@ def test_only_the_releases_that_ran_on_a_gpu_pass(version, status):
     """What pip installs is what ran: 0.26 and 0.33 ran on an H200; 0.27-0.32 are named untested."""
     facts = vllm_facts()
     facts.version = {"version": version}
-    check = next(c for c in evaluate(compose(["+recipe=deepmath"]), facts) if c.name == "vLLM version")
+    check = next(c for c in _evaluate(compose(["+recipe=deepmath"]), facts) if c.name == "vLLM version")
     assert check.status == status, check
     if version == "0.28.2":
         assert "untested" in check.message and "0.26 and 0.33" in check.message
@@ -148,9 +152,9 @@ def test_api_server_count_unknown_still_warns_on_old_vllm():
     # vLLM's JSON config leaves out the private _api_process_count: the version alone decides then.
     facts = vllm_facts(parallel_config={})
     facts.version = {"version": "0.26.0"}
-    assert statuses(evaluate(compose(["+recipe=deepmath"]), facts))["api servers"] == WARN
+    assert statuses(_evaluate(compose(["+recipe=deepmath"]), facts))["api servers"] == WARN
     facts.version = {"version": "0.33.0"}
-    assert "api servers" not in statuses(evaluate(compose(["+recipe=deepmath"]), facts))
+    assert "api servers" not in statuses(_evaluate(compose(["+recipe=deepmath"]), facts))
 
 
 def test_serve_starts_the_embedded_server_and_doctor_passes(model_dir):

@@ -14,6 +14,7 @@ from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.server.checks import FAIL, PASS, WARN, ServerFacts, evaluate, restart_command
+from asyncgrpo_cli.testing import config_groups
 from asyncgrpo_cli.server.sampling_mask import require_sampling_mask, sampling_mask_verdict
 
 EMBEDDED = {"server": "asyncgrpo-embedded", "version": "0.1.0"}
@@ -59,11 +60,11 @@ def _embedded_facts(mask: bool) -> ServerFacts:
 
 def test_doctor_fails_an_embedded_server_without_masks():
     cfg = compose(["+recipe=smoke", "rollout.top_k=50"])
-    checks = {c.name: c for c in evaluate(cfg, _embedded_facts(False))}
+    checks = {c.name: c for c in evaluate(_embedded_facts(False), **config_groups(evaluate, cfg))}
     assert checks["sampling mask"].status == FAIL
-    assert {c.name: c.status for c in evaluate(cfg, _embedded_facts(True))}["sampling mask"] == PASS
+    assert {c.name: c.status for c in evaluate(_embedded_facts(True), **config_groups(evaluate, cfg))}["sampling mask"] == PASS
     cfg = compose(["+recipe=smoke", "rollout.top_k=50", "rollout.sampling_mask_fallback=true"])
-    assert {c.name: c.status for c in evaluate(cfg, _embedded_facts(False))}["sampling mask"] == WARN
+    assert {c.name: c.status for c in evaluate(_embedded_facts(False), **config_groups(evaluate, cfg))}["sampling mask"] == WARN
 
 
 def test_restart_line_uses_the_host_and_port_of_sampler_url():

@@ -18,6 +18,7 @@ from asyncgrpo_cli.server.colocate import (
 )
 from asyncgrpo_cli.launch.plan import build_launch_plan
 from asyncgrpo_cli.server.command import build_server_command
+from asyncgrpo_cli.testing import config_groups
 
 H200 = 143771 * 2**20
 QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "vocab_size": 151936, "num_attention_heads": 16,
@@ -108,7 +109,7 @@ def test_memory_split_shrinks_vllm_kv_before_refusing():
 
 def test_unknown_model_gets_the_default_share(tmp_path):
     cfg = compose(["model.name=org/not-downloaded", f"trainer.output_dir={tmp_path}/run"])
-    layout = decide_layout(cfg, 1, H200)
+    layout = decide_layout(1, H200, **config_groups(decide_layout, cfg))
     assert layout.colocated and layout.memory.source == "default" and not layout.problems
     assert "not known" in layout.memory.reason
 
@@ -120,12 +121,12 @@ def test_colocated_server_must_stay_on_loopback(tmp_path):
 
 def test_serve_builds_the_same_colocated_command(tmp_path):
     cfg = cfg_of(tmp_path)
-    layout = decide_layout(cfg, 1, H200)
-    command = build_server_command(cfg, vllm_version="0.26.0", layout=layout)
+    layout = decide_layout(1, H200, **config_groups(decide_layout, cfg))
+    command = build_server_command("0.26.0", layout=layout, **config_groups(build_server_command, cfg))
     assert json.loads(flag(command.argv, "--weight-transfer-config")) == {"backend": "ipc"}
     assert any(n.startswith("colocated on GPU 0") for n in command.notes)
     assert any(n.startswith("memory split:") for n in command.notes)
-    assert build_server_command(cfg, vllm_version="0.26.0", layout=layout).shell_line() == command.shell_line()
+    assert build_server_command("0.26.0", layout=layout, **config_groups(build_server_command, cfg)).shell_line() == command.shell_line()
 
 
 def test_old_vllm_has_no_ipc_and_names_the_two_gpu_alternative():
@@ -145,30 +146,30 @@ def test_doctor_checks_the_ipc_backend(tmp_path):
                                         "weight_transfer_config": {"backend": backend}},
                            server_env=env, metrics_ok=True)
 
-    def by_name(checks):
-        return {c.name: c for c in checks}
+    def by_name(facts_read, **kw):
+        return {c.name: c for c in evaluate(facts_read, **kw, **config_groups(evaluate, cfg))}
 
-    ok = by_name(evaluate(cfg, facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}), colocated=True))
+    ok = by_name(facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}), colocated=True)
     assert ok["weight transfer"].status == PASS and ok["ipc handles"].status == PASS
-    no_flag = by_name(evaluate(cfg, facts("ipc", {}), colocated=True))
+    no_flag = by_name(facts("ipc", {}), colocated=True)
     assert no_flag["ipc handles"].status == FAIL and "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in no_flag["ipc handles"].fix
-    unknown_env = by_name(evaluate(cfg, facts("ipc", None), colocated=True))
+    unknown_env = by_name(facts("ipc", None), colocated=True)
     assert unknown_env["ipc handles"].status == WARN
-    nccl = by_name(evaluate(cfg, facts("nccl", {}), colocated=True))
+    nccl = by_name(facts("nccl", {}), colocated=True)
     assert nccl["weight transfer"].status == FAIL and '"backend": "ipc"' in nccl["weight transfer"].fix
-    apart = by_name(evaluate(cfg, facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}), colocated=False))
+    apart = by_name(facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}), colocated=False)
     assert apart["weight transfer"].status == FAIL and '"backend": "nccl"' in apart["weight transfer"].fix
-    exposed = by_name(evaluate(cfg, facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, "http://10.0.0.5:8000")))
+    exposed = by_name(facts("ipc", {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, "http://10.0.0.5:8000"))
     assert exposed["weight transfer"].status == PASS and exposed["ipc handles"].status == WARN
-    assert by_name(evaluate(cfg, facts("nccl", {}), colocated=None))["weight transfer"].status == PASS
+    assert by_name(facts("nccl", {}), colocated=None)["weight transfer"].status == PASS
 
 
 def test_doctor_expectation_follows_the_layout(tmp_path):
     cfg = cfg_of(tmp_path)
-    assert expected_colocation(cfg, 1) is True and expected_colocation(cfg, 2) is False
+    assert expected_colocation(1, **config_groups(expected_colocation, cfg)) is True and expected_colocation(2, **config_groups(expected_colocation, cfg)) is False
     external = cfg_of(tmp_path, "sampler.backend=external", "sampler.url=http://127.0.0.1:8000")
-    assert expected_colocation(external, 1) is None
-    assert expected_colocation(cfg_of(tmp_path, "launch.colocate=true"), 4) is True
+    assert expected_colocation(1, **config_groups(expected_colocation, external)) is None
+    assert expected_colocation(4, **config_groups(expected_colocation, cfg_of(tmp_path, "launch.colocate=true"))) is True
 
 
 def test_recipe_plans_one_gpu(tmp_path):

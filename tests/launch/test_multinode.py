@@ -16,6 +16,7 @@ from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.server.colocate import decide_layout
 from asyncgrpo_cli.launch.plan import accelerate_config, build_launch_plan
 from asyncgrpo_cli.server.command import build_server_command
+from asyncgrpo_cli.testing import config_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "scripts" / "multinode"
@@ -23,7 +24,8 @@ GPUS = 8  # per machine in the example
 
 
 def _server(cfg, gpu_count=GPUS):
-    return build_server_command(cfg, layout=decide_layout(cfg, gpu_count))
+    layout = decide_layout(gpu_count, **config_groups(decide_layout, cfg))
+    return build_server_command(layout=layout, **config_groups(build_server_command, cfg))
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -100,7 +102,7 @@ def test_the_example_accelerate_config_is_the_generated_one():
     cfg = compose(machine0[2:])
     plan = build_launch_plan(cfg, gpu_count=GPUS, server_running=False)
     shipped = yaml.safe_load((EXAMPLE / "accelerate_two_nodes.yaml").read_text())
-    assert shipped == accelerate_config(cfg, plan.gpus)
+    assert shipped == accelerate_config(plan.gpus, **config_groups(accelerate_config, cfg))
 
 
 def test_readme_links_the_example():

@@ -10,9 +10,11 @@ from asyncgrpo_cli.launch.plan import (
     accelerate_config,
     accelerate_config_yaml,
     build_launch_plan,
+    decide_layout,
     mixed_precision,
     plan_gpus,
 )
+from asyncgrpo_cli.testing import config_groups
 
 
 def cfg_of(*overrides):
@@ -118,22 +120,22 @@ def test_cpu_sampler_and_trainer_split_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "trainer.bf16=false")
     plan = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
-    sampler, trainer, cores = cpu_thread_split(cfg, plan.gpus, plan.server)
+    sampler, trainer, cores = cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler)
     assert plan.server.env["OMP_NUM_THREADS"] == str(sampler) and plan.trainer_env["OMP_NUM_THREADS"] == str(trainer)
     assert "OMP_NUM_THREADS=" in plan.server.shell_line() and any("CPU threads" in n for n in plan.gpus.notes)
-    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=2)[:2] == (1, 1)
-    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=16)[:2] == (8, 8)
-    assert cpu_thread_split(cfg, plan.gpus, plan.server, cores=1)[:2] == (1, 1)
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler, cores=2)[:2] == (1, 1)
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler, cores=16)[:2] == (8, 8)
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler, cores=1)[:2] == (1, 1)
     two = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "launch.cpu_processes=2", "trainer.bf16=false")
     two_plan = build_launch_plan(two, gpu_count=0, main_process_port=29601)
-    assert cpu_thread_split(two, two_plan.gpus, two_plan.server, cores=16)[:2] == (8, 4)
+    assert cpu_thread_split(two_plan.gpus, two_plan.server, 16, sampler=two.sampler)[:2] == (8, 4)
     # the user's choice wins: in the environment, or in sampler.env
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     chosen = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
     assert "OMP_NUM_THREADS" not in chosen.trainer_env and "OMP_NUM_THREADS" not in chosen.server.env
     monkeypatch.delenv("OMP_NUM_THREADS")
     env_cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "trainer.bf16=false", "+sampler.env.OMP_NUM_THREADS=2")
-    assert cpu_thread_split(env_cfg, plan.gpus, plan.server) is None
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=env_cfg.sampler) is None
     # a sampler on a GPU, or an external one, leaves the trainer its threads
     gpu = build_launch_plan(cfg_of("sampler.backend=embedded"), gpu_count=1, main_process_port=29601)
     assert "OMP_NUM_THREADS" not in gpu.trainer_env
@@ -152,9 +154,11 @@ def test_multi_node():
     rank0 = build_launch_plan(cfg_of("launch.num_machines=2", "launch.main_process_ip=10.0.0.1"), gpu_count=4)
     assert rank0.server is not None and rank0.accelerate["num_processes"] == 6
     # One GPU per machine and two machines: still FSDP2 across nodes.
-    one = plan_gpus(cfg_of("sampler.backend=external", "sampler.url=http://h:1", "launch.num_machines=2",
-                           "launch.main_process_ip=h"), gpu_count=1, start_server=False)
-    assert accelerate_config(cfg_of(), one)["distributed_type"] == "FSDP"
+    external = cfg_of("sampler.backend=external", "sampler.url=http://h:1", "launch.num_machines=2",
+                      "launch.main_process_ip=h")
+    layout = decide_layout(1, **config_groups(decide_layout, external))
+    one = plan_gpus(1, layout=layout, start_server=False, **config_groups(plan_gpus, external))
+    assert accelerate_config(one, **config_groups(accelerate_config, cfg_of()))["distributed_type"] == "FSDP"
 
 
 def test_multi_node_needs_main_ip_and_valid_rank():
@@ -166,10 +170,14 @@ def test_multi_node_needs_main_ip_and_valid_rank():
         cfg_of("launch.num_machines=2", "launch.machine_rank=2")
 
 
+def _precision(*overrides):
+    return mixed_precision(**config_groups(mixed_precision, cfg_of(*overrides)))
+
+
 def test_mixed_precision_follows_compute_dtype():
-    assert mixed_precision(cfg_of()) == "bf16"
-    assert mixed_precision(cfg_of("trainer.bf16=false", "trainer.fp16=true")) == "fp16"
-    assert mixed_precision(cfg_of("trainer.bf16=false", "model.dtype=float32")) == "no"
+    assert _precision() == "bf16"
+    assert _precision("trainer.bf16=false", "trainer.fp16=true") == "fp16"
+    assert _precision("trainer.bf16=false", "model.dtype=float32") == "no"
 
 
 def test_earlier_checkpoints_are_announced_unless_resuming(tmp_path):
