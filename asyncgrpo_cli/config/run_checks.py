@@ -188,6 +188,7 @@ def check_training_args_build(cfg: Any) -> None:
                if name == "bf16" or "bf16" in text else f"{key}={close[0]}" if close
                else "see transformers.TrainingArguments for the field")
         listed = _listed_values(text) if name else []
+        text = text.rstrip().rstrip(".")  # the error's own full stop: ours follows
         reason = (f"transformers accepts one of {', '.join(listed)}" if listed else
                   f"transformers refuses it: {text if len(text) <= 400 else text[:400].rsplit(' ', 1)[0] + ' ...'}")
         raise _err(key, value, reason, fix) from None

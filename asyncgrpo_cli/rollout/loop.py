@@ -638,7 +638,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         dropped = should_drop_group(group.rewards)
         scored = group.rewards[~np.isnan(group.rewards)]
         trained = self._trained_completions(rollouts)  # mask_truncated_completions (README: Loss variants)
-        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function, sum(trained))
+        diagnosis = self.no_signal.observe(not dropped, int(scored.size), result.per_function,
+                                           sum(trained) if getattr(self.config, "mask_truncated_completions", False)
+                                           else None)
         if getattr(self, "no_signal_value", None) is not None:  # shared with the trainer (its panels)
             self.no_signal_value.value = self.no_signal.consecutive
         if diagnosis is not None:

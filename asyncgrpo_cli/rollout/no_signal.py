@@ -57,6 +57,7 @@ class NoSignalWatch:
     unscored: int = 0  # of the consecutive groups: those with fewer than two scored completions
     unscored_run: int = 0  # consecutive unscored groups
     untrained: int = 0  # of the consecutive groups: kept, but every completion masked as truncated
+    all_cut: int = 0  # of the consecutive groups: every completion cut and masked (kept or dropped)
     fired: str | None = None  # the diagnosis once given: the run stops, later groups change nothing
     _stats: dict[str, _FunctionStats] = field(default_factory=dict)
 
@@ -72,8 +73,9 @@ class NoSignalWatch:
             has_signal: the group was kept (its rewards spread).
             num_scored: completions with a total reward (not None / NaN).
             per_function: reward function name → its G values for this group.
-            num_trained: of a kept group, the completions that are trained (``None``: all). A kept group with
-                none (``mask_truncated_completions`` and every completion cut) carries no signal either.
+            num_trained: the completions that would be trained (``None``: all; with ``mask_truncated_completions``
+                those ending with EOS). A kept group with none carries no signal either; groups with none,
+                kept or dropped, are counted so the diagnosis can name truncation as the cause.
 
         Returns:
             None, or the diagnosis when this group makes ``limit`` consecutive groups without signal. Once
@@ -84,11 +86,12 @@ class NoSignalWatch:
             return self.fired
         untrained = has_signal and num_trained is not None and num_trained <= 0
         if has_signal and not untrained:
-            self.consecutive, self.unscored, self.unscored_run, self.untrained = 0, 0, 0, 0
+            self.consecutive, self.unscored, self.unscored_run, self.untrained, self.all_cut = 0, 0, 0, 0, 0
             self._stats.clear()
             return None
         self.consecutive += 1
         self.untrained += int(untrained)
+        self.all_cut += int(num_trained is not None and num_trained <= 0)
         self.unscored += int(num_scored < 2)
         self.unscored_run = self.unscored_run + 1 if num_scored < 2 else 0
         for name, values in ({} if untrained else per_function).items():  # their rewards spread: not the cause
@@ -110,14 +113,16 @@ class NoSignalWatch:
         """What the last consecutive groups looked like and what to check."""
         n = self.consecutive
         same = n - self.unscored - self.untrained
-        cut = (f", {self.untrained} with every completion cut at {LENGTH_KEY} and so masked by {MASK_KEY}"
-               if self.untrained else "")
+        kept = f", {self.untrained} kept with nothing to train" if self.untrained else ""
+        cut = (f"; every completion of {self.all_cut} of them was cut at {LENGTH_KEY}, which {MASK_KEY}=true "
+               "does not train" if self.all_cut else "")
         lines = [f"no learning signal: the last {n} groups were all dropped ({same} with every "
-                 f"completion scored the same, {self.unscored} with fewer than two completions scored at all{cut}), "
-                 "so the trainer has nothing to train on (SPEC §3.2)."
-                 + (" The reward functions returned:" if same + self.unscored else "")]
+                 f"completion scored the same, {self.unscored} with fewer than two completions scored at all{kept})"
+                 f"{cut}, so the trainer has nothing to train on (SPEC §3.2)"]
+        if same + self.unscored:
+            lines.append("The reward functions returned:")
         checks = []
-        if self.untrained:
+        if self.all_cut:
             checks.append(f"no completion ends with EOS within {LENGTH_KEY}, and {MASK_KEY}=true trains only those "
                           f"that do: raise {LENGTH_KEY} or set {MASK_KEY}=false")
         for name, st in self._stats.items():
@@ -140,7 +145,7 @@ class NoSignalWatch:
             lines.append("  - (no reward function: only rollout/environment rewards, none of which spread)")
         lines.append("Check: " + ("; ".join(checks) if checks else "the rewards should differ between the "
                                   "completions of one prompt (raise rollout.temperature, or rollout.num_generations)"))
-        fix = (f"raise {LENGTH_KEY} or set {MASK_KEY}=false" if self.untrained == n
+        fix = (f"raise {LENGTH_KEY} or set {MASK_KEY}=false" if self.all_cut == n
                else "correct the reward or the data")
         lines.append(f"Fix: {fix}, or raise {LIMIT_KEY} (0 never stops)")
         return cite_shipped("\n".join(lines))

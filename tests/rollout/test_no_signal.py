@@ -66,14 +66,22 @@ def test_kept_groups_with_nothing_trained_count_as_without_signal():
     assert watch.observe(True, G, spread, num_trained=0) is None
     assert watch.observe(True, G, spread, num_trained=0) is None
     text = watch.observe(True, G, spread, num_trained=0)
-    assert text is not None and "3 with every completion cut at rollout.max_completion_length" in text
+    assert text is not None and "3 kept with nothing to train" in text
+    assert "every completion of 3 of them was cut at rollout.max_completion_length" in text
+    assert "The reward functions returned" not in text.splitlines()[0]  # the first line is the console's cause
     assert "Fix: raise rollout.max_completion_length or set loss.mask_truncated_completions=false" in text
     assert "length_reward" not in text  # the rewards spread: they are not what to fix
     mixed = NoSignalWatch(limit=2)
     assert mixed.observe(False, G, {"r": [0.0] * G}) is None
     text = mixed.observe(True, G, {"r": [0.0, 1.0, 0.0, 1.0]}, num_trained=0)
-    assert "1 with every completion scored the same" in text and "1 with every completion cut" in text
+    assert "1 with every completion scored the same" in text and "1 kept with nothing to train" in text
     assert "r: always 0" in text and "Fix: correct the reward or the data" in text
+    # dropped groups whose completions were all cut (rewards all 0 because nothing ended): truncation is named
+    cut = NoSignalWatch(limit=2)
+    assert cut.observe(False, G, {"r": [0.0] * G}, num_trained=0) is None
+    text = cut.observe(True, G, {"r": [0.0, 1.0, 0.0, 1.0]}, num_trained=0)
+    assert "every completion of 2 of them was cut" in text
+    assert "Fix: raise rollout.max_completion_length or set loss.mask_truncated_completions=false" in text
 
 
 class _Value:
