@@ -345,8 +345,8 @@ def serve_cmd(
     info: bool = _info_flag(),
 ) -> None:
     """Start the inference server (vLLM, or the embedded sampler) with exactly the flags the config needs."""
-    from .server.colocate import decide_layout, visible_gpu_count
-    from .server.command import build_server_command
+    from .server.colocate import visible_gpu_count
+    from .server.command import server_command_here
     from .launch.supervisor import server_exec_argv
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
@@ -355,12 +355,7 @@ def serve_cmd(
         _check_port(cfg)
     try:
         export_note = _resolve_model(cfg, export=not dry_run)
-        layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
-                               trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
-                               loss=cfg.loss)
-        command = build_server_command(layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
-                                       rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
-                                       staleness=cfg.staleness)
+        command = server_command_here(cfg)
     except ConfigError as exc:
         _print_error(exc)
         raise typer.Exit(2) from None

@@ -2,8 +2,9 @@
 
 A group carries no signal when it is dropped (SPEC §3.2): every scored completion got the same total
 reward, or fewer than two were scored at all (rewards None / NaN); or when its rewards spread but none of its
-completions is trained (with ``mask_truncated_completions`` every one was cut at ``max_completion_length``). A reward that never spreads inside a
-group leaves the trainer waiting forever while the worker cycles the dataset. `NoSignalWatch` counts
+completions is trained (with ``mask_truncated_completions`` every one was cut at ``max_completion_length``).
+A reward that never spreads inside a group leaves the trainer waiting forever while the worker cycles the
+dataset. `NoSignalWatch` counts
 consecutive such groups and, at ``limit``, returns a diagnosis naming each reward function, what it
 returned lately and what to check. Pure: no I/O, no clock.
 """

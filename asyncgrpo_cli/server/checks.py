@@ -21,10 +21,10 @@ from ..sampler.protocol import vllm_config_of
 from .sampling_mask import sampling_mask_verdict, scale_out_answer
 from .command import (
     MIN_VLLM,
-    build_server_command,
     compute_dtype,
     lora_limits,
     parse_version,
+    server_command_here,
     uses_candidate_sets,
 )
 
@@ -378,20 +378,13 @@ def restart_command(cfg: DictConfig, facts: ServerFacts):
     """The `ServerCommand` that starts a server matching ``cfg`` at the address the config uses
     (`restart_config`), for the vLLM version ``facts`` reports, on this machine's layout. It takes the
     whole config because `restart_config` rebuilds it (sampler address, flags) before the groups go to
-    `colocate.decide_layout` and `command.build_server_command`.
+    `command.server_command_here`.
 
     Raises:
-        ConfigError: from `command.build_server_command` (``model.name`` unset, an invalid LoRA rank).
+        ConfigError: from `command.server_command_here` (``model.name`` unset, an invalid LoRA rank).
     """
-    from .colocate import decide_layout, visible_gpu_count
-
     version = (facts.version or {}).get("version") if not facts.embedded else None
-    cfg = restart_config(cfg)
-    layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
-                           trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
-                           loss=cfg.loss)
-    return build_server_command(version, layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
-                                rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
+    return server_command_here(restart_config(cfg), version)
 
 
 def read_facts(url: str, timeout: float) -> ServerFacts:

@@ -204,6 +204,24 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
     return ServerCommand(argv, env, notes, problems)
 
 
+def server_command_here(cfg: Any, vllm_version: str | None = None) -> ServerCommand:
+    """The server command a composed config gets on this machine: `colocate.decide_layout` for the visible
+    GPUs, then `build_server_command` with the groups each reads. It takes the whole composed config because it
+    is the entry point of ``asyncgrpo serve`` and of doctor's restart line, which hold nothing else.
+
+    Raises:
+        ConfigError: from `build_server_command` (``model.name`` unset, an invalid LoRA rank).
+    """
+    from .colocate import decide_layout, visible_gpu_count
+
+    layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+                           trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
+                           loss=cfg.loss)
+    return build_server_command(vllm_version, layout=layout, model=cfg.model, sampler=cfg.sampler,
+                                launch=cfg.launch, rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
+                                staleness=cfg.staleness)
+
+
 def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: LaunchConfig, rollout: RolloutConfig,
                       trainer: TrainerConfig, peft: PeftConfig, staleness: StalenessConfig) -> ServerCommand:
     """The embedded sampler's command line: the same settings as vLLM's, under our own module."""
