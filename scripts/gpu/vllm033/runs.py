@@ -145,7 +145,7 @@ def phase_p9() -> int:
     runs = []
     result["p9"] = {"model": "Qwen3-0.6B shape, random bf16 weights", "requests": 256, "tokens_per_request": 256,
                     "prompt_tokens": 128, "runs": runs}
-    for count in (8, 1):
+    for count in [int(c) for c in os.environ.get("P9_COUNTS", "8,1").split(",")]:
         port = 8021 + count
         url = f"http://127.0.0.1:{port}"
         argv = [*CLI, "serve", *p9_serve_overrides(model_dir, port, count)]
