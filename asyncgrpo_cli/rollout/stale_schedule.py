@@ -13,10 +13,13 @@ flight (a group starts only when both agree):
   rule would only cost throughput). A group stamped ``v`` can be trained while the trainer's version is at most
   ``v + max_staleness``: the trainer may still pull about ``(v + max_staleness − V + 1 − headroom_margin) ×
   tokens_per_version − consumed_this_version`` sample tokens before it is lost (its *headroom*). A new group
-  starts only if, for every group in flight, the tokens committed ahead of it (everything committed but its own
-  estimate, counted pessimistically as pulled first) plus the new group's estimate fit its headroom. When a long
-  group nears its deadline, generation stops adding short work that would overtake it, the queue drains, and the
-  trainer's version waits for the long group instead of leaving it behind.
+  starts only if (a) for every group in flight, the tokens committed ahead of it (everything committed but its
+  own estimate, counted pessimistically as pulled first) plus the new group's estimate fit its headroom, and (b)
+  the new group itself, pulled after everything committed, fits its own headroom (stamped at the current
+  version). ``tokens_per_version`` is the smallest of the last `RECENT_STEPS` distinct estimates, since steps
+  differ (a row of long samples holds fewer of them). When a long group nears its deadline, generation stops
+  adding short work that would overtake it, the queue drains, and the trainer's version waits for the long group
+  instead of leaving it behind. While nothing is in flight a group always starts, so admission cannot stall.
 - **No prompt left behind.** A group that comes back already stale (``V − v > max_staleness`` when its last
   rollout finishes: versions only grow, so the trainer would drop every one of its samples) is not scored; its
   prompt goes to the front of the prompt order and is generated again under the current policy, at most
@@ -35,6 +38,9 @@ from typing import Any
 from .allowance import _require_int, _require_tokens
 
 __all__ = ["LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verdict"]
+
+#: How many of the latest distinct ``tokens_per_version`` values deadline admission takes the minimum of.
+RECENT_STEPS = 64
 
 #: Completion-length classes of ``sample/trained_frac_{class}``: thirds of ``max_completion_length``.
 LENGTH_CLASSES = ("short", "medium", "long")
@@ -98,6 +104,7 @@ class StaleSchedule:
         self._consumed = 0.0
         self._consumed_at_version = 0.0
         self.requeued_total = 0
+        self._recent_per_version: deque[float] = deque(maxlen=RECENT_STEPS)
 
     # ------------------------------------------------------------------ observations
     @property
@@ -189,9 +196,11 @@ class StaleSchedule:
 
         Returns:
             ``True`` before deadline admission is on (no group came back stale yet), when no group is in
-            flight, or when for every group in flight that can still be trained,
-            ``committed_tokens − its own estimate + new_group_tokens <= its headroom``. Groups already stale
-            are left out (they are re-queued when they come back).
+            flight, or when ``committed_tokens + new_group_tokens <= headroom_tokens(version)`` (the new group's
+            own deadline) and, for every group in flight that can still be trained, ``committed_tokens − its own
+            estimate + new_group_tokens <= its headroom``. Groups already stale are left out (they are
+            re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
+            `RECENT_STEPS` distinct values given.
 
         Raises:
             TypeError / ValueError: a token count is not a finite number >= 0.
@@ -199,8 +208,13 @@ class StaleSchedule:
         committed = _require_tokens("committed_tokens", committed_tokens)
         new = _require_tokens("new_group_tokens", new_group_tokens)
         per_version = _require_tokens("tokens_per_version", tokens_per_version)
-        if not self.deadline_admission:
+        if not self._recent_per_version or self._recent_per_version[-1] != per_version:
+            self._recent_per_version.append(per_version)
+        if not self.deadline_admission or not self._groups:
             return True
+        per_version = min(self._recent_per_version)
+        if committed + new > self.headroom_tokens(self._version, per_version):
+            return False
         for stamp, est in self._groups.values():
             if self.is_stale(stamp):
                 continue

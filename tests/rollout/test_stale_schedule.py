@@ -110,9 +110,13 @@ def test_trained_mix_follows_the_data_and_every_trained_sample_is_within_max_sta
     assert abs(long_share(trained) - 1 / len(lengths)) <= 0.05
     _, dropped_before, kept_before, ticks_before = simulate(lengths, max_staleness, scheduled=False)
     waste, waste_before = dropped / (dropped + kept), dropped_before / (dropped_before + kept_before)
-    assert waste <= (0.10 if max_staleness == 1 else 0.05)
+    assert waste <= 0.05  # issue #28's target at max_staleness=1 (measured here: 0.015)
     assert waste <= 0.4 * waste_before or waste_before == 0
-    assert kept / ticks >= 0.95 * kept_before / ticks_before  # generated tokens trained per decode step
+    # Generated tokens trained per decode step. The trainer here is instant, so every decode step deadline
+    # admission holds back is lost: this is the worst case of its cost (measured 0.86-0.92 of the allowance
+    # alone at max_staleness=1). With a real trainer, scripts/bench/bench_staleness_bias.py measured 0.93-1.07
+    # of the previous scheduling's trained tokens/s (scripts/bench/results/staleness_bias.json).
+    assert kept / ticks >= 0.85 * kept_before / ticks_before
 
 
 def test_without_the_schedule_long_prompts_are_trained_less_than_the_data_holds():
@@ -136,7 +140,8 @@ def test_deadline_admission_is_off_until_a_group_comes_back_stale():
     s.on_group_started(1, version=0, est_tokens=50)
     s.observe(2, 0)
     assert s.on_group_finished(1) is True and s.deadline_admission
-    assert s.can_admit(10_000, 50, 100)  # group 0 is stale as well: it is left out
+    assert s.can_admit(150, 50, 100)  # group 0 is stale as well: it is left out (its headroom is 0)
+    assert not s.can_admit(10_000, 50, 100)  # the new group's own deadline: 10,050 > 200
     s.on_group_started(2, version=2, est_tokens=50)
     assert not s.can_admit(10_000, 50, 100)  # group 2 has 200 tokens of headroom
     assert s.can_admit(150, 50, 100)
@@ -159,8 +164,37 @@ def test_admission_stops_when_a_group_in_flight_would_be_overtaken_past_its_dead
     assert s.headroom_tokens(0, 100) == 40
     assert not s.can_admit(100, 50, 100)
     s.observe(2, 200)  # group 0 is now past training: it no longer holds admission back
-    assert s.is_stale(0) and s.can_admit(1000, 50, 100)
+    assert s.is_stale(0) and s.headroom_tokens(0, 100) == 0
+    assert s.can_admit(120, 50, 100)  # group 0 alone would refuse (120 > 0); the new group's 170 <= 200 fits
+    assert not s.can_admit(1000, 50, 100)  # the new group's own deadline: 1000 + 50 > 200
     assert s.on_group_finished(0) is True
+
+
+def test_a_new_group_starts_only_if_it_can_be_pulled_before_its_own_deadline():
+    s = StaleSchedule(max_staleness=1, headroom_margin=0.25)
+    s.deadline_admission = True
+    s.observe(3, 1000)
+    s.on_group_started(0, version=3, est_tokens=10)  # a fresh group in flight: headroom 175 + 10 of its own
+    # a new group stamped 3 is pulled after everything committed: (1 + 1 - 0.25) x 100 = 175 tokens of room
+    assert s.headroom_tokens(3, 100) == 175
+    assert s.can_admit(committed_tokens=125, new_group_tokens=50, tokens_per_version=100)  # 175 <= 175
+    assert not s.can_admit(committed_tokens=130, new_group_tokens=50, tokens_per_version=100)
+    s.observe(3, 1060)  # the trainer pulled 60 tokens of version 3's step: less room left for both
+    assert not s.can_admit(125, 50, 100) and s.can_admit(65, 50, 100)
+
+
+def test_deadline_admission_counts_the_smallest_recent_tokens_per_version():
+    # A version's worth of tokens is estimated from the last step; steps vary (a row of long or of short
+    # samples), so admission takes the smallest of the last RECENT_STEPS distinct estimates.
+    from asyncgrpo_cli.rollout.stale_schedule import RECENT_STEPS
+    s = StaleSchedule(max_staleness=1, headroom_margin=0.0)
+    s.deadline_admission = True
+    s.on_group_started(0, version=0, est_tokens=0)
+    assert s.can_admit(150, 50, 100)  # (1 + 1) x 100 = 200
+    assert not s.can_admit(250, 50, 300)  # 300 now, but 100 was seen: still 200 of room
+    for i in range(RECENT_STEPS - 1):
+        assert not s.can_admit(250, 50, 300 + i)
+    assert s.can_admit(250, 50, 400)  # 100 has left the window: (1 + 1) x 300 = 600
 
 
 def test_a_stale_group_is_retried_first_at_most_max_retries_times():
