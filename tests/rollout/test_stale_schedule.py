@@ -183,6 +183,19 @@ def test_a_new_group_starts_only_if_it_can_be_pulled_before_its_own_deadline():
     assert not s.can_admit(125, 50, 100) and s.can_admit(65, 50, 100)
 
 
+def test_a_group_always_starts_while_nothing_is_in_flight():
+    # Liveness: the trainer may be waiting for this very group (a version's room already pulled, a full queue
+    # committed); refusing it would stall the run, since only finishing groups change the answer.
+    s = StaleSchedule(max_staleness=1)
+    s.deadline_admission = True
+    s.observe(5, 10_000)
+    s.observe(5, 10_500)  # 500 tokens of version 5 pulled: a new group's own room is 1.75 x 100 - 500 < 0
+    assert s.headroom_tokens(5, 100) < 0
+    assert s.can_admit(committed_tokens=1_000, new_group_tokens=50, tokens_per_version=100)
+    s.on_group_started(0, version=5, est_tokens=50)
+    assert not s.can_admit(1_050, 50, 100)
+
+
 def test_deadline_admission_counts_the_smallest_recent_tokens_per_version():
     # A version's worth of tokens is estimated from the last step; steps vary (a row of long or of short
     # samples), so admission takes the smallest of the last RECENT_STEPS distinct estimates.
