@@ -20,7 +20,9 @@ _CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* "
                              r"(returned non-zero exit status|died with <Signals)")
 _DIED_WITH = re.compile(r"died with <Signals\.(SIG\w+): \d+>")
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
-_OWN_ERROR = re.compile(r"^(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")
+# At a line's start, or glued to a progress bar that the error interrupted (tqdm ends its bar with "]" and no
+# newline: "\r 12%|█▎ | 1/8 [00:37<04:24, 37.76s/it]error: ...").
+_OWN_ERROR = re.compile(r"(?:^|[\r\]])\s*(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")
 _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
 _RULE = re.compile(r"^=+\s*$")
 
@@ -101,7 +103,7 @@ def failure_cause(lines: list[str]) -> str | None:
     removed first), cut to 600 characters; None when there is neither."""
     kept = launcher_report_removed(lines)
     for line in reversed(kept):
-        own = _OWN_ERROR.match(line.strip())
+        own = _OWN_ERROR.search(line.strip())
         if own:
             return own.group(1)[:600]
     for line in reversed(kept):

@@ -88,3 +88,8 @@ def test_the_cause_is_one_line_and_tracebacks_are_cut_to_their_exception():
            "asyncgrpo trainer: error: resuming from c: not a complete checkpoint. Fix: resume from checkpoint-2"]
     assert failure_cause(own) == "resuming from c: not a complete checkpoint. Fix: resume from checkpoint-2"
     assert failure_cause(["all good"]) is None
+    # the trainer's error glued to the progress bar it interrupted (a worker killed mid-step)
+    glued = ["\r 12%|█▎        | 1/8 [00:37<04:24, 37.76s/it]error: the rollout worker (pid 24163) died: killed by "
+             "SIGKILL, without reporting an error"]
+    assert failure_cause(glued) == "the rollout worker (pid 24163) died: killed by SIGKILL, without reporting an error"
+    assert failure_cause(["the terror: of it"]) is None
