@@ -79,6 +79,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             re-pushed its weights (``repushed`` reaches the count) for at most ``vllm_server_timeout``.
         eval_dataset / eval_request_value: eval prompts and the shared step counter the trainer raises to ask
             for an eval round (`rollout.evaluation.EvalRounds`; never trained, outside the allowance).
+        stale_dropped_value: shared count of samples the trainer dropped as too old; from the first, deadline
+            admission is on (`StaleSchedule.on_dropped_stale`, issue #28).
         scorers: scoring batches in flight at once (default `SCORERS`). Each scorer takes every group
             waiting when it wakes (one batch: cheap rewards cost one thread hop per batch); several let a
             slow reward (math-verify, a judge) work on more than one batch. Synchronous reward functions
@@ -106,7 +108,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                  exception_info_queue, metrics_queue, tools=None, environment_factory=None,
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
                  consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
-                 scorers: int = SCORERS, server_values=None, eval_dataset=None, eval_request_value=None) -> None:
+                 scorers: int = SCORERS, server_values=None, eval_dataset=None, eval_request_value=None,
+                 stale_dropped_value=None) -> None:
         self.config = config
         self.init_eval(eval_dataset, eval_request_value)  # README "Evaluation" (rollout/evaluation.py)
         self.model_name = model_name
@@ -134,6 +137,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         self.consumed_tokens_value = consumed_tokens_value
+        self.stale_dropped_value = stale_dropped_value
         self.concurrency_value = concurrency_value
         self.cap_value = cap_value
         self.client = client
@@ -713,6 +717,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         if self.consumed_tokens_value is not None:
             self.allowance.sync_consumed_total(float(self.consumed_tokens_value.value))
         self.schedule.observe(int(self.model_version_value.value), self.allowance.consumed_total_seen)
+        if self.stale_dropped_value is not None and self.stale_dropped_value.value > 0:
+            self.schedule.on_dropped_stale()
 
     async def _monitor(self) -> None:
         last_poll = -math.inf

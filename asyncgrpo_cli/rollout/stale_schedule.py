@@ -9,8 +9,8 @@ less often than the data holds (`scripts/bench/bench_staleness_bias.py`).
 :class:`StaleSchedule` adds two rules on top of the allowance, which stays the contract for what may be in
 flight (a group starts only when both agree):
 
-- **Deadline admission**, from the first group that comes back stale on (until then nothing was lost, and the
-  rule would only cost throughput). A group stamped ``v`` can be trained while the trainer's version is at most
+- **Deadline admission**, from the first stale drop on: a group that comes back stale, or a sample the trainer
+  dropped (until then nothing was lost, and the rule would only cost throughput). A group stamped ``v`` can be trained while the trainer's version is at most
   ``v + max_staleness``: the trainer may still pull about ``(v + max_staleness − V + 1 − headroom_margin) ×
   tokens_per_version − consumed_this_version`` sample tokens before it is lost (its *headroom*). A new group
   starts only if (a) for every group in flight, the tokens committed ahead of it (everything committed but its
@@ -221,6 +221,11 @@ class StaleSchedule:
             if committed - est + new > self.headroom_tokens(stamp, per_version):
                 return False
         return True
+
+    def on_dropped_stale(self) -> None:
+        """The trainer dropped a sample as too old (its drop rule at pull time, B.6): deadline admission turns
+        on, as when a group comes back stale."""
+        self.deadline_admission = True
 
     # ------------------------------------------------------------------ prompts
     def requeue(self, key: Any, prompt: tuple[Any, ...]) -> bool:

@@ -280,6 +280,7 @@ class RolloutWorker:
         self.model_version_value = ctx.Value("q", 0)
         self.token_allowance = ctx.Value("d", float(initial_allowance))
         self.consumed_tokens_value = ctx.Value("d", 0.0)
+        self.stale_dropped_value = ctx.Value("q", 0)  # samples the trainer dropped as too old (issue #28)
         self.heartbeat_value = ctx.Value("d", 0.0)
         self.concurrency_value = ctx.Value("q", 0)
         self.cap_value = ctx.Value("q", 0)
@@ -307,7 +308,7 @@ class RolloutWorker:
             metrics_queue=self.metrics_queue, tools=tools, environment_factory=environment_factory,
             score_queue_maxsize=score_queue_maxsize, lora_name=lora_name, dataset_start_index=dataset_start_index,
             consumed_tokens_value=self.consumed_tokens_value, concurrency_value=self.concurrency_value,
-            cap_value=self.cap_value,
+            cap_value=self.cap_value, stale_dropped_value=self.stale_dropped_value,
             server_values=(self.server_down_until, self.server_returns, self.server_repushed))
         if eval_dataset is not None:  # only then: a custom loop_cls without these arguments keeps working
             self._kwargs.update(eval_dataset=eval_dataset, eval_request_value=self.eval_request_value)
@@ -437,6 +438,12 @@ class RolloutWorker:
         """Tell the worker the trainer pulled ``sample_tokens`` sample tokens (trained or dropped stale)."""
         self._consumed += float(sample_tokens)
         self.consumed_tokens_value.value = self._consumed
+
+    def mark_dropped_stale(self) -> None:
+        """Tell the worker the trainer dropped one sample as more than ``max_staleness`` versions old: its
+        deadline admission turns on (`StaleSchedule.on_dropped_stale`, issue #28)."""
+        with self.stale_dropped_value.get_lock():
+            self.stale_dropped_value.value += 1
 
     def publish_allowance(self, tokens: float) -> None:
         """Publish the staleness token allowance (SPEC §4.1)."""

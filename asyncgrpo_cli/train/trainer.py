@@ -513,6 +513,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         if self.model_version - sample.model_version <= self.args.max_staleness:
             return False
         record_stale_verdict(self.window, sample.num_trained_tokens, self.args.max_completion_length, trained=False)
+        if self.worker is not None:
+            self.worker.mark_dropped_stale()  # the worker's deadline admission turns on (issue #28)
         self._sample_finished(sample)
         return True
 
@@ -766,6 +768,9 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         start = time.monotonic()
         self._save_checkpoint(model, trial)
         if self.live is not None:
+            from ..run.folder import resume_command_from_env
+
             self.live.update(force=True, state="running", last_checkpoint=str(self._last_checkpoint),
+                             resume_command=resume_command_from_env(self._last_checkpoint),
                              last_save_s=round(time.monotonic() - start, 2))
         return self._last_checkpoint

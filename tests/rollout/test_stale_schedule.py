@@ -307,3 +307,44 @@ def test_a_group_back_stale_is_generated_again_first_instead_of_shipped(tmp_path
     window = loop.metrics.flush()
     assert window["rollout/requeued_stale_count"] == 1 and window["sample/dropped_stale_count"] == 2
     assert window["sample/dropped_stale_token_frac"] == 1.0 and window["sample/trained_frac_medium"] == 0.0
+
+
+def test_a_sample_the_trainer_drops_turns_deadline_admission_on(tmp_path):
+    # The drops the worker cannot see (samples the trainer pulls too old: a carried sample, a group that turned
+    # stale in the queue) turn deadline admission on as a group that comes back stale does.
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+    from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo_cli.rollout.worker import RolloutWorker
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    s = StaleSchedule(max_staleness=1)
+    s.on_dropped_stale()
+    assert s.deadline_admission
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, max_staleness=1,
+                          vllm_server_base_url="http://127.0.0.1:1", max_concurrent_rollouts=8, report_to="none")
+    worker = RolloutWorker(cfg, "m", [{"prompt": [{"role": "user", "content": "q"}]}], [], None, [0])
+    # the trainer's drop rule tells the worker (SPEC B.6): a sample 2 versions behind at max_staleness=1
+    trainer = SimpleNamespace(model_version=3, args=cfg, window=MetricsWindow(), worker=worker,
+                              _sample_finished=lambda sample: None)
+    fresh, old = SimpleNamespace(model_version=2, num_trained_tokens=4), SimpleNamespace(model_version=1,
+                                                                                         num_trained_tokens=4)
+    assert AsyncGRPOTrainer._drop_if_stale(trainer, fresh) is False and worker.stale_dropped_value.value == 0
+    assert AsyncGRPOTrainer._drop_if_stale(trainer, old) is True and worker.stale_dropped_value.value == 1
+
+    class _Value:
+        def __init__(self, value):
+            self.value = value
+
+    loop = AsyncRolloutLoop(cfg, "m", [], [], None, [0], queue.Queue(), _Value(3), _Value(1e9), _Value(0.0),
+                            threading.Event(), queue.Queue(), queue.Queue(), consumed_tokens_value=_Value(0.0),
+                            stale_dropped_value=_Value(0))
+    loop._sync_consumed()
+    assert not loop.schedule.deadline_admission
+    loop.stale_dropped_value.value = worker.stale_dropped_value.value
+    loop._sync_consumed()
+    assert loop.schedule.deadline_admission
