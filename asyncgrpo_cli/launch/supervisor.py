@@ -323,10 +323,14 @@ class Supervisor:
                 return rc
         if self._stop.is_set():
             return self._interrupted_rc()
+        import json
+
+        from ..run.folder import TRAIN_ARGV_ENV
         from ..run.state import LOCK_OWNER_ENV
 
         self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
-                             {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid())},
+                             {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid()),
+                              TRAIN_ARGV_ENV: json.dumps(sys.argv)},
                              plan.logs_dir / "trainer.log").start()
         self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
                            markup=False, highlight=False, soft_wrap=True)

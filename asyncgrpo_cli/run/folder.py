@@ -16,7 +16,13 @@ from typing import Any
 
 from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
 
-__all__ = ["earlier_checkpoints_note", "earlier_run", "resume_command", "start_problem", "train_command"]
+__all__ = ["TRAIN_ARGV_ENV", "earlier_checkpoints_note", "earlier_run", "resume_command", "resume_command_from_env",
+           "start_problem", "train_command"]
+
+TRAIN_ARGV_ENV = "ASYNCGRPO_TRAIN_ARGV"
+"""The supervisor's command line (a JSON list), in the trainer's environment: the trainer records the command that
+resumes from each checkpoint it saves in ``status.json`` (``resume_command``), so a run whose supervisor died
+still says how to continue."""
 
 
 NOT_REPEATED = ("--dry-run",)
@@ -61,6 +67,22 @@ def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str
     kept = [a for a in argv[2:] if not a.lstrip("+~").startswith("trainer.resume_from_checkpoint=")
             and a not in NOT_REPEATED]
     return shlex.join([*launcher, "train", *kept, override])
+
+
+def resume_command_from_env(checkpoint: str | Path, environ: dict[str, str] | None = None) -> str:
+    """`resume_command` of the supervisor's command line (`TRAIN_ARGV_ENV` in ``environ``, default
+    ``os.environ``); only the override when it is not set or not a JSON list of strings (the Python API)."""
+    import json
+    import os
+
+    raw = (os.environ if environ is None else environ).get(TRAIN_ARGV_ENV)
+    try:
+        argv = json.loads(raw) if raw else None
+    except ValueError:
+        argv = None
+    if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+        argv = ["python"]  # not `asyncgrpo train`: the override alone
+    return resume_command(checkpoint, argv)
 
 
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:

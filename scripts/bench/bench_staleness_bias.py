@@ -1,6 +1,10 @@
 """Staleness bias: does the trained mix follow the data when rollouts differ in length (issue #28)?
 
-    python scripts/bench/bench_staleness_bias.py --out scripts/bench/results [--steps 40] [--label after]
+    python scripts/bench/bench_staleness_bias.py --out DIR [--steps 40] [--label NAME] [--seed 0]
+        [--mixes two_class,three_class] [--staleness 1,4]
+
+(writes ``DIR/staleness_bias_NAME.json``; the committed figures, `scripts/bench/results/staleness_bias.json`,
+were run with ``--steps 80``, one code tree after another per seed: see its ``command`` and NOTES.md.)
 
 CPU, the embedded sampler in this process (a thread), a tiny random Qwen3-shaped model
 (`asyncgrpo_cli.testing.make_tiny_model`) and a real `AsyncGRPOTrainer` with its spawned rollout worker.

@@ -86,4 +86,6 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     final = status(out)
     assert final["state"] == "stopped" and final["step"] == 1, final
     assert final["note"] == f"stopped by SIGTERM: the supervisor (pid {job.pid}) is gone", final
+    # nobody is left to print how to continue: status.json says it
+    assert final["resume_command"].endswith(f"trainer.resume_from_checkpoint={checkpoint}"), final
     assert "stopping" not in final or final["stopping"] is None

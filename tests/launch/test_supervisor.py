@@ -420,3 +420,14 @@ def test_an_external_server_that_refuses_connections_fails_fast_with_how_to_star
     assert time.monotonic() - start < 60
     text = console.export_text()
     assert f"connection refused at http://127.0.0.1:{port}" in text and "asyncgrpo serve" in text, text
+
+
+def test_the_trainer_records_the_resume_command_of_the_supervisors_command_line():
+    import json
+
+    from asyncgrpo_cli.run.folder import TRAIN_ARGV_ENV, resume_command_from_env
+    argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.max_steps=8"]
+    assert resume_command_from_env("/o/checkpoint-3", {TRAIN_ARGV_ENV: json.dumps(argv)}) == \
+        "asyncgrpo train +recipe=smoke trainer.max_steps=8 trainer.resume_from_checkpoint=/o/checkpoint-3"
+    for env in ({}, {TRAIN_ARGV_ENV: "not json"}, {TRAIN_ARGV_ENV: "[1, 2]"}):  # the Python API, or garbage
+        assert resume_command_from_env("/o/checkpoint-3", env) == "trainer.resume_from_checkpoint=/o/checkpoint-3"
