@@ -96,7 +96,7 @@ class StaleSchedule:
         self.max_staleness = _require_int("max_staleness", max_staleness, 0)
         self.max_retries = _require_int("max_retries", max_retries, 0)
         self.headroom_margin = _require_tokens("headroom_margin", headroom_margin)
-        self.deadline_admission = False  # on from the first group that comes back stale
+        self.deadline_admission = False  # on from the first stale drop: a group back stale, or the trainer's
         self._groups: dict[int, tuple[int, float]] = {}  # group id -> (stamp version, estimated tokens)
         self._retries: deque[tuple[Any, ...]] = deque()
         self._tries: dict[Any, int] = {}
@@ -195,7 +195,7 @@ class StaleSchedule:
                 divided by ``max(max_staleness, 1)``: ``weight_sync_steps`` steps of the last step's tokens).
 
         Returns:
-            ``True`` before deadline admission is on (no group came back stale yet), when no group is in
+            ``True`` before deadline admission is on (no stale drop yet, by either side), when no group is in
             flight, or when ``committed_tokens + new_group_tokens <= headroom_tokens(version)`` (the new group's
             own deadline) and, for every group in flight that can still be trained, ``committed_tokens − its own
             estimate + new_group_tokens <= its headroom``. Groups already stale are left out (they are

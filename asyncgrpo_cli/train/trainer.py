@@ -430,7 +430,18 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         return math.ceil(self.args.num_train_epochs * self.num_prompts)
 
     def _next_step_plan(self) -> StepPlan:
-        """Rank 0: pull outcomes until ``gradient_accumulation_steps`` micro-batches are full (SPEC §6.3)."""
+        """Rank 0: pull outcomes until ``gradient_accumulation_steps`` micro-batches are full (SPEC §6.3).
+
+        A step whose every sample went stale while it waited in the batcher (each dropped and counted, B.6) is
+        not trained: an optimizer step on no sample would still move the weights (AdamW's momentum on zero
+        gradients) and age everything in flight by one version. Pulling starts again instead."""
+        while True:
+            plan = self._pull_step_plan()
+            if plan.stop or plan.repush or any(s for rows in plan.rows for row in rows for s in row):
+                return plan
+
+    def _pull_step_plan(self) -> StepPlan:
+        """One attempt of `_next_step_plan`: its rows may all be empty (every pulled sample went stale)."""
         args = self.args
         plans: list[MicroBatchPlan] = getattr(self, "_carried_plans", [])  # kept across a re-push
         self._carried_plans = []

@@ -348,3 +348,21 @@ def test_a_sample_the_trainer_drops_turns_deadline_admission_on(tmp_path):
     loop.stale_dropped_value.value = worker.stale_dropped_value.value
     loop._sync_consumed()
     assert loop.schedule.deadline_admission
+
+
+def test_a_step_whose_every_sample_went_stale_is_not_trained():
+    # An optimizer step on no sample would still move the weights (AdamW's momentum) and age what is in flight.
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer, StepPlan
+
+    sample = SimpleNamespace(model_version=3)
+    attempts = iter([StepPlan(rows=[[[], []]], global_trained=[0]),  # everything dropped stale in the batcher
+                     StepPlan(rows=[[[], []], [[], []]], global_trained=[0, 0]),
+                     StepPlan(rows=[[[sample], []]], global_trained=[4])])
+    trainer = SimpleNamespace(_pull_step_plan=lambda: next(attempts))
+    plan = AsyncGRPOTrainer._next_step_plan(trainer)
+    assert plan.rows == [[[sample], []]]
+    for special in (StepPlan(stop=True, stop_reason="stopped"), StepPlan(repush=True)):  # no rows, returned as is
+        trainer = SimpleNamespace(_pull_step_plan=lambda special=special: special)
+        assert AsyncGRPOTrainer._next_step_plan(trainer) is special
