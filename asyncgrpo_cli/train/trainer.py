@@ -291,7 +291,7 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
                              step=self.state.global_step, server_status=None,  # nothing retries any more
                              stopping=None, **({"note": f"stopped by {self._stop_reason}"} if self._stop_requested
-                                               else {}))
+                                               else {"resume_command": None}))  # finished: nothing to resume
         self.is_in_train = False
         runtime = time.time() - start
         return TrainOutput(self.state.global_step, float(self._last_loss),
