@@ -435,9 +435,11 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         A step whose every sample went stale while it waited in the batcher (each dropped and counted, B.6) is
         not trained: an optimizer step on no sample would still move the weights (AdamW's momentum on zero
         gradients) and age everything in flight by one version. Pulling starts again instead."""
+        oversize_before = self.batcher.dropped_oversize_count
         while True:
             plan = self._pull_step_plan()
             if plan.stop or plan.repush or any(s for rows in plan.rows for row in rows for s in row):
+                self._step_oversize = self.batcher.dropped_oversize_count - oversize_before  # over every attempt
                 return plan
 
     def _pull_step_plan(self) -> StepPlan:
@@ -446,7 +448,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         plans: list[MicroBatchPlan] = getattr(self, "_carried_plans", [])  # kept across a re-push
         self._carried_plans = []
         waited = 0.0
-        dropped_before = self.batcher.dropped_oversize_count
         stop, reason = False, ""
         target = self._target_positions()
         while len(plans) < args.gradient_accumulation_steps:
@@ -482,7 +483,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         for p in plans:  # samples that went stale while waiting in the batcher are not trained either
             p.rows = [[s for s in row if not self._drop_if_stale(s)] for row in p.rows]
         self.window.add("perf/rollout_wait_s", waited)
-        self._step_oversize = self.batcher.dropped_oversize_count - dropped_before
         return StepPlan(rows=[p.rows for p in plans],
                         global_trained=[sum(s.num_trained_tokens for row in p.rows for s in row) for p in plans],
                         stop=stop, stop_reason=reason)

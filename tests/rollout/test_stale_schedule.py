@@ -360,9 +360,16 @@ def test_a_step_whose_every_sample_went_stale_is_not_trained():
     attempts = iter([StepPlan(rows=[[[], []]], global_trained=[0]),  # everything dropped stale in the batcher
                      StepPlan(rows=[[[], []], [[], []]], global_trained=[0, 0]),
                      StepPlan(rows=[[[sample], []]], global_trained=[4])])
-    trainer = SimpleNamespace(_pull_step_plan=lambda: next(attempts))
+    batcher = SimpleNamespace(dropped_oversize_count=5)
+
+    def pull():
+        batcher.dropped_oversize_count += 1  # one oversize sample dropped in each attempt
+        return next(attempts)
+
+    trainer = SimpleNamespace(_pull_step_plan=pull, batcher=batcher)
     plan = AsyncGRPOTrainer._next_step_plan(trainer)
     assert plan.rows == [[[sample], []]]
+    assert trainer._step_oversize == 3  # the step's batch/dropped_oversize_count counts every attempt
     for special in (StepPlan(stop=True, stop_reason="stopped"), StepPlan(repush=True)):  # no rows, returned as is
-        trainer = SimpleNamespace(_pull_step_plan=lambda special=special: special)
+        trainer = SimpleNamespace(_pull_step_plan=lambda special=special: special, batcher=batcher)
         assert AsyncGRPOTrainer._next_step_plan(trainer) is special
