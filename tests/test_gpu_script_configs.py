@@ -20,9 +20,11 @@ from asyncgrpo_cli.config.run_checks import validate_run
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 sys.path.insert(0, str(ROOT / "scripts" / "gpu" / "vllm033"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import one_gpu  # noqa: E402
 import runs as vllm033_runs  # noqa: E402
+import speed as vllm033_speed  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=1000000.0,
@@ -54,6 +56,29 @@ def check(overrides: list[str], command: str) -> None:
 ])
 def test_train_configs_of_gpu_scripts_pass_the_train_checks(name, overrides):
     check(overrides, "train")
+
+
+def _train_overrides(argv: list[str]) -> list[str]:
+    """The Hydra overrides of a ``python -m asyncgrpo_cli train ...`` command line."""
+    return argv[argv.index("train") + 1:]
+
+
+@pytest.mark.parametrize("name,overrides,steps", [
+    ("full", [], vllm033_speed.FULL_STEPS),
+    *[(n, o, s) for n, o, s, _ in vllm033_speed.NEW_VARIANTS],
+    *[(n, o, s) for n, code, o, s, _ in vllm033_speed.OLD_VARIANTS if code == "new"],
+])
+def test_the_speed_runs_of_issue_33_pass_the_train_checks(name, overrides, steps):
+    import bench_e2e
+
+    external = None if name == "full" else vllm033_speed.URL
+    argv = bench_e2e.train_argv(vllm033_speed.RECIPE, [], overrides, steps, Path("/tmp/x") / name, external)
+    check(_train_overrides(argv), "train")
+
+
+def test_the_speed_server_passes_the_serve_checks():
+    argv = vllm033_speed.serve_argv()
+    check(argv[argv.index("serve") + 1:], "serve")
 
 
 def test_serve_configs_of_gpu_scripts_pass_the_serve_checks(shaped_model):

@@ -24,7 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num
+from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
 DASH = "—"
@@ -313,14 +313,24 @@ def eval_rows(record: Mapping[str, Any] | None) -> list[tuple[str, str]]:
              f"{fmt(num(record, 'eval/reward'), '.3g')} (pass {fmt_pct(num(record, 'eval/pass_rate'))})")]
 
 
+def busy_text(metrics: Mapping[str, Any] | None) -> Text:
+    """The trainer's busy share of the step (`diagnosis.busy_share`), yellow when its wait is "high" (the
+    idle-trainer diagnosis); ``—`` when ``perf/rollout_wait_s`` or ``perf/step_s`` is missing."""
+    busy = busy_share(metrics)
+    idle = busy is not None and 1 - busy > DEFAULT_THRESHOLDS.high_wait_frac
+    return Text(fmt_pct(busy), style="yellow" if idle else "")
+
+
 def throughput_panel(view: DashboardView) -> Panel:
-    """Generation and training throughput, step time and MFU when logged (SPEC §15.3, §15.8)."""
+    """Generation and training throughput, step time, the trainer's busy share of it and MFU when logged
+    (SPEC §15.3, §15.8)."""
     m = view.metrics
     rows: list[tuple[str, Any]] = [
         ("generated tok/s", fmt_rate(num(m, "rollout/generated_tokens_per_s"))),
         ("fwd+bwd forwarded tok/s", fmt_rate(num(m, "perf/fwd_bwd_forwarded_tokens_per_s"))),
         ("wall-clock trained tok/s", fmt_rate(num(m, "perf/wall_clock_trained_tokens_per_s"))),
         ("step time", fmt_s(num(m, "perf/step_s"))),
+        ("trainer busy", busy_text(m)),
     ]
     mfu = num(m, "perf/fwd_bwd_mfu")
     if mfu is not None:
@@ -462,6 +472,7 @@ def _compact_rows(view: DashboardView) -> list[tuple[str, Any]]:
         ("gen tok/s", fmt_rate(num(m, "rollout/generated_tokens_per_s"))),
         ("train tok/s", fmt_rate(num(m, "perf/wall_clock_trained_tokens_per_s"))),
         ("step time", fmt_s(num(m, "perf/step_s"))),
+        ("trainer busy", busy_text(m)),
         ("model version", fmt(num(s, "model_version"), ".0f")),
     ]
     for p in view.processes:
@@ -495,9 +506,10 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
 
 
 def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, max_steps: float | None = None) -> str:
-    """One log line per logging step: step, reward, key throughput numbers, and the diagnosis.
+    """One log line per logging step: step, reward, key throughput numbers, the trainer's busy share of the
+    step (left out when unknown), and the diagnosis.
 
-    Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | queue 5 | healthy: ...``
+    Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | ...``
     """
     step = num(metrics, "step")
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
@@ -506,6 +518,7 @@ def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, m
              f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
+             *([f"busy {fmt_pct(busy_share(metrics))}"] if busy_share(metrics) is not None else []),
              f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
              f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]
     if diagnosis is not None:

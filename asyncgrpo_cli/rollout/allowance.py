@@ -125,7 +125,8 @@ class TokenAllowance:
           or on_samples_discarded(tokens)     # dropped group (zero std...): finished -> released
         on_samples_consumed(tokens)           # the trainer pulled them (trained or dropped stale)
 
-    ``on_rollout_cancelled()`` takes a rollout out of flight without tokens (e.g. at shutdown).
+    ``on_rollout_cancelled()`` takes a rollout out of flight without tokens (e.g. at shutdown);
+    ``on_group_cancelled(num_rollouts)`` a whole group none of whose rollouts was reported.
 
     All token counts are sample tokens (ints or floats >= 0). Counters never go below zero: an event
     that would do so raises ``ValueError`` naming the event and the amounts, except
@@ -261,6 +262,20 @@ class TokenAllowance:
         if self._rollouts_in_flight == 0:
             raise ValueError("on_rollout_cancelled: no rollout is in flight")
         self._rollouts_in_flight -= 1
+
+    def on_group_cancelled(self, num_rollouts: int) -> None:
+        """A group in flight was cancelled before any of its ``num_rollouts`` rollouts was reported: the group
+        and its rollouts leave flight without tokens (issue #33: a group that can no longer be trained).
+
+        Raises:
+            ValueError: no group is in flight, or fewer than ``num_rollouts`` rollouts are.
+        """
+        _require_int("num_rollouts", num_rollouts, 1)
+        if self._groups_in_flight == 0 or self._rollouts_in_flight < num_rollouts:
+            raise ValueError(f"on_group_cancelled: {self._groups_in_flight} group(s) and {self._rollouts_in_flight} "
+                             f"rollout(s) in flight, cannot cancel a group of {num_rollouts}")
+        self._groups_in_flight -= 1
+        self._rollouts_in_flight -= num_rollouts
 
     def on_group_finished(self) -> None:
         """All rollouts of one group are back; ends the one-group-at-a-time phase.

@@ -43,8 +43,9 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
 from .sequences import ReconcileStats, rollout_to_sequences
-from .stale_loop import StaleScheduling
+from .stale_loop import EpochExhaustedError, StaleScheduling  # noqa: F401 - EpochExhaustedError: public here
 from .stale_schedule import StaleSchedule
+from .on_policy import OnPolicyRounds
 from .rollout_metrics import record_rollout_metrics
 from .tool_loop import run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
@@ -56,10 +57,6 @@ METRICS_POLL_S = 5.0       # SPEC §4.2: /metrics every 5 seconds
 HEARTBEAT_S = 1.0          # heartbeat and consumption-counter period, seconds
 METRICS_SHIP_S = 1.0       # how often a metrics snapshot goes to the trainer, seconds
 SCORERS = 4                # scoring batches at once: slow rewards (math-verify) left generation blocked otherwise
-
-
-class EpochExhaustedError(RuntimeError):
-    """Every prompt of an epoch was rejected by ``filter_prompt`` (SPEC §11): no batch could ever form."""
 
 
 class AsyncRolloutLoop(EvalRounds, StaleScheduling):
@@ -109,7 +106,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                  score_queue_maxsize: int = 16, lora_name: str | None = None, dataset_start_index: int = 0,
                  consumed_tokens_value=None, concurrency_value=None, cap_value=None, client=None,
                  scorers: int = SCORERS, server_values=None, eval_dataset=None, eval_request_value=None,
-                 stale_dropped_value=None) -> None:
+                 stale_dropped_value=None, pull_version_value=None, capacity_value=None,
+                 round_done_value=None) -> None:
         self.config = config
         self.init_eval(eval_dataset, eval_request_value)  # README "Evaluation" (rollout/evaluation.py)
         self.model_name = model_name
@@ -145,6 +143,15 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         self.server_values = server_values
         self.allowance = TokenAllowance()
         self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)))  # issue #28: no prompt left behind
+        self.pull_version_value = pull_version_value
+        self.capacity_value = capacity_value
+        self.round_done_value = round_done_value
+        # max_staleness=0: one round of generation per model version (issue #33, rollout/on_policy.py)
+        self.rounds = OnPolicyRounds() if int(getattr(config, "max_staleness", 4)) == 0 else None
+        self._outcomes_put = 0  # prompt outcomes put in the rollout queue (the trainer counts what it took)
+        self._group_stamps: dict[int, list[int]] = {}  # group id -> [model version], once its first rollout starts
+        self._group_tasks: dict[int, asyncio.Task] = {}
+        self._cancelling: set[int] = set()
         self.no_signal = NoSignalWatch(int(getattr(config, "max_groups_without_signal", 0) or 0))
         self.cap: ConcurrencyCap | None = None
         self.metrics = MetricsWindow()
@@ -399,82 +406,48 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             return None
 
     # ----------------------------------------------------------------------------------- producer
-    def _prompt_stream(self):
-        """Yields ``(position, row_index, row)`` of accepted prompts from ``dataset_start_index`` on, epoch after
-        epoch; a rejected prompt goes to the rollout queue as a ``filtered`` outcome (it counts as consumed)."""
-        if not hasattr(self.dataset, "__len__"):  # IterableDataset: restarts from its first prompt (SPEC §12)
-            yield from self._stream_prompts()
-            return
-        n = len(self.dataset)
-        epoch, index = divmod(self.dataset_start_index, n) if n else (0, 0)
-        accepted_this_epoch = 0
-        while True:
-            if index >= n:
-                if accepted_this_epoch == 0:
-                    raise EpochExhaustedError(f"filter_prompt rejected every one of the {n} prompts of epoch {epoch}; "
-                                              "no batch could ever reach the trainer (README: Packing and the token budget)")
-                epoch, index, accepted_this_epoch = epoch + 1, 0, 0
-            row = self.dataset[index]
-            position = epoch * n + index
-            if self.filter_prompt(index, row, epoch):
-                accepted_this_epoch += 1
-                yield position, index, row
-            else:
-                self.rollout_buffer.put(PromptOutcome(position=position, row_index=index, kind="filtered"))
-            index += 1
-
-    def _stream_prompts(self):
-        """`_prompt_stream` of an ``IterableDataset``: epoch after epoch from its first row; positions count
-        rows from the start of the run."""
-        position, epoch = 0, 0
-        while True:
-            accepted = seen = 0
-            for index, row in enumerate(self.dataset):
-                seen += 1
-                if self.filter_prompt(index, row, epoch):
-                    accepted += 1
-                    yield position, index, row
-                else:
-                    self.rollout_buffer.put(PromptOutcome(position=position, row_index=index, kind="filtered"))
-                position += 1
-            if accepted == 0:
-                raise EpochExhaustedError(f"filter_prompt rejected every one of the {seen} prompts of epoch {epoch} "
-                                          "of the stream; no batch could ever reach the trainer")
-            epoch += 1
-
     async def _producer(self, score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations
         for position, row_index, row in self._prompts_with_retries():
-            waited = None
-            while not self._stop:
+            while True:
+                waited = None
+                while not self._stop:
+                    self._sync_consumed()
+                    if self._may_start_group(float(self.token_allowance.value)):
+                        break
+                    waited = waited if waited is not None else time.monotonic()
+                    await asyncio.sleep(0.02)
+                if waited is not None:
+                    self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
+                if score_queue.full():  # SPEC §16.5 score_queue_maxsize: scoring is behind, generation holds
+                    blocked = time.monotonic()
+                    while score_queue.full() and not self._stop:
+                        await asyncio.sleep(0.01)
+                    self.metrics.add("rollout/score_block_s", time.monotonic() - blocked)
+                # A group starts only when its first rollout can: no rollout of an earlier group still waits for a
+                # slot under the concurrency cap (otherwise groups would pile up with stale version stamps).
+                async with self._slot_changed:
+                    await self._slot_changed.wait_for(
+                        lambda: self._stop or (self._waiting_rollouts == 0 and self._in_flight < self.cap.value))
+                if self._stop:
+                    return
                 self._sync_consumed()
-                if self._may_start_group(float(self.token_allowance.value)):
-                    break
-                waited = waited if waited is not None else time.monotonic()
-                await asyncio.sleep(0.02)
-            if waited is not None:
-                self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
-            if score_queue.full():  # SPEC §16.5 score_queue_maxsize: scoring is behind, generation holds
-                blocked = time.monotonic()
-                while score_queue.full() and not self._stop:
-                    await asyncio.sleep(0.01)
-                self.metrics.add("rollout/score_block_s", time.monotonic() - blocked)
-            # A group starts only when its first rollout can: no rollout of an earlier group still waits for a
-            # slot under the concurrency cap (otherwise groups would pile up with stale version stamps).
-            async with self._slot_changed:
-                await self._slot_changed.wait_for(
-                    lambda: self._stop or (self._waiting_rollouts == 0 and self._in_flight < self.cap.value))
-            if self._stop:
-                return
+                if self.rounds is None or not self.rounds.closed:
+                    break  # else the trainer closed its step while this group waited: wait for the next round
             self.allowance.on_group_started(G)
             self.schedule.on_group_started(self._group_counter, int(self.model_version_value.value),
                                            G * (self.allowance.tokens_per_rollout or 0.0))
+            if self.rounds is not None:
+                self.rounds.on_group_started(self._group_counter, int(self.model_version_value.value), G)
             self._waiting_rollouts += G
             group_id = self._group_counter
             self._group_counter += 1
+            self._group_stamps[group_id] = []
             task = asyncio.create_task(self._run_group(group_id, position, row_index, row, score_queue))
             self._groups_in_progress.add(task)
+            self._group_tasks[group_id] = task
             task.add_done_callback(self._groups_in_progress.discard)
+            task.add_done_callback(functools.partial(self._group_task_done, group_id))
             task.add_done_callback(self._raise_group_error)
             await asyncio.sleep(0)
 
@@ -484,11 +457,19 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             self._stop_event.set()
 
     async def _acquire_slot(self) -> None:
-        async with self._slot_changed:
-            await self._slot_changed.wait_for(lambda: self._in_flight < self.cap.value)
-            self._in_flight += 1
-            self._waiting_rollouts -= 1
-            self._slot_changed.notify_all()
+        """Wait for a concurrency slot under the cap and take it; a rollout cancelled while it waits (its group
+        can no longer be trained, `_cancel_doomed`) stops waiting without one."""
+        acquired = False
+        try:
+            async with self._slot_changed:
+                await self._slot_changed.wait_for(lambda: self._in_flight < self.cap.value)
+                self._in_flight += 1
+                self._waiting_rollouts -= 1
+                acquired = True
+                self._slot_changed.notify_all()
+        finally:
+            if not acquired:
+                self._waiting_rollouts -= 1
 
     async def _release_slot(self) -> None:
         async with self._slot_changed:
@@ -499,6 +480,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         await self._acquire_slot()
         if not stamp:  # the group's model version: the policy when its first rollout starts (SPEC §3.1)
             stamp.append(int(self.model_version_value.value))
+            self._group_stamps[group_id] = stamp
+            if self.rounds is not None:
+                self.rounds.on_group_stamped(group_id, stamp[0])
         start = time.monotonic()
         try:
             if self.environments is None:
@@ -561,7 +545,13 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                          score_queue: asyncio.Queue) -> None:
         G = self.config.num_generations
         stamp: list[int] = []
-        results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
+        try:
+            results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
+        except asyncio.CancelledError:
+            if self._stop or group_id not in self._cancelling:
+                raise
+            self._requeue_cancelled(group_id, stamp, position, row_index, row)  # rollout/stale_loop.py
+            return
         model_version = stamp[0]
         sequences, stats = [], []
         for res in results:
@@ -576,7 +566,11 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             self.metrics.add("rollout/duration_s", res.duration)
             self._generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.allowance.on_group_finished()
+        if self.rounds is not None:
+            self.rounds.on_group_generated(group_id, sum(s.num_tokens for seqs in sequences for s in seqs))
         if self._retry_if_stale(group_id, model_version, position, row_index, row, sequences):
+            if self.rounds is not None:
+                self.rounds.on_group_abandoned(group_id)
             return
         rollouts = [r.rollout for r in results]
         columns = {k: [v] * G for k, v in row.items() if k != "prompt"}  # B.1 (``environment`` included)
@@ -666,8 +660,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                 m.add("reward_dropped", float(scored.mean()))
             self.allowance.on_samples_discarded(tokens)
             self.ship_metrics()
-            self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
+            self._put_outcome(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
                                                   group_id=group.group_id))
+            self._group_resolved(group.group_id, 0.0)
             return
         if getattr(self.config, "mask_truncated_completions", False):
             m.add_many("completions/masked_truncated_frac", [0.0 if k else 1.0 for k in trained])
@@ -692,8 +687,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             s.queued_at = now
         self.allowance.on_samples_queued(tokens)
         self.ship_metrics()  # before the samples, so the trainer's window holds their group's metrics
-        self.rollout_buffer.put(PromptOutcome(position=position, row_index=group.row_index, kind="kept",
+        self._put_outcome(PromptOutcome(position=position, row_index=group.row_index, kind="kept",
                                               samples=samples, group_id=group.group_id))
+        self._group_resolved(group.group_id, float(tokens))
 
     # ----------------------------------------------------------------------------------- metrics
     def _record_rollout_metrics(self, rollouts: list[Rollout], stats: list[ReconcileStats],
@@ -719,6 +715,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         self.schedule.observe(int(self.model_version_value.value), self.allowance.consumed_total_seen)
         if self.stale_dropped_value is not None and self.stale_dropped_value.value > 0:
             self.schedule.on_dropped_stale()
+        self._observe_rounds()  # rollout/stale_loop.py
+        self._cancel_doomed()
 
     async def _monitor(self) -> None:
         last_poll = -math.inf

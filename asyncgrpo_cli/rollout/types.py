@@ -125,7 +125,8 @@ class PromptOutcome:
     Attributes:
         position: global prompt position, ``epoch × len(dataset) + row_index``.
         row_index: the prompt's row in the dataset.
-        kind: ``"kept"`` (samples to train), ``"dropped"`` (group dropped) or ``"filtered"``.
+        kind: ``"kept"`` (samples to train), ``"dropped"`` (group dropped), ``"filtered"``, or ``"stale"`` (its
+            group was cancelled as too old for ``max_staleness`` more often than ``max_retries``, issue #33).
         samples: the kept group's samples (empty otherwise).
         group_id: the group's id (``None`` for a filtered prompt).
     """

@@ -264,7 +264,7 @@ class RolloutWorker:
     def __init__(self, config, model_name: str, dataset, reward_funcs, processing_class, eos_token_ids,
                  loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop, tools=None, environment_factory=None,
                  lora_name: str | None = None, dataset_start_index: int = 0, score_queue_maxsize: int = 16,
-                 initial_allowance: float = 0.0, eval_dataset=None) -> None:
+                 initial_allowance: float = 0.0, eval_dataset=None, step_capacity_tokens: float = 0.0) -> None:
         for func in reward_funcs or []:
             check_picklable(func, "reward function")
         for tool in tools or []:
@@ -281,6 +281,13 @@ class RolloutWorker:
         self.token_allowance = ctx.Value("d", float(initial_allowance))
         self.consumed_tokens_value = ctx.Value("d", 0.0)
         self.stale_dropped_value = ctx.Value("q", 0)  # samples the trainer dropped as too old (issue #28)
+        # issue #33: the version samples pulled from now on train at (ahead of model_version while a closed step
+        # trains and syncs), the sample tokens a step of full rows holds, and the last on-policy round the worker
+        # finished at max_staleness=0: [model version, prompt outcomes it had put by then, a version the trainer
+        # asks to be generated again because the done round left it nothing to train] (-1: none)
+        self.pull_version_value = ctx.Value("q", 0)
+        self.capacity_value = ctx.Value("d", float(step_capacity_tokens))
+        self.round_done_value = ctx.Array("q", [-1, 0, -1])
         self.heartbeat_value = ctx.Value("d", 0.0)
         self.concurrency_value = ctx.Value("q", 0)
         self.cap_value = ctx.Value("q", 0)
@@ -309,6 +316,8 @@ class RolloutWorker:
             score_queue_maxsize=score_queue_maxsize, lora_name=lora_name, dataset_start_index=dataset_start_index,
             consumed_tokens_value=self.consumed_tokens_value, concurrency_value=self.concurrency_value,
             cap_value=self.cap_value, stale_dropped_value=self.stale_dropped_value,
+            pull_version_value=self.pull_version_value, capacity_value=self.capacity_value,
+            round_done_value=self.round_done_value,
             server_values=(self.server_down_until, self.server_returns, self.server_repushed))
         if eval_dataset is not None:  # only then: a custom loop_cls without these arguments keeps working
             self._kwargs.update(eval_dataset=eval_dataset, eval_request_value=self.eval_request_value)
@@ -450,8 +459,33 @@ class RolloutWorker:
         self.token_allowance.value = float(tokens)
 
     def set_model_version(self, version: int) -> None:
-        """Publish the policy version the server now samples with."""
+        """Publish the policy version the server now samples with (and, if ahead, as the pull version)."""
+        self.pull_version_value.value = max(int(self.pull_version_value.value), int(version))
         self.model_version_value.value = int(version)
+
+    def set_pull_version(self, version: int) -> None:
+        """Publish that samples the trainer pulls from now on train at ``version`` or later (issue #33): a step
+        just closed and will be followed by a weight sync. Groups in flight that this makes too old for
+        ``max_staleness`` are cancelled by the worker instead of finishing for nothing."""
+        self.pull_version_value.value = max(int(self.pull_version_value.value), int(version))
+
+    def publish_capacity(self, tokens: float) -> None:
+        """Publish the sample tokens one weight version's steps hold with full rows (`step_capacity`): the size
+        of an on-policy round at ``max_staleness=0`` (issue #33)."""
+        self.capacity_value.value = float(tokens)
+
+    def round_done_outcomes(self, version: int) -> int | None:
+        """At ``max_staleness=0``: the number of prompt outcomes the worker had put in the rollout queue when it
+        finished its round at model ``version`` (nothing more of that version will come), else ``None``."""
+        with self.round_done_value.get_lock():
+            done_version, outcomes = int(self.round_done_value[0]), int(self.round_done_value[1])
+        return outcomes if done_version == int(version) else None
+
+    def reopen_round(self, version: int) -> None:
+        """Ask the worker to generate again at ``version``: its done round left the trainer nothing to train
+        (every sample over the token budget)."""
+        with self.round_done_value.get_lock():
+            self.round_done_value[2] = int(version)
 
     def drain_metrics(self) -> list[dict[str, tuple]]:
         """All metric snapshots the worker shipped since the last call (completion records that came with

@@ -13,78 +13,34 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput
 
 from ..rollout.metrics import MetricsWindow
 from ..rollout.allowance import allowance_after_step, initial_allowance
+from ..rollout.on_policy import step_capacity
 from ..rollout.loop import AsyncRolloutLoop
-from ..rollout.types import PromptOutcome, TrainingSequence
 from ..config.grpo_config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, row_loss
-from .batcher import (OVERSIZE_STREAK_LIMIT, MicroBatchPlan, TokenBudgetBatcher, batch_metrics,
-                      oversize_stop_message, plan_edge_first, record_stale_verdict)
+from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .compile import compile_decoder_layers
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from ..run.state import LiveFiles, TrainedPosition
 from .stopping import StopHandling
+from .step_pull import StepPlan, StepPulling
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
 from .tree_attention import apply_tree_attention
 
-POLL_S = 0.25  # rollout-queue poll while waiting, seconds
 
-
-@dataclass
-class StepPlan:
-    """What rank 0 decided for one optimizer step, sent to every rank.
-
-    ``rows[m][r]`` are the samples of rank ``r`` in micro-batch ``m``; ``global_trained[m]`` the trained
-    tokens of micro-batch ``m`` over all ranks; ``stop`` ends training after this step (a stop or a failure
-    plan has no rows: every rank saves the last completed step, then stops or raises ``error``).
-    """
-
-    rows: list[list[list[TrainingSequence]]] = field(default_factory=list)
-    global_trained: list[int] = field(default_factory=list)
-    stop: bool = False
-    stop_reason: str = ""  # "epochs done" (train the rest), "stopped" (a signal) or "failed"
-    error: str = ""  # with "failed": the rollout worker's traceback or exit signal
-    repush: bool = False  # the server came back from an outage: push the current weights, then go on
-
-
-def pull_outcome(get: Callable[[float], Any], poll_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> tuple[Any, float]:
-    """Take the next prompt outcome from the rollout queue, and how long training waited for it.
-
-    An outcome already queued costs no wait; otherwise all the time blocked in ``get(poll_s)`` counts,
-    whether an outcome arrives during it or not (SPEC §15 ``perf/rollout_wait_s``: time training
-    waited because the queue was empty).
-
-    Args:
-        get: ``timeout_s -> outcome or None`` (`RolloutWorker.get_outcome`).
-        poll_s: longest single block, seconds.
-
-    Returns:
-        (the outcome or None, seconds waited).
-    """
-    outcome = get(0.0)
-    if outcome is not None:
-        return outcome, 0.0
-    start = clock()
-    outcome = get(poll_s)
-    return outcome, clock() - start
-
-
-class AsyncGRPOTrainer(StopHandling, Trainer):
+class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     """Asynchronous GRPO trainer (SPEC §16.1). Generation runs on an external server (vLLM, or the embedded
     sampler) at ``args.vllm_server_base_url``, driven by a spawned rollout worker.
 
@@ -352,7 +308,11 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             eval_dataset=self.eval_dataset if self.evaluation.schedule.enabled else None,
             lora_name=f"{prefix}-v{{version}}" if adapter else None,
             initial_allowance=initial_allowance(args.max_staleness, args.weight_sync_steps, self.token_budget,
-                                                args.gradient_accumulation_steps, self.accelerator.num_processes))
+                                                args.gradient_accumulation_steps, self.accelerator.num_processes),
+            step_capacity_tokens=step_capacity(self.token_budget, args.gradient_accumulation_steps,
+                                               self.accelerator.num_processes, args.weight_sync_steps))
+        self._outcomes_taken = 0  # prompt outcomes pulled from the rollout queue (`_round_done`)
+        self._round_flushed: tuple[int, int] | None = None
         self.worker.set_model_version(self.model_version)
         self.worker.start()
         self.watch = WorkerWatch(self.worker).start()
@@ -424,116 +384,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _target_positions(self) -> int | None:
-        if self.args.max_steps > 0 or self.num_prompts is None:
-            return None
-        return math.ceil(self.args.num_train_epochs * self.num_prompts)
-
-    def _next_step_plan(self) -> StepPlan:
-        """Rank 0: pull outcomes until ``gradient_accumulation_steps`` micro-batches are full (SPEC §6.3).
-
-        A step whose every sample went stale while it waited in the batcher (each dropped and counted, B.6) is
-        not trained: an optimizer step on no sample would still move the weights (AdamW's momentum on zero
-        gradients) and age everything in flight by one version. Pulling starts again instead."""
-        oversize_before = self.batcher.dropped_oversize_count
-        while True:
-            plan = self._pull_step_plan()
-            if plan.stop or plan.repush or any(s for rows in plan.rows for row in rows for s in row):
-                self._step_oversize = self.batcher.dropped_oversize_count - oversize_before  # over every attempt
-                return plan
-
-    def _pull_step_plan(self) -> StepPlan:
-        """One attempt of `_next_step_plan`: its rows may all be empty (every pulled sample went stale)."""
-        args = self.args
-        plans: list[MicroBatchPlan] = getattr(self, "_carried_plans", [])  # kept across a re-push
-        self._carried_plans = []
-        waited = 0.0
-        stop, reason = False, ""
-        target = self._target_positions()
-        while len(plans) < args.gradient_accumulation_steps:
-            if self._stop_requested:  # save first: the pulled samples stay untrained in the position's accounting
-                return StepPlan(stop=True, stop_reason="stopped")
-            problem = self.watch.problem if self.watch is not None else None
-            if problem is not None:  # found by the timer, even while the queue still holds samples
-                return StepPlan(stop=True, stop_reason="failed", error=problem)
-            if target is not None and self.pulled.value >= target:
-                stop, reason = True, "epochs done"  # every prompt of the last epoch is pulled: train the rest
-                break
-            outcome, blocked_s = pull_outcome(self.worker.get_outcome, POLL_S)
-            waited += blocked_s
-            if outcome is None:
-                if self.watch is not None and self.watch.check() is not None:
-                    continue
-                self._update_status()
-                if self.worker.needs_repush():  # generation waits for it: push before filling the step
-                    self._carried_plans = plans
-                    self.window.add("perf/rollout_wait_s", waited)
-                    return StepPlan(repush=True)
-                continue
-            closed = self._take(outcome)
-            plans.extend(closed)
-        self._carried_plans = [] if stop else plan_edge_first(plans, self.batcher, self.model_version, args.max_staleness)
-        if stop:
-            last = self.batcher.flush()
-            if last is not None:
-                plans.append(last)
-        for s in self.batcher.dropped[:]:
-            self._sample_finished(s)
-        self.batcher.dropped.clear()
-        for p in plans:  # samples that went stale while waiting in the batcher are not trained either
-            p.rows = [[s for s in row if not self._drop_if_stale(s)] for row in p.rows]
-        self.window.add("perf/rollout_wait_s", waited)
-        return StepPlan(rows=[p.rows for p in plans],
-                        global_trained=[sum(s.num_trained_tokens for row in p.rows for s in row) for p in plans],
-                        stop=stop, stop_reason=reason)
-
-    def _take(self, outcome: PromptOutcome) -> list[MicroBatchPlan]:
-        """Account one outcome; returns micro-batches it closed."""
-        target = self._target_positions()
-        if target is not None and outcome.position >= target:  # past the last epoch: not trained
-            self.worker.mark_consumed(sum(s.num_tokens for s in outcome.samples))
-            return []
-        self.pulled.finish(outcome.position)
-        if outcome.kind != "kept":
-            self.position.finish(outcome.position)
-            return []
-        now = time.monotonic()
-        closed = []
-        self.position.add_samples(outcome.position, len(outcome.samples))
-        self.worker.mark_consumed(sum(s.num_tokens for s in outcome.samples))
-        for s in outcome.samples:
-            self.sample_position[id(s)] = outcome.position
-            self.window.add("sample/time_in_queue_s", now - s.queued_at)
-            if self._drop_if_stale(s):
-                continue
-            plan = self.batcher.add(s)
-            if plan is not None:
-                closed.append(plan)
-            if self.batcher.oversize_streak >= OVERSIZE_STREAK_LIMIT:  # every sample dropped: no step ever fills
-                from ..config.rules import ConfigError
-
-                raise ConfigError(oversize_stop_message(self.token_budget, len(s.input_ids),
-                                                        self.batcher.oversize_streak,
-                                                        key="token_budget (CLI: packing.token_budget)"),
-                                  key="token_budget")
-        return closed
-
-    def _drop_if_stale(self, sample: TrainingSequence) -> bool:
-        """Drop (and count) a sample more than ``max_staleness`` weight updates behind the policy it would
-        train (SPEC §3.1, B.6); returns whether it was dropped."""
-        if self.model_version - sample.model_version <= self.args.max_staleness:
-            return False
-        record_stale_verdict(self.window, sample.num_trained_tokens, self.args.max_completion_length, trained=False)
-        if self.worker is not None:
-            self.worker.mark_dropped_stale()  # the worker's deadline admission turns on (issue #28)
-        self._sample_finished(sample)
-        return True
-
-    def _sample_finished(self, sample: TrainingSequence) -> None:
-        position = self.sample_position.pop(id(sample), None)
-        if position is not None:
-            self.position.sample_done(position)
-
     # ------------------------------------------------------------------------------------ the loop
     def _loop(self, model, trial) -> None:
         from .weight_sync import WeightSyncError
@@ -541,7 +391,6 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
         args = self.args
         rank = self.accelerator.process_index
         nproc = self.accelerator.num_processes
-        ga = args.gradient_accumulation_steps
         self._last_loss = 0.0
         peak = PeakFlops.detect(self.accelerator.device, args)
         while True:
@@ -560,6 +409,10 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             if not plan.rows:
                 self._end_without_step(model, trial, plan)
                 break
+            if self.worker is not None:  # what is pulled from now on trains after this step (issue #33)
+                syncs = (self.state.global_step + 1) % args.weight_sync_steps == 0
+                self.worker.set_pull_version(self.model_version + int(syncs))
+            micro = len(plan.rows)  # ga, or fewer for a step trained before its rows filled (last step, round done)
             fwd_bwd_start = time.monotonic()
             contributions, my_rows, loss_sum, fwd_s = [], [], 0.0, 0.0
             for m, rows in enumerate(plan.rows):
@@ -570,8 +423,8 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
                                          sum(s.num_trained_tokens > 0 for r in rows for s in r), self.reference)
                 loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
                 fwd_s += time.monotonic() - fwd_start
-                self.accelerator.backward(loss / ga)
-                loss_sum += loss_value / ga
+                self.accelerator.backward(loss / micro)
+                loss_sum += loss_value / micro
                 contributions.append(metrics)
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
             opt_start = time.monotonic()
@@ -689,8 +542,11 @@ class AsyncGRPOTrainer(StopHandling, Trainer):
             flops = sum(step_flops(self.model, r) for mb in micro_batches for r in mb)
             w.add("perf/fwd_bwd_mfu", flops / fwd_bwd_s / peak.total(self.accelerator.num_processes))
             w.add("perf/wall_clock_mfu", flops / step_s / peak.total(self.accelerator.num_processes))
-        self.worker.publish_allowance(allowance_after_step(args.max_staleness, args.weight_sync_steps,
-                                                           sum(s.num_tokens for s in trained_samples)))
+        sample_tokens = sum(s.num_tokens for s in trained_samples)
+        self.worker.publish_allowance(allowance_after_step(args.max_staleness, args.weight_sync_steps, sample_tokens))
+        self.worker.publish_capacity(step_capacity(self.token_budget, args.gradient_accumulation_steps,
+                                                   self.accelerator.num_processes, args.weight_sync_steps,
+                                                   sample_tokens, forwarded))
         self.worker.set_model_version(self.model_version)
         if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
             self.state.epoch = self.position.value / self.num_prompts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -260,3 +261,193 @@ def test_stale_waste_without_length_bias_and_no_finding_without_the_metric():
     low = {"sample/dropped_stale_token_frac": 0.01, "sample/trained_frac_short": 1.0, "sample/trained_frac_long": 0.97}
     assert length_bias(_stale_history([low])).rule == "stale_ok"
     assert length_bias(_stale_history([{"loss": 1.0}])) is None
+
+
+# ----------------------------------------------------------------------------- idle trainer (issue #33)
+def _idle(**extra) -> dict:
+    """A window where the trainer waits 1.2 s of a 1.8 s step (67% idle), generation not held back, the
+    engine's KV cache low, rollouts in flight at a cap of 256 (the ceiling)."""
+    return {"perf/rollout_wait_s": 1.2, "perf/step_s": 1.8, "rollout/backpressure_s": 0.0, "rollout/queue_size": 0,
+            "rollout/concurrency": 250, "rollout/concurrency_cap": 256, "rollout/vllm_kv_cache_usage_frac": 0.7,
+            "rollout/vllm_running_requests": 200, "rollout/vllm_queued_requests": 0, "batch/samples_per_step": 65,
+            **extra}
+
+
+VLLM = RunSettings(max_staleness=2, max_concurrent_rollouts=256, backend="vllm", api_server_count=8,
+                   num_sampler_logprobs=8, token_budget=4096, max_model_len=512)
+
+
+def test_busy_share_is_clamped_and_absent_without_its_metrics():
+    from asyncgrpo_cli.dashboard.diagnosis import busy_share
+
+    assert busy_share({"perf/rollout_wait_s": 1.18, "perf/step_s": 2.0}) == pytest.approx(0.41)
+    assert busy_share({"perf/rollout_wait_s": 3.0, "perf/step_s": 2.0}) == 0.0  # clamped to [0, 1]
+    assert busy_share({"perf/rollout_wait_s": -1.0, "perf/step_s": 2.0}) == 1.0
+    assert busy_share({"perf/step_s": 2.0}) is None and busy_share({"perf/rollout_wait_s": 1.0}) is None
+    assert busy_share({"perf/rollout_wait_s": 0.0, "perf/step_s": 0.0}) is None and busy_share(None) is None
+
+
+def test_idle_cause_one_api_server_with_sampler_logprobs():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    one = dataclasses.replace(VLLM, api_server_count=1)
+    d = trainer_idle(history_of(_idle()), one)
+    assert d.rule == "trainer_idle_api_servers" and d.severity == WARN
+    assert d.text.startswith("trainer idle 67% of the step (waits 1.20 s for samples): one vLLM API server")
+    assert "top-8 sampler log-probs" in d.text and "50 of 250 rollouts in flight are outside the engine" in d.text
+    assert d.text.endswith("fix: sampler.api_server_count=8")
+    # LoRA forces one API server: the fix says so instead of an override that cannot apply
+    assert "peft.enabled=false" in trainer_idle(history_of(_idle()), dataclasses.replace(one, lora=True)).text
+    # not the cause: no sampler log-probs, another backend, 8 servers, or vLLM's KV cache full
+    for settings in (dataclasses.replace(one, num_sampler_logprobs=0), dataclasses.replace(one, backend="embedded"),
+                     VLLM):
+        assert trainer_idle(history_of(_idle()), settings) is None, settings
+    full = trainer_idle(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.9})), one)
+    assert full is None or full.rule != "trainer_idle_api_servers"
+
+
+def test_idle_cause_enforce_eager():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    eager = dataclasses.replace(VLLM, sampler_extra_args=("--enforce-eager",))
+    d = trainer_idle(history_of(_idle()), eager)
+    assert d.rule == "trainer_idle_eager" and "without CUDA graphs" in d.text
+    assert d.text.endswith("fix: sampler.extra_args=[]")
+    # the other extra args stay; an argument with "=" is quoted for Hydra and the shell
+    kept = dataclasses.replace(VLLM, sampler_extra_args=("--seed", "1", "--enforce-eager", "--kv-cache-dtype=fp8"))
+    assert trainer_idle(history_of(_idle()), kept).text.endswith(
+        "fix: 'sampler.extra_args=[--seed,1,\"--kv-cache-dtype=fp8\"]'")
+    assert trainer_idle(history_of(_idle()), dataclasses.replace(VLLM, sampler_extra_args=("--enforce-eager=false",))) \
+        is None
+    # config causes come first: one API server wins over eager mode
+    both = dataclasses.replace(eager, api_server_count=1)
+    assert trainer_idle(history_of(_idle()), both).rule == "trainer_idle_api_servers"
+
+
+def test_idle_cause_the_staleness_allowance():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    # generation held back while the trainer waits: max_staleness 2 x 65 samples admit ~130 of a cap of 256
+    held = _idle(**{"rollout/backpressure_s": 0.3, "rollout/concurrency": 128})
+    d = trainer_idle(history_of(held), VLLM)
+    assert d.rule == "trainer_idle_allowance" and "generation waits 0.30 s" in d.text
+    assert "128 rollouts in flight, cap 256" in d.text and "admits ~130: 2 steps of 65 samples" in d.text
+    assert d.text.endswith("fix: staleness.max_staleness=4 or packing.token_budget=8192")
+    # no backpressure, but rollouts in flight well below the cap, which the allowance cannot reach
+    d = trainer_idle(history_of(_idle(**{"rollout/concurrency": 100})), VLLM)
+    assert d.rule == "trainer_idle_allowance" and "generation waits" not in d.text
+    # in flight well below the cap while the allowance admits more than the cap: not the allowance
+    roomy = dataclasses.replace(VLLM, max_staleness=8)
+    assert trainer_idle(history_of(_idle(**{"rollout/concurrency": 100})), roomy) is None
+    # without a known token budget only max_staleness is suggested
+    d = trainer_idle(history_of(held), dataclasses.replace(VLLM, token_budget=None))
+    assert d.text.endswith("fix: staleness.max_staleness=4")
+    # both waits high, formerly "max_staleness too tight", now names the allowance with the numbers
+    tight = history_of({"perf/rollout_wait_s": 0.4, "rollout/backpressure_s": 0.5, "perf/step_s": 1.0})
+    assert diagnose(tight, SETTINGS).rule == "trainer_idle_allowance"
+
+
+def test_idle_cause_stale_drops():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    h = history_of(*[_idle(**{"sample/dropped_stale_token_frac": 0.12})] * 2)
+    d = trainer_idle(h, VLLM)
+    assert d.rule == "trainer_idle_stale_drops" and "12% of generated tokens were dropped stale" in d.text
+    assert d.text.endswith("fix: staleness.max_staleness=4")
+    assert trainer_idle(history_of(_idle(**{"sample/dropped_stale_token_frac": 0.05})), VLLM) is None  # not above 5%
+
+
+def test_idle_cause_a_cap_that_never_grows():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    stuck = _idle(**{"rollout/concurrency": 64, "rollout/concurrency_cap": 64, "rollout/vllm_kv_cache_usage_frac": 0.2,
+                     "rollout/vllm_running_requests": 48, "rollout/vllm_queued_requests": 16})
+    d = trainer_idle(history_of(stuck, stuck, stuck), VLLM)
+    assert d.rule == "trainer_idle_cap" and "stays at 64 (< max_concurrent_rollouts 256)" in d.text
+    assert "KV cache at 20%" in d.text and "16 requests waiting" in d.text
+    assert trainer_idle(history_of(stuck, stuck, stuck), dataclasses.replace(VLLM, backend="embedded")) is None
+    assert d.text.endswith("fix: sampler.extra_args=[--max-num-seqs,256]")
+    # an earlier --max-num-seqs is replaced, other extra args kept
+    seqs = dataclasses.replace(VLLM, sampler_extra_args=("--max-num-seqs", "64", "--seed", "1"))
+    assert trainer_idle(history_of(stuck, stuck, stuck), seqs).text.endswith(
+        "fix: sampler.extra_args=[--seed,1,--max-num-seqs,256]")
+    # nothing waiting: the cap's start is what to change
+    idle_engine = {**stuck, "rollout/vllm_queued_requests": 0, "rollout/vllm_running_requests": 64}
+    d = trainer_idle(history_of(idle_engine, idle_engine, idle_engine), VLLM)
+    assert d.rule == "trainer_idle_cap" and "sampler.max_model_len (now 512)" in d.text
+    # fewer windows than cap_windows, or a cap that grew: not "never grows"
+    assert trainer_idle(history_of(stuck, stuck), VLLM) is None
+    grown = {**stuck, "rollout/concurrency_cap": 80, "rollout/concurrency": 80}
+    assert trainer_idle(history_of(stuck, stuck, grown), VLLM) is None
+
+
+def test_idle_cause_the_concurrency_ceiling():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    d = trainer_idle(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2})), VLLM)
+    assert d.rule == "trainer_idle_ceiling" and "max_concurrent_rollouts=256 reached with the KV cache at 20%" in d.text
+    assert "fix: staleness.max_concurrent_rollouts=512" in d.text
+
+
+def test_idle_trainer_replaces_generation_bound_and_holds_in_the_dashboard_line():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    one = dataclasses.replace(VLLM, api_server_count=1)
+    h = history_of(_idle(), _idle(), _idle())
+    assert diagnose(h, VLLM).rule == "generation_bound"  # idle, no cause found: the generic finding stays
+    assert diagnose(h, one).rule == "trainer_idle_api_servers"
+    d = steady_diagnosis(h, one)
+    assert d.rule == "trainer_idle_api_servers" and d.text.endswith("(held over steps 1-3)")
+    # not idle (wait 5% of the step): no finding
+    assert trainer_idle(history_of(_idle(**{"perf/rollout_wait_s": 0.09})), one) is None
+    # without a step time the absolute threshold applies and the share is not shown
+    d = trainer_idle(history_of({"perf/rollout_wait_s": 2.0}), one)
+    assert d.text.startswith("trainer idle (waits 2.00 s for samples): one vLLM API server")
+
+
+def test_run_settings_from_the_one_gpu_recipe_config():
+    from asyncgrpo_cli.config.compose import compose
+
+    s = RunSettings.from_config(compose(["+recipe=arith_vllm_1gpu", "sampler.api_server_count=1",
+                                         "sampler.extra_args=[--enforce-eager]", "packing.token_budget=4096"]))
+    assert (s.backend, s.api_server_count, s.sampler_extra_args, s.num_sampler_logprobs) == \
+        ("vllm", 1, ("--enforce-eager",), 8)
+    assert (s.max_staleness, s.weight_sync_steps, s.token_budget, s.max_model_len, s.lora) == (2, 1, 4096, 512, False)
+    # every suggested override composes
+    fixed = compose(["+recipe=arith_vllm_1gpu", "sampler.api_server_count=8", "sampler.extra_args=[]",
+                     "staleness.max_staleness=4", "packing.token_budget=8192", "staleness.max_concurrent_rollouts=512",
+                     "sampler.extra_args=[--max-num-seqs,256]"])
+    s = RunSettings.from_config(fixed)
+    assert s.api_server_count == 8 and s.sampler_extra_args == ("--max-num-seqs", "256") and s.token_budget == 8192
+    # token_budget unset: the server's max_model_len
+    unset = compose(["+recipe=arith_vllm_1gpu", "packing.token_budget=null"])
+    assert RunSettings.from_config(unset).token_budget == 512
+
+
+def test_a_suggested_extra_args_override_composes_back_to_the_same_list():
+    import shlex
+
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.dashboard.diagnosis import _list_override
+
+    args = ["--seed", "1", "--kv-cache-dtype=fp8", '--compilation-config={"level":3}', "true", "0.90", "null", "a b",
+            "it's", "007"]
+    typed = shlex.split(_list_override("sampler.extra_args", args))  # what the shell passes on
+    assert len(typed) == 1 and list(compose(["+recipe=smoke", typed[0]]).sampler.extra_args) == args
+    assert _list_override("sampler.extra_args", ["--enforce-eager"]) == "sampler.extra_args=[--enforce-eager]"
+
+
+def test_idle_cause_on_policy_training_waits_by_design():
+    # issue #33: at max_staleness=0 the trainer waits for every round; the allowance is not the cause to name
+    from asyncgrpo_cli.dashboard.diagnosis import MetricsHistory, RunSettings, trainer_idle
+
+    h = MetricsHistory()
+    h.push({"perf/step_s": 2.0, "perf/rollout_wait_s": 1.2, "rollout/backpressure_s": 0.8, "rollout/concurrency": 40,
+            "rollout/concurrency_cap": 256, "batch/samples_per_step": 64})
+    found = trainer_idle(h, RunSettings(max_staleness=0, backend="vllm", api_server_count=8))
+    assert found.rule == "trainer_idle_on_policy" and "staleness.max_staleness=1" in found.text
+    assert trainer_idle(h, RunSettings(max_staleness=2, backend="vllm", api_server_count=8)).rule == \
+        "trainer_idle_allowance"
+    # a config cause still comes first: it slows each round's generation
+    assert trainer_idle(h, RunSettings(max_staleness=0, backend="vllm", api_server_count=1,
+                                       num_sampler_logprobs=8)).rule == "trainer_idle_api_servers"

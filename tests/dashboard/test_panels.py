@@ -281,3 +281,31 @@ def test_staleness_panel_and_curves_show_the_stale_waste_by_length(tmp_path):
     assert "100% / 90% / 55%" in text.replace(".0%", "%")
     curves = {name for _, _, names in PANELS for name in names}
     assert {"sample/dropped_stale_token_frac", "sample/trained_frac_long"} <= curves
+
+
+def test_the_trainer_busy_share_in_the_panels_and_the_plain_line():
+    """Issue #33: 1 - perf/rollout_wait_s / perf/step_s, in the throughput panel, the compact rows and the
+    plain line; absent when either metric is missing."""
+    from asyncgrpo_cli.dashboard.panels import throughput_panel
+
+    h = MetricsHistory()
+    h.push({**window(1), "perf/rollout_wait_s": 5.9, "perf/step_s": 10.0})
+    view = DashboardView(status=STATUS, history=h, diagnosis=diagnose(h), now=T0 + 30, started_at=T0)
+    console = record_console()
+    console.print(throughput_panel(view))
+    assert any("trainer busy" in ln and "41%" in ln for ln in console.export_text().splitlines())
+    console = record_console(80)
+    console.print(render_dashboard(view, width=80, height=24))  # the compact layout
+    assert any("trainer busy" in ln and "41%" in ln for ln in console.export_text().splitlines())
+    line = plain_line(h.latest, None, max_steps=10)
+    assert "| step 10.00 s | busy 41% | queue 6 |" in line
+    # a wait longer than the step is clamped; without the wait the share is absent
+    assert "| busy 0% |" in plain_line({**window(1), "perf/rollout_wait_s": 12.0})
+    unknown = {k: v for k, v in window(1).items() if k != "perf/rollout_wait_s"}
+    assert "busy" not in plain_line(unknown)
+    h2 = MetricsHistory()
+    h2.push(unknown)
+    console = record_console()
+    console.print(throughput_panel(DashboardView(status=None, history=h2, diagnosis=diagnose(h2), now=T0,
+                                                 started_at=T0)))
+    assert any("trainer busy" in ln and "—" in ln for ln in console.export_text().splitlines())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncgrpo_cli.train.trainer import pull_outcome
+from asyncgrpo_cli.train.step_pull import pull_outcome
 
 
 class FakeQueue:

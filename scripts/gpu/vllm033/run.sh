@@ -5,6 +5,8 @@
 #   bash scripts/gpu/vllm033/run.sh masks   # sampling masks at lr 0, doctor, serve --dry-run (runs.py masks)
 #   bash scripts/gpu/vllm033/run.sh bench   # Qwen3-0.6B-shaped IPC sync timings (one_gpu.py bench, no embedded run)
 #   bash scripts/gpu/vllm033/run.sh p9      # top-8 log-prob cost at API servers 8 and 1 (runs.py p9)
+#   bash scripts/gpu/vllm033/run.sh speed_new   # issue #33: the job as shipped, on-policy, the recipe's choices
+#   bash scripts/gpu/vllm033/run.sh speed_old   # issue #33: the baseline (main at 3199842, carried in .base/)
 # Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
 set -uo pipefail
 VSITE="${VSITE:-/tmp/vsite}"
@@ -22,5 +24,6 @@ case "${1:-train}" in
            TRAIN_DEADLINE_S="${TRAIN_DEADLINE_S:-480}" python3 scripts/gpu/one_gpu.py train ;;
   bench) SKIP_EMBEDDED=1 python3 scripts/gpu/one_gpu.py bench ;;
   masks|p9) python3 scripts/gpu/vllm033/runs.py "$1" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9)"; exit 2 ;;
+  speed_new|speed_old) python3 scripts/gpu/vllm033/speed.py "${1#speed_}" ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_new, speed_old)"; exit 2 ;;
 esac

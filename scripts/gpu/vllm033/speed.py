@@ -1,0 +1,184 @@
+"""Issue #33 on one H200 with vLLM 0.33 (staged by `install.py`): the one-GPU main job's speed, end to end.
+
+    python3 scripts/gpu/vllm033/speed.py new   # the recipe as shipped now, on-policy, and the recipe's choices
+    python3 scripts/gpu/vllm033/speed.py old   # the baseline: main at 3199842 (carried in .base/), same session
+
+Every run is ``asyncgrpo train +recipe=arith_vllm_1gpu ...`` (`scripts/bench/bench_e2e.py`: figures over the
+windows after the first one, one window per step). To spend the session's minutes on steps rather than on vLLM
+starts, the variants of one server's flags train against one ``asyncgrpo serve`` of the recipe (the same command
+line the job starts; ``sampler.backend=external``, the CUDA-IPC sync on the shared GPU as in the job).
+
+new
+  1. ``full``: the job exactly as a user runs it (the supervisor starts vLLM), `FULL_STEPS` steps;
+  2. ``asyncgrpo serve +recipe=arith_vllm_1gpu``, then against it: ``async`` (the recipe, P12's asynchronous
+     side), ``sync`` (``staleness.max_staleness=0``, P12's on-policy side), and the recipe's choices one at a time
+     (`NEW_VARIANTS`: the token budget, the staleness bound);
+old
+  the code of 3199842 (``PYTHONPATH=.base``, its recipe: 1 API server, ``--enforce-eager``, token budget 4096,
+  256 rollouts) serves and trains: ``old_async`` (as shipped), ``old_sync`` (``max_staleness=0``, a time window:
+  it ran 0.034 steps/s), then this code against the same server with the old recipe's settings
+  (`OLD_RECIPE_SETTINGS`): ``code_async`` and ``code_sync`` (what the code alone changed).
+
+Each phase has `PHASE_BUDGET_S` seconds (env ``PHASE_BUDGET_S``); a variant gets its own deadline or what is left,
+and is skipped when less than `MIN_RUN_S` is left. Writes ``$OUT/speed_<phase>.json`` after every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent.parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+import bench_e2e  # noqa: E402
+import one_gpu  # noqa: E402
+
+OUT = Path(os.environ.get("OUT") or "gpu_out")
+WORK = Path("/tmp/asyncgrpo_speed")
+CLI = [sys.executable, "-m", "asyncgrpo_cli"]
+RECIPE = "arith_vllm_1gpu"
+PORT = 8000
+URL = f"http://127.0.0.1:{PORT}"
+PHASE_BUDGET_S = float(os.environ.get("PHASE_BUDGET_S", 540))
+MIN_RUN_S = 60.0
+FULL_STEPS = 24
+#: (name, overrides, steps, deadline seconds) against the served recipe, in order of importance.
+NEW_VARIANTS = [
+    ("async", [], 24, 150),
+    ("sync", ["staleness.max_staleness=0"], 20, 150),
+    ("tb4096", ["packing.token_budget=4096"], 20, 75),
+    ("staleness4", ["staleness.max_staleness=4"], 16, 75),
+    ("tb8192", ["packing.token_budget=8192"], 16, 75),
+]
+#: The settings the recipe had at 3199842, as overrides of today's recipe (the server side is the old serve's).
+OLD_RECIPE_SETTINGS = ["packing.token_budget=4096", "staleness.max_concurrent_rollouts=256",
+                       "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]"]
+OLD_VARIANTS = [
+    ("old_async", "old", [], 24, 110),
+    ("old_sync", "old", ["staleness.max_staleness=0"], 24, 110),
+    ("code_async", "new", OLD_RECIPE_SETTINGS, 20, 80),
+    ("code_sync", "new", [*OLD_RECIPE_SETTINGS, "staleness.max_staleness=0"], 20, 90),
+]
+T0 = time.monotonic()
+result: dict = {"issue": 33, "date": time.strftime("%Y-%m-%d"), "phase": None, "runs": []}
+
+
+def left() -> float:
+    return PHASE_BUDGET_S - (time.monotonic() - T0)
+
+
+def save() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    result["summary"] = bench_e2e.summary(result["runs"])
+    (OUT / f"speed_{result['phase']}.json").write_text(json.dumps(result, indent=1))
+
+
+def old_env() -> dict:
+    """The environment that runs main at 3199842: its package, conf and recipes from ``.base/`` first."""
+    base = ROOT / ".base"
+    if not (base / "asyncgrpo_cli").is_dir():
+        raise SystemExit("speed.py old: .base/asyncgrpo_cli is missing (git worktree add /tmp/b 3199842; copy its "
+                         "asyncgrpo_cli, conf and recipes into .base/ and carry .base)")
+    return {**os.environ, "PYTHONPATH": f"{base}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+def serve_argv(overrides: list[str] | None = None) -> list[str]:
+    """``asyncgrpo serve`` of the recipe on `PORT` (checked on CPU in CI)."""
+    return [*CLI, "serve", f"+recipe={RECIPE}", f"sampler.port={PORT}", *(overrides or [])]
+
+
+def start_server(name: str, env: dict | None = None, overrides: list[str] | None = None):
+    import httpx
+
+    log = open(WORK / f"serve_{name}.log", "w")
+    t0 = time.monotonic()
+    server = subprocess.Popen(serve_argv(overrides), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{URL}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return server.poll() is not None
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not up():
+        time.sleep(1)
+    entry = {"server": name, "start_s": round(time.monotonic() - t0, 1), "exit": server.poll(),
+             "command": " ".join(serve_argv(overrides)[2:])}
+    result.setdefault("servers", []).append(entry)
+    if server.poll() is not None:
+        entry["log_tail"] = (WORK / f"serve_{name}.log").read_text(errors="replace").splitlines()[-40:]
+    save()
+    return server, log
+
+
+def run(name: str, overrides: list[str], steps: int, deadline: float, env: dict | None = None,
+        external: bool = True) -> None:
+    budget = min(deadline, left() - 15)
+    if budget < MIN_RUN_S:
+        result["runs"].append({"variant": name, "skipped": f"{left():.0f} s left in the phase"})
+        save()
+        return
+    run_dir = WORK / name
+    argv = bench_e2e.train_argv(RECIPE, [], overrides, steps, run_dir, URL if external else None)
+    entry = bench_e2e.run_variant(name, argv, run_dir, budget, env=env, log=WORK / f"{name}.log")
+    entry["overrides"] = overrides
+    result["runs"].append(entry)
+    save()
+    print(json.dumps({k: entry.get(k) for k in ("variant", "exit", "steps_per_s", "trained_tokens_per_s",
+                                                "generated_tokens_per_s", "trainer_wait_frac",
+                                                "dropped_stale_token_frac", "importance_sampling_ratio_mean")}),
+          flush=True)
+
+
+def phase_new() -> None:
+    run("full", [], FULL_STEPS, 260, external=False)  # the supervisor starts vLLM: the job as shipped
+    server, log = start_server("recipe")
+    try:
+        if server.poll() is None:
+            for name, overrides, steps, deadline in NEW_VARIANTS:
+                run(name, overrides, steps, deadline)
+    finally:
+        one_gpu.stop_server(server)
+        log.close()
+
+
+def phase_old() -> None:
+    env = old_env()
+    server, log = start_server("old", env=env)
+    try:
+        if server.poll() is None:
+            for name, code, overrides, steps, deadline in OLD_VARIANTS:
+                run(name, overrides, steps, deadline, env=env if code == "old" else None)
+    finally:
+        one_gpu.stop_server(server)
+        log.close()
+
+
+def main() -> int:
+    phase = sys.argv[1] if len(sys.argv) > 1 else "new"
+    result["phase"] = phase
+    WORK.mkdir(parents=True, exist_ok=True)
+    result["versions"] = one_gpu.versions()
+    result["gpu_processes_before"] = one_gpu.gpu_processes()
+    save()
+    try:
+        {"new": phase_new, "old": phase_old}[phase]()
+    finally:
+        result["gpu_processes_after"] = one_gpu.gpu_processes()
+        result["phase_wall_s"] = round(time.monotonic() - T0, 1)
+        save()
+        subprocess.run(["tar", "czf", str(OUT / f"logs_speed_{phase}.tgz"), "-C", str(WORK), "--exclude=*.safetensors",
+                        "--exclude=checkpoint-*", "."], capture_output=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
