@@ -269,3 +269,20 @@ def test_iterable_dataset_trains_and_resumes_from_its_first_prompt(model_dir, se
     with pytest.raises(ValueError, match="IterableDataset .* max_steps=-1.*Fix: set max_steps"):
         AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
                          args=args_for(out, server.url, max_steps=-1), train_dataset=stream)
+
+
+def test_on_policy_trains_every_sample_at_its_own_version(model_dir, server, tmp_path):
+    # issue #33: at max_staleness=0 each step is one round of generation at the current weights, trained whole
+    # (as many micro-batches as it needs), then synced; nothing is dropped stale, every sample has staleness 0.
+    out = tmp_path / "on_policy"
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
+                               args=args_for(out, server.url, max_staleness=0, max_steps=4, token_budget=96),
+                               train_dataset=prompts(40))
+    result = trainer.train()
+    assert result.global_step == 4 and trainer.model_version == 4
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2, 3, 4]
+    assert all(l["sample/staleness_max"] == 0 for l in lines)
+    assert sum(l.get("sample/dropped_stale_count", 0) for l in lines) == 0
+    assert all(l["batch/samples_per_step"] >= 1 for l in lines)
+    assert sum(l.get("rollout/on_policy_round_count", 0) for l in lines) >= 3  # one round per version
