@@ -42,7 +42,7 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
                            environment_tools, route_environment)
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
-from .sequences import ReconcileStats, rollout_to_sequences
+from .sequences import ReconcileStats, rollout_to_sequences, untrained_stub
 from .stale_loop import EpochExhaustedError, StaleScheduling  # noqa: F401 - EpochExhaustedError: public here
 from .stale_schedule import StaleSchedule
 from .on_policy import OnPolicyRounds
@@ -670,8 +670,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         for seqs, adv, keep in zip(group.completions_sequences, advantages, trained):
             for s in seqs:
                 s.advantage = 0.0 if math.isnan(adv) else float(adv)
-                if keep:
-                    samples.append(s)
+                samples.append(s if keep else untrained_stub(s))  # a cut one still counts as a sequence (TRL)
         if not all(trained):
             tokens = sum(s.num_tokens for s in samples)
             self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in group.completions_sequences
