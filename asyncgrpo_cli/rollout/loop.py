@@ -264,8 +264,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         return self.model_name
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout: reward standardised within the group, NaN → 0 (SPEC §3.2, B.7)."""
-        return group_advantages(group.rewards)
+        """One advantage per rollout: reward standardised within the group (``scale_rewards``), NaN → 0 (SPEC §3.2, B.7)."""
+        return group_advantages(group.rewards, getattr(self.config, "scale_rewards", "group"))
 
     async def setup(self) -> None:
         """Create resources the other hooks need; runs on the loop before the first prompt."""

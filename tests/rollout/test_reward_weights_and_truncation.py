@@ -125,3 +125,11 @@ def test_mask_truncated_completions(tmp_path):
     assert outcome.kind == "kept" and len(outcome.samples) == G
     assert all(s.num_trained_tokens == 0 and s.input_ids == [1] for s in outcome.samples)
 
+
+def test_scale_rewards_none_reaches_the_worker(tmp_path):
+    per_function = {"f": [1.0, 0.0, 1.0, 0.0], "g": [0.0, 4.0, 0.0, 2.0]}  # totals 1, 4, 1, 2: mean 2
+    _, outcome, _ = _finish(_loop(tmp_path / "a", scale_rewards="none"), per_function)
+    assert [s.advantage for s in outcome.samples] == pytest.approx([-1.0, 2.0, -1.0, 0.0])
+    _, outcome, _ = _finish(_loop(tmp_path / "b"), per_function)  # group: divided by the population std
+    assert [s.advantage for s in outcome.samples] == pytest.approx([-1.0 / 1.2247449, 2.0 / 1.2247449,
+                                                                    -1.0 / 1.2247449, 0.0], rel=1e-6)
