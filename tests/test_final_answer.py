@@ -44,6 +44,19 @@ TABLE = [
     ("The answer is 8", "7", 0.0),
     ("I am not sure.", "7", 0.0),
     ("3 is already 1 / 1. There's no remainder to divide by 1, so 3 / ", "3", 0.0),  # cut off mid-expression
+    # a hedged answer (alternatives offered) earns nothing, whichever alternative is right
+    ("The answer is 7 or 8.", "7", 0.0),
+    ("The answer is 7 or 8.", "8", 0.0),
+    ("7 or 8", "7", 0.0),
+    ("7 or 8", "8", 0.0),
+    ("either 7 or 8", "7", 0.0),
+    ("Either 7 or 8.", "8", 0.0),
+    ("7/8", "7", 0.0),  # the fraction seven eighths
+    ("7, 8 or 9", "7", 0.0),
+    ("7, 8 or 9", "9", 0.0),
+    ("The answer is 7 (or maybe 8).", "7", 0.0),
+    ("The answer is **7** or **8**.", "7", 0.0),
+    ("$7$ or $8$", "7", 0.0),
     # final answers
     ("3 + 4 = 7", "7", 1.0),
     ("It is 12 - 5 = 7 for sure", "7", 1.0),
@@ -57,6 +70,10 @@ TABLE = [
     ("\\boxed{7}", "7", 1.0),
     ("3 + 4 = 7, so 7 * 2 = 14. The answer is \\boxed{14}.", "14", 1.0),
     ("$3 + 4 = 7$", "7", 1.0),
+    ("The answer is 8. Wait, no: the answer is 7.", "7", 1.0),  # corrected, not hedged
+    ("We could take 3 or 4 apples, so 3 + 4 = 7", "7", 1.0),  # alternatives earlier, a single final answer
+    ("The answer is 1/2 or 0.5", "0.5", 1.0),  # the same value twice
+    ("7/8", "7/8", 1.0),
     # negative numbers, fractions = decimals, closed forms
     ("The answer is -7.", "-7", 1.0),
     ("#### -12", "-12", 1.0),
@@ -75,6 +92,18 @@ def test_table_of_completions():
     rewards = accuracy_reward(completions=completions, solution=[gold for _, gold, _ in TABLE])
     wrong = [(text, gold, want, got) for (text, gold, want), got in zip(TABLE, rewards) if got != want]
     assert not wrong, "\n".join(f"{t!r} (truth {g!r}): expected {w}, got {r}" for t, g, w, r in wrong)
+
+
+def test_offers_alternatives():
+    from asyncgrpo_cli.rewards.final_answer import offers_alternatives
+
+    hedged = ["The answer is 7 or 8.", "7 or 8", "either 7 or 8", "7, 8 or 9", "7, 8, or 9", "It is 7 or maybe 8",
+              "The answer is 7, or possibly 8.", "The answer is 7 or 8, I think 7.", "The answer is -7 or -8"]
+    plain = ["The answer is 7.", "7/8", "It is 7, not 8.", "The answer is 8. Wait, no: the answer is 7.",
+             "the answer is 1/2 or 0.5", "We could take 3 or 4 apples, so 3 + 4 = 7", "7 or more", "3 + 4 = 7"]
+    assert [t for t in hedged if not offers_alternatives(t)] == []
+    assert [t for t in plain if offers_alternatives(t)] == []
+    assert extract_final_answer("The answer is 7 or 8.") == []  # math-verify alone would answer 7
 
 
 def test_issue_examples_score_zero():

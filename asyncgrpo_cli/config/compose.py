@@ -28,7 +28,8 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"rollout.{n}" for n in (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
-        "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal", "reward_weights")},
+        "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal", "reward_weights",
+        "scale_rewards", "multi_objective_aggregation")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "loss_type", "importance_sampling_level",

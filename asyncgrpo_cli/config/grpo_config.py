@@ -26,7 +26,7 @@ ASYNC_GRPO_FIELDS = (
     "weight_transfer_address", "weight_transfer_port",
     # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
     "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
-    "reward_weights", "beta",
+    "reward_weights", "beta", "scale_rewards", "multi_objective_aggregation",
 )
 
 
@@ -101,8 +101,12 @@ class AsyncGRPOConfig(TrainingArguments):
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping epsilon; None = epsilon."})
     score_centering: bool = field(default=True, metadata={"help": "Score-centering objective (README: Log-probabilities and the loss)."})
-    vllm_importance_sampling_clip_min: float = field(default=0.5, metadata={"help": "C_min of masked IS."})
-    vllm_importance_sampling_clip_max: float = field(default=5.0, metadata={"help": "C_max of masked IS."})
+    vllm_importance_sampling_clip_min: float | None = field(default=0.5, metadata={
+        "help": "C_min of the IS correction (vllm_importance_sampling_mode); None = no lower bound (TRL's default) "
+                "(README: Loss variants)."})
+    vllm_importance_sampling_clip_max: float | None = field(default=5.0, metadata={
+        "help": "C_max of the IS correction; None = no upper bound (TRL's default is 3.0); a *_truncate mode needs "
+                "at least one bound (README: Loss variants)."})
     # Extensions with TRL GRPOConfig names (README: Loss variants); the defaults are SPEC §3.3 as written.
     loss_type: str = field(default="dapo", metadata={
         "help": "Loss normaliser / objective: dapo (trained tokens of the micro-batch over all ranks; the default), grpo "
@@ -113,16 +117,26 @@ class AsyncGRPOConfig(TrainingArguments):
                 "ratios, clipped as one (needs score_centering=False) (README: Loss variants)."})
     vllm_importance_sampling_mode: str = field(default="token_mask", metadata={
         "help": "Sampler/trainer mismatch correction with [C_min, C_max]: token_mask (masked IS, the default), "
-                "token_truncate (TIS), sequence_mask, sequence_truncate (ratio = product over the sample) (README: Loss variants)."})
+                "token_truncate (TIS), sequence_mask / sequence_truncate (TRL's: every token weighs the sample's "
+                "ratio rho = product of its token ratios, times 1[rho within bounds], or clamp(rho)). TRL's default "
+                "is sequence_mask with C_max 3.0 and no C_min (README: Loss variants)."})
     beta: float = field(default=0.0, metadata={
         "help": "KL coefficient: beta x k3(policy, reference) per trained token; the reference is the initial policy "
                 "(LoRA: adapters disabled; full fine-tuning: a frozen copy, one more copy of the weights per "
                 "process); 0 = none (README: Loss variants)."})
     mask_truncated_completions: bool = field(default=False, metadata={
         "help": "Completions cut at max_completion_length (no EOS) contribute no loss; they still count in "
-                "their group's advantage (README: Loss variants)."})
+                "their group's advantage and, as in TRL, as sequences in grpo's and dr_grpo's normaliser (README: "
+                "Loss variants)."})
     reward_weights: list[float] | None = field(default=None, metadata={
         "help": "One weight per reward function, applied before the group advantage; None = all 1.0 (README: Loss variants)."})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "group: advantage = (r - group mean) / (group population std + 1e-8) (the default; TRL divides by the "
+                "Bessel-corrected std + 1e-4); none: r - group mean (Dr. GRPO, with loss_type=dr_grpo); batch is "
+                "refused; True/False mean group/none, as in TRL (README: Loss variants)."})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={
+        "help": "sum_then_normalize: the weighted sum of the reward functions, then the group advantage (the only "
+                "value; TRL's normalize_then_sum is refused) (README: Loss variants)."})
     num_sampler_logprobs: int = field(default=8, metadata={"help": "Top log-probs requested per generated token."})
     token_budget: int | None = field(default=None, metadata={
         "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (README: Packing and the token budget)."})
@@ -148,6 +162,8 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         import torch
 
+        if isinstance(self.scale_rewards, bool):  # TRL's spelling: True = group, False = none
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         check_types(self)  # before any comparison: num_generations="8" must not reach a `<`
         check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
 

@@ -78,10 +78,16 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if eh is not None and eh < 0:
         _fail(p("epsilon_high"), eh, "must be >= 0", f"set {p('epsilon_high')}=0.28 or null")
     cmin, cmax = g("vllm_importance_sampling_clip_min", 0.5), g("vllm_importance_sampling_clip_max", 5.0)
-    if not 0 <= cmin < cmax:
+    if cmin is not None and cmin < 0:
+        _fail(p("vllm_importance_sampling_clip_min"), cmin, "must be >= 0, or null for no lower bound",
+              f"set {p('vllm_importance_sampling_clip_min')}=0.5 (the default) or null")
+    if cmax is not None and cmax <= 0:
+        _fail(p("vllm_importance_sampling_clip_max"), cmax, "must be > 0, or null for no upper bound",
+              f"set {p('vllm_importance_sampling_clip_max')}=5.0 (the default) or null")
+    if cmin is not None and cmax is not None and not cmin < cmax:
         _fail(p("vllm_importance_sampling_clip_min"), cmin,
-              f"needs 0 <= clip_min < {p('vllm_importance_sampling_clip_max')} (= {cmax})",
-              "use the defaults 0.5 and 5.0")
+              f"needs clip_min < {p('vllm_importance_sampling_clip_max')} (= {cmax})",
+              "use the defaults 0.5 and 5.0, or leave one of them null for a one-sided bound")
     tb = g("token_budget", None)
     if tb is not None and tb < 1:
         _fail(p("token_budget"), tb, "must be >= 1 token", f"set {p('token_budget')}=null to use the server's max_model_len")

@@ -18,6 +18,7 @@ from typing import Any
 from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
+from .loss_rules import loss_warnings
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
 __all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
@@ -79,6 +80,7 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
     r = cfg.rollout
     uses_sets = r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
     c.warnings.extend(start_warnings(float(r.repetition_penalty), uses_sets, bool(r.sampling_mask_fallback)))
+    c.warnings.extend(loss_warnings(dict(cfg.loss), lambda n: f"loss.{n}"))
     if command != "train":
         c.raise_if_any()
         return c.warnings
@@ -360,4 +362,6 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.warnings.extend(start_warnings(float(args.repetition_penalty), args.uses_candidate_sets,
                                          bool(args.sampling_mask_fallback), penalty_key="repetition_penalty",
                                          fallback_key="sampling_mask_fallback"))
+        c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
+                                         "importance_sampling_level": args.importance_sampling_level}))
     return c.warnings

@@ -168,6 +168,15 @@ class RolloutConfig:
     """One weight per entry of ``rewards`` (same order), applied to each function's reward before the sum
     and the group advantage (TRL's ``reward_weights``); null = every weight 1.0. The environment's and
     ``Rollout.reward`` keep weight 1. ``rewards/<name>/mean`` stays the unweighted reward (README: Loss variants)."""
+    scale_rewards: str = "group"
+    """How the group advantage is scaled (TRL's ``scale_rewards``): ``group`` (default) ``(r - mean) / (std +
+    1e-8)`` over the group's scored completions, population std, as TRL's asynchronous trainer (TRL's
+    ``GRPOTrainer`` divides by the Bessel-corrected std + 1e-4: ratio sqrt((n-1)/n), 0.935 at n = 8); ``none``
+    ``r - mean`` (Dr. GRPO, with ``loss.loss_type=dr_grpo``). ``batch`` is refused: advantages are computed per
+    group when it finishes, not per generation batch (README: Loss variants)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """TRL's name: ``sum_then_normalize`` (the only value): weighted sum of the reward functions, then the group
+    advantage. ``normalize_then_sum`` is refused (its final normalisation is over the generation batch)."""
 
 
 @dataclass
@@ -180,10 +189,12 @@ class LossConfig:
     """Lower clipping epsilon."""
     epsilon_high: Optional[float] = None
     """Upper clipping epsilon (None = ``epsilon``)."""
-    vllm_importance_sampling_clip_min: float = 0.5
-    """C_min of masked importance sampling."""
-    vllm_importance_sampling_clip_max: float = 5.0
-    """C_max of masked importance sampling."""
+    vllm_importance_sampling_clip_min: Optional[float] = 0.5
+    """C_min of the importance-sampling correction (``loss.vllm_importance_sampling_mode``); null = no lower
+    bound (TRL's default; TRL's C_max default is 3.0, ours 5.0)."""
+    vllm_importance_sampling_clip_max: Optional[float] = 5.0
+    """C_max of the importance-sampling correction; null = no upper bound. A ``*_truncate`` mode needs at
+    least one of the two (README: Loss variants)."""
     loss_type: str = "dapo"
     """How token losses become the loss (TRL names): ``dapo`` (default: trained tokens of the
     micro-batch over all ranks), ``grpo`` (mean over samples of each sample's token mean), ``bnpo`` (this
@@ -195,9 +206,11 @@ class LossConfig:
     ratios, clipped as one; needs ``loss.score_centering=false`` (README: Loss variants)."""
     vllm_importance_sampling_mode: str = "token_mask"
     """Correction of the sampler/trainer mismatch with [C_min, C_max]: ``token_mask`` (default, masked
-    IS), ``token_truncate`` (TIS: the ratio's weight clamped), ``sequence_mask`` / ``sequence_truncate``
-    (the same on the sample's ratio, the product of its token ratios; need ``loss.score_centering=false``)
-    (README: Loss variants)."""
+    IS: a token whose ratio r_t leaves the bounds is dropped), ``token_truncate`` (TIS: its weight is
+    clamp(r_t)), ``sequence_mask`` / ``sequence_truncate`` (TRL's: every token of a sample weighs the sample's
+    ratio rho = the product of its token ratios, times 1[rho within the bounds], or clamp(rho); need
+    ``loss.score_centering=false``). TRL's defaults differ: ``sequence_mask`` with C_max = 3.0 and no C_min
+    (ours: ``token_mask`` within [0.5, 5.0]); set all three to get TRL's (README: Loss variants)."""
     beta: float = 0.0
     """KL coefficient (TRL's ``beta``): ``beta × k3`` against the initial policy is added to each trained token's
     loss and logged as ``kl``. With LoRA the reference is the base model (adapters disabled, no copy); with
@@ -205,7 +218,9 @@ class LossConfig:
     (README: Loss variants)."""
     mask_truncated_completions: bool = False
     """Completions cut at ``rollout.max_completion_length`` (ending without EOS) contribute no loss; they
-    still count in their group's advantage. Counted in ``completions/masked_truncated_frac`` (README: Loss variants)."""
+    still count in their group's advantage and, as in TRL, as sequences in ``grpo``'s and ``dr_grpo``'s
+    normaliser (each travels as an untrained stub: its context only, shared with its group when packed).
+    Counted in ``completions/masked_truncated_frac`` (README: Loss variants)."""
 
 
 @dataclass

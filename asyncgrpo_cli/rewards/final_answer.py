@@ -22,15 +22,22 @@ those configs and rejects one kind of candidate that math-verify would evaluate:
   and symbolic answers (``x^2+1``). For an equation the value after its last ``=`` is checked ("$3+4=7$"
   answers 7, "$x = 3+4$" answers nothing).
 
-Known limit (math-verify's plain-expression pattern): after "the answer is", the first value is taken, so
-"The answer is 7 or 8" answers 7; in LaTeX, "$7$ or $8$" is a set and matches no single ground truth.
+* **A hedged answer is not an answer** (`offers_alternatives`): when the final answer is one of several
+  different values offered as alternatives ("The answer is 7 or 8.", "either 7 or 8", "7, 8 or 9", "7 (or
+  maybe 8)"), the completion has no answer, whichever alternative is right: a policy rewarded for listing
+  candidates learns to list them. math-verify would take the first value after "the answer is" (7) and the
+  last one of a bare list (8). Equal values stay an answer ("1/2 or 0.5"), and so does a corrected statement
+  whose last answer stands alone ("The answer is 8. Wait, no: the answer is 7."). ``7/8`` is the fraction, not
+  a hedge; in LaTeX, "$7$ or $8$" is parsed as a set and matches no single ground truth.
 """
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
 from typing import Any
 
-__all__ = ["answer_extraction_config", "extract_final_answer", "is_final_value"]
+__all__ = ["answer_extraction_config", "extract_final_answer", "is_final_value", "offers_alternatives"]
 
 
 def answer_extraction_config() -> list[Any]:
@@ -105,6 +112,62 @@ def _written_number(value: Any) -> bool:
     return p.is_Integer and int(q) > 1 and math.gcd(int(p), int(q)) == 1
 
 
+_ANCHOR = re.compile(r"answer|\\boxed|####", re.IGNORECASE)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?(?![\w.]*\d)")
+_PUNCT = r"[\s*$%()\[\]{}=:]*"
+# What may stand between two alternatives: "or" (with up to two words such as "maybe", "possibly" after it), or a
+# comma inside a list that an "or" ends ("7, 8 or 9").
+_OR_LINK = re.compile(rf"{_PUNCT},?{_PUNCT}(?:either\s+)?or(?:\s+[a-z]+){{0,2}}?{_PUNCT}", re.IGNORECASE)
+_COMMA_LINK = re.compile(rf"{_PUNCT},{_PUNCT}")
+
+
+def offers_alternatives(text: str) -> bool:
+    """Whether the final answer of ``text`` is hedged: offered with different alternatives joined by "or".
+
+    The final answer is the first number after the last "answer" / ``\\boxed`` / ``####`` when the text has
+    one (math-verify's anchored tier), else the last number written. It is hedged when it belongs to a run of
+    numbers linked by "or" (up to two words after it: "7 or maybe 8") or by commas in a list an "or" ends
+    ("7, 8 or 9"), and the run holds at least two different values ("1/2 or 0.5" is one value).
+
+    Args:
+        text: the completion's text.
+
+    Returns:
+        True for "The answer is 7 or 8.", "either 7 or 8", "7, 8 or 9"; False for "The answer is 7.", "It is
+        7, not 8.", "The answer is 8. Wait, no: the answer is 7.", "7/8" (a fraction).
+    """
+    anchors = list(_ANCHOR.finditer(text))
+    start = anchors[-1].end() if anchors else 0
+    numbers = list(_NUMBER.finditer(text, start))
+    if len(numbers) < 2:
+        return False
+    chosen = 0 if anchors else len(numbers) - 1
+    runs: list[list[int]] = [[0]]
+    has_or = [False]
+    for i in range(1, len(numbers)):
+        between = text[numbers[i - 1].end():numbers[i].start()]
+        if _OR_LINK.fullmatch(between):
+            runs[-1].append(i)
+            has_or[-1] = True
+        elif _COMMA_LINK.fullmatch(between):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            has_or.append(False)
+    for run, linked in zip(runs, has_or):
+        if linked and chosen in run:
+            values = {_value(numbers[i].group()) for i in run}
+            return len(values) > 1
+    return False
+
+
+def _value(number: str) -> Fraction | str:
+    try:
+        return Fraction(number.replace(" ", ""))
+    except (ValueError, ZeroDivisionError):
+        return number
+
+
 def extract_final_answer(text: str) -> list[Any]:
     """The final answer of ``text`` as math-verify parses it, or ``[]`` when there is none.
 
@@ -113,7 +176,8 @@ def extract_final_answer(text: str) -> list[Any]:
     off mid-way, "so 3 / ") has no answer, rather than the number inside it. Markdown bold markers (``**``)
     become spaces first: math-verify's plain-expression pattern would read the closing ``**`` of ``**7**`` as
     an operator. No string fallback, and no timeout of its own (the caller bounds it: math-verify's timer
-    needs the main thread). A candidate that fails `is_final_value` gives ``[]``.
+    needs the main thread). A candidate that fails `is_final_value` gives ``[]``, and so does a hedged answer
+    (`offers_alternatives`).
 
     Returns:
         ``[sympy object]`` to pass to ``math_verify.verify``, or ``[]``.
@@ -125,6 +189,6 @@ def extract_final_answer(text: str) -> list[Any]:
 
     parsed = parse(text.replace("**", " "), extraction_config=answer_extraction_config(),
                    extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
-    if not parsed or not is_final_value(parsed[0]):
+    if not parsed or not is_final_value(parsed[0]) or offers_alternatives(text):
         return []
     return parsed[:1]

@@ -4,7 +4,7 @@
   ``get_reward()``, ``Rollout.reward``), each with weight 1; ``None`` contributes nothing and a
   completion with no score at all gets NaN ("unscored").
 - :func:`group_advantages` normalises inside one group: ``(r - mean) / (std + 1e-8)`` over the scored
-  completions, population std; unscored completions get advantage 0.
+  completions, population std (``scale_rewards="none"``: ``r - mean``); unscored completions get advantage 0.
 - :func:`weighted_rewards` multiplies each reward function's rewards by its ``reward_weights`` entry
   before they are summed (TRL's ``reward_weights``; default: every weight 1, i.e. SPEC §3.2 as written).
 - :func:`should_drop_group` says whether a group is dropped (all scored rewards equal, or fewer than
@@ -137,26 +137,36 @@ def should_drop_group(rewards: Sequence[float | None] | np.ndarray) -> bool:
     return spread <= 1e-12 * max(1.0, float(np.max(np.abs(scored))))
 
 
-def group_advantages(rewards: Sequence[float | None] | np.ndarray) -> np.ndarray:
-    """Group-normalised advantages (SPEC §3.2, Appendix B.7).
+def group_advantages(rewards: Sequence[float | None] | np.ndarray, scale_rewards: str = "group") -> np.ndarray:
+    """Group-normalised advantages (SPEC §3.2, Appendix B.7; TRL's ``scale_rewards``).
 
-    ``A_i = (r_i - mean) / (std + 1e-8)`` with mean and population std (ddof=0) over the scored
-    completions; an unscored completion (NaN or ``None``) gets 0. With no scored completion every
-    advantage is 0.
+    ``scale_rewards="group"`` (default): ``A_i = (r_i - mean) / (std + 1e-8)`` with mean and population std
+    (ddof=0) over the scored completions (TRL's ``GRPOTrainer`` divides by the Bessel-corrected std + 1e-4, so its
+    advantages are ours × ``sqrt((n-1)/n)`` for ``n`` scored completions, up to the epsilons). ``"none"`` (Dr.
+    GRPO): ``A_i = r_i - mean``. An unscored completion (NaN or ``None``) gets 0. With no scored completion
+    every advantage is 0.
 
     Args:
         rewards: total rewards of the G completions, shape ``(G,)``.
+        scale_rewards: ``"group"`` or ``"none"``.
 
     Returns:
         float64 array of shape ``(G,)``.
+
+    Raises:
+        ValueError: another ``scale_rewards`` (``"batch"`` needs the whole generation batch, README "Loss variants").
     """
+    if scale_rewards not in ("group", "none"):
+        raise ValueError(f"scale_rewards={scale_rewards!r}: a group's advantages can be scaled by its own std "
+                         "('group') or not at all ('none')")
     r = _as_rewards(rewards)
     mask = ~np.isnan(r)
     out = np.zeros_like(r)
     if not mask.any():
         return out
     scored = r[mask]
-    out[mask] = (scored - scored.mean()) / (scored.std() + ADVANTAGE_EPS)
+    centred = scored - scored.mean()
+    out[mask] = centred if scale_rewards == "none" else centred / (scored.std() + ADVANTAGE_EPS)
     return out
 
 

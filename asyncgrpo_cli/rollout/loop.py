@@ -42,7 +42,7 @@ from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, Environment
                            environment_tools, route_environment)
 from .no_signal import NoLearningSignalError, NoSignalWatch
 from .reward_runner import RewardInputs, RewardRunner
-from .sequences import ReconcileStats, rollout_to_sequences
+from .sequences import ReconcileStats, rollout_to_sequences, untrained_stub
 from .stale_loop import EpochExhaustedError, StaleScheduling  # noqa: F401 - EpochExhaustedError: public here
 from .stale_schedule import StaleSchedule
 from .on_policy import OnPolicyRounds
@@ -264,8 +264,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         return self.model_name
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout: reward standardised within the group, NaN → 0 (SPEC §3.2, B.7)."""
-        return group_advantages(group.rewards)
+        """One advantage per rollout: reward standardised within the group (``scale_rewards``), NaN → 0 (SPEC §3.2, B.7)."""
+        return group_advantages(group.rewards, getattr(self.config, "scale_rewards", "group"))
 
     async def setup(self) -> None:
         """Create resources the other hooks need; runs on the loop before the first prompt."""
@@ -670,8 +670,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         for seqs, adv, keep in zip(group.completions_sequences, advantages, trained):
             for s in seqs:
                 s.advantage = 0.0 if math.isnan(adv) else float(adv)
-                if keep:
-                    samples.append(s)
+                samples.append(s if keep else untrained_stub(s))  # a cut one still counts as a sequence (TRL)
         if not all(trained):
             tokens = sum(s.num_tokens for s in samples)
             self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in group.completions_sequences

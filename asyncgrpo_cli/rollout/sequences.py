@@ -137,3 +137,26 @@ def rollout_to_sequences(rollout: Rollout, *, group_id: int, row_index: int, mod
             sampler_top_ids=b.top_ids, sampler_top_logprobs=b.top_logprobs,
             sampling_mask=b.masks if b.any_mask else None))
     return samples, stats
+
+
+def untrained_stub(sample: TrainingSequence) -> TrainingSequence:
+    """A cut completion's sample as TRL keeps it with ``mask_truncated_completions``: a row with no trained token.
+
+    Its loss term is zero and its gradient none, but it is one more sequence in the micro-batch: ``grpo`` divides
+    by the number of sequences and ``dr_grpo`` by sequences × ``max_completion_length``, cut ones included
+    (README "Loss variants"). Only the context before the first trained token is kept (at least one token): the
+    generated tokens would be forwarded for nothing, and the context is a prefix of the group's other samples, so
+    tree packing shares it (no extra forwarded token when a group mate is in the same row).
+
+    Args:
+        sample: the cut completion's sample (advantage and provenance are kept).
+
+    Returns:
+        A new `TrainingSequence` with ``num_trained_tokens == 0`` and ``1 <= num_tokens <= sample.num_tokens``.
+    """
+    first = sample.trained_mask.index(1) if any(sample.trained_mask) else len(sample.input_ids)
+    n = max(1, first)
+    return TrainingSequence(
+        input_ids=list(sample.input_ids[:n]), trained_mask=[0] * n, sampler_logprobs=[0.0] * n,
+        advantage=sample.advantage, group_id=sample.group_id, row_index=sample.row_index,
+        model_version=sample.model_version, rollout_id=sample.rollout_id, queued_at=sample.queued_at)

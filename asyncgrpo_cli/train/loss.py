@@ -59,7 +59,8 @@ class LossConfig:
         score_centering: default objective (§3.3.2) when True, clipped surrogate (§3.3.3) when False.
         epsilon: ε_low [``epsilon``], fraction (default 0.2).
         epsilon_high: ε_high [``epsilon_high``]; ``None`` = ``epsilon``.
-        clip_min, clip_max: masked-IS bounds C_min, C_max [``vllm_importance_sampling_clip_min/max``].
+        clip_min, clip_max: IS-correction bounds C_min, C_max [``vllm_importance_sampling_clip_min/max``];
+            ``None`` = no bound on that side (a ``*_truncate`` mode needs at least one).
         temperature: sampling temperature; the trainer divides logits by it (B.10).
         token_chunk_size, vocab_chunk_size: tile of the chunked log-prob kernel (tokens, vocabulary rows).
         compile_backend: ``torch.compile`` backend of the kernel's per-tile work, or None (eager); set from
@@ -71,8 +72,8 @@ class LossConfig:
         beta: KL coefficient [``beta``] of the k3 penalty to the reference policy (0 = none, the default).
 
     Raises:
-        ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0 or
-            ``clip_min`` > ``clip_max``, ``temperature`` ≤ 0, chunk sizes < 1, an unknown ``loss_type``,
+        ValueError: ``epsilon``/``epsilon_high`` < 0, ``epsilon`` ≥ 1, ``clip_min`` < 0, ``clip_max`` ≤ 0,
+            ``clip_min`` > ``clip_max``, a truncate mode without either bound, ``temperature`` ≤ 0, chunk sizes < 1, an unknown ``loss_type``,
             level or mode, ``cispo`` without ``epsilon_high`` > 0, score centering with ``cispo``, the
             sequence level or a sequence IS mode, ``max_completion_length`` < 1.
     """
@@ -80,8 +81,8 @@ class LossConfig:
     score_centering: bool = True
     epsilon: float = 0.2
     epsilon_high: float | None = None
-    clip_min: float = 0.5
-    clip_max: float = 5.0
+    clip_min: float | None = 0.5
+    clip_max: float | None = 5.0
     temperature: float = 1.0
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE
@@ -97,11 +98,16 @@ class LossConfig:
             raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon!r}; default 0.2")
         if self.epsilon_high is not None and not self.epsilon_high >= 0.0:
             raise ValueError(f"epsilon_high must be >= 0 or None (= epsilon), got {self.epsilon_high!r}")
-        if not (0.0 <= self.clip_min <= self.clip_max):
+        lo = 0.0 if self.clip_min is None else self.clip_min
+        hi = math.inf if self.clip_max is None else self.clip_max
+        if not (0.0 <= lo <= hi and hi > 0):
             raise ValueError(
-                f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max, got "
-                f"min={self.clip_min!r}, max={self.clip_max!r}; defaults 0.5 and 5.0"
+                f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max, max > 0 (None = no bound), "
+                f"got min={self.clip_min!r}, max={self.clip_max!r}; defaults 0.5 and 5.0"
             )
+        if self.is_mode.endswith("truncate") and self.clip_min is None and self.clip_max is None:
+            raise ValueError(f"vllm_importance_sampling_mode={self.is_mode!r} truncates to [C_min, C_max] but both "
+                             "bounds are None; set vllm_importance_sampling_clip_max (e.g. 3.0) or clip_min")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         for name in ("token_chunk_size", "vocab_chunk_size", "max_completion_length"):
@@ -196,11 +202,27 @@ class TokenTerms:
 _SAFE_LOG = 50.0  # exp(50) ≈ 5e21 stays finite in float32; bounds exponents a correction leaves unbounded
 
 
-def _log_truncation(log_is: torch.Tensor, clip_min: float, clip_max: float) -> torch.Tensor:
-    """``log(clamp(x, C_min, C_max) / x)`` from ``log x`` (float64, 0 where x lies inside the bounds)."""
-    lo = math.log(clip_min) if clip_min > 0 else -math.inf
-    hi = math.log(clip_max) if clip_max > 0 else -math.inf
+def _log_truncation(log_is: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """``log(clamp(x, C_min, C_max) / x)`` from ``log x`` (float64, 0 where x lies inside the bounds; a ``None``
+    bound is no bound)."""
+    lo = math.log(clip_min) if clip_min else -math.inf
+    hi = math.log(clip_max) if clip_max is not None else math.inf
     return log_is.clamp(min=lo, max=hi) - log_is
+
+
+def _within(x: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """``1[C_min ≤ x ≤ C_max]`` (bool, same shape), a ``None`` bound being no bound."""
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if clip_min is not None:
+        inside = inside & (x >= clip_min)
+    if clip_max is not None:
+        inside = inside & (x <= clip_max)
+    return inside
+
+
+def _mask_cap(config: LossConfig) -> float:
+    """Largest log-ratio worth exponentiating where tokens above C_max are masked anyway (no inf·0 = NaN)."""
+    return math.log(config.clip_max) + 1.0 if config.clip_max is not None else _SAFE_LOG
 
 
 def _sample_inverse(sample_index: torch.Tensor | None, n: int) -> tuple[torch.Tensor, int]:
@@ -230,20 +252,27 @@ def token_terms(
 ) -> TokenTerms:
     """Per-token losses of the configured objective and what the metrics need (SPEC §3.3; README "Loss variants").
 
-    With ``r_t = exp(log π̃_θ(o_t) − log μ(o_t))``, the off-policy correction gives each token a constant
-    factor ``c_t`` (:data:`IS_MODES`): ``token_mask`` (SPEC §3.3.1) ``c_t = 1[C_min ≤ r_t ≤ C_max]``;
-    ``sequence_mask`` ``c_t = 1[C_min ≤ ρ_i ≤ C_max]`` with ``ρ_i = Π_{t∈i} r_t`` over the trained tokens of
-    the token's sample ``i``; ``token_truncate`` ``c_t = clamp(r_t, C_min, C_max)/r_t``; ``sequence_truncate``
-    ``c_t = clamp(ρ_i, C_min, C_max)/ρ_i``. Then:
+    With ``r_t = exp(log π̃_θ(o_t) − log μ(o_t))``, ``[C_min, C_max]`` the bounds (``None`` = none on that side)
+    and ``ρ_i = Π_{t∈i} r_t`` over the trained tokens of the token's sample ``i``:
+
+    - the token modes give each token a constant factor ``c_t``: ``token_mask`` (SPEC §3.3.1)
+      ``c_t = 1[C_min ≤ r_t ≤ C_max]``, ``token_truncate`` ``c_t = clamp(r_t, C_min, C_max)/r_t``;
+    - the sequence modes (TRL's) weigh every token of sample ``i`` by ``W_i``: ``sequence_mask``
+      ``W_i = ρ_i 1[C_min ≤ ρ_i ≤ C_max]``, ``sequence_truncate`` ``W_i = clamp(ρ_i, C_min, C_max)``.
+
+    Then, with ``q_t`` the trust-region ratio (``q_t = r_t`` at the token level; at the sequence level, GSPO,
+    ``q_t = s_i = exp(mean_{u∈i} log r_u)``, differentiable through every token of the sample):
 
     - score centering (§3.3.2, B.8): ``ℓ_t = −Â_t (c_t r_t − Σ_{v∈top-K_t} c_v π̃_θ(v))`` with ``c_v`` the
       token mode's factor of ``r_v = π̃_θ(v)/μ(v)``; the sum is over the valid top ids as returned, NOT
       renormalised. A masked token (``c_t = 0``) keeps its centering term. Token modes only;
-    - clipped surrogate (§3.3.3), ``loss_type`` ``dapo``/``grpo``/``bnpo``/``dr_grpo``:
-      ``ℓ_t = −c_t min(q_t Â_t, clip(q_t, 1−ε_low, 1+ε_high) Â_t)``, ``q_t = r_t`` at the token level and,
-      at the sequence level (GSPO), ``q_t = s_i = exp(mean_{u∈i} log r_u)`` (differentiable through every
-      token of the sample);
-    - ``cispo``: ``ℓ_t = −c_t sg[min(q_t, ε_max)] Â_t log π̃_θ(o_t)``, ``ε_max`` = ``epsilon_high``.
+    - clipped surrogate (§3.3.3), ``loss_type`` ``dapo``/``grpo``/``bnpo``/``dr_grpo``: token modes
+      ``ℓ_t = −c_t min(q_t Â_t, clip(q_t, 1−ε_low, 1+ε_high) Â_t)``; sequence modes
+      ``ℓ_t = −W_i min(q_t Â_t, clip(q_t, 1−ε_low, 1+ε_high) Â_t) / sg[q_t]``: value ``−W_i Â_t`` and gradient
+      ``−W_i Â_t ∇log q_t`` where the trust region does not clip (TRL's ``_compute_loss`` with its old policy
+      equal to the current one), no gradient where it clips;
+    - ``cispo``: token modes ``ℓ_t = −c_t sg[min(q_t, ε_max)] Â_t log π̃_θ(o_t)``, ``ε_max`` = ``epsilon_high``;
+      sequence modes ``ℓ_t = −W_i sg[min(q_t, ε_max)/q_t] Â_t log π̃_θ(o_t)``.
 
     Args:
         target_logprobs: ``[N]`` float, differentiable, ``log π̃_θ(o_t)``.
@@ -277,7 +306,7 @@ def token_terms(
     in_range = log_factor = None
     if mode.endswith("mask"):
         is_ratio = log_is.exp() if mode.startswith("sequence") else ratio_detached
-        in_range = (is_ratio >= config.clip_min) & (is_ratio <= config.clip_max)
+        in_range = _within(is_ratio, config.clip_min, config.clip_max)
         corrected = ~in_range
     else:
         log_factor = _log_truncation(log_is, config.clip_min, config.clip_max)
@@ -295,10 +324,9 @@ def token_terms(
         valid = top_valid & torch.isfinite(mu_top)
         if mode == "token_mask":  # SPEC §3.3.2 as written
             # Clamp only where the token is masked anyway, so exp never overflows into inf·0 = NaN gradients.
-            upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
-            ratio = log_ratio.clamp(max=upper).exp()
+            ratio = log_ratio.clamp(max=_mask_cap(config)).exp()
             ratio_top = torch.where(valid, top_logprobs.detach() - mu_top, zero).exp()
-            in_top = valid & (ratio_top >= config.clip_min) & (ratio_top <= config.clip_max)
+            in_top = valid & _within(ratio_top, config.clip_min, config.clip_max)
             centering = torch.where(in_top, top_logprobs.exp(), zero).sum(dim=1)
             losses = -adv * (torch.where(in_range, ratio, zero) - centering)
         else:  # token_truncate: f(r) = clamp(r, C_min, C_max), value and gradient weight
@@ -313,6 +341,9 @@ def token_terms(
         log_q = (_per_sample_sum(log_ratio, inverse, num) / counts)[inverse]
         q_detached = log_q.detach().double().exp()
         low, high = q_detached < 1.0 - config.epsilon, q_detached > 1.0 + config.eps_high
+    if mode.startswith("sequence"):
+        return TokenTerms(_sequence_is_losses(target_logprobs, adv, log_q, log_is, in_range, log_factor, config),
+                          ratio_detached, low, high, corrected)
     if config.loss_type == "cispo":
         weight = log_q.detach().clamp(max=_SAFE_LOG).exp().clamp(max=config.eps_high)
         high = log_q.detach().double().exp() > config.eps_high
@@ -323,8 +354,7 @@ def token_terms(
             losses = -(log_factor.to(dt).exp() * weight) * adv * target_logprobs
         return TokenTerms(losses, ratio_detached, low, high, corrected)
     if in_range is not None and not sequence_level:  # SPEC §3.3.3 as written
-        upper = math.log(config.clip_max) + 1.0 if config.clip_max > 0 else 0.0
-        ratio = log_ratio.clamp(max=upper).exp()
+        ratio = log_ratio.clamp(max=_mask_cap(config)).exp()
         clipped = ratio.clamp(1.0 - config.epsilon, 1.0 + config.eps_high)
         surrogate = torch.minimum(ratio * adv, clipped * adv)
         losses = torch.where(in_range, -surrogate, zero)
@@ -339,6 +369,27 @@ def token_terms(
         clipped = factor.exp() * log_q.clamp(max=cap).exp().clamp(1.0 - config.epsilon, 1.0 + config.eps_high) * adv
         losses = -torch.minimum(unclipped, clipped)
     return TokenTerms(losses, ratio_detached, low, high, corrected)
+
+
+def _sequence_is_losses(target_logprobs, adv, log_q, log_is, in_range, log_factor, config) -> torch.Tensor:
+    """Token losses of the sequence IS modes (:func:`token_terms`): the weight ``W_i`` of the token's sample times
+    the trust-region surrogate divided by its own ratio's value, ``min(q Â, clip(q) Â) / sg[q]`` (``cispo``:
+    ``sg[min(q, ε_max)/q] Â log π``). ``log_is`` is ``log ρ_i`` per token (float64, detached)."""
+    dt = target_logprobs.dtype
+    if in_range is not None:  # sequence_mask: W = ρ 1[ρ within the bounds]
+        log_w = torch.where(in_range, log_is, torch.full_like(log_is, -math.inf))
+    else:  # sequence_truncate: W = clamp(ρ, C_min, C_max)
+        log_w = log_is + log_factor
+    log_w = log_w.clamp(max=_SAFE_LOG)
+    lq = log_q.detach().double().clamp(-_SAFE_LOG, _SAFE_LOG)  # log of the trust-region ratio's value
+    if config.loss_type == "cispo":
+        factor = (log_w + (math.log(config.eps_high) - lq).clamp(max=0.0)).exp().to(dt)  # W min(q, ε_max)/q
+        return -factor * adv * target_logprobs
+    unit = (log_q - log_q.detach()).exp()  # value 1, gradient ∇log q
+    inverse = (-lq).exp()
+    clipped = torch.clamp(unit, min=((1.0 - config.epsilon) * inverse).to(dt),
+                          max=((1.0 + config.eps_high) * inverse).to(dt))
+    return -log_w.exp().to(dt) * torch.minimum(unit * adv, clipped * adv)
 
 
 def token_losses(
@@ -380,7 +431,8 @@ def normalised_loss(losses: torch.Tensor, sample_index: torch.Tensor, config: Lo
     """This rank's micro-batch loss from its per-token losses, by ``config.loss_type`` (README "Loss variants").
 
     With ``P`` = ``num_processes``, ``T`` = the micro-batch's trained tokens over all ranks, ``S`` = its
-    samples (with at least one trained token) over all ranks, ``n`` = this rank's tokens:
+    samples over all ranks (every sample: with ``mask_truncated_completions`` the untrained stubs of cut
+    completions too, as TRL counts its rows with an empty mask), ``n`` = this rank's tokens:
 
     - ``dapo``, ``cispo`` (SPEC §3.3.4, B.9): ``Σ_t ℓ_t × P / T``;
     - ``bnpo``: ``Σ_t ℓ_t / n`` (this rank's tokens only; 0 for an empty row);

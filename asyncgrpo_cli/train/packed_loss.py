@@ -100,6 +100,14 @@ def install_loss_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def micro_batch_sequences(rows: list[list[Any]]) -> int:
+    """``S`` of the ``grpo`` / ``dr_grpo`` normalisers: the samples of one micro-batch over all ranks (``rows[r]``
+    holds rank ``r``'s), every one counted, the untrained stubs of completions cut with
+    ``mask_truncated_completions`` included (`rollout.sequences.untrained_stub`), as TRL counts rows with an
+    empty mask (README "Loss variants")."""
+    return sum(len(row) for row in rows)
+
+
 def _routes(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     return any(getattr(c, "output_router_logits", False) for c in (config, getattr(config, "text_config", None)))

@@ -27,7 +27,7 @@ from ..config.grpo_config import AsyncGRPOConfig
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
-from .packed_loss import Reference, install_loss_head, row_loss
+from .packed_loss import Reference, install_loss_head, micro_batch_sequences, row_loss
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .compile import compile_decoder_layers
 from .packing import pack_row
@@ -420,7 +420,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 my_rows.append(row)
                 fwd_start = time.monotonic()
                 loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux,
-                                         sum(s.num_trained_tokens > 0 for r in rows for s in r), self.reference)
+                                         micro_batch_sequences(rows), self.reference)
                 loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
                 fwd_s += time.monotonic() - fwd_start
                 self.accelerator.backward(loss / micro)
@@ -520,6 +520,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self._num_tokens += forwarded  # logged as the running total at each log (`_log_window`), SPEC §15.2
         trained_samples = [s for rows in plan.rows for row in rows for s in row]
         for s in trained_samples:
+            if not s.num_trained_tokens:  # a cut completion's stub (mask_truncated_completions): no sample metrics
+                self._sample_finished(s)
+                continue
             w.add("sample/forwarded_tokens_mean", s.num_tokens)
             w.add("sample/forwarded_tokens_max", s.num_tokens)
             w.add("sample/trained_tokens_mean", s.num_trained_tokens)

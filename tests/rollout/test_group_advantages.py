@@ -80,3 +80,28 @@ def test_should_drop_group(rewards, dropped):
 def test_group_reward_std():
     assert group_reward_std([1.0, 0.0, float("nan")]) == pytest.approx(0.5)
     assert math.isnan(group_reward_std([None, float("nan")]))
+
+
+def _trl_group_advantages(rewards, scale_rewards):
+    """TRL 1.16 GRPOTrainer's advantage of one group (sum_then_normalize), from its formula: reward minus the
+    group's nan-mean, divided (scale_rewards="group") by the Bessel-corrected nan-std + 1e-4; NaN -> 0."""
+    r = np.asarray(rewards, dtype=np.float64)
+    scored = r[~np.isnan(r)]
+    centred = r - scored.mean()
+    if scale_rewards == "group":
+        centred = centred / (np.std(scored, ddof=1) + 1e-4)
+    return np.nan_to_num(centred, nan=0.0)
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25], [2.0, -1.0], [1.0, np.nan, 0.0, 3.0]])
+def test_scale_rewards_against_trl(rewards):
+    """scale_rewards=none is TRL's number exactly (Dr. GRPO); group is B.7's population std + 1e-8, TRL's
+    Bessel-corrected std + 1e-4: ours × sqrt((n-1)/n) is TRL's up to the two epsilons (README: Loss variants)."""
+    n = int(np.sum(~np.isnan(rewards)))
+    np.testing.assert_allclose(group_advantages(rewards, "none"), _trl_group_advantages(rewards, "none"),
+                               rtol=0, atol=1e-15)
+    ours, trl = group_advantages(rewards, "group"), _trl_group_advantages(rewards, "group")
+    np.testing.assert_allclose(ours * math.sqrt((n - 1) / n), trl, rtol=1e-3)  # 1e-4 against std ~0.5
+    assert not np.allclose(ours, trl, rtol=1e-2)  # the difference is real: sqrt((n-1)/n) = 0.935 at n = 8
+    with pytest.raises(ValueError, match="scale_rewards='batch'"):
+        group_advantages(rewards, "batch")

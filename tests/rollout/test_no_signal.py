@@ -147,7 +147,8 @@ def test_loop_stops_when_every_completion_is_masked_as_truncated(tmp_path):
     loop = _loop(tmp_path, spread_reward, limit=2, mask_truncated_completions=True)
     asyncio.run(loop._score_groups([_group(loop, 0)]))  # no turn ends with EOS: nothing of it is trained
     outcome = loop.rollout_buffer.get_nowait()
-    assert outcome.kind == "kept" and outcome.samples == []
+    assert outcome.kind == "kept" and len(outcome.samples) == G  # untrained stubs, counted as sequences (TRL)
+    assert not any(s.num_trained_tokens for s in outcome.samples)
     with pytest.raises(NoLearningSignalError, match="loss.mask_truncated_completions=false"):
         asyncio.run(loop._score_groups([_group(loop, 1)]))
 

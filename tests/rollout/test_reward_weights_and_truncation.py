@@ -105,16 +105,31 @@ def test_mask_truncated_completions(tmp_path):
     # Default: every completion is trained.
     _, outcome, _ = _finish(_loop(tmp_path / "a"), per_function, reasons)
     assert len(outcome.samples) == G
-    # On: the cut ones (0 and 3) still shape the advantages of the others but are not trained.
+    # On: the cut ones (0 and 3) still shape the advantages of the others but are not trained; each travels as an
+    # untrained stub (its context only) so that it counts as a sequence in grpo / dr_grpo, as TRL's empty-mask row.
     loop = _loop(tmp_path / "b", mask_truncated_completions=True)
     queued_before = loop.allowance.queued_tokens
     _, outcome, metrics = _finish(loop, per_function, reasons)
     assert outcome.kind == "kept" and metrics["completions/masked_truncated_frac"] == 0.5
-    assert [s.input_ids[-1] for s in outcome.samples] == [4, 5]
-    assert [s.advantage for s in outcome.samples] == pytest.approx([-1.0, 1.0])  # group of 4: mean 0.5, std 0.5
+    trained = [s for s in outcome.samples if s.num_trained_tokens]
+    stubs = [s for s in outcome.samples if not s.num_trained_tokens]
+    assert [s.input_ids[-1] for s in trained] == [4, 5]
+    assert [s.advantage for s in trained] == pytest.approx([-1.0, 1.0])  # group of 4: mean 0.5, std 0.5
+    assert [s.input_ids for s in stubs] == [[1], [1]]  # the context before the first trained token
+    assert [s.advantage for s in stubs] == pytest.approx([1.0, -1.0])  # counted, never trained
     assert loop.allowance.queued_tokens - queued_before == sum(s.num_tokens for s in outcome.samples)
-    assert loop.allowance.finished_tokens == 0  # the cut samples' tokens were released, not left counted
-    # Every completion cut: the group trains nothing (its position still completes: no samples pending).
+    assert loop.allowance.finished_tokens == 0  # the cut samples' generated tokens were released, not left counted
+    # Every completion cut: the group's samples are all stubs, nothing to train (a step of them has zero loss).
     loop = _loop(tmp_path / "c", mask_truncated_completions=True)
     _, outcome, _ = _finish(loop, per_function, ("length",) * G)
-    assert outcome.kind == "kept" and outcome.samples == []
+    assert outcome.kind == "kept" and len(outcome.samples) == G
+    assert all(s.num_trained_tokens == 0 and s.input_ids == [1] for s in outcome.samples)
+
+
+def test_scale_rewards_none_reaches_the_worker(tmp_path):
+    per_function = {"f": [1.0, 0.0, 1.0, 0.0], "g": [0.0, 4.0, 0.0, 2.0]}  # totals 1, 4, 1, 2: mean 2
+    _, outcome, _ = _finish(_loop(tmp_path / "a", scale_rewards="none"), per_function)
+    assert [s.advantage for s in outcome.samples] == pytest.approx([-1.0, 2.0, -1.0, 0.0])
+    _, outcome, _ = _finish(_loop(tmp_path / "b"), per_function)  # group: divided by the population std
+    assert [s.advantage for s in outcome.samples] == pytest.approx([-1.0 / 1.2247449, 2.0 / 1.2247449,
+                                                                    -1.0 / 1.2247449, 0.0], rel=1e-6)

@@ -24,10 +24,11 @@ def _reference_loss(lp, adv, mu, sample, cfg, *, P, T, S, top_lp=None, mu_top=No
     def trunc(x):
         return min(max(x, cmin), cmax) / x
 
-    def factor(t):  # the off-policy correction of token t (a constant)
+    def factor(t):  # the off-policy correction of token t (a constant): c_t, or W_i for the sequence modes
         r = math.exp(float(lp[t] - mu[t]))
         if cfg.is_mode.startswith("sequence"):
-            r = math.exp(sum(float(lp[u] - mu[u]) for u in members[int(sample[t])]))
+            rho = math.exp(sum(float(lp[u] - mu[u]) for u in members[int(sample[t])]))
+            return rho * (cmin <= rho <= cmax) if cfg.is_mode.endswith("mask") else min(max(rho, cmin), cmax)
         if cfg.is_mode.endswith("mask"):
             return 1.0 if cmin <= r <= cmax else 0.0
         return trunc(r)
@@ -50,12 +51,13 @@ def _reference_loss(lp, adv, mu, sample, cfg, *, P, T, S, top_lp=None, mu_top=No
             q = torch.exp(sum(lp[u] - mu[u] for u in m) / len(m))
         else:
             q = r_t
+        per_value = 1.0 / float(q) if cfg.is_mode.startswith("sequence") else 1.0  # W_i / sg[q] (README)
         if cfg.loss_type == "cispo":
             w = min(float(q), eh)
-            terms.append(-c * w * adv[t] * lp[t])
+            terms.append(-c * per_value * w * adv[t] * lp[t])
         else:
             clipped = torch.clamp(q, 1 - eps, 1 + eh)
-            terms.append(-c * torch.minimum(q * adv[t], clipped * adv[t]))
+            terms.append(-c * per_value * torch.minimum(q * adv[t], clipped * adv[t]))
     if cfg.loss_type in ("dapo", "cispo"):
         return sum(terms) * P / T
     if cfg.loss_type == "bnpo":
@@ -172,12 +174,22 @@ def test_truncation_and_sequence_modes_hand_computed():
     # Sequence ratio ρ = 3 × 2 = 6 > 5 although each token is inside [0.5, 5].
     lp, mu = [math.log(0.9), math.log(0.8)], [math.log(0.3), math.log(0.4)]
     two = dict(global_num_trained_tokens=2)
-    loss, grad, terms = _one(lp, mu, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_mask", **base), **two)
+    wide = dict(base, epsilon=0.99, epsilon_high=100.0)  # a trust region that clips nothing here
+    loss, grad, terms = _one(lp, mu, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_mask", **wide), **two)
     assert (loss, grad) == (0.0, [0.0, 0.0]) and terms.corrected.all()
-    loss, grad, _ = _one(lp, mu, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_truncate", **base), **two)
-    c = 5.0 / 6.0  # both tokens scaled so that the sample's weight is C_max
-    assert loss == pytest.approx(c * (3.0 + 2.0) / 2, abs=1e-12)
-    assert grad == pytest.approx([c * 3.0 / 2, c * 2.0 / 2], abs=1e-12)
+    # sequence_truncate (TRL's): every token weighs clamp(ρ) = 5, value −Â W per token, gradient −Â W ∇log π
+    loss, grad, _ = _one(lp, mu, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_truncate", **wide), **two)
+    assert loss == pytest.approx(5.0 * (1.0 + 1.0) / 2, abs=1e-12)
+    assert grad == pytest.approx([5.0 / 2, 5.0 / 2], abs=1e-12)
+    # ρ = 3 × 0.5 = 1.5 inside: sequence_mask weighs both tokens by ρ, not by their own ratios 3 and 0.5
+    lp2, mu2 = [math.log(0.9), math.log(0.2)], [math.log(0.3), math.log(0.4)]
+    loss, grad, _ = _one(lp2, mu2, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_mask", **wide), **two)
+    assert loss == pytest.approx(1.5, abs=1e-12) and grad == pytest.approx([0.75, 0.75], abs=1e-12)
+    # with the default trust region (Â < 0): token 0 (r = 3) takes the unclipped branch min(−3, −1.2) = −3, token 1
+    # (r = 0.5 < 0.8) the clipped one min(−0.5, −0.8) = −0.8: no gradient, value W × 0.8/0.5
+    loss, grad, _ = _one(lp2, mu2, [-1.0, -1.0], [0, 0], LossConfig(is_mode="sequence_mask", **base), **two)
+    assert grad == pytest.approx([0.75, 0.0], abs=1e-12)
+    assert loss == pytest.approx(1.5 * (1.0 + 0.8 / 0.5) / 2, abs=1e-12)
     loss, _, _ = _one(lp, mu, [-1.0, -1.0], [0, 0], LossConfig(is_mode="token_mask", **base), **two)
     assert loss == pytest.approx(2.5, abs=1e-12)  # token_mask keeps both tokens (r = 3, 2 are inside)
 

@@ -125,3 +125,59 @@ def test_lora_with_kl_to_the_base_model(model_dir, tmp_path):
         assert lines[1]["kl"] > 0
     finally:
         handle.stop()
+
+
+@pytest.fixture(scope="module")
+def no_eos_model_dir(tmp_path_factory):
+    """A tiny model that never ends a completion: every token embedding gets a large constant first component, so
+    the final hidden state's first component is large and positive everywhere, and each stop id's (untied) output
+    row reads only that component with a negative weight: P(EOS) below 1e-20 at every position."""
+    from asyncgrpo_cli.train.model_loading import eos_token_ids
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_no_eos"))
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = emb.abs().max() * 20
+        first = model.model(input_ids=torch.randint(0, len(tok), (16, 30))).last_hidden_state[..., 0]
+        assert float(first.min()) > 1.0
+        for eos in eos_token_ids(tok, model):
+            model.lm_head.weight[eos] = 0.0
+            model.lm_head.weight[eos, 0] = -60.0 / float(first.min())
+    model.save_pretrained(path)
+    return path
+
+
+def test_every_completion_cut_trains_zero_loss_and_keeps_the_weights(no_eos_model_dir, tmp_path):
+    """TRL's all-masked case (test_training_with_mask_truncated_completions_all_masked: lr 0.1, the default AdamW,
+    every completion cut): the steps train with loss 0 and every weight stays equal. The steps are trained here:
+    each cut completion travels as an untrained stub. The weights stay because the gradient is exactly 0 from the
+    first step, so AdamW's moments stay 0, and weight_decay is 0 (after real steps, momentum would move them)."""
+    handle = ServerThread(ServerConfig(model=str(no_eos_model_dir), port=0, device="cpu", dtype="float32",
+                                       max_model_len=96, max_logprobs=8)).start()
+    try:
+        out = tmp_path / "all_cut"
+        args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
+                               num_sampler_logprobs=3, vllm_server_base_url=handle.url, learning_rate=0.1,
+                               save_strategy="no", logging_steps=1, report_to="none", max_staleness=2,
+                               vllm_server_timeout=120.0, rollout_worker_timeout=120.0, seed=0,
+                               mask_truncated_completions=True, loss_type="grpo")
+        assert args.optim.startswith("adamw") and args.weight_decay == 0.0
+        prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3?"}]}
+                                              for i in range(16)])
+        before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(no_eos_model_dir).state_dict().items()}
+        trainer = AsyncGRPOTrainer(model=str(no_eos_model_dir), reward_funcs=[parity_reward], args=args,
+                                   train_dataset=prompts)
+        assert trainer.train().global_step == 2
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines] == [1, 2]
+        assert all(line["completions/masked_truncated_frac"] == 1.0 for line in lines)
+        assert all(line["loss"] == 0.0 and line["batch/trained_tokens_per_step"] == 0.0 for line in lines)
+        assert all(line["batch/samples_per_step"] > 0 for line in lines)  # the stubs were trained
+        after = trainer.model.state_dict()
+        changed = [k for k in before if k in after and not torch.equal(after[k].float(), before[k])]
+        assert changed == []
+    finally:
+        handle.stop()
