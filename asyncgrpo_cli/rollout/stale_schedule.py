@@ -64,8 +64,13 @@ def record_stale_verdict(window, completion_tokens: int, max_completion_length: 
     - ``sample/trained_frac_{short,medium,long}``: per completion-length third (`length_class`), the share of
       its samples that were trained (1.0 trained, 0.0 dropped stale), a per-sample mean;
     - ``sample/dropped_stale_count`` += 1 for a dropped sample (SPEC §15.6).
+
+    A sample without a trained token (a cut completion's stub with ``mask_truncated_completions``, which only
+    counts as a sequence in the loss) has no verdict: nothing is recorded.
     """
     tokens = int(completion_tokens)
+    if tokens <= 0:
+        return
     window.add_ratio("sample/dropped_stale_token_frac", 0 if trained else tokens, tokens)
     window.add(f"sample/trained_frac_{length_class(tokens, max_completion_length)}", 1.0 if trained else 0.0)
     if not trained:

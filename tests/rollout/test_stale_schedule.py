@@ -373,3 +373,12 @@ def test_a_step_whose_every_sample_went_stale_is_not_trained():
     for special in (StepPlan(stop=True, stop_reason="stopped"), StepPlan(repush=True)):  # no rows, returned as is
         trainer = SimpleNamespace(_pull_step_plan=lambda special=special: special, batcher=batcher)
         assert AsyncGRPOTrainer._next_step_plan(trainer) is special
+
+
+def test_a_stub_without_trained_tokens_has_no_stale_verdict():
+    # mask_truncated_completions ships a cut completion as an untrained stub (issue #35): it counts as a sequence
+    # in grpo's normaliser, not as a sample trained or dropped, nor in a length class
+    w = MetricsWindow()
+    record_stale_verdict(w, 0, 40, trained=False)
+    record_stale_verdict(w, 0, 40, trained=True)
+    assert w.flush() == {}
