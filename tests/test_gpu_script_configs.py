@@ -65,7 +65,7 @@ def _train_overrides(argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("name,overrides,steps", [
     ("full", [], vllm033_speed.FULL_STEPS),
-    *[(n, o, s) for n, o, s, _ in vllm033_speed.NEW_VARIANTS],
+    *[(n, o, s) for n, (o, s, _) in vllm033_speed.ALL_NEW.items()],
     *[(n, o, s) for n, code, o, s, _ in vllm033_speed.OLD_VARIANTS if code == "new"],
 ])
 def test_the_speed_runs_of_issue_33_pass_the_train_checks(name, overrides, steps):

@@ -7,6 +7,7 @@
 #   bash scripts/gpu/vllm033/run.sh p9      # top-8 log-prob cost at API servers 8 and 1 (runs.py p9)
 #   bash scripts/gpu/vllm033/run.sh speed_new   # issue #33: the job as shipped, on-policy, the recipe's choices
 #   bash scripts/gpu/vllm033/run.sh speed_old   # issue #33: the baseline (main at 3199842, carried in .base/)
+#   bash scripts/gpu/vllm033/run.sh speed_stop  # issue #33: stops the server a KEEP_SERVER=1 speed_new call left
 # Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
 set -uo pipefail
 VSITE="${VSITE:-/tmp/vsite}"
@@ -24,6 +25,6 @@ case "${1:-train}" in
            TRAIN_DEADLINE_S="${TRAIN_DEADLINE_S:-480}" python3 scripts/gpu/one_gpu.py train ;;
   bench) SKIP_EMBEDDED=1 python3 scripts/gpu/one_gpu.py bench ;;
   masks|p9) python3 scripts/gpu/vllm033/runs.py "$1" ;;
-  speed_new|speed_old) python3 scripts/gpu/vllm033/speed.py "${1#speed_}" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_new, speed_old)"; exit 2 ;;
+  speed_new|speed_old|speed_stop) python3 scripts/gpu/vllm033/speed.py "${1#speed_}" ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_new, speed_old, speed_stop)"; exit 2 ;;
 esac

@@ -21,7 +21,9 @@ old
 
 Each phase has `PHASE_BUDGET_S` seconds (env ``PHASE_BUDGET_S``); a variant gets its own deadline or what is left,
 and is skipped when less than `MIN_RUN_S` is left. Writes ``$OUT/speed_<phase>.json`` after every run.
-``SKIP_FULL=1`` leaves out phase new's ``full`` run.
+``SKIP_FULL=1`` leaves out phase new's ``full`` run; ``VARIANTS=async,sync`` picks phase new's runs; ``TAG=_a``
+names the result ``speed_new_a.json``; ``KEEP_SERVER=1`` leaves phase new's server running for the next call
+(which then uses it), ``speed.py stop`` stops it.
 
 What a run costs on the H200 (2026-12-02): the first vLLM start of the recipe (8 API servers, CUDA graphs,
 torch.compile) 179 s, later ones 94-106 s (compile cache); the trainer's own start 50-60 s before its first step;
@@ -55,14 +57,24 @@ URL = f"http://127.0.0.1:{PORT}"
 PHASE_BUDGET_S = float(os.environ.get("PHASE_BUDGET_S", 540))
 MIN_RUN_S = 60.0
 FULL_STEPS = 24
-#: (name, overrides, steps, deadline seconds) against the served recipe, in order of importance.
-NEW_VARIANTS = [
-    ("async", [], 24, 150),
-    ("sync", ["staleness.max_staleness=0"], 20, 150),
-    ("tb4096", ["packing.token_budget=4096"], 20, 75),
-    ("staleness4", ["staleness.max_staleness=4"], 16, 75),
-    ("tb8192", ["packing.token_budget=8192"], 16, 75),
-]
+#: (name, overrides, steps, deadline seconds) against the served recipe; ``VARIANTS=a,b`` picks and orders them
+#: (default: `DEFAULT_NEW`). Steps and deadlines leave 21+ windows (20 measured steps) at the 2026-12-02 rates.
+WIDE = ["packing.token_budget=32768", "staleness.max_concurrent_rollouts=1024"]
+ALL_NEW = {
+    "async": ([], 24, 180),
+    "sync": (["staleness.max_staleness=0"], 22, 215),
+    # Twice the step and the rollout ceiling: the allowance (max_staleness x the step's tokens) lets about twice as
+    # many rollouts run in vLLM's batch (the trainer waited 49-56% at 16K; vLLM's decode step, not its KV cache,
+    # bounds generation: 2% KV used at ~400 in flight).
+    "wide": (WIDE, 22, 200),
+    "wide_sync": ([*WIDE, "staleness.max_staleness=0"], 22, 230),
+    "tb4096": (["packing.token_budget=4096"], 20, 75),
+    "staleness4": (["staleness.max_staleness=4"], 16, 75),
+    "tb8192": (["packing.token_budget=8192"], 16, 75),
+}
+DEFAULT_NEW = ["async", "sync", "tb4096", "staleness4", "tb8192"]
+NEW_VARIANTS = [(name, *ALL_NEW[name]) for name in
+                (os.environ["VARIANTS"].split(",") if os.environ.get("VARIANTS") else DEFAULT_NEW)]
 #: The settings the recipe had at 3199842, as overrides of today's recipe (the server side is the old serve's).
 OLD_RECIPE_SETTINGS = ["packing.token_budget=4096", "staleness.max_concurrent_rollouts=256",
                        "sampler.api_server_count=1", "sampler.extra_args=[--enforce-eager]"]
@@ -72,6 +84,7 @@ OLD_VARIANTS = [
     ("code_async", "new", OLD_RECIPE_SETTINGS, 20, 80),
     ("code_sync", "new", [*OLD_RECIPE_SETTINGS, "staleness.max_staleness=0"], 20, 90),
 ]
+TAG = os.environ.get("TAG", "")  # a suffix of the result file's name (several calls of one phase)
 T0 = time.monotonic()
 result: dict = {"issue": 33, "date": time.strftime("%Y-%m-%d"), "phase": None, "runs": [],
                 "targets": {"p12": bench_e2e.P12_TARGET,
@@ -87,7 +100,7 @@ def left() -> float:
 def save() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     result["summary"] = bench_e2e.summary(result["runs"])
-    (OUT / f"speed_{result['phase']}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"speed_{result['phase']}{TAG}.json").write_text(json.dumps(result, indent=1))
 
 
 def old_env() -> dict:
@@ -151,17 +164,36 @@ def run(name: str, overrides: list[str], steps: int, deadline: float, env: dict 
           flush=True)
 
 
+def server_up() -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{URL}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def phase_new() -> None:
+    """The variants against the served recipe. A server already answering at `URL` (``KEEP_SERVER=1`` left it
+    from an earlier call on this machine) is used and left running; ``KEEP_SERVER=1`` leaves a started one running
+    too (its pid in ``WORK/server.pid``) so that the next call spends no start on it."""
     if not os.environ.get("SKIP_FULL"):
         run("full", [], FULL_STEPS, 330, external=False)  # the supervisor starts vLLM: the job as shipped
-    server, log = start_server("recipe")
+    if server_up():
+        result.setdefault("servers", []).append({"server": "recipe", "reused": True})
+        server, log = None, None
+    else:
+        server, log = start_server("recipe")
+        (WORK / "server.pid").write_text(str(server.pid))
     try:
-        if server.poll() is None:
+        if server is None or server.poll() is None:
             for name, overrides, steps, deadline in NEW_VARIANTS:
                 run(name, overrides, steps, deadline)
     finally:
-        one_gpu.stop_server(server)
-        log.close()
+        if server is not None and not os.environ.get("KEEP_SERVER"):
+            one_gpu.stop_server(server)
+        if log is not None:
+            log.close()
 
 
 def phase_old() -> None:
@@ -169,11 +201,28 @@ def phase_old() -> None:
     server, log = start_server("old", env=env)
     try:
         if server.poll() is None:
+            chosen = os.environ.get("VARIANTS", "").split(",") if os.environ.get("VARIANTS") else None
             for name, code, overrides, steps, deadline in OLD_VARIANTS:
+                if chosen is not None and name not in chosen:
+                    continue
                 run(name, overrides, steps, deadline, env=env if code == "old" else None)
     finally:
         one_gpu.stop_server(server)
         log.close()
+
+
+def phase_stop() -> None:
+    """Stops the server a ``KEEP_SERVER=1`` call left (its process group, from ``WORK/server.pid``)."""
+    import signal
+
+    pid_file = WORK / "server.pid"
+    if pid_file.exists():
+        pid = int(pid_file.read_text())
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        pid_file.unlink()
 
 
 def main() -> int:
@@ -184,7 +233,7 @@ def main() -> int:
     result["gpu_processes_before"] = one_gpu.gpu_processes()
     save()
     try:
-        {"new": phase_new, "old": phase_old}[phase]()
+        {"new": phase_new, "old": phase_old, "stop": phase_stop}[phase]()
     finally:
         result["gpu_processes_after"] = one_gpu.gpu_processes()
         result["phase_wall_s"] = round(time.monotonic() - T0, 1)
