@@ -162,8 +162,9 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         import torch
 
-        if isinstance(self.scale_rewards, bool):  # TRL's spelling: True = group, False = none
-            self.scale_rewards = "group" if self.scale_rewards else "none"
+        from .loss_rules import scale_rewards_name
+
+        self.scale_rewards = scale_rewards_name(self.scale_rewards)  # TRL's spelling: True = group, False = none
         check_types(self)  # before any comparison: num_generations="8" must not reach a `<`
         check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
 

@@ -18,6 +18,17 @@ IS_LEVELS = ("token", "sequence")
 IS_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 #: TRL's ``scale_rewards`` values; ``group`` (B.7's group std) is the default. ``batch`` is refused (below).
 SCALE_REWARDS = ("group", "none")
+
+
+def scale_rewards_name(value: Any) -> Any:
+    """TRL's boolean spelling of ``scale_rewards`` as its name: ``True`` → ``"group"``, ``False`` → ``"none"``
+    (also the strings ``"true"`` / ``"false"`` in any case, as Hydra hands ``rollout.scale_rewards=true`` to a
+    string field). Any other value is returned unchanged (checked by `check_loss_fields`)."""
+    if isinstance(value, bool):
+        return "group" if value else "none"
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return "group" if value.lower() == "true" else "none"
+    return value
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize",)
 _BATCH_REFUSED = ("TRL normalises by statistics of the whole generation batch (the std of every reward in it, "
                   "groups without spread included); here a group's advantages are computed when the group finishes, "
@@ -65,7 +76,7 @@ def check_loss_fields(values: Mapping[str, Any], path_of: Callable[[str], str] =
     if loss_type == "cispo" and not (eh is not None and eh > 0):
         raise _error(p("epsilon_high"), eh, "loss_type=cispo caps the stop-gradient importance weight at "
                      "epsilon_high (its ε_max)", f"set {p('epsilon_high')}=5.0 (ScaleRL's value)")
-    scale = g("scale_rewards", "group")
+    scale = scale_rewards_name(g("scale_rewards", "group"))
     if scale == "batch":
         raise _error(p("scale_rewards"), scale, _BATCH_REFUSED, f"set {p('scale_rewards')}=group (the default) or none")
     if scale not in SCALE_REWARDS:

@@ -735,6 +735,24 @@ def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
     return None
 
 
+def _findings(history: MetricsHistory, settings: RunSettings, th: Thresholds) -> tuple[list[Diagnosis], Diagnosis | None]:
+    """Every finding of the newest window of ``history`` (in `diagnose`'s tie order) and the active limit."""
+    m = history.latest
+    limit = active_limit(m, settings, th)
+    neck = trainer_idle(history, settings, th) or bottleneck(m, settings, th)
+    found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th), neck, limit,
+                         length_bias(history, settings, th), tool_use(m, th))
+             if d is not None]
+    return found, limit
+
+
+def _shown(best: Diagnosis, limit: Diagnosis | None) -> Diagnosis:
+    """The line for finding ``best``: a generation-bound finding gets the active limit appended."""
+    if best.rule == "generation_bound" and limit is not None and limit.rule != "limit_staleness":
+        return Diagnosis(best.rule, f"{best.text}; {limit.text}", best.severity)
+    return best
+
+
 def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
              th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The ONE diagnosis line of the dashboard for the newest window of ``history``.
@@ -745,30 +763,24 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
     the active concurrency limit appended (SPEC §4.4 says what holds generation back). When everything is ok
     the line starts with ``healthy:`` and lists the findings.
     """
-    m = history.latest
-    if not m:
+    if not history.latest:
         return Diagnosis("waiting", "waiting for the first logged step", OK)
-    limit = active_limit(m, settings, th)
-    neck = trainer_idle(history, settings, th) or bottleneck(m, settings, th)
-    found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th), neck, limit,
-                         length_bias(history, settings, th), tool_use(m, th))
-             if d is not None]
+    found, limit = _findings(history, settings, th)
     if not found:
         return Diagnosis("no_data", "no diagnosable metrics in this step", OK)
     best = max(found, key=lambda d: d.rank)  # max keeps the first of equal ranks
     if best.severity == OK:
         return Diagnosis("healthy", "healthy: " + "; ".join(d.text for d in found if d.rule != "limit_none"), OK)
-    if best.rule == "generation_bound" and limit is not None and limit.rule != "limit_staleness":
-        return Diagnosis(best.rule, f"{best.text}; {limit.text}", best.severity)
-    return best
+    return _shown(best, limit)
 
 
 def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSettings(),
                      th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
-    """The dashboard's line: `diagnose` of the newest window when it is ok; a warning (info and above) only
-    when `diagnose` found the same rule in each of the newest ``th.hold_windows`` windows, its text then
-    ending with the steps it held over (``held over steps 4-6``). Until then the line says that no finding
-    has held yet, naming the newest one, with severity ok."""
+    """The dashboard's line: `diagnose` of the newest window when it is ok; otherwise the most severe warning
+    (info and above) found in each of the newest ``th.hold_windows`` windows, each finding counted on its own
+    (a finding that held while a more severe one came and went is shown), its text then ending with the steps
+    it held over (``held over steps 4-6``). Until one has held, the line says that no finding has held yet,
+    naming the newest one, with severity ok."""
     current = diagnose(history, settings, th)
     if current.severity == OK or th.hold_windows <= 1:
         return current
@@ -776,16 +788,19 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
     hold = th.hold_windows
     steps = [num(r, "step") for r in rows[-hold:]]
     if len(rows) >= hold:
-        earlier = []
+        found, limit = _findings(history, settings, th)
+        held = {d.rule for d in found if d.severity != OK}
         for back in range(1, hold):
             past = MetricsHistory(maxlen=len(rows))
             for r in rows[:-back]:
                 past.push(r)
-            earlier.append(diagnose(past, settings, th).rule)
-        if all(rule == current.rule for rule in earlier):
+            held &= {d.rule for d in _findings(past, settings, th)[0] if d.severity != OK}
+        steady = [d for d in found if d.rule in held]
+        if steady:
+            best = _shown(max(steady, key=lambda d: d.rank), limit)
             span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
                     else f"the last {hold} windows")
-            return Diagnosis(current.rule, f"{current.text} (held over {span})", current.severity)
+            return Diagnosis(best.rule, f"{best.text} (held over {span})", best.severity)
     newest = current.rule.replace("_", " ")
     return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)",
                      OK)

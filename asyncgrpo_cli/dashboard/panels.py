@@ -598,8 +598,10 @@ class RunSummary:
         final_reward_windows: how many windows that mean is over.
         final_model: the ``from_pretrained`` line that loads the saved final model (or LoRA adapter), None when
             ``output_dir`` holds none.
-        mean_generated_tokens_per_s: mean of ``rollout/generated_tokens_per_s`` over the windows.
-        mean_trained_tokens_per_s: mean of ``perf/wall_clock_trained_tokens_per_s``.
+        mean_generated_tokens_per_s: ``rollout/generated_tokens_per_s`` over the windows, each weighted by its
+            step time (``perf/step_s``): the tokens over the time, not a mean of rates (a short fast step and a
+            long slow one do not count alike).
+        mean_trained_tokens_per_s: ``perf/wall_clock_trained_tokens_per_s``, weighted the same way.
         mean_step_s: mean of ``perf/step_s``.
         output_dir: the run folder; checkpoints: its ``checkpoint-*`` folders (oldest first).
         plot_path: the training-curves PNG, when written.
@@ -624,6 +626,16 @@ class RunSummary:
 def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
     vals = [v for v in (num(r, name) for r in rows) if v is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def _time_weighted(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
+    """A rate over the windows weighted by their ``perf/step_s`` (tokens over time); the plain mean of the
+    windows without a step time."""
+    pairs = [(v, t) for v, t in ((num(r, name), num(r, "perf/step_s")) for r in rows) if v is not None]
+    timed = [(v, t) for v, t in pairs if t is not None and t > 0]
+    if timed and len(timed) == len(pairs):
+        return sum(v * t for v, t in timed) / sum(t for _, t in timed)
+    return _mean(rows, name)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[str]:
@@ -662,8 +674,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
                       final_reward=sum(rewards) / len(rewards) if rewards else None,
                       final_reward_windows=len(rewards), final_model=final_model_line(output_dir),
-                      mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
-                      mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
+                      mean_generated_tokens_per_s=_time_weighted(rows, "rollout/generated_tokens_per_s"),
+                      mean_trained_tokens_per_s=_time_weighted(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
                       checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None,
                       final_eval=final_eval)
@@ -680,8 +692,8 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("final reward", fmt(summary.final_reward, ".4g") + (f" (mean of the last {summary.final_reward_windows} "
                                                              "steps)" if summary.final_reward_windows > 1 else "")),
         *[("final " + label, value) for label, value in eval_rows(summary.final_eval)],
-        ("mean generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
-        ("mean trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
+        ("generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
+        ("trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),
         ("mean step time", fmt_s(summary.mean_step_s)),
         ("output", summary.output_dir),
     ]

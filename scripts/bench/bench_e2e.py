@@ -192,7 +192,8 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--recipe", default="smoke")
     parser.add_argument("--steps", type=int, default=20, help="trainer.max_steps of every run")
     parser.add_argument("--variant", action="append", required=True, help="NAME=OVERRIDES (repeatable)")

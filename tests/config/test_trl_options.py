@@ -61,6 +61,10 @@ def test_scale_rewards_values(tmp_path):
     assert _args(tmp_path, scale_rewards=True).scale_rewards == "group"
     assert to_training_args(compose(["+recipe=deepmath", "trainer.output_dir=/tmp/agrpo-trl-options",
                                      "rollout.scale_rewards=none"])).scale_rewards == "none"
+    for typed, name in (("true", "group"), ("false", "none"), ("True", "group"), ("FALSE", "none")):
+        # TRL's spelling through the CLI too (Hydra hands the string field 'True' / 'False')
+        assert to_training_args(compose(["+recipe=deepmath", "trainer.output_dir=/tmp/agrpo-trl-options",
+                                         f"rollout.scale_rewards={typed}"])).scale_rewards == name
     with pytest.raises(ConfigError, match="scale_rewards='batch': .*generation batch.*Fix: set scale_rewards=group"):
         _args(tmp_path, scale_rewards="batch")
     with pytest.raises(ConfigError, match=r"rollout\.scale_rewards='batch'"):

@@ -347,6 +347,20 @@ def test_idle_cause_the_staleness_allowance():
     assert diagnose(tight, SETTINGS).rule == "trainer_idle_allowance"
 
 
+def test_a_finding_that_holds_is_shown_while_a_worse_one_comes_and_goes():
+    # the smoke job (fresh-user trial): the allowance held the trainer idle every step, but a more severe finding
+    # in every other window won that window, so the line that asks the same rule 3 windows running said
+    # "no steady finding yet" for the whole run
+    held = _idle(**{"rollout/backpressure_s": 0.3, "rollout/concurrency": 128})
+    worse = {**held, "completions/duplicate_frac": 0.86}
+    assert diagnose(history_of(worse), VLLM).rule == "sampler_not_random"
+    d = steady_diagnosis(history_of(held, worse, held, worse), VLLM)
+    assert d.rule == "trainer_idle_allowance" and d.severity == WARN
+    assert d.text.endswith("(held over steps 2-4)") and "fix: staleness.max_staleness=4" in d.text
+    # the worse one, once it holds too, wins again
+    assert steady_diagnosis(history_of(held, worse, worse, worse), VLLM).rule == "sampler_not_random"
+
+
 def test_idle_cause_stale_drops():
     from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
 

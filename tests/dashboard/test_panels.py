@@ -256,6 +256,15 @@ def test_summary_and_checkpoints(tmp_path):
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 
 
+def test_summary_rates_are_tokens_over_time(tmp_path):
+    # a 1 s step at 100 tok/s and a 9 s step at 10 tok/s: 190 tokens in 10 s = 19 tok/s (the mean of rates said 55)
+    rows = [{**window(1), "perf/step_s": 1.0, "perf/wall_clock_trained_tokens_per_s": 100.0},
+            {**window(2), "perf/step_s": 9.0, "perf/wall_clock_trained_tokens_per_s": 10.0}]
+    s = summarize(rows, 10.0, tmp_path, "finished")
+    assert s.mean_trained_tokens_per_s == pytest.approx(19.0)
+    assert any(line.split() == ["trained", "tok/s", "19"] for line in summary_lines(s))
+
+
 def test_training_curves_png(tmp_path):
     write_run(tmp_path, steps=4)
     rows = load_metrics(tmp_path / "metrics.jsonl")
