@@ -16,6 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from .rules import ConfigError, check_fields, check_lora_rank
 
+DEFAULT_OUTPUT_DIR = "outputs/run"
+"""``trainer.output_dir`` when it is not set."""
+
 _PKG_DIR = Path(__file__).resolve().parent.parent
 _CHECKOUT_DIR = _PKG_DIR.parent
 
@@ -366,8 +369,8 @@ def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-PUBLIC_HOST_RISK = ("the server's dev routes (/update_weights, /pause, LoRA loading) take no API key, and "
-                    "/update_weights loads any file path it is given")
+PUBLIC_HOST_RISK = ("the server's dev routes (/update_weights, /pause, LoRA loading) take no API key, so anyone "
+                    "who can reach the port can pause the server and replace its weights")
 
 
 def is_loopback(host: str) -> bool:
@@ -386,8 +389,8 @@ def public_host_warning(cfg: DictConfig) -> str | None:
     """The warning to print when a started server listens beyond loopback (``sampler.allow_public=true``)."""
     if cfg.sampler.backend.value == "external" or is_loopback(str(cfg.sampler.host)):
         return None
-    return (f"warning: sampler.host={cfg.sampler.host} (sampler.allow_public=true): {PUBLIC_HOST_RISK}; anyone who "
-            "can reach the port can replace the weights. Keep the port firewalled")
+    return (f"warning: sampler.host={cfg.sampler.host} (sampler.allow_public=true): {PUBLIC_HOST_RISK}. Keep the "
+            "port firewalled")
 
 
 def server_url(cfg: DictConfig) -> str:
@@ -413,10 +416,12 @@ def validate_config(cfg: DictConfig) -> None:
     """
     from .loss_rules import check_reward_weights_count
     from .override_errors import added_unknown_keys, unknown_key_message
+    from .secrets import check_no_secrets
     from .validate import check_groups
 
     for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
         raise ConfigError(unknown_key_message(key).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
+    check_no_secrets(cfg)  # before anything could print or save them
     check_fields(_flat_fields(cfg), hydra_path)
     check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")
     check_groups(cfg)
@@ -442,6 +447,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"sampler.host={cfg.sampler.host} is not a loopback address: {PUBLIC_HOST_RISK}. Fix: keep "
                           "sampler.host=127.0.0.1 (reach it through an SSH tunnel), or set sampler.allow_public=true "
                           "on a trusted network")
+    from .server_flags import check_extra_args
+
+    check_extra_args(list(cfg.sampler.extra_args), host=str(cfg.sampler.host), public_risk=PUBLIC_HOST_RISK,
+                     is_loopback=is_loopback)
     if cfg.sampler.backend.value == "external" and not cfg.sampler.url:
         raise ConfigError("sampler.backend=external needs sampler.url. Fix: add sampler.url=http://HOST:PORT")
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
@@ -481,7 +490,7 @@ def training_args_kwargs(cfg: DictConfig) -> dict[str, Any]:
         kwargs[name] = plain[group][key]
     kwargs["vllm_server_base_url"] = server_url(cfg)
     if kwargs.get("output_dir") is None:
-        kwargs["output_dir"] = "outputs/run"
+        kwargs["output_dir"] = DEFAULT_OUTPUT_DIR
     return kwargs
 
 

@@ -163,6 +163,14 @@ class AsyncGRPOConfig(TrainingArguments):
         check_fields({f.name: getattr(self, f.name) for f in fields(self) if f.init})
         super().__post_init__()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps (``training_args.bin`` in every checkpoint, the spawned rollout worker): every
+        field but ``hub_token``, which is never written to disk (the Hub reads ``HF_TOKEN`` from the environment)."""
+        state = dict(self.__dict__)
+        if state.get("hub_token"):
+            state["hub_token"] = None
+        return state
+
     @property
     def effective_epsilon_high(self) -> float:
         """Upper clipping epsilon: ``epsilon_high`` or, when unset, ``epsilon`` (SPEC §3.3.3)."""

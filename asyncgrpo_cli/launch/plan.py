@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from ..config.compose import DEFAULT_OUTPUT_DIR  # noqa: F401  (re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
 CONFIG_NAME = "asyncgrpo_config.yaml"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
-DEFAULT_OUTPUT_DIR = "outputs/run"
 
 if TYPE_CHECKING:
     from ..config.schema import LaunchConfig, LossConfig, ModelConfig, PeftConfig, SamplerConfig, TrainerConfig

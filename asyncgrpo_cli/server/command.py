@@ -10,6 +10,7 @@ import json
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.rules import max_lora_rank_for
@@ -222,6 +223,14 @@ def server_command_here(cfg: Any, vllm_version: str | None = None) -> ServerComm
                                 staleness=cfg.staleness)
 
 
+def weights_dir_of(trainer: Any) -> Path:
+    """The run's weights folder, ``<trainer.output_dir>/.weights`` (absolute): the only folder the embedded
+    sampler reads weight files from (``--weights-dir``), where the trainer writes each sync's files."""
+    from ..config.compose import DEFAULT_OUTPUT_DIR
+
+    return Path(str(trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve() / ".weights"
+
+
 def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: LaunchConfig, rollout: RolloutConfig,
                       trainer: TrainerConfig, peft: PeftConfig, staleness: StalenessConfig) -> ServerCommand:
     """The embedded sampler's command line: the same settings as vLLM's, under our own module."""
@@ -240,6 +249,7 @@ def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: Lau
         argv += ["--max-model-len", str(sampler.max_model_len)]
     if sampler.kv_cache_tokens is not None:
         argv += ["--kv-cache-tokens", str(sampler.kv_cache_tokens)]
+    argv += ["--weights-dir", str(weights_dir_of(trainer))]
     if peft.enabled:
         rank, loras = lora_limits(peft, staleness)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]

@@ -1,6 +1,7 @@
 """Choose the weight-sync backend from what the running server is (DESIGN §5, SPEC §9).
 
-``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync`; a vLLM whose
+``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync` (writing into the weights folder
+the server names, `embedded_weights_dir`); a vLLM whose
 ``/server_info`` says ``weight_transfer_config.backend == "ipc"`` (the colocated layout, one GPU) →
 `VllmIpcSync`; vLLM 0.26–0.27 → `VllmNccl026Sync`; vLLM >= 0.28 → `VllmNccl028Sync`. A PEFT model on a server with LoRA enabled
 (``lora_config`` in ``/server_info``) gets `LoraAdapterSync` instead (unless adapter sync is
@@ -48,6 +49,14 @@ def read_transfer_backend(client: Any) -> str | None:
     ``nccl``, ``ipc``, ...), None when it does not say."""
     backend = (_server_config(client).get("weight_transfer_config") or {}).get("backend")
     return str(backend) if backend else None
+
+
+def embedded_weights_dir(client: Any) -> Path | None:
+    """The folder the embedded sampler reads weight files from (``weight_transfer_config.weights_dir`` of its
+    ``/server_info``: the run's ``<output_dir>/.weights`` when ``asyncgrpo`` started it, else its private
+    temporary folder); None when the server does not say (it then reads any path: an older server)."""
+    folder = (_server_config(client).get("weight_transfer_config") or {}).get("weights_dir")
+    return Path(str(folder)) if folder else None
 
 
 def read_server_dtype(client: Any) -> torch.dtype | None:
@@ -117,7 +126,7 @@ def make_weight_sync(
             check_lora_limits(lora_config, lora_rank, max_staleness)
             return LoraAdapterSync(client, output_dir / ".vllm_lora", max_staleness)
     if info.get("server") == EMBEDDED_SERVER:
-        return EmbeddedPathSync(client, output_dir / ".weights")
+        return EmbeddedPathSync(client, embedded_weights_dir(client) or output_dir / ".weights")
     version = parse_vllm_version(info["version"])
     if version < (0, 26):
         raise ValueError(f"vLLM {info['version']} is too old for weight transfer; use vLLM >= 0.26")
