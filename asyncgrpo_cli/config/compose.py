@@ -8,6 +8,7 @@ packaged inside the wheel (`asyncgrpo_cli/_data/`). Recipes are registered as th
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,8 +306,9 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         from .override_errors import type_error_message
 
         key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, None])[1]
+        listed = re.sub(r"\[\d+\]$", "", str(key)) if key else None  # an item's list: its value without the override
         text = type_error_message(str(key), getattr(cause, "value", None),
-                                  _value_without(str(key), overrides, recipe_dirs)) if key else None
+                                  _value_without(listed, overrides, recipe_dirs)) if key else None
         if text:
             return text
     if "could not be converted to" in msg:
@@ -315,6 +317,11 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         return (f"{msg}\nFix: set {key.group(1) if key else 'the key'} to "
                 f"{'an' if kind and kind.group(1)[0] in 'AEIOU' else 'a'} {kind.group(1).lower() if kind else 'value of its type'}"
                 " (`asyncgrpo config` shows every key with its current value)")
+    unclosed = _unclosed_override(overrides) if ("no viable alternative" in msg or "LexerNoViableAlt" in msg
+                                                 or "token recognition error" in msg or "mismatched input" in msg
+                                                 or "extraneous input" in msg) else None
+    if unclosed:
+        return unclosed
     if "LexerNoViableAltException" in msg or "token recognition error" in msg or "mismatched input" in msg:
         return (f"{msg}\nFix: quote a value holding spaces or special characters, e.g. "
                 "'model.name=\"my model\"' (see https://hydra.cc/docs/advanced/override_grammar/basic)")
@@ -326,7 +333,40 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
 
 
-_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+)")
+_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+(?:\[\d+\])?)")
+_CLOSERS = {"[": "]", "{": "}", "(": ")"}
+
+
+def _unclosed_override(overrides: list[str]) -> str | None:
+    """The message for the first override Hydra cannot parse because a bracket or a quote is left open
+    (``rollout.reward_weights=[1.0``), with the override closed as the fix; None when that is not the cause."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+            continue
+        except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
+            pass
+        key, _, value = override.partition("=")
+        open_, quote = [], None
+        for ch in value:
+            if quote:
+                quote = None if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in _CLOSERS:
+                open_.append(_CLOSERS[ch])
+            elif open_ and ch == open_[-1]:
+                open_.pop()
+        if not open_ and quote is None:
+            return None
+        what = f"a {quote} quote" if quote else {"]": "a list [", "}": "a mapping {", ")": "a ("}[open_[-1]]
+        closed = f"{key}={value}{quote or ''}{''.join(reversed(open_))}"
+        return (f"{override}: {what} is not closed, so the override cannot be read. Fix: close it, "
+                f"{shlex.quote(closed)} (quoted whole, so the shell passes the brackets and quotes on)")
+    return None
 
 
 def _unknown_key_message(msg: str) -> str:
@@ -359,8 +399,8 @@ def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, path in FIELD_PATHS.items():
         group, key = path.split(".")
-        if name == "vllm_server_base_url":
-            out[name] = server_url(cfg)
+        if name == "vllm_server_base_url":  # checked as typed; one built from sampler.host/port is not a user's
+            out[name] = str(cfg.sampler.url) if cfg.sampler.url else None
             continue
         value = cfg[group][key]
         out[name] = value.value if hasattr(value, "value") and not isinstance(value, (int, float)) else value
@@ -402,9 +442,11 @@ def sampler_url(sampler: Any) -> str:
     """`server_url` from the ``sampler`` group alone (`SamplerConfig`: ``url``, ``host``, ``port``)."""
     if sampler.url:
         return str(sampler.url).rstrip("/")
-    host = sampler.host
+    host = str(sampler.host)
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
+    if ":" in host:  # an IPv6 address goes in brackets (http://[::1]:8000)
+        host = f"[{host}]"
     return f"http://{host}:{sampler.port}"
 
 
@@ -417,6 +459,7 @@ def validate_config(cfg: DictConfig) -> None:
     from .loss_rules import check_reward_weights_count
     from .override_errors import added_unknown_keys, unknown_key_message
     from .secrets import check_no_secrets
+    from .start_checks import check_generator_keys
     from .validate import check_groups
 
     for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
@@ -425,6 +468,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_fields(_flat_fields(cfg), hydra_path)
     check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")
     check_groups(cfg)
+    check_generator_keys(cfg.data)
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")
         tm = cfg.peft.target_modules

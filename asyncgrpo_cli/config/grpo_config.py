@@ -149,6 +149,12 @@ class AsyncGRPOConfig(TrainingArguments):
         import torch
 
         check_types(self)  # before any comparison: num_generations="8" must not reach a `<`
+        if self.output_dir is not None and not str(self.output_dir).strip():
+            from .rules import ConfigError
+
+            raise ConfigError(f"output_dir={self.output_dir!r}: an empty folder name (transformers fails on it "
+                              "with FileNotFoundError: ''). Fix: output_dir='outputs/run' (or leave it out for "
+                              "transformers' default, trainer_output)", key="output_dir")
         check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
 
         if self.bf16 is None:

@@ -205,22 +205,46 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
     return ServerCommand(argv, env, notes, problems)
 
 
-def server_command_here(cfg: Any, vllm_version: str | None = None) -> ServerCommand:
+def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str | None = None) -> ServerCommand:
     """The server command a composed config gets on this machine: `colocate.decide_layout` for the visible
     GPUs, then `build_server_command` with the groups each reads. It takes the whole composed config because it
     is the entry point of ``asyncgrpo serve`` and of doctor's restart line, which hold nothing else.
+
+    ``sampler.backend=external`` starts nothing, so the server to start for it is ``backend`` when given (doctor:
+    the kind that answers at the URL), else the embedded sampler where vLLM cannot run (``sampler.device=cpu``,
+    or no CUDA GPU here) and vLLM elsewhere; a note says which and why.
 
     Raises:
         ConfigError: from `build_server_command` (``model.name`` unset, an invalid LoRA rank).
     """
     from .colocate import decide_layout, visible_gpu_count
 
-    layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+    n = visible_gpu_count()
+    configured = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    note = None
+    if configured == "external":
+        import copy
+
+        if backend is None:
+            cpu = str(cfg.sampler.device) == "cpu" or n == 0
+            backend = "embedded" if cpu else "vllm"
+            why = "sampler.device=cpu" if str(cfg.sampler.device) == "cpu" else "no CUDA GPU here" if n == 0 else \
+                "a CUDA GPU is here"
+        else:
+            why = "the kind of server that answers at sampler.url"
+        cfg = copy.deepcopy(cfg)
+        cfg.sampler.backend = backend
+        note = (f"sampler.backend=external starts no server; the server to start for this config is "
+                f"{'the embedded sampler' if backend == 'embedded' else 'vLLM'} ({why})")
+    layout = decide_layout(n, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
                            trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
                            loss=cfg.loss)
-    return build_server_command(vllm_version, layout=layout, model=cfg.model, sampler=cfg.sampler,
-                                launch=cfg.launch, rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
-                                staleness=cfg.staleness)
+    command = build_server_command(vllm_version, layout=layout, model=cfg.model, sampler=cfg.sampler,
+                                   launch=cfg.launch, rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
+                                   staleness=cfg.staleness)
+    if note:
+        command.notes.insert(0, note)
+    return command
 
 
 def weights_dir_of(trainer: Any) -> Path:
