@@ -367,6 +367,11 @@ def serve_cmd(
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
     _validate(cfg, "serve")
+    external_note = None
+    if getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external":  # the server that config expects
+        from .server.command import server_for_external
+
+        cfg, external_note = server_for_external(cfg, at_url=True)
     if not dry_run:
         _check_port(cfg)
     try:
@@ -377,6 +382,8 @@ def serve_cmd(
         raise typer.Exit(2) from None
     if export_note:
         command.notes.append(export_note)
+    if external_note:
+        command.notes.insert(0, external_note)
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend == "vllm":
         if visible_gpu_count() == 0:

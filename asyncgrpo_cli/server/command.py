@@ -211,8 +211,7 @@ def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str 
     is the entry point of ``asyncgrpo serve`` and of doctor's restart line, which hold nothing else.
 
     ``sampler.backend=external`` starts nothing, so the server to start for it is ``backend`` when given (doctor:
-    the kind that answers at the URL), else the embedded sampler where vLLM cannot run (``sampler.device=cpu``,
-    or no CUDA GPU here) and vLLM elsewhere; a note says which and why.
+    the kind that answers at the URL), else `server_for_external`'s; a note says which and why.
 
     Raises:
         ConfigError: from `build_server_command` (``model.name`` unset, an invalid LoRA rank).
@@ -220,22 +219,9 @@ def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str 
     from .colocate import decide_layout, visible_gpu_count
 
     n = visible_gpu_count()
-    configured = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     note = None
-    if configured == "external":
-        import copy
-
-        if backend is None:
-            cpu = str(cfg.sampler.device) == "cpu" or n == 0
-            backend = "embedded" if cpu else "vllm"
-            why = "sampler.device=cpu" if str(cfg.sampler.device) == "cpu" else "no CUDA GPU here" if n == 0 else \
-                "a CUDA GPU is here"
-        else:
-            why = "the kind of server that answers at sampler.url"
-        cfg = copy.deepcopy(cfg)
-        cfg.sampler.backend = backend
-        note = (f"sampler.backend=external starts no server; the server to start for this config is "
-                f"{'the embedded sampler' if backend == 'embedded' else 'vLLM'} ({why})")
+    if getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external":
+        cfg, note = server_for_external(cfg, backend, gpu_count=n)
     layout = decide_layout(n, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
                            trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
                            loss=cfg.loss)
@@ -245,6 +231,45 @@ def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str 
     if note:
         command.notes.insert(0, note)
     return command
+
+
+def server_for_external(cfg: Any, backend: str | None = None, *, gpu_count: int | None = None,
+                        at_url: bool = False) -> tuple[Any, str]:
+    """A copy of a ``sampler.backend=external`` config that starts the server it expects, and a note saying so.
+
+    The kind is ``backend`` when given, else the embedded sampler where vLLM cannot run (``sampler.device=cpu``,
+    or no CUDA GPU here) and vLLM elsewhere. With ``at_url`` (``asyncgrpo serve``), it listens on
+    ``sampler.url``'s port, and on its host when that is a loopback address (never a public one: that stays
+    ``sampler.host`` and ``sampler.allow_public``'s decision).
+    """
+    import copy
+    from urllib.parse import urlsplit
+
+    from ..config.compose import is_loopback
+    from .colocate import visible_gpu_count
+
+    n = visible_gpu_count() if gpu_count is None else gpu_count
+    if backend is None:
+        cpu = str(cfg.sampler.device) == "cpu"
+        backend = "embedded" if cpu or n == 0 else "vllm"
+        why = "sampler.device=cpu" if cpu else "no CUDA GPU here" if n == 0 else "a CUDA GPU is here"
+    else:
+        why = "the kind of server that answers at sampler.url"
+    out = copy.deepcopy(cfg)
+    out.sampler.backend = backend
+    where = ""
+    if at_url and cfg.sampler.url:
+        parts = urlsplit(str(cfg.sampler.url))
+        if parts.port:
+            out.sampler.port = parts.port
+        if parts.hostname and is_loopback(parts.hostname):
+            out.sampler.host = parts.hostname
+            where = f", listening where sampler.url points ({out.sampler.host}:{out.sampler.port})"
+        else:
+            where = (f", listening on sampler.url's port at sampler.host={out.sampler.host} (a public address "
+                     "needs sampler.host and sampler.allow_public=true)")
+    kind = "the embedded sampler" if backend == "embedded" else "vLLM"
+    return out, f"sampler.backend=external starts no server; the one to start for this config is {kind} ({why}){where}"
 
 
 def weights_dir_of(trainer: Any) -> Path:
