@@ -77,3 +77,28 @@ def test_the_trainer_writes_into_the_folder_the_server_names(served, tiny_model_
     backend = make_weight_sync(SyncSamplerClient(handle.url, timeout_s=60.0), output_dir=run / "elsewhere")
     assert isinstance(backend, EmbeddedPathSync) and backend.weights_dir == (run / ".weights").resolve()
     assert os.path.basename(str(backend.weights_dir)) == ".weights"
+
+
+def test_a_restarted_server_with_another_folder_gets_the_next_sync_there(tiny_model_dir):
+    """A server started without --weights-dir reads from a temporary folder of its own, a new one after a
+    restart: each sync asks the server where to write (the restart drill failed with a 400 before)."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.sampler.client import SyncSamplerClient
+    from asyncgrpo_cli.train.weight_sync import make_weight_sync
+    from asyncgrpo_cli.train.weight_sync.params import FullWeightSource
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    first = start_embedded(tiny_model_dir)
+    try:
+        backend = make_weight_sync(SyncSamplerClient(first.url, timeout_s=60.0), output_dir="unused")
+        assert backend.weights_dir == first.server.weights_dir
+    finally:
+        first.stop()
+    second = start_embedded(tiny_model_dir)  # "restarted": another temporary folder
+    try:
+        backend.client = SyncSamplerClient(second.url, timeout_s=60.0)
+        backend.sync(FullWeightSource(model), 1)
+        assert backend.weights_dir == second.server.weights_dir and second.server.weight_updates >= 1
+    finally:
+        second.stop()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .base import WeightSyncBackend
-from .embedded import EmbeddedPathSync
+from .embedded import EmbeddedPathSync, embedded_weights_dir
 from .lora import LoraAdapterSync
 from .vllm_ipc import VllmIpcSync
 from .vllm_nccl import VllmNccl026Sync, VllmNccl028Sync, address_facing
@@ -49,14 +49,6 @@ def read_transfer_backend(client: Any) -> str | None:
     ``nccl``, ``ipc``, ...), None when it does not say."""
     backend = (_server_config(client).get("weight_transfer_config") or {}).get("backend")
     return str(backend) if backend else None
-
-
-def embedded_weights_dir(client: Any) -> Path | None:
-    """The folder the embedded sampler reads weight files from (``weight_transfer_config.weights_dir`` of its
-    ``/server_info``: the run's ``<output_dir>/.weights`` when ``asyncgrpo`` started it, else its private
-    temporary folder); None when the server does not say (it then reads any path: an older server)."""
-    folder = (_server_config(client).get("weight_transfer_config") or {}).get("weights_dir")
-    return Path(str(folder)) if folder else None
 
 
 def read_server_dtype(client: Any) -> torch.dtype | None:
