@@ -239,7 +239,7 @@ def _pid_alive(pid: int, started: float | None) -> bool:
 class RunLock:
     """``<output_dir>/.asyncgrpo.lock``: one job per output folder (created with O_EXCL semantics).
 
-    The file holds the owner's pid, host, start time and command. A lock left by a dead process of this
+    The file holds the owner's pid, host, start time and command (secret values hidden, `redact.redact_argv`). A lock left by a dead process of this
     host (or a reused pid) is taken over; a live owner, or one on another host, makes `acquire` fail.
 
     Args:
@@ -271,9 +271,11 @@ class RunLock:
         import socket
         import sys
 
+        from .redact import redact_argv
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_started(os.getpid()),
-              "command": " ".join(sys.argv)[:300], "created_at": time.time()}
+              "command": " ".join(redact_argv(sys.argv))[:300], "created_at": time.time()}
         for _attempt in range(3):
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{LOCK_NAME}.", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
