@@ -308,8 +308,8 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     ended = compose(base_overrides(out, free_port(), "trainer.max_steps=3"))  # the run ended at its max_steps
     console = record_console()
     assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 2
-    assert "continue it (it ended at step 3 = max_steps) with: trainer.resume_from_checkpoint=true " \
-        "trainer.max_steps=6" in console.export_text()
+    assert "continue it (its newest checkpoint is at step 3; this command's trainer.max_steps=3 is reached " \
+        "already) with: trainer.resume_from_checkpoint=true trainer.max_steps=6" in console.export_text()
     assert f"trainer.output_dir={out}-3" in text
     resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
     assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
@@ -335,11 +335,42 @@ def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"]
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"])
     text = start_problem(cfg.trainer, out, argv)
-    assert (f"continue it (it ended at step 3 = max_steps) with: asyncgrpo train +recipe=smoke "
-            f"trainer.output_dir={out} trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
+    assert (f"continue it (its newest checkpoint is at step 3; this command's trainer.max_steps=3 is reached "
+            f"already) with: asyncgrpo train +recipe=smoke trainer.output_dir={out} "
+            f"trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
     assert f"write this run elsewhere with: asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
         f"trainer.output_dir={out}-2" in text
     assert f"or remove {out} to start over" in text
+
+
+def test_the_used_folder_refusal_says_how_the_earlier_run_really_ended(tmp_path):
+    """A run stopped at step 10 of 16 is not one that "ended at max_steps": the refusal says it stopped at step
+    10 of 16 (its status.json, its checkpoint's max_steps), and continues it to its own max_steps when this
+    command's is reached already."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.run.folder import start_problem
+    from asyncgrpo_cli.run.state import save_rollout_state
+
+    out = tmp_path / "run"
+    step = out / "checkpoint-10"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 10, "max_steps": 16}))
+    (step / "model.safetensors").write_bytes(b"x")
+    save_rollout_state(step, position=40, num_prompts=64, num_tokens=300)
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 10, "note": "stopped by SIGINT"}))
+    argv = ["asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}"]  # the recipe's max_steps=8
+    text = start_problem(compose(argv[2:]).trainer, out, argv)
+    assert "ended" not in text and "= max_steps" not in text, text
+    assert (f"continue it (it stopped at step 10 of 16; this command's trainer.max_steps=8 is reached already) "
+            f"with: asyncgrpo train +recipe=smoke trainer.output_dir={out} trainer.resume_from_checkpoint=true "
+            "trainer.max_steps=16") in text, text
+    argv.append("trainer.max_steps=16")  # the earlier run's own command: continue it as it is
+    text = start_problem(compose(argv[2:]).trainer, out, argv)
+    assert (f"continue it (it stopped at step 10 of 16) with: asyncgrpo train +recipe=smoke "
+            f"trainer.output_dir={out} trainer.max_steps=16 trainer.resume_from_checkpoint=true\n") in text, text
+    (out / "status.json").write_text(json.dumps({"state": "finished", "step": 16}))  # a later run's status
+    assert "continue it (its newest checkpoint is at step 10 of 16) with:" in start_problem(
+        compose(argv[2:]).trainer, out, argv)
 
 
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
