@@ -185,7 +185,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._escalate = threading.Event()
         self._signals: list[int] = []
-        self._failures: list[tuple[str, list[str], str]] = []  # (message, log lines, log path)
+        self._failures: list[tuple[str, list[str], str, str | None]] = []  # (message, log lines, log path, cause)
         self._monitoring = False
         self._escalated_said = False
         self.lock = None
@@ -210,17 +210,19 @@ class Supervisor:
         return 143 if self._signals and self._signals[0] == signal.SIGTERM else 130
 
     # -------------------------------------------------------------- failures
-    def _fail(self, message: str, child: Child | None = None) -> int:
+    def _fail(self, message: str, child: Child | None = None, cause: str | None = None) -> int:
+        """Record a failure to print at the end; ``cause``: the cause line when the child's log has none."""
         lines = child.tail() if child is not None else []
-        self._failures.append((message, lines, str(child.log_path) if child else ""))
+        self._failures.append((message, lines, str(child.log_path) if child else "", cause))
         return 1
 
     def _print_failures(self) -> None:
         """Each failure: the error, its cause in one line (the child's own ``error:`` line or its last
-        exception), then the log's last lines with every traceback cut to its exception line."""
-        for message, lines, path in self._failures:
+        exception, else what the supervisor knows: a signal from outside), then the log's last lines with
+        every traceback cut to its exception line."""
+        for message, lines, path, known in self._failures:
             self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
-            cause = failure_cause(lines)
+            cause = failure_cause(lines) or known
             if cause:
                 self.console.print(Text(f"cause: {cause}", style="red"), soft_wrap=True)
             short = without_tracebacks(lines)[-FAILURE_LINES:]
@@ -505,8 +507,9 @@ class Supervisor:
                     dash.print(Text(f"{sig}: asking the trainer to save a checkpoint of its last completed step "
                                     f"and stop (up to {grace:.0f} s, launch.stop_timeout; send it again to stop "
                                     "now, without saving)", style="yellow"))
+                    before = self._newest_checkpoint()  # "saved" below means saved by this stop
                     self._stop_child(trainer, signal.SIGINT, grace)
-                    dash.print(Text(self._checkpoint_report(), style="yellow"))
+                    dash.print(Text(self._checkpoint_report(before), style="yellow"))
                     outcome, status = "stopped", self._interrupted_rc()
                     break
                 if self.server is not None and self.server.poll() is not None:
@@ -515,10 +518,11 @@ class Supervisor:
                                       f"{exit_text(code)}")
                     dash.print(Text(f"the server (pid {self.server.pid}) {exit_text(code)}: stopping the trainer "
                                     "(it saves its last completed step)", style="red"))
+                    before = self._newest_checkpoint()
                     self._stop_child(trainer, signal.SIGINT, self._stop_grace())
                     outcome, status = "failed", self._fail(f"the server (pid {self.server.pid}) {exit_text(code)} "
-                                                           "during training; " + self._checkpoint_report(),
-                                                           self.server)
+                                                           "during training; " + self._checkpoint_report(before),
+                                                           self.server, server_death_cause(code))
                     break
                 trainer.track()
                 if self.server is not None:
@@ -531,14 +535,25 @@ class Supervisor:
             dash.stop()
         return outcome, status
 
-    def _checkpoint_report(self) -> str:
-        """Whether the stopped trainer wrote a new complete checkpoint (never promise one that is not there)."""
+    def _checkpoint_report(self, before: str | None | bool = False) -> str:
+        """Whether the trainer wrote a new complete checkpoint since ``before`` (the newest when the stop
+        began; default: when the job started), never promising one that is not there: an older checkpoint is
+        named as the newest complete one, with the step it holds."""
+        from ..run.checkpoints import checkpoint_step
+        from .job_files import read_status
+
         newest = self._newest_checkpoint()
-        if newest is not None and newest != self._checkpoints_before:
+        if newest is not None and newest != (self._checkpoints_before if before is False else before):
             return f"checkpoint saved: {newest}"
-        if newest is not None:
-            return f"no new checkpoint was written; the newest complete one is {newest}"
-        return "no checkpoint was written"
+        if newest is None:
+            return "no checkpoint was written"
+        step, trained = checkpoint_step(newest), read_status(self.plan.output_dir).get("step")
+        if isinstance(trained, int) and trained == step:
+            return f"no new checkpoint was needed: {newest} holds the last completed step ({step})"
+        cut = " (the second signal stopped the trainer before its save ended)" if self._escalate.is_set() else ""
+        later = f"; step {trained} is not saved" if isinstance(trained, int) and step is not None \
+            and trained > step else ""
+        return f"no new checkpoint was written{cut}; the newest complete one is {newest} (step {step}){later}"
 
     def _wait_exit(self, child: Child, timeout: float, *, interruptible: bool) -> bool:
         """Wait up to ``timeout`` s until neither the child's leader nor its direct children run (redrawing
@@ -618,6 +633,16 @@ class Supervisor:
         else:  # no box: a box of the console's width would cut long paths
             for line in summary_lines(summary):
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
+
+
+def server_death_cause(code: int | None) -> str:
+    """The cause line of a server that died during training when its log names none: a signal from outside
+    the job (the supervisor signals the server only once the trainer is done), or an exit without an error."""
+    if code is not None and code < 0:
+        name = exit_text(code).removeprefix("was killed by ")
+        oom = "the out-of-memory killer: see `dmesg`, or " if code == -signal.SIGKILL else ""
+        return f"the server got {name} from outside this job ({oom}a `kill`); its log ends without an error"
+    return f"the server {exit_text(code)} without an error line in its log"
 
 
 def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,

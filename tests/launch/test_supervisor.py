@@ -232,6 +232,40 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
 
 
+def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoint(tmp_path):
+    """Ctrl-C twice: the second one cuts the save of checkpoint-2. The console must not print the older
+    checkpoint-1 as "checkpoint saved" (it was there before the stop): it says no new checkpoint was written,
+    which one is the newest complete one and that step 2 is not saved."""
+    with running_job(tmp_path, "slowsave", 1) as (driver, out, procs):
+        os.kill(driver.pid, signal.SIGINT)
+        wait_until(lambda: (out / ".checkpoint-2.partial").is_dir() or driver.poll() is not None, 60,
+                   "the trainer to begin saving checkpoint-2")
+        os.kill(driver.pid, signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+        text = output.decode()
+        assert driver.returncode == 130, text
+        assert "second SIGINT: stopping the trainer now" in text, text
+        assert "checkpoint saved" not in text, text
+        assert (f"no new checkpoint was written (the second signal stopped the trainer before its save ended); the "
+                f"newest complete one is {out / 'checkpoint-1'} (step 1); step 2 is not saved") in text, text
+        assert not (out / "checkpoint-2").exists()
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+
+
+def test_a_server_killed_from_outside_has_a_cause_line(tmp_path):
+    """kill -9 of the supervised server during training: besides the error line, a cause line says where a
+    SIGKILL comes from (its log ends without an error), as every other failure path has one."""
+    with running_job(tmp_path, "hang", 1) as (driver, out, procs):
+        os.kill(procs["server"], signal.SIGKILL)
+        output, _ = driver.communicate(timeout=120)
+        text = output.decode()
+        assert driver.returncode == 1, text
+        assert f"error: the server (pid {procs['server']}) was killed by SIGKILL during training" in text, text
+        assert ("cause: the server got SIGKILL from outside this job (the out-of-memory killer: see `dmesg`, or a "
+                "`kill`); its log ends without an error") in text, text
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+
+
 def test_refusals_before_anything_starts(tmp_path):
     """An output_dir that cannot be created, a folder another live job holds, and an incomplete checkpoint to
     resume from are refused with exit 2 before the server starts."""
