@@ -469,8 +469,10 @@ class Supervisor:
 
         table = []
         if self.server is not None:
+            stopped = f"  STOPPED (SIGSTOP or Ctrl-Z): kill -CONT {self.server.pid} continues it" \
+                if self.server.stopped() else ""
             table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
-                                     f"{self.plan.url}  log: logs/server.log"))
+                                     f"{self.plan.url}  log: logs/server.log{stopped}"))
         else:
             table.append(ProcessInfo("server", None, None, self.plan.url))
         if self.trainer is not None:

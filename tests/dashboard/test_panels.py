@@ -309,3 +309,27 @@ def test_the_trainer_busy_share_in_the_panels_and_the_plain_line():
     console.print(throughput_panel(DashboardView(status=None, history=h2, diagnosis=diagnose(h2), now=T0,
                                                  started_at=T0)))
     assert any("trainer busy" in ln and "—" in ln for ln in console.export_text().splitlines())
+
+
+def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(tmp_path, monkeypatch):
+    """An outage's count-down changes every second: the plain log prints it when it appears or changes kind
+    (unreachable, silent, re-push), then every 10 s, and says when the server answers again."""
+    import asyncgrpo_cli.dashboard as dashboard
+
+    out = tmp_path / "run"
+    out.mkdir()
+    now = {"t": 100.0}
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    lines = ["server unreachable, retrying (60 s left)", "server unreachable, retrying (59 s left)",
+             "server unreachable, retrying (51 s left)", "server unreachable, retrying (50 s left)",
+             "server not answering: no answer to GET /health for 15 s (...) (30 s left)", None]
+    for line in lines:
+        (out / "status.json").write_text(json.dumps({"state": "running", "step": 3, "server_status": line}))
+        dash.poll()
+        now["t"] += 1.0 if line is None or "59" not in line else 8.0
+    printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert printed == ["server unreachable, retrying (60 s left)", "server unreachable, retrying (50 s left)",
+                       "server not answering: no answer to GET /health for 15 s (...) (30 s left)",
+                       "sampler server: answering again"], printed
