@@ -24,6 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..run.state import final_model_step
 from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
@@ -597,7 +598,7 @@ class RunSummary:
             window that trained only on samples already queued has none); one step of a short run says little.
         final_reward_windows: how many windows that mean is over.
         final_model: the ``from_pretrained`` line that loads the saved final model (or LoRA adapter), None when
-            ``output_dir`` holds none.
+            ``output_dir`` holds none; final_model_step: the step it holds (`run.state.final_model_step`).
         mean_generated_tokens_per_s: mean of ``rollout/generated_tokens_per_s`` over the windows.
         mean_trained_tokens_per_s: mean of ``perf/wall_clock_trained_tokens_per_s``.
         mean_step_s: mean of ``perf/step_s``.
@@ -618,6 +619,7 @@ class RunSummary:
     plot_path: str | None = None
     final_reward_windows: int = 0
     final_model: str | None = None
+    final_model_step: int | None = None  # the step it holds (``final_model.json``), None when not recorded
     final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
 
 
@@ -652,6 +654,24 @@ def final_model_line(output_dir: str | Path) -> str | None:
     return None
 
 
+def final_model_text(summary: RunSummary) -> str | None:
+    """The summary's "final model" row: the step the model in ``output_dir`` holds and how to load it when this
+    run wrote it (it finished); otherwise that it is not this run's, and where this run's last step is."""
+    newest = summary.checkpoints[-1] if summary.checkpoints else None
+    this = f"this run {summary.outcome} at step {summary.steps}" if summary.steps is not None else \
+        f"this run {summary.outcome}"
+    load = f"; its newest checkpoint: {newest}" if newest else ""
+    step = summary.final_model_step
+    if summary.final_model is None:
+        return f"not saved ({this}){load}" if summary.outcome != "finished" and newest else None
+    if step is None:
+        return (f"not claimed: the model in {summary.output_dir} has no recorded step (an earlier run's, or a save "
+                f"that did not end){load}")
+    if summary.outcome != "finished":  # a stopped or failed run writes no final model: it is an earlier run's
+        return f"not saved by this run ({this}); the model in {summary.output_dir} is step {step}'s{load}"
+    return f"step {step}; load it with {summary.final_model}"
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
               plot_path: str | Path | None = None, final_eval: Mapping[str, Any] | None = None) -> RunSummary:
     """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first); ``final_eval``: its last
@@ -662,6 +682,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
                       final_reward=sum(rewards) / len(rewards) if rewards else None,
                       final_reward_windows=len(rewards), final_model=final_model_line(output_dir),
+                      final_model_step=final_model_step(output_dir),
                       mean_generated_tokens_per_s=_mean(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_mean(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
@@ -685,8 +706,9 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("mean step time", fmt_s(summary.mean_step_s)),
         ("output", summary.output_dir),
     ]
-    if summary.final_model:
-        rows.append(("final model", f"saved; load it with {summary.final_model}"))
+    model = final_model_text(summary)
+    if model:
+        rows.append(("final model", model))
     if compact:
         ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
         rows.append(("checkpoints", f"… {ckpts}" if len(summary.checkpoints) > 3 else ckpts))

@@ -241,7 +241,13 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 signal.signal(sig, handler)
             self._teardown_rollouts()
         if not self._stop_requested:  # the final policy (or adapter) + tokenizer: from_pretrained(output_dir)
+            from ..run.state import mark_final_model
+
+            if self.is_world_process_zero():
+                mark_final_model(args.output_dir, None)  # the step it holds is recorded once it is written
             self.save_model(args.output_dir)
+            if self.is_world_process_zero():
+                mark_final_model(args.output_dir, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",

@@ -249,9 +249,13 @@ def test_summary_and_checkpoints(tmp_path):
     many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
     assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
     (tmp_path / "model.safetensors").write_bytes(b"x")
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    mark_final_model(tmp_path, 3)
     saved = summarize(rows, 1.0, tmp_path, "finished")
-    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")'
-    assert any("final model" in line and "from_pretrained" in line for line in summary_lines(saved))
+    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' and saved.final_model_step == 3
+    assert f'  final model           step 3; load it with AutoModelForCausalLM.from_pretrained("{tmp_path}")' \
+        in summary_lines(saved)
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 
@@ -333,3 +337,27 @@ def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(t
     assert printed == ["server unreachable, retrying (60 s left)", "server unreachable, retrying (50 s left)",
                        "server not answering: no answer to GET /health for 15 s (...) (30 s left)",
                        "sampler server: answering again"], printed
+
+
+def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model(tmp_path):
+    """A run resumed from checkpoint-8 and stopped at step 9: the top-level model.safetensors is the earlier
+    run's step 8, not this run's; the summary says so and points at checkpoint-9 (it claimed "final model
+    saved; load it with from_pretrained(output_dir)")."""
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    mark_final_model(tmp_path, 8)
+    for step in (8, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    rows = [window(9)]
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "stopped")))
+    assert "from_pretrained" not in text and "saved; load it" not in text, text
+    assert (f"  final model           not saved by this run (this run stopped at step 9); the model in {tmp_path} is "
+            f"step 8's; its newest checkpoint: {tmp_path / 'checkpoint-9'}") in text, text
+    mark_final_model(tmp_path, None)  # weights without a recorded step (an older run, or a cut save)
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "finished")))
+    assert "from_pretrained" not in text and "has no recorded step" in text, text
+    (tmp_path / "model.safetensors").unlink()  # a stopped run in a fresh folder: where its last step is
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "stopped")))
+    assert f"final model           not saved (this run stopped at step 9); its newest checkpoint: " \
+        f"{tmp_path / 'checkpoint-9'}" in text, text

@@ -118,6 +118,9 @@ def test_epoch_based_stop(model_dir, server, tmp_path):
     assert trainer.position.value == 6  # exactly one pass: every prompt of epoch 0 trained or dropped
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "finished"
+    from asyncgrpo_cli.run.state import final_model_step
+
+    assert (out / "model.safetensors").is_file() and final_model_step(out) == result.global_step  # the step it holds
 
 
 def checkpoint_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
