@@ -24,11 +24,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..run.metrics_line import DASH, fmt, fmt_pct, fmt_rate, metrics_line  # noqa: F401 - re-exported
 from ..run.state import final_model_step
 from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
-DASH = "—"
 
 
 @dataclass
@@ -90,19 +90,9 @@ class DashboardView:
 
 
 # ----------------------------------------------------------------------------------------------- format
-def fmt(value: float | None, spec: str = ".3g") -> str:
-    """A number with ``spec``, or ``—`` when unknown."""
-    return DASH if value is None else format(value, spec)
-
-
 def fmt_s(value: float | None, spec: str = ".2f") -> str:
     """Seconds with a unit (``1.50 s``), or ``—``."""
     return DASH if value is None else f"{format(value, spec)} s"
-
-
-def fmt_pct(value: float | None) -> str:
-    """A fraction as a percentage (``0.25`` → ``25%``), or ``—``."""
-    return DASH if value is None else f"{value:.0%}"
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -117,14 +107,6 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def fmt_rate(value: float | None) -> str:
-    """Tokens per second with a k/M suffix (``1234.5`` → ``1.23k``), or ``—``."""
-    if value is None:
-        return DASH
-    for div, suffix in ((1e6, "M"), (1e3, "k")):
-        if abs(value) >= div:
-            return f"{value / div:.3g}{suffix}"
-    return f"{value:.3g}"
 
 
 # ------------------------------------------------------------------------------------------ run timing
@@ -507,24 +489,12 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
 
 
 def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, max_steps: float | None = None) -> str:
-    """One log line per logging step: step, reward, key throughput numbers, the trainer's busy share of the
-    step (left out when unknown), and the diagnosis.
+    """One log line per logging step: `run.metrics_line.metrics_line` (step, reward, key throughput numbers, the
+    trainer's busy share of the step, queue, staleness) with the diagnosis at its end.
 
     Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | ...``
     """
-    step = num(metrics, "step")
-    parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
-             "reward — (no group scored since the last log)",
-             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
-             f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
-             f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
-             *([f"busy {fmt_pct(busy_share(metrics))}"] if busy_share(metrics) is not None else []),
-             f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
-             f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]
-    if diagnosis is not None:
-        parts.append(diagnosis.text)
-    return " | ".join(parts)
+    return metrics_line(metrics, max_steps, diagnosis.text if diagnosis is not None else None)
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -30,6 +30,7 @@ from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, row_loss
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .compile import compile_decoder_layers
+from .console_log import use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from ..run.state import LiveFiles, TrainedPosition
@@ -110,6 +111,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                          eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
                          optimizers=optimizers, data_collator=lambda rows: rows)
         self.train_dataset = train_dataset
+        use_plain_lines(self.callback_handler)  # the console gets the CLI's plain line, not a dict of ~90 metrics
         if args.torch_compile:
             from accelerate.utils import DynamoBackend
 
