@@ -134,16 +134,20 @@ def server_exec_argv(command: ServerCommand) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ printing
-def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool) -> None:
+def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool,
+               failed_keys: frozenset[str] = frozenset()) -> None:
     """Print the launch plan: output folder, GPU split, model, sampler, both commands, accelerate setup,
-    notes and problems. One line per item, never wrapped by rich, so commands stay copy-pasteable."""
+    notes and problems. One line per item, never wrapped by rich, so commands stay copy-pasteable.
+    ``failed_keys``: config keys whose checks failed (``model.name``: the model row is marked failed)."""
     rows: list[tuple[str, str, str]] = [("output dir", f"{plan.output_dir}  (logs: {plan.logs_dir})", ""),
                                         ("GPUs", plan.gpus.describe(), "")]
     model = str(cfg.model.name)
     if not resolved and cfg.model.gguf_file:
         model += f"  (GGUF {cfg.model.gguf_file}: exported once to a safetensors folder at start; server and " \
                  "trainer load that folder)"
-    rows.append(("model", model, ""))
+    failed = "model.name" in failed_keys or "model.gguf_file" in failed_keys
+    rows.append(("model", model + ("  FAILED: its check failed (the problem below)" if failed else ""),
+                 "bold red" if failed else ""))
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     rows.append(("sampler", f"{backend} at {plan.url}", ""))
     rows.append(("server", f"$ {plan.server.shell_line()}" if plan.server else plan.server_reason, ""))
@@ -645,6 +649,25 @@ def server_death_cause(code: int | None) -> str:
         oom = "the out-of-memory killer: see `dmesg`, or " if code == -signal.SIGKILL else ""
         return f"the server got {name} from outside this job ({oom}a `kill`); its log ends without an error"
     return f"the server {exit_text(code)} without an error line in its log"
+
+
+def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: Console | None = None,
+                       gpu_count: int | None = None) -> int:
+    """``train --dry-run`` when the config checks refused the config: the launch plan all the same, with each
+    refusal as a problem and the rows of the keys they name marked failed (a Hub model that is not cached
+    offline: the model row); starts nothing. Returns 2 (a configuration refusal)."""
+    console = console or Console()
+    try:
+        external = getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external"
+        plan = build_launch_plan(cfg, gpu_count, server_running=not external and probe_health(server_url(cfg), 1.0))
+    except ConfigError as exc:  # no plan to show: the refusals are all there is to say
+        for problem in [*refused, exc]:
+            console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
+        return 2
+    plan.gpus.problems.extend(f"config error: {problem}" for problem in refused)
+    print_plan(console, cfg, plan, resolved=False, failed_keys=frozenset(str(p.key) for p in refused))
+    console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run.", style="bold red"))
+    return 2
 
 
 def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,

@@ -75,6 +75,23 @@ def test_cli_train_dry_run(tmp_path):
     assert not out.exists()
 
 
+def test_cli_train_dry_run_offline_shows_the_plan_with_the_model_check_failed(tmp_path, monkeypatch):
+    """A Hub model that is not cached, with the Hub unusable: the dry run still prints the launch plan, the
+    model row marked failed and the check's message as a problem, and exits 2 (it printed only the Hub
+    error)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "deepmath"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "+recipe=deepmath", "model.name=no-such-org/not-cached-0",
+                                      f"sampler.port={free_port()}", f"trainer.output_dir={out}"])
+    text = result.output
+    assert result.exit_code == 2, text
+    assert "asyncgrpo train: launch plan" in text and "accelerate.commands.launch" in text, text
+    assert "model      no-such-org/not-cached-0  FAILED: its check failed (the problem below)" in text, text
+    assert ("problem    config error: model.name='no-such-org/not-cached-0': this Hub model is not in the local "
+            "cache, and HF_HUB_OFFLINE is set") in text, text
+    assert "problem(s): this plan cannot run." in text and not out.exists()
+
+
 # ------------------------------------------------------------------------------------------- runs
 def test_normal_completion(make_cfg, tmp_path):
     cfg, out = make_cfg("logging.log_completions=true", "logging.num_completions_to_print=1")
