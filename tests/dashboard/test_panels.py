@@ -361,3 +361,21 @@ def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model
     text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "stopped")))
     assert f"final model           not saved (this run stopped at step 9); its newest checkpoint: " \
         f"{tmp_path / 'checkpoint-9'}" in text, text
+
+
+def test_curves_with_the_same_values_are_drawn_once_with_every_name():
+    """Nothing went stale: the trained shares of short, medium and long completions are all 1.0; the "stale drops
+    by length" panel draws one line named after the three, not three lines on top of each other."""
+    from asyncgrpo_cli.dashboard.plot import curve_panels
+
+    rows = [{"step": s, "sample/dropped_stale_token_frac": 0.0, "sample/trained_frac_short": 1.0,
+             "sample/trained_frac_medium": 1.0, "sample/trained_frac_long": 1.0} for s in (1, 2, 3)]
+    panel = next(curves for title, _, curves in curve_panels(rows) if title == "stale drops by length")
+    assert [label for label, _ in panel] == [
+        "sample/dropped_stale_token_frac",
+        "sample/trained_frac_short = sample/trained_frac_medium = sample/trained_frac_long"]
+    rows[1]["sample/trained_frac_long"] = 0.5  # long completions dropped at step 2: its own line
+    panel = next(curves for title, _, curves in curve_panels(rows) if title == "stale drops by length")
+    assert [label for label, _ in panel] == ["sample/dropped_stale_token_frac",
+                                             "sample/trained_frac_short = sample/trained_frac_medium",
+                                             "sample/trained_frac_long"]
