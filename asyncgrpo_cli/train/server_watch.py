@@ -138,11 +138,14 @@ class ServerWatch:
                 f"server still answers it); the run stops with a checkpoint at sampler.timeout={self.timeout_s:g} s "
                 f"({left:.0f} s left)")
 
-    def hung_message(self, silent_s: float) -> str:
-        """The failure: the URL, how long, what it means and the fix."""
+    def hung_message(self, silent_s: float, gave_up: bool = True) -> str:
+        """The failure: the URL, how long, what it means and the fix (``gave_up``: the silence reached the
+        timeout; else another failure ended the wait first, e.g. a weight sync)."""
+        limit = (f"gave up after vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout)" if gave_up else
+                 f"the run stops before vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout) because a "
+                 "request to it failed")
         return (f"the sampler server at {self.url} has not answered for {silent_s:.0f} s: it accepts connections "
                 f"but GET /health times out ({self.last_failure or 'no answer'}), so it is hung (stopped with "
-                f"SIGSTOP or Ctrl-Z, deadlocked, or swapping), not dead; gave up after vllm_server_timeout="
-                f"{self.timeout_s:g} s (CLI: sampler.timeout). Fix: look at the server (its log; `kill -CONT PID` "
-                "if it was stopped), restart it if needed, and resume from the last checkpoint; raise "
-                "sampler.timeout to wait longer")
+                f"SIGSTOP or Ctrl-Z, deadlocked, or swapping), not dead; {limit}. Fix: look at the server (its log; "
+                "`kill -CONT PID` if it was stopped), restart it if needed, and resume from the last checkpoint; "
+                "raise sampler.timeout to wait longer")

@@ -520,8 +520,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         watch = getattr(self, "server_watch", None)
         silent = watch.silent_s() if watch is not None else None
         if watch is not None and (watch.problem or (silent is not None and silent >= watch.report_after_s)):
-            raise ServerHungError(f"{watch.problem or watch.hung_message(silent)}\n(step {self.state.global_step} is "
-                                  f"trained; its weight sync failed: {exc})") from exc
+            hung = watch.problem or watch.hung_message(silent, gave_up=silent >= watch.timeout_s)
+            raise ServerHungError(f"{hung}\n(step {self.state.global_step} is trained; its weight sync failed: "
+                                  f"{exc})") from exc
         raise exc
 
     def _end_without_step(self, model, trial, plan: StepPlan) -> None:

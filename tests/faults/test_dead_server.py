@@ -51,6 +51,8 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     job.assert_no_process_left(30)
     server_pid = int(hit.read_text().split()[0])
     assert f"the server (pid {server_pid}) was killed by SIGKILL" in text, text[-4000:]
+    # a cause line, as every failure path has (issue #36): the server's log ends without an error
+    assert "\ncause: the server got SIGKILL from outside this job" in text, text[-4000:]
     checkpoint = newest_complete_checkpoint(out)
     assert checkpoint is not None and checkpoint.name == "checkpoint-1", text[-4000:]  # step 1 was complete
     assert metrics_steps(out) == [1]

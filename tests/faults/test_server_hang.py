@@ -175,3 +175,31 @@ def test_while_the_server_is_silent_a_request_waits_only_what_is_left_of_the_tim
     for _ in range(3):
         client.is_paused()
     assert seen == [60.0, 12.5, 1.0]
+
+
+def test_a_sync_failing_while_the_server_is_silent_is_reported_as_the_hang():
+    """A weight sync that failed while /health went unanswered fails the run as `ServerHungError` (the hang is
+    the cause; the timed-out route only its symptom), saying whether the silence reached the timeout."""
+    import pytest
+
+    from asyncgrpo_cli.train.server_watch import ServerHungError
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    clock = Clock()
+    probe, _ = scripted([ANSWERED, SILENT])
+    watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock)
+    watch.check()
+    clock.now += 20
+    watch.check()
+    trainer = type("T", (), {"server_watch": watch, "state": type("S", (), {"global_step": 7})()})()
+    failure = RuntimeError("weight sync to model version 7 failed at /pause: timed out")
+    with pytest.raises(ServerHungError) as raised:
+        AsyncGRPOTrainer._raise_sync_failure(trainer, failure)
+    text = str(raised.value)
+    assert "has not answered for 20 s" in text and "the run stops before vllm_server_timeout=60 s" in text
+    assert "step 7 is trained; its weight sync failed: weight sync to model version 7" in text
+    probe, _ = scripted([ANSWERED])  # a server that answers: the sync's own failure is the cause
+    trainer.server_watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock)
+    trainer.server_watch.check()
+    with pytest.raises(RuntimeError, match="timed out"):
+        AsyncGRPOTrainer._raise_sync_failure(trainer, failure)
