@@ -108,7 +108,11 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
         newest, final = earlier_run(output_dir)
         if newest is None and not final:
             return None
-        held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
+        from .state import final_model_step
+
+        step_of_final = final_model_step(output_dir)
+        final_name = "the final model" + (f" (step {step_of_final})" if step_of_final is not None else "")
+        held = ", ".join([*([newest.name] if newest is not None else []), *([final_name] if final else [])])
         fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
         fixes = []

@@ -409,9 +409,14 @@ def test_the_used_folder_refusal_says_how_the_earlier_run_really_ended(tmp_path)
     (step / "model.safetensors").write_bytes(b"x")
     save_rollout_state(step, position=40, num_prompts=64, num_tokens=300)
     (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 10, "note": "stopped by SIGINT"}))
+    (out / "model.safetensors").write_bytes(b"x")  # an earlier run's final model, of step 8
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    mark_final_model(out, 8)
     argv = ["asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}"]  # the recipe's max_steps=8
     text = start_problem(compose(argv[2:]).trainer, out, argv)
     assert "ended" not in text and "= max_steps" not in text, text
+    assert "already holds an earlier run (checkpoint-10, the final model (step 8))" in text, text
     assert (f"continue it (it stopped at step 10 of 16; this command's trainer.max_steps=8 is reached already) "
             f"with: asyncgrpo train +recipe=smoke trainer.output_dir={out} trainer.resume_from_checkpoint=true "
             "trainer.max_steps=16") in text, text
