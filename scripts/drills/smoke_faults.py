@@ -41,6 +41,7 @@ SMOKE = ["+recipe=smoke", "logging.dashboard=plain"]
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,6 +57,7 @@ class Proc:
         self.seen: dict[int, float] = {}
 
     def track(self) -> None:
+        """Remember the process and its current descendants (pid, start time)."""
         try:
             for p in [psutil.Process(self.popen.pid), *psutil.Process(self.popen.pid).children(recursive=True)]:
                 self.seen.setdefault(p.pid, p.create_time())
@@ -63,9 +65,11 @@ class Proc:
             pass
 
     def output(self) -> str:
+        """Everything it printed so far."""
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
 
     def left(self) -> list[int]:
+        """Remembered processes still running (same pid and start time; zombies count as gone)."""
         out = []
         for pid, created in self.seen.items():
             try:
@@ -77,6 +81,7 @@ class Proc:
         return out
 
     def kill(self) -> None:
+        """SIGKILL its session and every remembered descendant; reap it."""
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -93,6 +98,7 @@ class Proc:
 
 
 def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()):
+    """Poll ``cond`` every 0.2 s until it is truthy (returned); `TimeoutError` naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
         for p in procs:
@@ -106,6 +112,7 @@ def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()):
 
 
 def status(out: Path) -> dict:
+    """``<out>/status.json`` ({} while absent or half-written)."""
     try:
         return json.loads((out / "status.json").read_text())
     except (OSError, ValueError):
@@ -113,6 +120,7 @@ def status(out: Path) -> dict:
 
 
 def steps(out: Path) -> list[int]:
+    """The steps ``<out>/metrics.jsonl`` has a window for."""
     try:
         lines = (out / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -121,18 +129,22 @@ def steps(out: Path) -> list[int]:
 
 
 def checkpoints(out: Path) -> list[int]:
+    """N of every ``checkpoint-N`` folder of ``out``."""
     return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
 
 
 def train(out: Path, *extra: str) -> list[str]:
+    """The ``asyncgrpo train +recipe=smoke`` argv writing into ``out``, with ``extra`` overrides."""
     return [sys.executable, "-m", "asyncgrpo_cli", "train", *SMOKE, f"trainer.output_dir={out}", *extra]
 
 
 def lines_with(text: str, *words: str) -> list[str]:
+    """The lines of ``text`` holding any of ``words``."""
     return [ln for ln in text.splitlines() if any(w in ln for w in words)]
 
 
 def finish(job: Proc, timeout: float) -> tuple[int | None, float]:
+    """Wait up to ``timeout`` s for ``job``: (exit status or None, seconds waited)."""
     start = time.monotonic()
     try:
         rc = job.popen.wait(timeout)
@@ -142,6 +154,7 @@ def finish(job: Proc, timeout: float) -> tuple[int | None, float]:
 
 
 def hang(out: Path, timeout_s: float | None) -> dict:
+    """Scenarios ``hang`` (``timeout_s`` None: SIGCONT after 60 s) and ``hang-timeout``."""
     port = free_port()
     job = Proc(train(out, f"sampler.port={port}", "trainer.max_steps=8",
                      *([f"sampler.timeout={timeout_s:g}"] if timeout_s else [])), out.parent / "job.log")
@@ -177,6 +190,7 @@ def hang(out: Path, timeout_s: float | None) -> dict:
 
 
 def external(out: Path, restart_after_s: float | None) -> dict:
+    """Scenarios ``external-down`` (``restart_after_s`` None) and ``external-back``."""
     port = free_port()
     serve_argv = [sys.executable, "-m", "asyncgrpo_cli", "serve", "+recipe=smoke", f"sampler.port={port}"]
     server = Proc(serve_argv, out.parent / "serve.log")
@@ -212,6 +226,7 @@ def external(out: Path, restart_after_s: float | None) -> dict:
 
 
 def double_ctrl_c(out: Path) -> dict:
+    """Scenario ``double-ctrl-c``."""
     job = Proc(train(out, f"sampler.port={free_port()}", "trainer.max_steps=16", "trainer.save_steps=1"),
                out.parent / "job.log")
     result: dict = {}
@@ -232,6 +247,7 @@ def double_ctrl_c(out: Path) -> dict:
 
 
 def resume_stop(out: Path) -> dict:
+    """Scenario ``resume-stop``."""
     port = free_port()
     first = Proc(train(out, f"sampler.port={port}"), out.parent / "first.log")
     result: dict = {}
@@ -257,6 +273,7 @@ def resume_stop(out: Path) -> dict:
 
 
 def server_kill(out: Path) -> dict:
+    """Scenario ``server-kill``."""
     job = Proc(train(out, f"sampler.port={free_port()}", "trainer.max_steps=16"), out.parent / "job.log")
     result: dict = {}
     try:
@@ -282,6 +299,7 @@ SCENARIOS = {"hang": lambda out: hang(out, None), "hang-timeout": lambda out: ha
 
 
 def main() -> int:
+    """Run one scenario; print its measurements as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--out", default="/tmp/asyncgrpo-drills")
