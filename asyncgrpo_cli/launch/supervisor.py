@@ -542,24 +542,28 @@ class Supervisor:
         return outcome, status
 
     def _checkpoint_report(self, before: str | None | bool = False) -> str:
-        """Whether the trainer wrote a new complete checkpoint since ``before`` (the newest when the stop
-        began; default: when the job started), never promising one that is not there: an older checkpoint is
-        named as the newest complete one, with the step it holds."""
+        """What the stopped (or dead) trainer left, never promising a checkpoint that is not there: ``checkpoint
+        saved`` only for one written since ``before`` (the newest when the stop began; default: when the job
+        started) that holds the last completed step (``status.json`` ``step``); otherwise the newest complete
+        checkpoint with the step it holds, and the step that is not saved."""
         from ..run.checkpoints import checkpoint_step
         from .job_files import read_status
 
         newest = self._newest_checkpoint()
-        if newest is not None and newest != (self._checkpoints_before if before is False else before):
-            return f"checkpoint saved: {newest}"
         if newest is None:
             return "no checkpoint was written"
         step, trained = checkpoint_step(newest), read_status(self.plan.output_dir).get("step")
-        if isinstance(trained, int) and trained == step:
+        trained = trained if isinstance(trained, int) and not isinstance(trained, bool) else None
+        new = newest != (self._checkpoints_before if before is False else before)
+        if new and (trained is None or step is None or step >= trained):
+            return f"checkpoint saved: {newest}"
+        if not new and trained is not None and trained == step:
             return f"no new checkpoint was needed: {newest} holds the last completed step ({step})"
         cut = " (the second signal stopped the trainer before its save ended)" if self._escalate.is_set() else ""
-        later = f"; step {trained} is not saved" if isinstance(trained, int) and step is not None \
-            and trained > step else ""
-        return f"no new checkpoint was written{cut}; the newest complete one is {newest} (step {step}){later}"
+        if trained is not None and step is not None and trained > step:
+            return (f"the last completed step ({trained}) was not saved{cut}; the newest complete checkpoint is "
+                    f"{newest} (step {step})")
+        return f"no new checkpoint was written{cut}; the newest complete one is {newest} (step {step})"
 
     def _wait_exit(self, child: Child, timeout: float, *, interruptible: bool) -> bool:
         """Wait up to ``timeout`` s until neither the child's leader nor its direct children run (redrawing

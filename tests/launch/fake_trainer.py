@@ -112,6 +112,8 @@ def main():
         with open(os.path.join(args.fake_pid_dir, "worker.pid"), "w") as fh:
             fh.write(str(worker.pid))
     write_status(out, state="starting", max_steps=args.fake_steps)
+    if args.fake_mode == "slowsave":
+        write_checkpoint(out, 1)  # there before the status says running
     steps = args.fake_steps if args.fake_mode == "ok" else 1
     for step in range(1, steps + 1):
         append(os.path.join(out, "metrics.jsonl"), metrics_line(step, 0.25 * step))
@@ -125,7 +127,6 @@ def main():
         write_status(out, state="failed", step=1, last_error="RuntimeError: fake trainer failure")
         return 3
     if args.fake_mode == "slowsave":
-        write_checkpoint(out, 1)
         append(os.path.join(out, "metrics.jsonl"), metrics_line(2, 0.5))
         while stop["sig"] is None:
             write_status(out, step=2, max_steps=args.fake_steps)

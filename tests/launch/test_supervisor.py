@@ -263,8 +263,8 @@ def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoin
         assert driver.returncode == 130, text
         assert "second SIGINT: stopping the trainer now" in text, text
         assert "checkpoint saved" not in text, text
-        assert (f"no new checkpoint was written (the second signal stopped the trainer before its save ended); the "
-                f"newest complete one is {out / 'checkpoint-1'} (step 1); step 2 is not saved") in text, text
+        assert (f"the last completed step (2) was not saved (the second signal stopped the trainer before its save "
+                f"ended); the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)") in text, text
         assert not (out / "checkpoint-2").exists()
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
 
@@ -518,3 +518,35 @@ def test_the_trainer_records_the_resume_command_of_the_supervisors_command_line(
         "asyncgrpo train +recipe=smoke trainer.max_steps=8 trainer.resume_from_checkpoint=/o/checkpoint-3"
     for env in ({}, {TRAIN_ARGV_ENV: "not json"}, {TRAIN_ARGV_ENV: "[1, 2]"}):  # the Python API, or garbage
         assert resume_command_from_env("/o/checkpoint-3", env) == "trainer.resume_from_checkpoint=/o/checkpoint-3"
+
+
+def test_the_checkpoint_report_names_what_a_stop_left(tmp_path):
+    """`checkpoint saved` only for a checkpoint written since the stop began that holds the last completed step
+    (status.json's step); an older step's save that ended after the stop began is not the stop's checkpoint."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.launch.job_files import newest_checkpoint
+    from asyncgrpo_cli.launch.supervisor import Supervisor
+
+    from .fake_trainer import write_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    sup = SimpleNamespace(plan=SimpleNamespace(output_dir=out), _checkpoints_before=None, _escalate=threading.Event(),
+                          _newest_checkpoint=lambda: newest_checkpoint(out))
+    report = Supervisor._checkpoint_report
+    assert report(sup, None) == "no checkpoint was written"
+    write_checkpoint(str(out), 1)
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 2}))
+    assert report(sup, None) == (f"the last completed step (2) was not saved; the newest complete checkpoint is "
+                                 f"{out / 'checkpoint-1'} (step 1)")  # step 1's save ended after the stop began
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 1}))
+    assert report(sup, None) == f"checkpoint saved: {out / 'checkpoint-1'}"
+    assert report(sup, str(out / "checkpoint-1")) == \
+        f"no new checkpoint was needed: {out / 'checkpoint-1'} holds the last completed step (1)"
+    sup._escalate.set()
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 3}))
+    assert report(sup, str(out / "checkpoint-1")) == (
+        f"the last completed step (3) was not saved (the second signal stopped the trainer before its save ended); "
+        f"the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)")
