@@ -33,12 +33,14 @@ SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bol
 
 @dataclass
 class ProcessInfo:
-    """One row of the process table: ``alive`` None = not started by us (e.g. an external server)."""
+    """One row of the process table: ``alive`` None = not started by us (e.g. an external server); ``stopped``:
+    alive but stopped (SIGSTOP, Ctrl-Z)."""
 
     name: str
     pid: int | None
     alive: bool | None
     detail: str = ""
+    stopped: bool = False
 
 
 @dataclass
@@ -152,12 +154,14 @@ STATE_STYLES = {"running": "green", "saving": "cyan", "finished": "bold green", 
 
 
 def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
-    """(text, style) of a process row: ``external``, ``alive``, ``exited``, or ``stopping`` for one still
-    running once the run has ended (``ended``: the supervisor stops it next)."""
+    """(text, style) of a process row: ``external``, ``alive``, ``exited``, ``STOPPED`` (SIGSTOP), or
+    ``stopping`` for one still running once the run has ended (``ended``: the supervisor stops it next)."""
     if p.alive is None:
         return "external", "cyan"
     if not p.alive:
         return "exited", "red"
+    if p.stopped:
+        return "STOPPED", "bold red"
     return ("stopping", "yellow") if ended else ("alive", "green")
 
 
@@ -481,6 +485,9 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
         table.add_row(label, value if isinstance(value, Text) else str(value), r_label,
                       r_value if isinstance(r_value, Text) else str(r_value))
     parts: list[RenderableType] = [table, diagnosis_text(view.diagnosis)]
+    server_status = (view.status or {}).get("server_status")
+    if server_status:  # unreachable, not answering, re-push: folded onto whole lines like the error
+        parts.append(Text(f"sampler server: {server_status}", style="bold red"))
     error = (view.status or {}).get("last_error")
     if error:
         parts.append(Text(f"last error: {str(error)[-300:]}", style="red"))

@@ -473,10 +473,11 @@ class Supervisor:
 
         table = []
         if self.server is not None:
-            stopped = f"  STOPPED (SIGSTOP or Ctrl-Z): kill -CONT {self.server.pid} continues it" \
-                if self.server.stopped() else ""
+            stopped = self.server.stopped()
             table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
-                                     f"{self.plan.url}  log: logs/server.log{stopped}"))
+                                     f"{self.plan.url}  log: logs/server.log" + (
+                                         f"  (SIGSTOP or Ctrl-Z: kill -CONT {self.server.pid} continues it)"
+                                         if stopped else ""), stopped=stopped))
         else:
             table.append(ProcessInfo("server", None, None, self.plan.url))
         if self.trainer is not None:

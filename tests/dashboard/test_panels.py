@@ -379,3 +379,22 @@ def test_curves_with_the_same_values_are_drawn_once_with_every_name():
     assert [label for label, _ in panel] == ["sample/dropped_stale_token_frac",
                                              "sample/trained_frac_short = sample/trained_frac_medium",
                                              "sample/trained_frac_long"]
+
+
+def test_a_silent_server_and_a_stopped_server_process_show_in_the_panels():
+    """status.json's server_status (here a hung server's) is a red row of the panels, full and compact; the
+    supervisor's process table marks a server stopped with SIGSTOP."""
+    line = ("server not answering: no answer to GET /health for 16 s (hung or stopped? a busy server still answers "
+            "it); the run stops with a checkpoint at sampler.timeout=1800 s (1784 s left)")
+    h = MetricsHistory()
+    h.push(window(1))
+    view = DashboardView(status={**STATUS, "server_status": line}, history=h, diagnosis=diagnose(h), now=T0 + 30,
+                         started_at=T0, processes=[ProcessInfo("server", 7, True, "http://127.0.0.1:8000  log: "
+                                                               "logs/server.log  (SIGSTOP or Ctrl-Z: kill -CONT 7 "
+                                                               "continues it)", stopped=True)])
+    for width, height in ((200, 60), (80, 24)):
+        console = record_console(width)
+        console.print(render_dashboard(view, width=width, height=height))
+        flat = " ".join(console.export_text().split())
+        assert "server not answering: no answer to GET /health" in flat, flat
+        assert "STOPPED 7" in flat or "pid 7 STOPPED" in flat, flat
