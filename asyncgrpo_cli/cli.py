@@ -85,20 +85,25 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
         raise typer.Exit(2) from None
 
 
-def _validate(cfg, command: str, probe: bool = False) -> None:
+def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False) -> list[ConfigError]:
     """The deep pass of `asyncgrpo_cli.config.validate` before anything starts (``probe``: with the network
-    checks, an external sampler answering): exit 2 on a problem, print its warnings otherwise."""
+    checks, an external sampler answering): exit 2 on a problem, print its warnings otherwise. ``keep_going``
+    (``train --dry-run``): return the problems instead, so that the launch plan is still printed with them."""
     from rich.markup import escape
 
+    from .config.rules import ConfigErrors
     from .config.run_checks import validate_run
 
     try:
         warnings = validate_run(cfg, command, probe=probe)
     except ConfigError as exc:
+        if keep_going:
+            return list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
         _print_error(exc)
         raise typer.Exit(2) from None
     for w in warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+    return []
 
 
 def _resolve_model(cfg, export: bool = True) -> str | None:
@@ -483,7 +488,11 @@ def train_cmd(
         _refuse_early(cfg)
     from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
 
-    _validate(cfg, "train", probe=True)
+    refused = _validate(cfg, "train", probe=True, keep_going=dry_run)
+    if refused:  # a dry run shows its plan all the same, with the checks that failed in it
+        from .launch.supervisor import print_refused_plan
+
+        raise typer.Exit(print_refused_plan(cfg, refused))
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
 
 

@@ -47,6 +47,30 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+FINAL_MODEL_NAME = "final_model.json"
+"""``<output_dir>/final_model.json``: ``{"step": N, "saved_at": ...}``, the step the final model (or adapter) saved
+into ``output_dir`` holds. It is removed before that model is written and written after, so a top-level model
+without it is not claimed as any step's (an older run, or a save that did not end)."""
+
+
+def mark_final_model(output_dir: str | Path, step: int | None) -> None:
+    """Record that the final model in ``output_dir`` holds ``step`` (None: remove the record, before a save)."""
+    path = Path(output_dir) / FINAL_MODEL_NAME
+    if step is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_json_atomic(path, {"step": int(step), "saved_at": time.time()})
+
+
+def final_model_step(output_dir: str | Path) -> int | None:
+    """The step the final model in ``output_dir`` holds (`mark_final_model`), None when not recorded."""
+    try:
+        step = json.loads((Path(output_dir) / FINAL_MODEL_NAME).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class TrainedPosition:
     """The first prompt position not yet trained (SPEC §12), from outcomes that may finish out of order.
 

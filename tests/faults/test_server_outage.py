@@ -473,6 +473,10 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
     assert generation, "the restarted server never generated"
     assert "/finish_weight_update" in routes[: generation[0]], routes[:10]  # weights first, then generation
+    # the log says so (issue #36): the server is back, the weights go first, generation resumes after
+    assert f"the sampler server at http://127.0.0.1:{port} answers again after an outage: pushing the weights of " \
+           "model version" in log, log[-4000:]
+    assert "; generation resumes" in log and "re-pushed model version" in log, log[-4000:]
 
 
 def test_trainer_sigkill_takes_worker_and_pool_along_and_a_server_that_stays_down_ends_the_run(
