@@ -242,7 +242,8 @@ class Dashboard:
                                               now - self._outage_printed_at >= SERVER_STATUS_EVERY_S):
             self.console.print(str(line), markup=False, highlight=False, soft_wrap=True)
             self._outage_printed_at = now
-        elif self.mode == "plain" and not line and self._outage_kind and status.get("state") == "running":
+        elif self.mode == "plain" and not line and self._outage_kind and not str(status.get("state", "")).startswith(
+                ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
             self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
         self._outage_kind = kind
 

@@ -357,11 +357,28 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
         """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
         that came back from an outage, `WeightSync.push_current`); then release the worker's generation
-        if it waited for weights after an outage that ended before this push began."""
+        if it waited for weights after an outage that ended before this push began. A push that generation
+        waits for (the re-push, or a step's sync that does its work) says so in the log and in ``status.json``
+        ``server_status``, and says when generation resumes."""
         seen = self.worker.server_returns_seen() if self.worker is not None else 0
-        sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+        held = self.worker is not None and self.worker.needs_repush()  # rank 0: generation waits for this push
+        url = self.args.vllm_server_base_url
+        if held:
+            how = "again" if again else "(this step's weight sync)"
+            print(f"asyncgrpo: the sampler server at {url} answers again after an outage: pushing the weights of "
+                  f"model version {version} {how} before generation resumes", flush=True)
+            self._repush_status = f"server back: pushing the weights of model version {version}" + \
+                (" again" if again else "")
+        start = time.monotonic()
+        try:
+            sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+        finally:
+            self._repush_status = None
         if self.worker is not None:
             self.worker.ack_repush(seen)
+            if held and not self.worker.needs_repush():
+                print(f"asyncgrpo: {'re-pushed' if again else 'pushed'} model version {version} to {url} in "
+                      f"{time.monotonic() - start:.1f} s; generation resumes", flush=True)
         return sync
 
     def _server_status(self) -> str | None:
@@ -421,7 +438,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             plan = self._broadcast(plan)
             if plan.repush:
                 try:
-                    self._repush(self.model_version)
+                    self._push_weights(self.model_version, again=True)  # logged (SPEC B.17)
                 except WeightSyncError as exc:
                     if not self._sync_failed_while_stopping(exc):
                         raise
@@ -496,21 +513,6 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 self.control.should_save = False
             if self.control.should_training_stop:
                 break
-
-    def _repush(self, version: int) -> None:
-        """The server came back from an outage: push the current weights again before generation resumes
-        (SPEC B.17), saying so in the log and in ``status.json`` ``server_status``."""
-        url = self.args.vllm_server_base_url
-        print(f"asyncgrpo: the sampler server at {url} answers again after an outage: pushing the weights of "
-              f"model version {version} again before generation resumes", flush=True)
-        self._repush_status = f"server back: pushing the weights of model version {version} again"
-        start = time.monotonic()
-        try:
-            self._push_weights(version, again=True)
-        finally:
-            self._repush_status = None
-        print(f"asyncgrpo: re-pushed model version {version} to {url} in {time.monotonic() - start:.1f} s; "
-              "generation resumes", flush=True)
 
     def _raise_sync_failure(self, exc: BaseException) -> None:
         """Raise a failed weight sync (after its trained step was logged); when the server was silent meanwhile

@@ -339,6 +339,22 @@ def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(t
                        "sampler server: answering again"], printed
 
 
+def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_not_at_the_end(tmp_path):
+    """A sync that waited out the outage is followed by the step's save: the status that clears the outage may
+    first be seen in state ``saving`` (the smoke drill ``external-back`` printed no 'answering again')."""
+    out = tmp_path / "run"
+    out.mkdir()
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    for state, line in (("running", "server unreachable, retrying (30 s left)"), ("saving", None),
+                        ("running", "server unreachable, retrying (20 s left)"), ("failed: SamplerRetryError", None)):
+        (out / "status.json").write_text(json.dumps({"state": state, "step": 2, "server_status": line}))
+        dash.poll()
+    printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert printed == ["server unreachable, retrying (30 s left)", "sampler server: answering again",
+                       "server unreachable, retrying (20 s left)"], printed
+
+
 def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model(tmp_path):
     """A run resumed from checkpoint-8 and stopped at step 9: the top-level model.safetensors is the earlier
     run's step 8, not this run's; the summary says so and points at checkpoint-9 (it claimed "final model
