@@ -85,20 +85,25 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
         raise typer.Exit(2) from None
 
 
-def _validate(cfg, command: str) -> None:
-    """The deep pass of `asyncgrpo_cli.config.validate` before anything starts: exit 2 on a problem,
-    print its warnings otherwise."""
+def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False) -> list[ConfigError]:
+    """The deep pass of `asyncgrpo_cli.config.validate` before anything starts (``probe``: with the network
+    checks, an external sampler answering): exit 2 on a problem, print its warnings otherwise. ``keep_going``
+    (``train --dry-run``): return the problems instead, so that the launch plan is still printed with them."""
     from rich.markup import escape
 
+    from .config.rules import ConfigErrors
     from .config.run_checks import validate_run
 
     try:
-        warnings = validate_run(cfg, command)
+        warnings = validate_run(cfg, command, probe=probe)
     except ConfigError as exc:
+        if keep_going:
+            return list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
         _print_error(exc)
         raise typer.Exit(2) from None
     for w in warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+    return []
 
 
 def _resolve_model(cfg, export: bool = True) -> str | None:
@@ -314,9 +319,25 @@ def config_cmd(
                   "or model.name=...) --check runs the checks train runs (lengths, imports, data, rewards)",
                   highlight=False, soft_wrap=True)
         return
-    _validate(cfg, "train")  # the deep pass train runs, after the YAML: exit 2 with every problem it finds
+    _validate(cfg, "train", probe=True)  # the deep pass train runs, after the YAML: exit 2 with every problem
+    _check_plan(cfg)
     err.print("[green]config --check: every check train runs before it starts passed[/] (the server's own "
               "checks run when it answers: asyncgrpo doctor)", highlight=False, soft_wrap=True)
+
+
+def _check_plan(cfg) -> None:
+    """`config --check`: the launch plan's problems on this machine (GPUs, cores, the server command), which
+    `train` and its dry run refuse too: exit 2 naming each."""
+    from .launch.plan import build_launch_plan
+
+    try:
+        problems = build_launch_plan(cfg).problems
+    except ConfigError as exc:
+        problems = [str(exc)]
+    for problem in problems:
+        err.print(Text.assemble(("config error: ", "bold red"), problem), highlight=False, soft_wrap=True)
+    if problems:
+        raise typer.Exit(2)
 
 
 @app.command("recipes")
@@ -351,6 +372,11 @@ def serve_cmd(
 
     cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
     _validate(cfg, "serve")
+    external_note = None
+    if getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external":  # the server that config expects
+        from .server.command import server_for_external
+
+        cfg, external_note = server_for_external(cfg, at_url=True)
     if not dry_run:
         _check_port(cfg)
     try:
@@ -361,6 +387,8 @@ def serve_cmd(
         raise typer.Exit(2) from None
     if export_note:
         command.notes.append(export_note)
+    if external_note:
+        command.notes.insert(0, external_note)
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend == "vllm":
         if visible_gpu_count() == 0:
@@ -456,10 +484,29 @@ def train_cmd(
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         raise typer.Exit(0)
+    if not dry_run and cfg.model.name:
+        _refuse_early(cfg)
     from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
 
-    _validate(cfg, "train")
+    refused = _validate(cfg, "train", probe=True, keep_going=dry_run)
+    if refused:  # a dry run shows its plan all the same, with the checks that failed in it
+        from .launch.supervisor import print_refused_plan
+
+        raise typer.Exit(print_refused_plan(cfg, refused))
     raise typer.Exit(run_train(cfg, dry_run=dry_run))
+
+
+def _refuse_early(cfg) -> None:
+    """`train`: exit 2 at once on what needs no model (`launch.preflight.early_refusal`: another job in the
+    folder, a busy port, a used or unwritable folder, an external sampler that does not answer), before the
+    deep checks import transformers and load the data."""
+    from .launch.preflight import early_refusal
+
+    message = early_refusal(cfg)
+    if message:
+        label, _, text = message.partition(": ")
+        err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int:

@@ -288,6 +288,18 @@ def test_the_trainer_fields_used_are_the_installed_ones(tmp_path, monkeypatch):
         assert trainer_fields.snapshot_specs(trainer_fields.cache_path()) == live
 
 
+def test_the_shipped_trainer_field_snapshot_is_stamped_with_this_grpo_config():
+    """Editing ``config/grpo_config.py`` (or merging branches that did) without regenerating the snapshot makes
+    every compose read the fields live, importing transformers: the used-folder refusal then imported it, as
+    it should not, whenever the user cache held another checkout's fields. Regenerate with
+    ``python -m asyncgrpo_cli.config.trainer_fields``."""
+    from asyncgrpo_cli.config import trainer_fields
+
+    shipped = json.loads(trainer_fields.SNAPSHOT_PATH.read_text())["stamp"]["train_config_sha256"]
+    assert shipped == trainer_fields.current_stamp()["train_config_sha256"], \
+        "config/trainer_fields.json is stale: run python -m asyncgrpo_cli.config.trainer_fields"
+
+
 def test_a_stale_trainer_field_snapshot_is_not_used(tmp_path):
     from asyncgrpo_cli.config import trainer_fields
 

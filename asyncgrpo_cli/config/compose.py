@@ -8,6 +8,7 @@ packaged inside the wheel (`asyncgrpo_cli/_data/`). Recipes are registered as th
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .rules import ConfigError, check_fields, check_lora_rank
+
+DEFAULT_OUTPUT_DIR = "outputs/run"
+"""``trainer.output_dir`` when it is not set."""
 
 _PKG_DIR = Path(__file__).resolve().parent.parent
 _CHECKOUT_DIR = _PKG_DIR.parent
@@ -303,8 +307,9 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         from .override_errors import type_error_message
 
         key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, None])[1]
+        listed = re.sub(r"\[\d+\]$", "", str(key)) if key else None  # an item's list: its value without the override
         text = type_error_message(str(key), getattr(cause, "value", None),
-                                  _value_without(str(key), overrides, recipe_dirs)) if key else None
+                                  _value_without(listed, overrides, recipe_dirs)) if key else None
         if text:
             return text
     if "could not be converted to" in msg:
@@ -313,6 +318,11 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         return (f"{msg}\nFix: set {key.group(1) if key else 'the key'} to "
                 f"{'an' if kind and kind.group(1)[0] in 'AEIOU' else 'a'} {kind.group(1).lower() if kind else 'value of its type'}"
                 " (`asyncgrpo config` shows every key with its current value)")
+    unclosed = _unclosed_override(overrides) if ("no viable alternative" in msg or "LexerNoViableAlt" in msg
+                                                 or "token recognition error" in msg or "mismatched input" in msg
+                                                 or "extraneous input" in msg) else None
+    if unclosed:
+        return unclosed
     if "LexerNoViableAltException" in msg or "token recognition error" in msg or "mismatched input" in msg:
         return (f"{msg}\nFix: quote a value holding spaces or special characters, e.g. "
                 "'model.name=\"my model\"' (see https://hydra.cc/docs/advanced/override_grammar/basic)")
@@ -324,7 +334,40 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
 
 
-_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+)")
+_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+(?:\[\d+\])?)")
+_CLOSERS = {"[": "]", "{": "}", "(": ")"}
+
+
+def _unclosed_override(overrides: list[str]) -> str | None:
+    """The message for the first override Hydra cannot parse because a bracket or a quote is left open
+    (``rollout.reward_weights=[1.0``), with the override closed as the fix; None when that is not the cause."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+            continue
+        except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
+            pass
+        key, _, value = override.partition("=")
+        open_, quote = [], None
+        for ch in value:
+            if quote:
+                quote = None if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in _CLOSERS:
+                open_.append(_CLOSERS[ch])
+            elif open_ and ch == open_[-1]:
+                open_.pop()
+        if not open_ and quote is None:
+            return None
+        what = f"a {quote} quote" if quote else {"]": "a list [", "}": "a mapping {", ")": "a ("}[open_[-1]]
+        closed = f"{key}={value}{quote or ''}{''.join(reversed(open_))}"
+        return (f"{override}: {what} is not closed, so the override cannot be read. Fix: close it, "
+                f"{shlex.quote(closed)} (quoted whole, so the shell passes the brackets and quotes on)")
+    return None
 
 
 def _unknown_key_message(msg: str) -> str:
@@ -357,8 +400,8 @@ def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, path in FIELD_PATHS.items():
         group, key = path.split(".")
-        if name == "vllm_server_base_url":
-            out[name] = server_url(cfg)
+        if name == "vllm_server_base_url":  # checked as typed; one built from sampler.host/port is not a user's
+            out[name] = str(cfg.sampler.url) if cfg.sampler.url else None
             continue
         value = cfg[group][key]
         out[name] = value.value if hasattr(value, "value") and not isinstance(value, (int, float)) else value
@@ -367,8 +410,8 @@ def _flat_fields(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-PUBLIC_HOST_RISK = ("the server's dev routes (/update_weights, /pause, LoRA loading) take no API key, and "
-                    "/update_weights loads any file path it is given")
+PUBLIC_HOST_RISK = ("the server's dev routes (/update_weights, /pause, LoRA loading) take no API key, so anyone "
+                    "who can reach the port can pause the server and replace its weights")
 
 
 def is_loopback(host: str) -> bool:
@@ -387,8 +430,8 @@ def public_host_warning(cfg: DictConfig) -> str | None:
     """The warning to print when a started server listens beyond loopback (``sampler.allow_public=true``)."""
     if cfg.sampler.backend.value == "external" or is_loopback(str(cfg.sampler.host)):
         return None
-    return (f"warning: sampler.host={cfg.sampler.host} (sampler.allow_public=true): {PUBLIC_HOST_RISK}; anyone who "
-            "can reach the port can replace the weights. Keep the port firewalled")
+    return (f"warning: sampler.host={cfg.sampler.host} (sampler.allow_public=true): {PUBLIC_HOST_RISK}. Keep the "
+            "port firewalled")
 
 
 def server_url(cfg: DictConfig) -> str:
@@ -400,9 +443,11 @@ def sampler_url(sampler: Any) -> str:
     """`server_url` from the ``sampler`` group alone (`SamplerConfig`: ``url``, ``host``, ``port``)."""
     if sampler.url:
         return str(sampler.url).rstrip("/")
-    host = sampler.host
+    host = str(sampler.host)
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
+    if ":" in host:  # an IPv6 address goes in brackets (http://[::1]:8000)
+        host = f"[{host}]"
     return f"http://{host}:{sampler.port}"
 
 
@@ -414,13 +459,17 @@ def validate_config(cfg: DictConfig) -> None:
     """
     from .loss_rules import check_reward_weights_count
     from .override_errors import added_unknown_keys, unknown_key_message
+    from .secrets import check_no_secrets
+    from .start_checks import check_generator_keys
     from .validate import check_groups
 
     for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
         raise ConfigError(unknown_key_message(key).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
+    check_no_secrets(cfg)  # before anything could print or save them
     check_fields(_flat_fields(cfg), hydra_path)
     check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")
     check_groups(cfg)
+    check_generator_keys(cfg.data)
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")
         tm = cfg.peft.target_modules
@@ -443,6 +492,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"sampler.host={cfg.sampler.host} is not a loopback address: {PUBLIC_HOST_RISK}. Fix: keep "
                           "sampler.host=127.0.0.1 (reach it through an SSH tunnel), or set sampler.allow_public=true "
                           "on a trusted network")
+    from .server_flags import check_extra_args
+
+    check_extra_args(list(cfg.sampler.extra_args), host=str(cfg.sampler.host), public_risk=PUBLIC_HOST_RISK,
+                     is_loopback=is_loopback)
     if cfg.sampler.backend.value == "external" and not cfg.sampler.url:
         raise ConfigError("sampler.backend=external needs sampler.url. Fix: add sampler.url=http://HOST:PORT")
     server, trainer = cfg.launch.server_gpus, cfg.launch.trainer_gpus
@@ -482,7 +535,7 @@ def training_args_kwargs(cfg: DictConfig) -> dict[str, Any]:
         kwargs[name] = plain[group][key]
     kwargs["vllm_server_base_url"] = server_url(cfg)
     if kwargs.get("output_dir") is None:
-        kwargs["output_dir"] = "outputs/run"
+        kwargs["output_dir"] = DEFAULT_OUTPUT_DIR
     return kwargs
 
 

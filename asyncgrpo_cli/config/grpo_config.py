@@ -166,6 +166,12 @@ class AsyncGRPOConfig(TrainingArguments):
 
         self.scale_rewards = scale_rewards_name(self.scale_rewards)  # TRL's spelling: True = group, False = none
         check_types(self)  # before any comparison: num_generations="8" must not reach a `<`
+        if self.output_dir is not None and not str(self.output_dir).strip():
+            from .rules import ConfigError
+
+            raise ConfigError(f"output_dir={self.output_dir!r}: an empty folder name (transformers fails on it "
+                              "with FileNotFoundError: ''). Fix: output_dir='outputs/run' (or leave it out for "
+                              "transformers' default, trainer_output)", key="output_dir")
         check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
 
         if self.bf16 is None:
@@ -179,6 +185,14 @@ class AsyncGRPOConfig(TrainingArguments):
         self.ignore_data_skip = True  # SPEC §12: the live rollout queue cannot be skipped and replayed.
         check_fields({f.name: getattr(self, f.name) for f in fields(self) if f.init})
         super().__post_init__()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps (``training_args.bin`` in every checkpoint, the spawned rollout worker): every
+        field but ``hub_token``, which is never written to disk (the Hub reads ``HF_TOKEN`` from the environment)."""
+        state = dict(self.__dict__)
+        if state.get("hub_token"):
+            state["hub_token"] = None
+        return state
 
     @property
     def effective_epsilon_high(self) -> float:

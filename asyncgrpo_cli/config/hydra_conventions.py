@@ -29,8 +29,10 @@ def _parse(overrides: list[str]):
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        raise ConfigError(f"could not parse the overrides {' '.join(overrides)}: "
-                          f"{_explain_hydra_error(exc, overrides)}") from exc
+        text = _explain_hydra_error(exc, overrides)
+        if any(text.startswith(f"{o}: ") for o in overrides):  # it names the override at fault itself
+            raise ConfigError(text) from exc
+        raise ConfigError(f"could not parse the overrides {' '.join(overrides)}: {text}") from exc
 
 
 def _key(override) -> str:

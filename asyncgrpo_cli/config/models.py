@@ -57,7 +57,7 @@ def plan_model_path(name: str, gguf_file: str | None = None) -> tuple[str, Path 
                    f"point model.name at the folder (or installed package) that holds {gguf_file}, or set "
                    "model.gguf_file=null for a model folder or hub id without a GGUF file (a recipe may set it)")
             raise ConfigError(f"model.name={name!r} with model.gguf_file={gguf_file!r}: no local folder or installed "
-                              f"package of that name holds the file. Fix: {fix}")
+                              f"package of that name holds the file. Fix: {fix}", key="model.name")
         return name, None
     if not gguf_file:
         return str(folder), None
@@ -67,11 +67,11 @@ def plan_model_path(name: str, gguf_file: str | None = None) -> tuple[str, Path 
         if package is not None and (package / gguf_file).is_file():  # a folder in the working directory shadows it
             raise ConfigError(f"model.name={name!r}: the folder {base.resolve()} in the current directory shadows the "
                               f"installed package {name} (which holds {gguf_file}), and has no such file. Fix: run "
-                              f"from another directory, or set model.name={package}")
+                              f"from another directory, or set model.name={package}", key="model.name")
         found = sorted(p.name for p in folder.glob("*.gguf"))
         raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder.resolve()}. Fix: "
                           + (f"one of {found}" if found else "point model.name at the folder or installed package "
-                             "that holds it (this one holds no GGUF file)"))
+                             "that holds it (this one holds no GGUF file)"), key="model.gguf_file")
     out = export_dir(gguf)
     return str(out), (None if (out / _DONE).is_file() else gguf)
 

@@ -104,8 +104,21 @@ def describe_type(tp: Any) -> str:
     return text + (" (or null)" if optional else "")
 
 
+EXAMPLES: dict[str, str] = {
+    "launch.stop_timeout": "300", "sampler.gpu_memory_utilization": "0.9", "sampler.max_model_len": "4096",
+    "sampler.max_logprobs": "8", "sampler.kv_cache_tokens": "65536", "sampler.weight_transfer_port": "29600",
+    "launch.main_process_port": "29500", "packing.token_budget": "4096", "rollout.min_p": "0.05",
+    "rollout.max_tool_calling_iterations": "10", "rollout.tool_call_timeout": "300", "loss.epsilon_high": "0.28",
+    "model.router_aux_loss_coef": "0.001", "logging.num_completions_to_print": "4", "data.eval_seed": "1",
+    "rollout.reward_weights": "[1.0]",
+}
+"""Example values of the keys whose default is null (a placeholder like 0.5 means nothing for seconds or ports)."""
+
+
 def _example(key: str, tp: Any, default: Any, current: Any = _MISSING) -> str:
-    tp, _ = _unwrap(tp)
+    tp, optional = _unwrap(tp)
+    if key in EXAMPLES and (current is _MISSING or current is None) and default in (None, _MISSING):
+        return f"{key}={EXAMPLES[key]}" + (f" or {key}=null (its default)" if optional and default is None else "")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " or ".join(f"{key}={m.value}" for m in tp)
     if tp is bool:
@@ -129,6 +142,23 @@ def type_error_message(full_key: str, value: Any, current: Any = _MISSING) -> st
     field's type; None when ``full_key`` is not a schema field (the caller keeps OmegaConf's text).
     ``current``: the key's value in the config composed without the bad override (a recipe's value), shown as
     the example in place of the schema default when given."""
+    import re
+
+    item = re.fullmatch(r"(.+)\[(\d+)\]", full_key)  # one entry of a list: rollout.reward_weights[0]
+    if item is not None:
+        found = field_at(item.group(1))
+        if found is None:
+            return None
+        tp, default = found
+        inner, _ = _unwrap(tp)
+        args = typing.get_args(inner) if typing.get_origin(inner) is list else ()
+        if not args:
+            return None
+        base = item.group(1)
+        shown = f"'{value}'" if isinstance(value, str) else str(value)
+        example = _example(base, tp, default, current)
+        return (f"field {base}: item {item.group(2)} ({shown}) is not {describe_type(args[0])}; {base} is a list of "
+                f"them. Fix: {example} (`asyncgrpo config --doc` describes every key)")
     found = field_at(full_key)
     if found is None:
         return None

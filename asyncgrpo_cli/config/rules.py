@@ -106,6 +106,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if g("vllm_server_timeout", 1800.0) <= 0:
         _fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
               f"set {p('vllm_server_timeout')}=1800")
+    url = g("vllm_server_base_url", None)
+    if url is not None and not _is_http_url(url):
+        _fail(p("vllm_server_base_url"), url, "not an http(s) URL of the sampler",
+              f"set {p('vllm_server_base_url')}=http://HOST:PORT (e.g. http://127.0.0.1:8000)")
     wtp = g("weight_transfer_port", None)
     if wtp is not None and not 0 < wtp < 65536:
         _fail(p("weight_transfer_port"), wtp, "must be a TCP port in 1..65535",
@@ -129,6 +133,20 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     from .loss_rules import check_loss_fields
 
     check_loss_fields(values, p)
+
+
+def _is_http_url(url: Any) -> bool:
+    """``http(s)://HOST[:PORT][/PATH]`` with a host, a valid port and no space."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is no number or out of range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and bool(parts.hostname or "[" in parts.netloc)
 
 
 def check_lora_rank(r: int, key: str = "peft.r") -> None:

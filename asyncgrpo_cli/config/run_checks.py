@@ -19,6 +19,7 @@ from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
 from .loss_rules import loss_warnings
+from .start_checks import check_agent_imports, check_external_sampler, check_peft_targets
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
 __all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
@@ -48,12 +49,14 @@ class _Collector:
 
 
 # ------------------------------------------------------------------------------------------ the CLI pass
-def validate_run(cfg: Any, command: str = "train") -> list[str]:
+def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> list[str]:
     """The CLI's deep pass over a composed (already type- and rule-checked) config, before anything starts.
 
     Args:
         cfg: the composed `DictConfig`.
         command: ``train`` (everything), ``serve`` (model and lengths) or ``doctor`` (model name only).
+        probe: also ask the network what the run will need of it (``train`` only): an external sampler
+            answers at ``sampler.url`` (`start_checks.check_external_sampler`).
 
     Returns:
         Warnings and notes to print.
@@ -87,11 +90,16 @@ def validate_run(cfg: Any, command: str = "train") -> list[str]:
     if not c.errors:
         c.run(check_training_args_build, cfg)
     c.run(check_output_dir, cfg.trainer.get("output_dir"))
+    if probe:
+        c.run(check_external_sampler, cfg)
     imported = c.run(check_imports, cfg)
+    c.run(check_agent_imports, cfg)
+    if cfg.peft.enabled and not c.errors:
+        c.run(check_peft_targets, cfg, folder)
     c.run(check_data_source, cfg.data.name)
     local = bool(cfg.data.generator) or (bool(cfg.data.name) and looks_like_local_data(str(cfg.data.name)))
     if command == "train" and cfg.data.name and not local and not c.errors:
-        c.run(_check_hub_dataset, str(cfg.data.name))
+        c.run(_check_hub_dataset, str(cfg.data.name), cfg.data.subset)
     if not c.errors and local:  # loaded only when local (a Hub dataset is never downloaded by a check) and sound
         from ..data import load_prompts
 
@@ -235,13 +243,14 @@ def check_trackers_installed(trackers: Iterable[str]) -> None:
 
 
 def check_output_dir(output_dir: Any) -> None:
-    """``trainer.output_dir`` can be created and written (checked without creating anything: the nearest
-    existing folder on its path must be a writable folder).
+    """``trainer.output_dir`` can be created and written: the nearest existing folder on its path must be a
+    folder where this process can create one (tried for real, with a temporary folder removed at once: a
+    permission check says yes to root under ``/sys`` or on a read-only mount, where mkdir still fails).
 
     Raises:
         ConfigError: naming the folder, what is in the way and the fix.
     """
-    import os
+    import tempfile
 
     out = Path(str(output_dir)).expanduser().resolve() if output_dir else Path.cwd()  # default: under it
     probe = out
@@ -250,36 +259,38 @@ def check_output_dir(output_dir: Any) -> None:
     problem = None
     if not probe.is_dir():
         problem = f"{probe} is a file, not a folder"
-    elif not os.access(probe, os.W_OK | os.X_OK):
-        problem = f"{probe} is not writable by this user"
+    else:
+        try:
+            Path(tempfile.mkdtemp(dir=probe, prefix=".asyncgrpo-write-check-")).rmdir()
+        except OSError as exc:
+            problem = f"a folder cannot be created in {probe}: {exc.strerror or exc}"
     if problem:
         raise _err("trainer.output_dir", str(out), f"not writable ({problem})",
                    "choose a writable folder with trainer.output_dir=...")
 
 
-def _model_for_cli(cfg: Any, probe_hub: bool = False) -> tuple[Path | None, list[str]]:
+def _model_for_cli(cfg: Any, train: bool = False) -> tuple[Path | None, list[str]]:
     from .models import plan_model_path
 
     try:
         path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
-    except ConfigError:  # a missing GGUF package: serve and train report it themselves (a dry run as a note)
-        if Path(str(cfg.model.name)).expanduser().is_dir():  # a folder without the recipe's GGUF: refused now
+    except ConfigError:  # a GGUF file that is not there: train (and its dry run) refuses it now
+        if train or Path(str(cfg.model.name)).expanduser().is_dir():
             raise
-        return None, []
+        return None, []  # serve reports a missing GGUF package itself (its dry run as a note)
     if gguf is not None:  # exported on the first start; the GGUF carries the chat template
         return None, []
-    return check_model_source(path, "model.name", probe_hub=probe_hub)
+    return check_model_source(path, "model.name", probe_hub=train)
 
 
-def _check_hub_dataset(name: str) -> None:
-    """A Hub dataset needs the Hub unless ``datasets`` runs offline on its cache (``HF_DATASETS_OFFLINE``)."""
-    import os
-
+def _check_hub_dataset(name: str, subset: Any = None) -> None:
+    """A Hub dataset needs the Hub, or, offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), its cached copy."""
     from .sources import check_hub_reachable
+    from .start_checks import _offline, check_offline_hub_dataset
 
-    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-           for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
-        return  # datasets reads its cache (and says so itself when the dataset is not there)
+    if _offline():
+        check_offline_hub_dataset(name, subset)  # resolved from the cache, as the trainer will
+        return
     check_hub_reachable(name, "data.name", what="dataset")
 
 
@@ -330,8 +341,10 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
     where = unguarded_main_call()
     if where is not None:
         c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
+    folder = None
     if isinstance(model, str):
-        c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+        folder = found[0] if found else None
     if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
             not getattr(processing_class, "chat_template", None):
         c.errors.append(_err("processing_class", type(processing_class).__name__, "the tokenizer has no chat template, "
@@ -357,6 +370,8 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
     if funcs:
         c.run(check_reward_funcs, funcs, columns,
               lambda i: f"reward_funcs[{i}]" if isinstance(reward_funcs, (list, tuple)) else "reward_funcs")
+    if args is not None and not c.errors:
+        c.run(check_api_lengths, model, folder, args, train_dataset, processing_class)
     c.raise_if_any()
     if args is not None:
         c.warnings.extend(start_warnings(float(args.repetition_penalty), args.uses_candidate_sets,
@@ -365,3 +380,80 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
                                          "importance_sampling_level": args.importance_sampling_level}))
     return c.warnings
+
+
+API_ROWS_SCANNED = 1000
+"""Prompts rendered at most by `check_api_lengths` (the trainer's constructor should stay quick)."""
+
+
+def check_api_lengths(model: Any, folder: Path | None, args: Any, train_dataset: Any,
+                      processing_class: Any = None) -> None:
+    """The API's length limits against the model, before anything starts: ``max_completion_length`` within the
+    model's context (``max_position_embeddings``, times its RoPE scaling factor: what vLLM serves at most), and
+    a ``token_budget`` that some prompt fits (rendered with the tokenizer, as the worker does), else every
+    sample is dropped as oversize.
+
+    Raises:
+        ConfigError: naming ``max_completion_length`` or ``token_budget``, the limit and the fix.
+    """
+    import json
+
+    from .prompt_lengths import check_prompt_lengths, prompt_token_lengths
+
+    config: Any = None
+    if folder is not None:
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+    elif hasattr(model, "config"):
+        config = model.config.to_dict() if hasattr(model.config, "to_dict") else None
+        where = getattr(model, "name_or_path", None)
+        folder = Path(where) if isinstance(where, str) and where and Path(where).is_dir() else None
+    context = _context_length(config)
+    if context is not None and int(args.max_completion_length) > context:
+        raise _err("max_completion_length", int(args.max_completion_length), f"above the model's context of "
+                   f"{context} tokens (max_position_embeddings in its config): no server generates that many tokens "
+                   "after a prompt", f"set max_completion_length to {context} minus your longest prompt, or less "
+                   f"(e.g. {max(1, context // 2)})")
+    if args.token_budget is None or train_dataset is None or not hasattr(train_dataset, "__iter__"):
+        return
+    tokenizer = processing_class
+    if tokenizer is None and folder is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except Exception:  # noqa: BLE001 - an unreadable tokenizer is the model check's to report
+            return
+    if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
+        return
+    prompts = []
+    for i, row in enumerate(train_dataset):
+        if i >= API_ROWS_SCANNED:
+            break
+        if isinstance(row, dict) and "prompt" in row:
+            prompts.append(row["prompt"])
+    try:
+        lengths = prompt_token_lengths(prompts, tokenizer, getattr(args, "chat_template_kwargs", None) or None)
+    except Exception:  # noqa: BLE001 - a template problem is the chat-template check's to report
+        return
+    total = len(train_dataset) if hasattr(train_dataset, "__len__") else None
+    check_prompt_lengths(lengths, int(args.max_completion_length), None, int(args.token_budget),
+                         scanned_all=total is not None and total <= len(lengths),
+                         completion_key="max_completion_length", len_key="the server's max_model_len",
+                         budget_key="token_budget")
+
+
+def _context_length(config: Any) -> int | None:
+    """``max_position_embeddings`` of a model config dict (its text config for a multimodal one), times the
+    RoPE scaling factor when it has one (vLLM's default max_model_len); None when it does not say."""
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    if not isinstance(value, int) or value <= 0:
+        return None
+    scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    return int(value * factor) if isinstance(factor, (int, float)) and factor > 1 else value

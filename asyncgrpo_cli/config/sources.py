@@ -307,6 +307,32 @@ def check_reward_funcs(funcs: Sequence[Any], columns: Sequence[str] | None, key_
         raise ConfigErrors(errors)
 
 
+def check_reward_kwargs(func: Any, kwargs: dict[str, Any], key: str, path: str) -> None:
+    """Each keyword argument of ``rewards[i].kwargs`` must name a parameter of the function: one that only
+    lands in its ``**kwargs`` is read by nothing (a typo), and one the worker passes itself (``completions``,
+    a dataset column) collides with it.
+
+    Raises:
+        ConfigError: naming the argument, the function's parameters (the closest first) and the fix.
+    """
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return
+    named = [p.name for p in params.values() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                              inspect.Parameter.KEYWORD_ONLY)]
+    settable = [n for n in named if n not in RESERVED_REWARD_KWARGS]
+    for arg in kwargs:
+        if arg in RESERVED_REWARD_KWARGS:
+            raise _err(key, dict(kwargs), f"{arg!r} is what the worker passes {path} itself on every call",
+                       f"remove {arg} from {key}")
+        if arg not in named:
+            close = difflib.get_close_matches(arg, settable, n=1)
+            raise _err(key, dict(kwargs), f"{path} has no parameter {arg!r} (its parameters: "
+                       f"{', '.join(settable) or 'none'}), so nothing would read it",
+                       f"{'did you mean ' + close[0] + '? ' if close else ''}use the function's own argument names")
+
+
 # ------------------------------------------------------------------------------------------ imports
 def check_import(path: Any, key: str) -> Any:
     """Import ``module:attr`` (or ``module.attr``) and return the object; on a typo name the closest names.
@@ -396,6 +422,11 @@ def check_imports(cfg: Any) -> tuple[list[Any], list[str]]:
                 continue
             except ValueError:
                 pass
+            try:
+                check_reward_kwargs(func, kwargs, f"rewards[{i}].kwargs", str(spec.func))
+            except ConfigError as exc:
+                errors.append(exc)
+                continue
             func = functools.partial(func, **kwargs)
         funcs.append(func)
         paths.append(str(spec.func))

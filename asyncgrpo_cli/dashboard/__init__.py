@@ -39,6 +39,7 @@ STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 MODES = ("auto", "rich", "plain", "off")
+SERVER_STATUS_EVERY_S = 10.0  # plain mode: a lasting server_status line is printed again this often
 
 
 class JsonlTail:
@@ -145,6 +146,8 @@ class Dashboard:
         self._processes: list[ProcessInfo] = []
         self.outcome: str | None = None
         self.eval: dict[str, Any] | None = None  # the newest eval round record
+        self._outage_kind: str | None = None  # the server_status line printed last, digits masked
+        self._outage_printed_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -200,10 +203,7 @@ class Dashboard:
         status = read_status(self.output_dir / STATUS_FILE, not_before=self.started_at - 1.0)
         if status is not None:
             self.status = status
-            outage = status.get("server_status")
-            if self.mode == "plain" and outage and outage != getattr(self, "_printed_outage", None):
-                self.console.print(str(outage), markup=False, highlight=False, soft_wrap=True)
-            self._printed_outage = outage
+            self._print_server_status(status)
         new = []
         for row in self._metrics.read_new():
             if "event" in row:  # a marker such as {"event": "resume", "step": N, "from": ...}, not a window
@@ -228,6 +228,24 @@ class Dashboard:
         as being stopped (the supervisor stops them next)."""
         self.outcome = outcome
         self.poll(processes)
+
+    def _print_server_status(self, status: dict[str, Any]) -> None:
+        """Plain mode: the trainer's ``server_status`` line (an outage, a silent server, a re-push) when it
+        appears or changes kind, then every `SERVER_STATUS_EVERY_S` s while it lasts (not every second: the
+        count-down changes each time), and a line when it clears while the run goes on."""
+        import re
+
+        line = status.get("server_status")
+        kind = re.sub(r"\d+", "N", str(line)) if line else None
+        now = time.monotonic()
+        if self.mode == "plain" and line and (kind != self._outage_kind or
+                                              now - self._outage_printed_at >= SERVER_STATUS_EVERY_S):
+            self.console.print(str(line), markup=False, highlight=False, soft_wrap=True)
+            self._outage_printed_at = now
+        elif self.mode == "plain" and not line and self._outage_kind and not str(status.get("state", "")).startswith(
+                ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
+            self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
+        self._outage_kind = kind
 
     def _print_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "eval":  # one eval round (README "Evaluation"): the rewards panel shows it

@@ -77,6 +77,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..run.metrics_line import busy_share, num  # noqa: F401 - re-exported: the dashboard's readers of a window
+
 OK, INFO, WARN, ALERT = "ok", "info", "warn", "alert"
 SEVERITY_RANK = {OK: 0, INFO: 1, WARN: 2, ALERT: 3}
 REWARD_NAMES = ("reward", "reward_kept", "reward_dropped")
@@ -187,18 +189,6 @@ class RunSettings:
                    max_model_len=None if max_len is None else int(max_len))
 
 
-def num(metrics: Mapping[str, Any] | None, name: str) -> float | None:
-    """``metrics[name]`` as a finite float, or None when absent, null, NaN or not a number."""
-    if not metrics:
-        return None
-    value = metrics.get(name)
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
 
 
 class MetricsHistory:
@@ -501,13 +491,6 @@ NUM_SEQS_FLAGS = ("--max-num-seqs", "--max_num_seqs")
 BUDGET_ROUND = 256
 
 
-def busy_share(m: Mapping[str, Any] | None) -> float | None:
-    """The trainer's busy share of a step: ``1 - perf/rollout_wait_s / perf/step_s`` clamped to [0, 1]
-    (a fraction); None when either is missing or the step time is not positive."""
-    wait, step_s = num(m, "perf/rollout_wait_s"), num(m, "perf/step_s")
-    if wait is None or step_s is None or step_s <= 0:
-        return None
-    return min(1.0, max(0.0, 1.0 - wait / step_s))
 
 
 def _bare_ok(value: str) -> bool:

@@ -24,20 +24,23 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..run.metrics_line import DASH, fmt, fmt_pct, fmt_rate, metrics_line  # noqa: F401 - re-exported
+from ..run.state import final_model_step
 from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
-DASH = "—"
 
 
 @dataclass
 class ProcessInfo:
-    """One row of the process table: ``alive`` None = not started by us (e.g. an external server)."""
+    """One row of the process table: ``alive`` None = not started by us (e.g. an external server); ``stopped``:
+    alive but stopped (SIGSTOP, Ctrl-Z)."""
 
     name: str
     pid: int | None
     alive: bool | None
     detail: str = ""
+    stopped: bool = False
 
 
 @dataclass
@@ -89,19 +92,9 @@ class DashboardView:
 
 
 # ----------------------------------------------------------------------------------------------- format
-def fmt(value: float | None, spec: str = ".3g") -> str:
-    """A number with ``spec``, or ``—`` when unknown."""
-    return DASH if value is None else format(value, spec)
-
-
 def fmt_s(value: float | None, spec: str = ".2f") -> str:
     """Seconds with a unit (``1.50 s``), or ``—``."""
     return DASH if value is None else f"{format(value, spec)} s"
-
-
-def fmt_pct(value: float | None) -> str:
-    """A fraction as a percentage (``0.25`` → ``25%``), or ``—``."""
-    return DASH if value is None else f"{value:.0%}"
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -116,14 +109,6 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def fmt_rate(value: float | None) -> str:
-    """Tokens per second with a k/M suffix (``1234.5`` → ``1.23k``), or ``—``."""
-    if value is None:
-        return DASH
-    for div, suffix in ((1e6, "M"), (1e3, "k")):
-        if abs(value) >= div:
-            return f"{value / div:.3g}{suffix}"
-    return f"{value:.3g}"
 
 
 # ------------------------------------------------------------------------------------------ run timing
@@ -169,12 +154,14 @@ STATE_STYLES = {"running": "green", "saving": "cyan", "finished": "bold green", 
 
 
 def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
-    """(text, style) of a process row: ``external``, ``alive``, ``exited``, or ``stopping`` for one still
-    running once the run has ended (``ended``: the supervisor stops it next)."""
+    """(text, style) of a process row: ``external``, ``alive``, ``exited``, ``STOPPED`` (SIGSTOP), or
+    ``stopping`` for one still running once the run has ended (``ended``: the supervisor stops it next)."""
     if p.alive is None:
         return "external", "cyan"
     if not p.alive:
         return "exited", "red"
+    if p.stopped:
+        return "STOPPED", "bold red"
     return ("stopping", "yellow") if ended else ("alive", "green")
 
 
@@ -498,6 +485,9 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
         table.add_row(label, value if isinstance(value, Text) else str(value), r_label,
                       r_value if isinstance(r_value, Text) else str(r_value))
     parts: list[RenderableType] = [table, diagnosis_text(view.diagnosis)]
+    server_status = (view.status or {}).get("server_status")
+    if server_status:  # unreachable, not answering, re-push: folded onto whole lines like the error
+        parts.append(Text(f"sampler server: {server_status}", style="bold red"))
     error = (view.status or {}).get("last_error")
     if error:
         parts.append(Text(f"last error: {str(error)[-300:]}", style="red"))
@@ -506,24 +496,12 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
 
 
 def plain_line(metrics: Mapping[str, Any], diagnosis: Diagnosis | None = None, max_steps: float | None = None) -> str:
-    """One log line per logging step: step, reward, key throughput numbers, the trainer's busy share of the
-    step (left out when unknown), and the diagnosis.
+    """One log line per logging step: `run.metrics_line.metrics_line` (step, reward, key throughput numbers, the
+    trainer's busy share of the step, queue, staleness) with the diagnosis at its end.
 
     Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | ...``
     """
-    step = num(metrics, "step")
-    parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
-             "reward — (no group scored since the last log)",
-             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
-             f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
-             f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
-             *([f"busy {fmt_pct(busy_share(metrics))}"] if busy_share(metrics) is not None else []),
-             f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
-             f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]
-    if diagnosis is not None:
-        parts.append(diagnosis.text)
-    return " | ".join(parts)
+    return metrics_line(metrics, max_steps, diagnosis.text if diagnosis is not None else None)
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -597,7 +575,7 @@ class RunSummary:
             window that trained only on samples already queued has none); one step of a short run says little.
         final_reward_windows: how many windows that mean is over.
         final_model: the ``from_pretrained`` line that loads the saved final model (or LoRA adapter), None when
-            ``output_dir`` holds none.
+            ``output_dir`` holds none; final_model_step: the step it holds (`run.state.final_model_step`).
         mean_generated_tokens_per_s: ``rollout/generated_tokens_per_s`` over the windows, each weighted by its
             step time (``perf/step_s``): the tokens over the time, not a mean of rates (a short fast step and a
             long slow one do not count alike).
@@ -620,6 +598,7 @@ class RunSummary:
     plot_path: str | None = None
     final_reward_windows: int = 0
     final_model: str | None = None
+    final_model_step: int | None = None  # the step it holds (``final_model.json``), None when not recorded
     final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
 
 
@@ -664,6 +643,24 @@ def final_model_line(output_dir: str | Path) -> str | None:
     return None
 
 
+def final_model_text(summary: RunSummary) -> str | None:
+    """The summary's "final model" row: the step the model in ``output_dir`` holds and how to load it when this
+    run wrote it (it finished); otherwise that it is not this run's, and where this run's last step is."""
+    newest = summary.checkpoints[-1] if summary.checkpoints else None
+    this = f"this run {summary.outcome} at step {summary.steps}" if summary.steps is not None else \
+        f"this run {summary.outcome}"
+    load = f"; its newest checkpoint: {newest}" if newest else ""
+    step = summary.final_model_step
+    if summary.final_model is None:
+        return f"not saved ({this}){load}" if summary.outcome != "finished" and newest else None
+    if step is None:
+        return (f"not claimed: the model in {summary.output_dir} has no recorded step (an earlier run's, or a save "
+                f"that did not end){load}")
+    if summary.outcome != "finished":  # a stopped or failed run writes no final model: it is an earlier run's
+        return f"not saved by this run ({this}); the model in {summary.output_dir} is step {step}'s{load}"
+    return f"step {step}; load it with {summary.final_model}"
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: str | Path, outcome: str,
               plot_path: str | Path | None = None, final_eval: Mapping[str, Any] | None = None) -> RunSummary:
     """Summarize the metrics rows of a run (``metrics.jsonl`` lines, oldest first); ``final_eval``: its last
@@ -674,6 +671,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
                       final_reward=sum(rewards) / len(rewards) if rewards else None,
                       final_reward_windows=len(rewards), final_model=final_model_line(output_dir),
+                      final_model_step=final_model_step(output_dir),
                       mean_generated_tokens_per_s=_time_weighted(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_time_weighted(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
@@ -697,8 +695,9 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("mean step time", fmt_s(summary.mean_step_s)),
         ("output", summary.output_dir),
     ]
-    if summary.final_model:
-        rows.append(("final model", f"saved; load it with {summary.final_model}"))
+    model = final_model_text(summary)
+    if model:
+        rows.append(("final model", model))
     if compact:
         ckpts = ", ".join(Path(c).name for c in summary.checkpoints[-3:]) or "none"
         rows.append(("checkpoints", f"… {ckpts}" if len(summary.checkpoints) > 3 else ckpts))

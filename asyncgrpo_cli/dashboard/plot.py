@@ -143,6 +143,21 @@ def reward_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[li
     return curves
 
 
+def fold_identical(curves: list[tuple[str, tuple[list[float], list[float]]]]
+                   ) -> list[tuple[str, tuple[list[float], list[float]]]]:
+    """One curve per distinct series: curves with the same values at every step (``sample/trained_frac_short``,
+    ``_medium`` and ``_long`` are all 1.0 while nothing goes stale) are drawn once, labelled ``a = b = c``,
+    instead of as lines hidden under each other."""
+    folded: list[tuple[list[str], tuple[list[float], list[float]]]] = []
+    for label, series in curves:
+        twin = next((f for f in folded if f[1][0] == series[0] and _same(f[1], series)), None)
+        if twin is None:
+            folded.append(([label], series))
+        else:
+            twin[0].append(label)
+    return [(" = ".join(labels), series) for labels, series in folded]
+
+
 def eval_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[list[float], list[float]]]]:
     """(label, series) of the eval panel from the eval round records (``{"event": "eval", "step": S, ...}``):
     ``eval/reward``, ``eval/pass_rate`` and each ``eval/rewards/<f>/mean`` against the evaluated step, one point
@@ -177,7 +192,7 @@ def curve_panels(rows: Sequence[Mapping[str, Any]], sampler: str | None = None
     with_tools = any(has_tool_metrics(r) for r in rows)
     for title, ylabel, names in (*PANELS, *([TOOLS_PANEL] if with_tools else [])):
         curves = [(kv_label(sampler) if n == KV_METRIC else n, s) for n in names if _has(s := _series(rows, n))]
-        panels.append((title, ylabel, curves))
+        panels.append((title, ylabel, fold_identical(curves)))
     if evals:
         panels.append(("eval (held-out prompts)", "reward / share", evals))
     return panels

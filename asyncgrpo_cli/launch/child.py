@@ -51,13 +51,28 @@ class Child:
         return self.popen.poll() if self.popen else None
 
     def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the child's whole process group (ignored when the group is gone)."""
+        """Send ``sig`` to the child's whole process group (ignored when the group is gone); a stop signal is
+        followed by SIGCONT, so that a process stopped with SIGSTOP or Ctrl-Z acts on it now instead of
+        when someone continues it."""
         if self.popen is None:
             return
         try:
             os.killpg(self.popen.pid, sig)
+            if sig in (signal.SIGINT, signal.SIGTERM):
+                os.killpg(self.popen.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def stopped(self) -> bool:
+        """Whether the leader is stopped (SIGSTOP, SIGTSTP, Ctrl-Z): alive, and running nothing."""
+        if self.popen is None or self.poll() is not None:
+            return False
+        try:
+            import psutil
+
+            return psutil.Process(self.popen.pid).status() == psutil.STATUS_STOPPED
+        except Exception:  # noqa: BLE001 - psutil missing or the process just exited
+            return False
 
     def group_alive(self) -> bool:
         """Whether any process of the child's group is still there."""

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from ..config.compose import DEFAULT_OUTPUT_DIR  # noqa: F401  (re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
 CONFIG_NAME = "asyncgrpo_config.yaml"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
-DEFAULT_OUTPUT_DIR = "outputs/run"
 
 if TYPE_CHECKING:
     from ..config.schema import LaunchConfig, LossConfig, ModelConfig, PeftConfig, SamplerConfig, TrainerConfig
@@ -230,9 +230,15 @@ def plan_gpus(gpu_count: int | None = None, *, layout: Layout, start_server: boo
         per_machine = len(trainer_gpus)
     else:
         per_machine = int(launch.cpu_processes)
+        cores = usable_cores()
         if per_machine < 1:
             problems.append(f"launch.cpu_processes={per_machine}: must be >= 1. Fix: launch.cpu_processes=1")
             per_machine = 1
+        elif per_machine > cores:
+            problems.append(f"launch.cpu_processes={per_machine}: this machine lets the job use {cores} CPU core(s), "
+                            f"and each trainer process holds a whole copy of the model and computes on its own "
+                            f"cores: {per_machine} processes would crawl (or run out of memory). Fix: "
+                            f"launch.cpu_processes={cores} or fewer")
     machines, rank = int(launch.num_machines), int(launch.machine_rank)
     if machines < 1:
         problems.append(f"launch.num_machines={machines}: must be >= 1. Fix: launch.num_machines=1")
@@ -344,6 +350,11 @@ def trainer_env(gpus: GpuPlan) -> dict[str, str]:
     return env
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_thread_split(gpus: GpuPlan, server: Any, cores: int | None = None, *, sampler: SamplerConfig
                      ) -> tuple[int, int, int] | None:
     """``(sampler threads, trainer threads per process, cores)`` when the embedded sampler and the trainer
@@ -362,7 +373,7 @@ def cpu_thread_split(gpus: GpuPlan, server: Any, cores: int | None = None, *, sa
     if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (sampler.env or {}):
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     sampler_threads = max(1, cores // 2)
     trainer_threads = max(1, (cores - sampler_threads) // max(1, gpus.processes_per_machine))
     return sampler_threads, trainer_threads, cores

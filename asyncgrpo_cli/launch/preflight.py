@@ -116,3 +116,36 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
     if port_in_use(host, port):
         raise ConfigError(f"sampler.port={port}: another process already listens on {host}:{port}. Fix: use a free "
                           f"port, e.g. sampler.port={free_port()}, or stop that process")
+
+
+def early_refusal(cfg: DictConfig) -> str | None:
+    """What ``asyncgrpo train`` refuses without the model, the data or transformers, so it comes in a second
+    (it came after the deep checks: 60-90 s on a loaded 2-core machine): another job in ``trainer.output_dir``,
+    a busy ``sampler.port``, a folder that holds an earlier run, an unwritable folder, an external sampler that
+    does not answer. Machine 0 only (the others share its folder and server).
+
+    Returns:
+        The message to print (with its ``config error:`` / ``error:`` label), or None when none applies.
+    """
+    from ..config.run_checks import check_output_dir
+    from ..config.start_checks import check_external_sampler
+    from ..run.folder import start_problem
+    from .plan import output_dir_of
+
+    if int(cfg.launch.machine_rank) != 0:
+        return None
+    try:
+        _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
+        check_server_port(cfg.sampler)
+    except ConfigError as exc:
+        return f"config error: {exc}"
+    typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
+    problem = start_problem(cfg.trainer, typed)
+    if problem:
+        return f"error: {problem}"
+    try:
+        check_output_dir(cfg.trainer.get("output_dir"))
+        check_external_sampler(cfg)
+    except ConfigError as exc:
+        return f"config error: {exc}"
+    return None

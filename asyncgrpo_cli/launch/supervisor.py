@@ -134,16 +134,20 @@ def server_exec_argv(command: ServerCommand) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ printing
-def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool) -> None:
+def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved: bool,
+               failed_keys: frozenset[str] = frozenset()) -> None:
     """Print the launch plan: output folder, GPU split, model, sampler, both commands, accelerate setup,
-    notes and problems. One line per item, never wrapped by rich, so commands stay copy-pasteable."""
+    notes and problems. One line per item, never wrapped by rich, so commands stay copy-pasteable.
+    ``failed_keys``: config keys whose checks failed (``model.name``: the model row is marked failed)."""
     rows: list[tuple[str, str, str]] = [("output dir", f"{plan.output_dir}  (logs: {plan.logs_dir})", ""),
                                         ("GPUs", plan.gpus.describe(), "")]
     model = str(cfg.model.name)
     if not resolved and cfg.model.gguf_file:
         model += f"  (GGUF {cfg.model.gguf_file}: exported once to a safetensors folder at start; server and " \
                  "trainer load that folder)"
-    rows.append(("model", model, ""))
+    failed = "model.name" in failed_keys or "model.gguf_file" in failed_keys
+    rows.append(("model", model + ("  FAILED: its check failed (the problem below)" if failed else ""),
+                 "bold red" if failed else ""))
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     rows.append(("sampler", f"{backend} at {plan.url}", ""))
     rows.append(("server", f"$ {plan.server.shell_line()}" if plan.server else plan.server_reason, ""))
@@ -185,7 +189,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._escalate = threading.Event()
         self._signals: list[int] = []
-        self._failures: list[tuple[str, list[str], str]] = []  # (message, log lines, log path)
+        self._failures: list[tuple[str, list[str], str, str | None]] = []  # (message, log lines, log path, cause)
         self._monitoring = False
         self._escalated_said = False
         self.lock = None
@@ -210,17 +214,19 @@ class Supervisor:
         return 143 if self._signals and self._signals[0] == signal.SIGTERM else 130
 
     # -------------------------------------------------------------- failures
-    def _fail(self, message: str, child: Child | None = None) -> int:
+    def _fail(self, message: str, child: Child | None = None, cause: str | None = None) -> int:
+        """Record a failure to print at the end; ``cause``: the cause line when the child's log has none."""
         lines = child.tail() if child is not None else []
-        self._failures.append((message, lines, str(child.log_path) if child else ""))
+        self._failures.append((message, lines, str(child.log_path) if child else "", cause))
         return 1
 
     def _print_failures(self) -> None:
         """Each failure: the error, its cause in one line (the child's own ``error:`` line or its last
-        exception), then the log's last lines with every traceback cut to its exception line."""
-        for message, lines, path in self._failures:
+        exception, else what the supervisor knows: a signal from outside), then the log's last lines with
+        every traceback cut to its exception line."""
+        for message, lines, path, known in self._failures:
             self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
-            cause = failure_cause(lines)
+            cause = failure_cause(lines) or known
             if cause:
                 self.console.print(Text(f"cause: {cause}", style="red"), soft_wrap=True)
             short = without_tracebacks(lines)[-FAILURE_LINES:]
@@ -467,8 +473,11 @@ class Supervisor:
 
         table = []
         if self.server is not None:
+            stopped = self.server.stopped()
             table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
-                                     f"{self.plan.url}  log: logs/server.log"))
+                                     f"{self.plan.url}  log: logs/server.log" + (
+                                         f"  (SIGSTOP or Ctrl-Z: kill -CONT {self.server.pid} continues it)"
+                                         if stopped else ""), stopped=stopped))
         else:
             table.append(ProcessInfo("server", None, None, self.plan.url))
         if self.trainer is not None:
@@ -505,8 +514,9 @@ class Supervisor:
                     dash.print(Text(f"{sig}: asking the trainer to save a checkpoint of its last completed step "
                                     f"and stop (up to {grace:.0f} s, launch.stop_timeout; send it again to stop "
                                     "now, without saving)", style="yellow"))
+                    before = self._newest_checkpoint()  # "saved" below means saved by this stop
                     self._stop_child(trainer, signal.SIGINT, grace)
-                    dash.print(Text(self._checkpoint_report(), style="yellow"))
+                    dash.print(Text(self._checkpoint_report(before), style="yellow"))
                     outcome, status = "stopped", self._interrupted_rc()
                     break
                 if self.server is not None and self.server.poll() is not None:
@@ -515,10 +525,11 @@ class Supervisor:
                                       f"{exit_text(code)}")
                     dash.print(Text(f"the server (pid {self.server.pid}) {exit_text(code)}: stopping the trainer "
                                     "(it saves its last completed step)", style="red"))
+                    before = self._newest_checkpoint()
                     self._stop_child(trainer, signal.SIGINT, self._stop_grace())
                     outcome, status = "failed", self._fail(f"the server (pid {self.server.pid}) {exit_text(code)} "
-                                                           "during training; " + self._checkpoint_report(),
-                                                           self.server)
+                                                           "during training; " + self._checkpoint_report(before),
+                                                           self.server, server_death_cause(code))
                     break
                 trainer.track()
                 if self.server is not None:
@@ -531,14 +542,29 @@ class Supervisor:
             dash.stop()
         return outcome, status
 
-    def _checkpoint_report(self) -> str:
-        """Whether the stopped trainer wrote a new complete checkpoint (never promise one that is not there)."""
+    def _checkpoint_report(self, before: str | None | bool = False) -> str:
+        """What the stopped (or dead) trainer left, never promising a checkpoint that is not there: ``checkpoint
+        saved`` only for one written since ``before`` (the newest when the stop began; default: when the job
+        started) that holds the last completed step (``status.json`` ``step``); otherwise the newest complete
+        checkpoint with the step it holds, and the step that is not saved."""
+        from ..run.checkpoints import checkpoint_step
+        from .job_files import read_status
+
         newest = self._newest_checkpoint()
-        if newest is not None and newest != self._checkpoints_before:
+        if newest is None:
+            return "no checkpoint was written"
+        step, trained = checkpoint_step(newest), read_status(self.plan.output_dir).get("step")
+        trained = trained if isinstance(trained, int) and not isinstance(trained, bool) else None
+        new = newest != (self._checkpoints_before if before is False else before)
+        if new and (trained is None or step is None or step >= trained):
             return f"checkpoint saved: {newest}"
-        if newest is not None:
-            return f"no new checkpoint was written; the newest complete one is {newest}"
-        return "no checkpoint was written"
+        if not new and trained is not None and trained == step:
+            return f"no new checkpoint was needed: {newest} holds the last completed step ({step})"
+        cut = " (the second signal stopped the trainer before its save ended)" if self._escalate.is_set() else ""
+        if trained is not None and step is not None and trained > step:
+            return (f"the last completed step ({trained}) was not saved{cut}; the newest complete checkpoint is "
+                    f"{newest} (step {step})")
+        return f"no new checkpoint was written{cut}; the newest complete one is {newest} (step {step})"
 
     def _wait_exit(self, child: Child, timeout: float, *, interruptible: bool) -> bool:
         """Wait up to ``timeout`` s until neither the child's leader nor its direct children run (redrawing
@@ -618,6 +644,35 @@ class Supervisor:
         else:  # no box: a box of the console's width would cut long paths
             for line in summary_lines(summary):
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
+
+
+def server_death_cause(code: int | None) -> str:
+    """The cause line of a server that died during training when its log names none: a signal from outside
+    the job (the supervisor signals the server only once the trainer is done), or an exit without an error."""
+    if code is not None and code < 0:
+        name = exit_text(code).removeprefix("was killed by ")
+        oom = "the out-of-memory killer: see `dmesg`, or " if code == -signal.SIGKILL else ""
+        return f"the server got {name} from outside this job ({oom}a `kill`); its log ends without an error"
+    return f"the server {exit_text(code)} without an error line in its log"
+
+
+def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: Console | None = None,
+                       gpu_count: int | None = None) -> int:
+    """``train --dry-run`` when the config checks refused the config: the launch plan all the same, with each
+    refusal as a problem and the rows of the keys they name marked failed (a Hub model that is not cached
+    offline: the model row); starts nothing. Returns 2 (a configuration refusal)."""
+    console = console or Console()
+    try:
+        external = getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external"
+        plan = build_launch_plan(cfg, gpu_count, server_running=not external and probe_health(server_url(cfg), 1.0))
+    except ConfigError as exc:  # no plan to show: the refusals are all there is to say
+        for problem in [*refused, exc]:
+            console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
+        return 2
+    plan.gpus.problems.extend(f"config error: {problem}" for problem in refused)
+    print_plan(console, cfg, plan, resolved=False, failed_keys=frozenset(str(p.key) for p in refused))
+    console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run.", style="bold red"))
+    return 2
 
 
 def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None = None,

@@ -16,8 +16,8 @@ from typing import Any
 
 from .checkpoints import CheckpointError, checkpoint_step, list_checkpoints, newest_complete_checkpoint, resolve_resume
 
-__all__ = ["TRAIN_ARGV_ENV", "earlier_checkpoints_note", "earlier_run", "resume_command", "resume_command_from_env",
-           "start_problem", "train_command"]
+__all__ = ["TRAIN_ARGV_ENV", "earlier_checkpoints_note", "earlier_run", "how_it_ended", "resume_command",
+           "resume_command_from_env", "start_problem", "train_command"]
 
 TRAIN_ARGV_ENV = "ASYNCGRPO_TRAIN_ARGV"
 """The supervisor's command line (a JSON list), in the trainer's environment: the trainer records the command that
@@ -108,17 +108,22 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
         newest, final = earlier_run(output_dir)
         if newest is None and not final:
             return None
-        held = ", ".join([*([newest.name] if newest is not None else []), *(["the final model"] if final else [])])
+        from .state import final_model_step
+
+        step_of_final = final_model_step(output_dir)
+        final_name = "the final model" + (f" (step {step_of_final})" if step_of_final is not None else "")
+        held = ", ".join([*([newest.name] if newest is not None else []), *([final_name] if final else [])])
         fresh = next(output_dir.with_name(f"{output_dir.name}-{i}") for i in range(2, 10_000)
                      if not output_dir.with_name(f"{output_dir.name}-{i}").exists())
         fixes = []
         if newest is not None:
             step, max_steps = checkpoint_step(newest) or 0, int(trainer.max_steps)
             cont = ["trainer.resume_from_checkpoint=true"]
-            ended = step >= max_steps > 0
-            if ended:
-                cont.append(f"trainer.max_steps={2 * step}")
-            why = f" (it ended at step {step} = max_steps)" if ended else ""
+            how, its_max = how_it_ended(output_dir, newest)
+            why = f" ({how})"
+            if step >= max_steps > 0:  # this command's max_steps would train nothing more
+                cont.append(f"trainer.max_steps={its_max if its_max and its_max > step else 2 * step}")
+                why = f" ({how}; this command's trainer.max_steps={max_steps} is reached already)"
             fixes.append(f"continue it{why} with: {train_command(cont, argv) or ' '.join(cont)}")
         moved = f"trainer.output_dir={fresh}"
         fixes.append(f"write this run elsewhere with: {train_command([moved], argv) or moved}")
@@ -134,6 +139,33 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
         return (f"trainer.resume_from_checkpoint={resume}: {folder.name} is at step {step}, already "
                 f"trainer.max_steps={max_steps}: nothing to train. Fix: raise it, e.g. trainer.max_steps={2 * step}")
     return None
+
+
+def how_it_ended(output_dir: Path, checkpoint: Path) -> tuple[str, int | None]:
+    """How the earlier run of ``output_dir`` ended, as far as its files say, and its ``max_steps`` (None when
+    unknown or unbounded): ``"it stopped at step 10 of 16"`` when its ``status.json`` is final at the
+    checkpoint's step, else ``"its newest checkpoint is at step 10 of 16"`` (the ``max_steps`` recorded in the
+    checkpoint's ``trainer_state.json``; ``of N`` left out when it is not there)."""
+    import json
+
+    step = checkpoint_step(checkpoint) or 0
+    its_max = None
+    try:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("max_steps")
+        its_max = int(saved) if isinstance(saved, int) and 0 < saved < 10**9 else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    of = f" of {its_max}" if its_max else ""
+    try:
+        status = json.loads((output_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        status = {}
+    state = str(status.get("state", "")) if isinstance(status, dict) else ""
+    if isinstance(status, dict) and status.get("step") == step and state:
+        word = next((w for w in ("finished", "stopped", "failed") if state.startswith(w)), None)
+        if word is not None:
+            return f"it {word} at step {step}{of}", its_max
+    return f"its newest checkpoint is at step {step}{of}", its_max
 
 
 def earlier_checkpoints_note(trainer: Any) -> str | None:

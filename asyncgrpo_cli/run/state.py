@@ -47,6 +47,30 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+FINAL_MODEL_NAME = "final_model.json"
+"""``<output_dir>/final_model.json``: ``{"step": N, "saved_at": ...}``, the step the final model (or adapter) saved
+into ``output_dir`` holds. It is removed before that model is written and written after, so a top-level model
+without it is not claimed as any step's (an older run, or a save that did not end)."""
+
+
+def mark_final_model(output_dir: str | Path, step: int | None) -> None:
+    """Record that the final model in ``output_dir`` holds ``step`` (None: remove the record, before a save)."""
+    path = Path(output_dir) / FINAL_MODEL_NAME
+    if step is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_json_atomic(path, {"step": int(step), "saved_at": time.time()})
+
+
+def final_model_step(output_dir: str | Path) -> int | None:
+    """The step the final model in ``output_dir`` holds (`mark_final_model`), None when not recorded."""
+    try:
+        step = json.loads((Path(output_dir) / FINAL_MODEL_NAME).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class TrainedPosition:
     """The first prompt position not yet trained (SPEC §12), from outcomes that may finish out of order.
 
@@ -239,7 +263,7 @@ def _pid_alive(pid: int, started: float | None) -> bool:
 class RunLock:
     """``<output_dir>/.asyncgrpo.lock``: one job per output folder (created with O_EXCL semantics).
 
-    The file holds the owner's pid, host, start time and command. A lock left by a dead process of this
+    The file holds the owner's pid, host, start time and command (secret values hidden, `redact.redact_argv`). A lock left by a dead process of this
     host (or a reused pid) is taken over; a live owner, or one on another host, makes `acquire` fail.
 
     Args:
@@ -271,9 +295,11 @@ class RunLock:
         import socket
         import sys
 
+        from .redact import redact_argv
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_started(os.getpid()),
-              "command": " ".join(sys.argv)[:300], "created_at": time.time()}
+              "command": " ".join(redact_argv(sys.argv))[:300], "created_at": time.time()}
         for _attempt in range(3):
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{LOCK_NAME}.", suffix=".tmp")
             with os.fdopen(fd, "w") as f:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -89,6 +90,7 @@ from .retry import (  # noqa: E402,F401 - the retry decisions (B.17) and their h
 
 GENERATION_ROUTES = (COMPLETIONS_ROUTE, GENERATE_ROUTE)
 PROBE_TIMEOUT_S = 5.0  # the longest /health probe while the server is unreachable
+SILENT_MIN_TIMEOUT_S = 1.0  # the shortest request timeout `SyncSamplerClient.silence_budget` leaves
 
 
 # ---------------------------------------------------------------------------------------------- async
@@ -494,6 +496,10 @@ class SyncSamplerClient:
         self.metrics_timeout_s = metrics_timeout_s
         self.retry_count = 0
         self.outage = ServerOutage(self.base_url, self.timeout_s)
+        self.silence_budget: Callable[[], float | None] | None = None
+        """Optional ``() -> seconds or None``: how much longer the server may stay silent (the trainer's
+        ``ServerWatch``: ``timeout_s`` minus how long ``/health`` has gone unanswered); a request waits at most
+        that (at least `SILENT_MIN_TIMEOUT_S`), so a hung server costs ``timeout_s`` in all, not per request."""
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(self.timeout_s), transport=transport)
 
     def __enter__(self) -> "SyncSamplerClient":
@@ -511,8 +517,12 @@ class SyncSamplerClient:
         state = _RetryState(self.base_url, route, self.timeout_s, self.max_retries if retry else 0,
                             self.backoff_base_s, self.backoff_max_s, outage=self.outage)
         while True:
+            budget = self.silence_budget() if self.silence_budget is not None else None
+            state.timeout_s = self.timeout_s if budget is None else \
+                max(SILENT_MIN_TIMEOUT_S, min(self.timeout_s, budget))
             try:
-                response = self._http.request(method, route, json=body, params=params)
+                response = self._http.request(method, route, json=body, params=params,
+                                              timeout=httpx.USE_CLIENT_DEFAULT if budget is None else state.timeout_s)
             except _TRANSPORT_ERRORS as exc:
                 delay = state.on_error(exc, body, retry)
             else:

@@ -55,6 +55,10 @@ class ServerOutage:
         since: clock time of the outage's first refused connection, None while the server answers.
         started: outages begun so far; ``recoveries``: outages that ended with an answer.
         last_error: the last connection error seen, for messages.
+        peer_deadline: optional ``() -> wall-clock time`` at which another client of the same server (another
+            process: the trainer's weight sync and the rollout worker) gives up on its outage, 0.0 when it has
+            none. An outage seen here adopts the peer's earlier start (when that start is after this client's
+            last answer), so both give up together, ``timeout_s`` after the first refusal either of them saw.
     """
 
     def __init__(self, url: str, timeout_s: float, clock: Clock = time.monotonic, wall: Clock = time.time) -> None:
@@ -65,6 +69,8 @@ class ServerOutage:
         self.recoveries = 0
         self.last_error = ""
         self.abandoned: str | None = None
+        self.peer_deadline: Callable[[], float] | None = None
+        self._last_answer: float | None = None
 
     def abandon(self, reason: str) -> None:
         """Stop waiting for the server: every later retry decision raises `SamplerUnavailableError` naming
@@ -83,8 +89,24 @@ class ServerOutage:
         if self.since is None:
             self.since = now
             self.started += 1
+        self._adopt_peer_start(now)
         self.last_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         return self.timeout_s - (now - self.since)
+
+    def _adopt_peer_start(self, now: float) -> None:
+        """Move ``since`` back to the start of the peer's outage (`peer_deadline`) when that is earlier and
+        after this client's last answer (an older outage of the peer is not this one)."""
+        if self.peer_deadline is None or self.since is None:
+            return
+        try:
+            deadline = float(self.peer_deadline())
+        except Exception:  # noqa: BLE001 - the peer is gone: keep this client's own clock
+            return
+        if deadline <= 0:
+            return
+        peer_since = now - (self.timeout_s - (deadline - self.wall()))
+        if peer_since < self.since and (self._last_answer is None or peer_since > self._last_answer):
+            self.since = peer_since
 
     def waited(self) -> float:
         """Seconds since the outage began (0 when there is none)."""
@@ -96,6 +118,7 @@ class ServerOutage:
 
     def answered(self) -> bool:
         """The server answered: end the outage. Returns True when one was in progress (it just ended)."""
+        self._last_answer = self.clock()
         if self.since is None:
             return False
         self.since = None

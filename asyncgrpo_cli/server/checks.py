@@ -385,7 +385,8 @@ def restart_command(cfg: DictConfig, facts: ServerFacts):
         ConfigError: from `command.server_command_here` (``model.name`` unset, an invalid LoRA rank).
     """
     version = (facts.version or {}).get("version") if not facts.embedded else None
-    return server_command_here(restart_config(cfg), version)
+    kind = "embedded" if facts.embedded else "vllm" if facts.reachable else None  # sampler.backend=external
+    return server_command_here(restart_config(cfg), version, backend=kind)
 
 
 def read_facts(url: str, timeout: float) -> ServerFacts:

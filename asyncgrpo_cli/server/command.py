@@ -10,6 +10,7 @@ import json
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.rules import max_lora_rank_for
@@ -204,22 +205,79 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
     return ServerCommand(argv, env, notes, problems)
 
 
-def server_command_here(cfg: Any, vllm_version: str | None = None) -> ServerCommand:
+def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str | None = None) -> ServerCommand:
     """The server command a composed config gets on this machine: `colocate.decide_layout` for the visible
     GPUs, then `build_server_command` with the groups each reads. It takes the whole composed config because it
     is the entry point of ``asyncgrpo serve`` and of doctor's restart line, which hold nothing else.
+
+    ``sampler.backend=external`` starts nothing, so the server to start for it is ``backend`` when given (doctor:
+    the kind that answers at the URL), else `server_for_external`'s; a note says which and why.
 
     Raises:
         ConfigError: from `build_server_command` (``model.name`` unset, an invalid LoRA rank).
     """
     from .colocate import decide_layout, visible_gpu_count
 
-    layout = decide_layout(visible_gpu_count(), launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
+    n = visible_gpu_count()
+    note = None
+    if getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external":
+        cfg, note = server_for_external(cfg, backend, gpu_count=n)
+    layout = decide_layout(n, launch=cfg.launch, sampler=cfg.sampler, model=cfg.model,
                            trainer=cfg.trainer, packing=cfg.packing, staleness=cfg.staleness, peft=cfg.peft,
                            loss=cfg.loss)
-    return build_server_command(vllm_version, layout=layout, model=cfg.model, sampler=cfg.sampler,
-                                launch=cfg.launch, rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
-                                staleness=cfg.staleness)
+    command = build_server_command(vllm_version, layout=layout, model=cfg.model, sampler=cfg.sampler,
+                                   launch=cfg.launch, rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft,
+                                   staleness=cfg.staleness)
+    if note:
+        command.notes.insert(0, note)
+    return command
+
+
+def server_for_external(cfg: Any, backend: str | None = None, *, gpu_count: int | None = None,
+                        at_url: bool = False) -> tuple[Any, str]:
+    """A copy of a ``sampler.backend=external`` config that starts the server it expects, and a note saying so.
+
+    The kind is ``backend`` when given, else the embedded sampler where vLLM cannot run (``sampler.device=cpu``,
+    or no CUDA GPU here) and vLLM elsewhere. With ``at_url`` (``asyncgrpo serve``), it listens on
+    ``sampler.url``'s port, and on its host when that is a loopback address (never a public one: that stays
+    ``sampler.host`` and ``sampler.allow_public``'s decision).
+    """
+    import copy
+    from urllib.parse import urlsplit
+
+    from ..config.compose import is_loopback
+    from .colocate import visible_gpu_count
+
+    n = visible_gpu_count() if gpu_count is None else gpu_count
+    if backend is None:
+        cpu = str(cfg.sampler.device) == "cpu"
+        backend = "embedded" if cpu or n == 0 else "vllm"
+        why = "sampler.device=cpu" if cpu else "no CUDA GPU here" if n == 0 else "a CUDA GPU is here"
+    else:
+        why = "the kind of server that answers at sampler.url"
+    out = copy.deepcopy(cfg)
+    out.sampler.backend = backend
+    where = ""
+    if at_url and cfg.sampler.url:
+        parts = urlsplit(str(cfg.sampler.url))
+        if parts.port:
+            out.sampler.port = parts.port
+        if parts.hostname and is_loopback(parts.hostname):
+            out.sampler.host = parts.hostname
+            where = f", listening where sampler.url points ({out.sampler.host}:{out.sampler.port})"
+        else:
+            where = (f", listening on sampler.url's port at sampler.host={out.sampler.host} (a public address "
+                     "needs sampler.host and sampler.allow_public=true)")
+    kind = "the embedded sampler" if backend == "embedded" else "vLLM"
+    return out, f"sampler.backend=external starts no server; the one to start for this config is {kind} ({why}){where}"
+
+
+def weights_dir_of(trainer: Any) -> Path:
+    """The run's weights folder, ``<trainer.output_dir>/.weights`` (absolute): the only folder the embedded
+    sampler reads weight files from (``--weights-dir``), where the trainer writes each sync's files."""
+    from ..config.compose import DEFAULT_OUTPUT_DIR
+
+    return Path(str(trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve() / ".weights"
 
 
 def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: LaunchConfig, rollout: RolloutConfig,
@@ -240,6 +298,7 @@ def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: Lau
         argv += ["--max-model-len", str(sampler.max_model_len)]
     if sampler.kv_cache_tokens is not None:
         argv += ["--kv-cache-tokens", str(sampler.kv_cache_tokens)]
+    argv += ["--weights-dir", str(weights_dir_of(trainer))]
     if peft.enabled:
         rank, loras = lora_limits(peft, staleness)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]

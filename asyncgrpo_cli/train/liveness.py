@@ -1,9 +1,10 @@
 """Rollout-worker liveness on a timer, independent of the rollout queue (trainer rank 0).
 
 `WorkerWatch` checks the worker about once a second on a daemon thread: a reported failure (its traceback),
-an exit (its exit code or signal), or no heartbeat for ``rollout_worker_timeout`` seconds. The first problem
-is kept in `problem`; the training loop reads it at every poll and between steps, so a queue still full of
-samples no longer hides a dead worker. The thread also remembers the worker's descendants (the reward
+an exit (its exit code or signal), or no heartbeat for ``rollout_worker_timeout`` seconds; and the problem
+of the sampler server's `server_watch.ServerWatch` when one is attached (silent for ``sampler.timeout``).
+The first problem is kept in `problem`; the training loop reads it at every poll and between steps, so a
+queue still full of samples no longer hides a dead worker. The thread also remembers the worker's descendants (the reward
 process pool) so that `reap` can kill them even after the worker itself died (they are re-parented then).
 """
 
@@ -38,6 +39,8 @@ class WorkerWatch:
         self.worker = worker
         self.interval_s = interval_s
         self.problem: str | None = None
+        self.problem_kind: str | None = None  # "worker", or "server": the server stopped answering (`server`)
+        self.server = None  # a started `server_watch.ServerWatch` whose problem stops the run too
         self._descendants: dict[int, float] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -65,7 +68,10 @@ class WorkerWatch:
                 if proc is not None and not proc.is_alive() and "exited with code" in text:
                     text = (f"the rollout worker (pid {proc.pid}) died: {describe_exit(proc.exitcode)}, "
                             "without reporting an error")
-                self.problem = text
+                self.problem, self.problem_kind = text, "worker"
+            server_problem = getattr(self.server, "problem", None)
+            if self.problem is None and server_problem is not None:
+                self.problem, self.problem_kind = server_problem, "server"
             return self.problem
 
     def _run(self) -> None:

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_progress_bars_without_terminal()  # logs/trainer.log: no raw 'Loading weights' / 'Writing model shards' bars
     from ..rollout.worker import RolloutWorkerError
+    from .server_watch import ServerHungError
 
     _follow_supervisor()
     try:
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutWorkerError as exc:
         if "Traceback (most recent call last)" in str(exc):
             raise  # a bug or a failing reward function: the traceback is the information
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except ServerHungError as exc:  # the sampler server stopped answering: the message is the information
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     return trainer.exit_code

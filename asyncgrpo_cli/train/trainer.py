@@ -30,6 +30,7 @@ from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, micro_batch_sequences, row_loss
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .compile import compile_decoder_layers
+from .console_log import use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, step_flops
 from ..run.state import LiveFiles, TrainedPosition
@@ -110,6 +111,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                          eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
                          optimizers=optimizers, data_collator=lambda rows: rows)
         self.train_dataset = train_dataset
+        use_plain_lines(self.callback_handler)  # the console gets the CLI's plain line, not a dict of ~90 metrics
         if args.torch_compile:
             from accelerate.utils import DynamoBackend
 
@@ -241,7 +243,13 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 signal.signal(sig, handler)
             self._teardown_rollouts()
         if not self._stop_requested:  # the final policy (or adapter) + tokenizer: from_pretrained(output_dir)
+            from ..run.state import mark_final_model
+
+            if self.is_world_process_zero():
+                mark_final_model(args.output_dir, None)  # the step it holds is recorded once it is written
             self.save_model(args.output_dir)
+            if self.is_world_process_zero():
+                mark_final_model(args.output_dir, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
             self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
@@ -270,14 +278,18 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         from ..rollout.worker import RolloutWorker
         from ..sampler.client import SyncSamplerClient
         from .liveness import WorkerWatch
+        from .server_watch import ServerWatch
 
         args = self.args
         self.position = None
-        self.watch = None
+        self.watch = self.server_watch = None
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
+            self.server_watch = ServerWatch(args.vllm_server_base_url, args.vllm_server_timeout,
+                                            on_problem=self.sampler.outage.abandon).start()
+            self.sampler.silence_budget = self.server_watch.budget  # a hung server costs the timeout once
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs if self._prompts_have_length else None,
                              num_processes=self.accelerator.num_processes,
@@ -316,6 +328,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.worker.set_model_version(self.model_version)
         self.worker.start()
         self.watch = WorkerWatch(self.worker).start()
+        self.watch.server = self.server_watch
+        # one outage, one clock: a weight sync that meets the outage late gives up when the worker does
+        self.sampler.outage.peer_deadline = lambda: float(self.worker.server_down_until.value) if self.worker else 0.0
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
 
@@ -342,21 +357,43 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
         """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
         that came back from an outage, `WeightSync.push_current`); then release the worker's generation
-        if it waited for weights after an outage that ended before this push began."""
+        if it waited for weights after an outage that ended before this push began. A push that generation
+        waits for (the re-push, or a step's sync that does its work) says so in the log and in ``status.json``
+        ``server_status``, and says when generation resumes."""
         seen = self.worker.server_returns_seen() if self.worker is not None else 0
-        sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+        held = self.worker is not None and self.worker.needs_repush()  # rank 0: generation waits for this push
+        url = self.args.vllm_server_base_url
+        if held:
+            how = "again" if again else "(this step's weight sync)"
+            print(f"asyncgrpo: the sampler server at {url} answers again after an outage: pushing the weights of "
+                  f"model version {version} {how} before generation resumes", flush=True)
+            self._repush_status = f"server back: pushing the weights of model version {version}" + \
+                (" again" if again else "")
+        start = time.monotonic()
+        try:
+            sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+        finally:
+            self._repush_status = None
         if self.worker is not None:
             self.worker.ack_repush(seen)
+            if held and not self.worker.needs_repush():
+                print(f"asyncgrpo: {'re-pushed' if again else 'pushed'} model version {version} to {url} in "
+                      f"{time.monotonic() - start:.1f} s; generation resumes", flush=True)
         return sync
 
     def _server_status(self) -> str | None:
-        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server."""
+        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server;
+        ``"server not answering: ..."`` while it accepts connections but does not answer (`ServerWatch`); what
+        the trainer does after an outage (the re-push)."""
         from ..sampler.retry import unreachable_text
 
         sampler_outage = getattr(getattr(self, "sampler", None), "outage", None)
         left = [t for t in (self.worker.server_seconds_left(),
                             sampler_outage.seconds_left() if sampler_outage is not None else None) if t is not None]
-        return unreachable_text(min(left)) if left else None
+        if left:
+            return unreachable_text(min(left))
+        watch = getattr(self, "server_watch", None)
+        return (watch.status() if watch is not None else None) or getattr(self, "_repush_status", None)
 
     def _teardown_rollouts(self) -> None:
         if getattr(self, "live", None) is not None:
@@ -364,6 +401,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         weight_sync = getattr(self, "weight_sync", None)
         if weight_sync is not None:
             weight_sync.close()
+        if getattr(self, "server_watch", None) is not None:
+            self.server_watch.stop()
         watch = getattr(self, "watch", None)
         if watch is not None:
             watch.stop()
@@ -399,7 +438,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             plan = self._broadcast(plan)
             if plan.repush:
                 try:
-                    self._push_weights(self.model_version, again=True)
+                    self._push_weights(self.model_version, again=True)  # logged (SPEC B.17)
                 except WeightSyncError as exc:
                     if not self._sync_failed_while_stopping(exc):
                         raise
@@ -439,7 +478,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             optimizer_s = time.monotonic() - opt_start
             self.state.global_step += 1
             self._in_optimizer_step = False
-            sync = {}
+            sync, sync_error = {}, None
             trained_version = self.model_version
             if self.state.global_step % args.weight_sync_steps == 0:
                 try:
@@ -447,16 +486,22 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                     self.model_version += 1
                 except WeightSyncError as exc:  # a stop abandoned the wait for a dead server: save this step
                     if not self._sync_failed_while_stopping(exc):
-                        raise
-                    print(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was abandoned "
-                          f"by the stop ({exc})", flush=True)
+                        if self.accelerator.num_processes > 1:
+                            raise
+                        sync_error = exc  # the step is trained: log it (its metrics line), then fail and save it
+                    else:
+                        print(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was "
+                              f"abandoned by the stop ({exc})", flush=True)
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
+            if sync_error is not None:
+                self._log_window()
+                self._raise_sync_failure(sync_error)
             last = (plan.stop or 0 < args.max_steps <= self.state.global_step) and not self._stop_requested
             self.evaluation.after_step(self, self.state.global_step, final=last)  # README "Evaluation"
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop:
-                self._log_window()
+            if self.state.global_step % max(1, int(args.logging_steps)) == 0 or plan.stop or self._stop_requested:
+                self._log_window()  # (a stop saves this step: its metrics line comes first)
             if plan.stop or (args.max_steps > 0 and self.state.global_step >= args.max_steps):
                 self.control.should_save = args.save_strategy != "no"
                 self.control.should_training_stop = True
@@ -468,6 +513,19 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 self.control.should_save = False
             if self.control.should_training_stop:
                 break
+
+    def _raise_sync_failure(self, exc: BaseException) -> None:
+        """Raise a failed weight sync (after its trained step was logged); when the server was silent meanwhile
+        (`ServerWatch`), as `ServerHungError` naming that: a timed-out sync is then only the symptom."""
+        from .server_watch import ServerHungError
+
+        watch = getattr(self, "server_watch", None)
+        silent = watch.silent_s() if watch is not None else None
+        if watch is not None and (watch.problem or (silent is not None and silent >= watch.report_after_s)):
+            hung = watch.problem or watch.hung_message(silent, gave_up=silent >= watch.timeout_s)
+            raise ServerHungError(f"{hung}\n(step {self.state.global_step} is trained; its weight sync failed: "
+                                  f"{exc})") from exc
+        raise exc
 
     def _end_without_step(self, model, trial, plan: StepPlan) -> None:
         """A plan without rows: the epochs are done, a signal asked to stop, or the worker failed. A stop or a
@@ -482,9 +540,12 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         if plan.stop_reason == "stopped":
             self._stop_requested = True
         if plan.stop_reason == "failed":
+            from .server_watch import ServerHungError
+
             saved = (f"checkpoint-{self._last_saved_step} holds the last completed step"
                      if self._last_saved_step > 0 else "no step was completed, no checkpoint was written")
-            raise RolloutWorkerError(f"{plan.error}\n({saved})")
+            hung = getattr(self.watch, "problem_kind", None) == "server"
+            raise (ServerHungError if hung else RolloutWorkerError)(f"{plan.error}\n({saved})")
 
     def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_times,
                      optimizer_s, sync, peak, trained_version: int) -> None:

@@ -42,6 +42,15 @@ NOT_CALLABLE = 3
 '''
 
 
+def _free_port() -> int:
+    """A port nothing listens on (train refuses a busy sampler.port before anything else)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny model, data files, a rewards module on sys.path and a recipes folder with a good base recipe."""
@@ -73,7 +82,7 @@ def world(tmp_path_factory):
         "data": {"name": str(root / "good.jsonl"), "generator": None},
         "rewards": [{"func": "badrewards:good_reward"}],
         "rollout": {"num_generations": 4, "max_completion_length": 32, "num_sampler_logprobs": 4},
-        "sampler": {"backend": "embedded", "device": "cpu", "max_model_len": 256},
+        "sampler": {"backend": "embedded", "device": "cpu", "max_model_len": 256, "port": _free_port()},
         "trainer": {"output_dir": str(root / "out"), "max_steps": 2},
     }
     import yaml
@@ -419,7 +428,8 @@ def _env():
 
 
 def test_subprocess_cli_exit_code_and_no_traceback():
-    args, key = ["train", "+recipe=smoke", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"
+    args, key = ["train", "+recipe=smoke", f"sampler.port={_free_port()}", "trainer.gradient_accumulation_steps=0"], \
+        "trainer.gradient_accumulation_steps"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli", *args], capture_output=True, text=True,
                           timeout=120, env=_env())

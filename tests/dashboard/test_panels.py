@@ -249,9 +249,13 @@ def test_summary_and_checkpoints(tmp_path):
     many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
     assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
     (tmp_path / "model.safetensors").write_bytes(b"x")
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    mark_final_model(tmp_path, 3)
     saved = summarize(rows, 1.0, tmp_path, "finished")
-    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")'
-    assert any("final model" in line and "from_pretrained" in line for line in summary_lines(saved))
+    assert saved.final_model == f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' and saved.final_model_step == 3
+    assert f'  final model           step 3; load it with AutoModelForCausalLM.from_pretrained("{tmp_path}")' \
+        in summary_lines(saved)
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
 
@@ -318,3 +322,104 @@ def test_the_trainer_busy_share_in_the_panels_and_the_plain_line():
     console.print(throughput_panel(DashboardView(status=None, history=h2, diagnosis=diagnose(h2), now=T0,
                                                  started_at=T0)))
     assert any("trainer busy" in ln and "—" in ln for ln in console.export_text().splitlines())
+
+
+def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(tmp_path, monkeypatch):
+    """An outage's count-down changes every second: the plain log prints it when it appears or changes kind
+    (unreachable, silent, re-push), then every 10 s, and says when the server answers again."""
+    import asyncgrpo_cli.dashboard as dashboard
+
+    out = tmp_path / "run"
+    out.mkdir()
+    now = {"t": 100.0}
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    lines = ["server unreachable, retrying (60 s left)", "server unreachable, retrying (59 s left)",
+             "server unreachable, retrying (51 s left)", "server unreachable, retrying (50 s left)",
+             "server not answering: no answer to GET /health for 15 s (...) (30 s left)", None]
+    for line in lines:
+        (out / "status.json").write_text(json.dumps({"state": "running", "step": 3, "server_status": line}))
+        dash.poll()
+        now["t"] += 1.0 if line is None or "59" not in line else 8.0
+    printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert printed == ["server unreachable, retrying (60 s left)", "server unreachable, retrying (50 s left)",
+                       "server not answering: no answer to GET /health for 15 s (...) (30 s left)",
+                       "sampler server: answering again"], printed
+
+
+def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_not_at_the_end(tmp_path):
+    """A sync that waited out the outage is followed by the step's save: the status that clears the outage may
+    first be seen in state ``saving`` (the smoke drill ``external-back`` printed no 'answering again')."""
+    out = tmp_path / "run"
+    out.mkdir()
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    for state, line in (("running", "server unreachable, retrying (30 s left)"), ("saving", None),
+                        ("running", "server unreachable, retrying (20 s left)"), ("failed: SamplerRetryError", None)):
+        (out / "status.json").write_text(json.dumps({"state": state, "step": 2, "server_status": line}))
+        dash.poll()
+    printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert printed == ["server unreachable, retrying (30 s left)", "sampler server: answering again",
+                       "server unreachable, retrying (20 s left)"], printed
+
+
+def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model(tmp_path):
+    """A run resumed from checkpoint-8 and stopped at step 9: the top-level model.safetensors is the earlier
+    run's step 8, not this run's; the summary says so and points at checkpoint-9 (it claimed "final model
+    saved; load it with from_pretrained(output_dir)")."""
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    mark_final_model(tmp_path, 8)
+    for step in (8, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    rows = [window(9)]
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "stopped")))
+    assert "from_pretrained" not in text and "saved; load it" not in text, text
+    assert (f"  final model           not saved by this run (this run stopped at step 9); the model in {tmp_path} is "
+            f"step 8's; its newest checkpoint: {tmp_path / 'checkpoint-9'}") in text, text
+    mark_final_model(tmp_path, None)  # weights without a recorded step (an older run, or a cut save)
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "finished")))
+    assert "from_pretrained" not in text and "has no recorded step" in text, text
+    (tmp_path / "model.safetensors").unlink()  # a stopped run in a fresh folder: where its last step is
+    text = "\n".join(summary_lines(summarize(rows, 1.0, tmp_path, "stopped")))
+    assert f"final model           not saved (this run stopped at step 9); its newest checkpoint: " \
+        f"{tmp_path / 'checkpoint-9'}" in text, text
+
+
+def test_curves_with_the_same_values_are_drawn_once_with_every_name():
+    """Nothing went stale: the trained shares of short, medium and long completions are all 1.0; the "stale drops
+    by length" panel draws one line named after the three, not three lines on top of each other."""
+    from asyncgrpo_cli.dashboard.plot import curve_panels
+
+    rows = [{"step": s, "sample/dropped_stale_token_frac": 0.0, "sample/trained_frac_short": 1.0,
+             "sample/trained_frac_medium": 1.0, "sample/trained_frac_long": 1.0} for s in (1, 2, 3)]
+    panel = next(curves for title, _, curves in curve_panels(rows) if title == "stale drops by length")
+    assert [label for label, _ in panel] == [
+        "sample/dropped_stale_token_frac",
+        "sample/trained_frac_short = sample/trained_frac_medium = sample/trained_frac_long"]
+    rows[1]["sample/trained_frac_long"] = 0.5  # long completions dropped at step 2: its own line
+    panel = next(curves for title, _, curves in curve_panels(rows) if title == "stale drops by length")
+    assert [label for label, _ in panel] == ["sample/dropped_stale_token_frac",
+                                             "sample/trained_frac_short = sample/trained_frac_medium",
+                                             "sample/trained_frac_long"]
+
+
+def test_a_silent_server_and_a_stopped_server_process_show_in_the_panels():
+    """status.json's server_status (here a hung server's) is a red row of the panels, full and compact; the
+    supervisor's process table marks a server stopped with SIGSTOP."""
+    line = ("server not answering: no answer to GET /health for 16 s (hung or stopped? a busy server still answers "
+            "it); the run stops with a checkpoint at sampler.timeout=1800 s (1784 s left)")
+    h = MetricsHistory()
+    h.push(window(1))
+    view = DashboardView(status={**STATUS, "server_status": line}, history=h, diagnosis=diagnose(h), now=T0 + 30,
+                         started_at=T0, processes=[ProcessInfo("server", 7, True, "http://127.0.0.1:8000  log: "
+                                                               "logs/server.log  (SIGSTOP or Ctrl-Z: kill -CONT 7 "
+                                                               "continues it)", stopped=True)])
+    for width, height in ((200, 60), (80, 24)):
+        console = record_console(width)
+        console.print(render_dashboard(view, width=width, height=height))
+        flat = " ".join(console.export_text().split())
+        assert "server not answering: no answer to GET /health" in flat, flat
+        assert "STOPPED 7" in flat or "pid 7 STOPPED" in flat, flat

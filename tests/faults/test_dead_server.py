@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncgrpo_cli.train.checkpoint import newest_complete_checkpoint
 
-from .conftest import cli_argv, metrics_steps, status, wait_for
+from .conftest import cli_argv, metrics_steps, status, wait_for  # noqa: F401
 
 BOOT_S = 400.0  # start-up and step 1 on two loaded cores
 STOP_BOUND_S = 90.0  # the trainer notices, saves a tiny model, the worker and the supervisor stop
@@ -51,6 +51,8 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     job.assert_no_process_left(30)
     server_pid = int(hit.read_text().split()[0])
     assert f"the server (pid {server_pid}) was killed by SIGKILL" in text, text[-4000:]
+    # a cause line, as every failure path has (issue #36): the server's log ends without an error
+    assert "\ncause: the server got SIGKILL from outside this job" in text, text[-4000:]
     checkpoint = newest_complete_checkpoint(out)
     assert checkpoint is not None and checkpoint.name == "checkpoint-1", text[-4000:]  # step 1 was complete
     assert metrics_steps(out) == [1]
@@ -89,3 +91,43 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     # nobody is left to print how to continue: status.json says it
     assert final["resume_command"].endswith(f"trainer.resume_from_checkpoint={checkpoint}"), final
     assert "stopping" not in final or final["stopping"] is None
+
+
+DOWN_TIMEOUT_S = 30.0  # sampler.timeout of the stays-down drill
+DOWN_BOUND_S = 60.0  # after it: the step in progress, one save of the tiny model, the teardown (loaded CI)
+
+
+def test_an_external_server_that_stays_down_fails_the_run_within_the_timeout_with_every_step_logged(
+        tiny_model, prompt_file, tmp_path, jobs):
+    """``sampler.backend=external``: the server dies in the weight sync after step 1 (kill -9, nobody restarts
+    it). The worker met the outage first; the sync, which met it later, gives up with it (one outage, one
+    clock), so the run fails within ``sampler.timeout`` + the step in progress + one save; the step whose sync
+    failed is trained, logged in metrics.jsonl and saved (was: checkpoint-1 without its metrics line)."""
+    from .conftest import free_port
+
+    events, port = tmp_path / "events.txt", free_port()
+    server = jobs([sys.executable, str(Path(__file__).with_name("outage_program.py")), "server", "--events",
+                   str(events), "--die-on", "/update_weights@2", "--", "--model", str(tiny_model), "--port", str(port),
+                   "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-logprobs", "8"], "server")
+    wait_for(lambda: "serving" in server.output(), 120, "the server to listen", server)
+    out = tmp_path / "run"
+    argv = [a for a in cli_argv(tiny_model, prompt_file, out, "trainer.max_steps=50",
+                                f"sampler.timeout={DOWN_TIMEOUT_S:g}")
+            if not a.startswith(("sampler.backend=", "sampler.port=", "sampler.device="))]
+    job = jobs([*argv, "sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}"], "job")
+    wait_for(Path(f"{events}.hit").is_file, BOOT_S, "the server's death at the sync after step 1", job)
+    died = time.monotonic()
+    rc = job.wait(DOWN_TIMEOUT_S + DOWN_BOUND_S + 60)
+    elapsed = time.monotonic() - died
+    text = job.output()
+    print(f"measured: external server kill -9 -> job exit in {elapsed:.1f} s (sampler.timeout={DOWN_TIMEOUT_S:g})")
+    assert rc == 1, text[-4000:]
+    assert elapsed < DOWN_TIMEOUT_S + DOWN_BOUND_S, (elapsed, text[-4000:])
+    job.assert_no_process_left(30)
+    checkpoint = newest_complete_checkpoint(out)
+    assert checkpoint is not None and checkpoint.name == "checkpoint-1", text[-4000:]
+    assert metrics_steps(out) == [1], metrics_steps(out)  # the saved step has its metrics line
+    assert f"checkpoint saved: {checkpoint}" in text and f"trainer.resume_from_checkpoint={checkpoint}" in text
+    cause = next((ln for ln in text.splitlines() if ln.startswith("cause: ")), "")
+    assert "unreachable" in cause and f"vllm_server_timeout={DOWN_TIMEOUT_S:g} s" in cause, text[-4000:]
+    assert status(out)["state"].startswith("failed"), status(out)

@@ -256,6 +256,74 @@ def test_push_current_reconnects_first_and_republishes_the_current_version():
     assert backend.calls == [("reconnect",), ("push", 4)]
 
 
+class HeldWorker:
+    """The worker's outage counters (`RolloutWorker.needs_repush` / `ack_repush`), shared with a fake sync."""
+
+    def __init__(self, returns: int = 0) -> None:
+        self.returns, self.repushed = returns, 0
+
+    def server_returns_seen(self) -> int:
+        return self.returns
+
+    def needs_repush(self) -> bool:
+        return self.returns > self.repushed
+
+    def ack_repush(self, seen: int) -> None:
+        self.repushed = max(self.repushed, seen)
+
+
+def push_with(worker: HeldWorker, again: bool, version: int, during=None):
+    """`AsyncGRPOTrainer._push_weights` on a stand-in trainer; ``during`` runs inside the sync (and sees the
+    trainer's ``server_status`` then). Returns the stand-in."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    trainer = SimpleNamespace(worker=worker, args=SimpleNamespace(vllm_server_base_url="http://127.0.0.1:8000"),
+                              _repush_status=None, seen_status=[])
+
+    def sync(v):
+        trainer.seen_status.append(trainer._repush_status)
+        if during is not None:
+            during()
+        return {"weight_sync/s": 0.1}
+
+    trainer.weight_sync = SimpleNamespace(sync=sync, push_current=sync)
+    AsyncGRPOTrainer._push_weights(trainer, version, again=again)
+    return trainer
+
+
+def test_a_push_that_held_generation_waits_for_says_so_and_when_generation_resumes(capsys):
+    """The re-push after an outage is logged (issue #36), and so is a step's own sync when generation waits for
+    it (the worker saw the server come back before the sync began): in the smoke drill ``external-back`` the
+    step's sync, not a re-push, released generation, and no line said so."""
+    url = "http://127.0.0.1:8000"
+    again = push_with(HeldWorker(returns=1), again=True, version=3)
+    out = capsys.readouterr().out
+    assert f"the sampler server at {url} answers again after an outage: pushing the weights of model version 3 " \
+           "again before generation resumes" in out, out
+    assert f"re-pushed model version 3 to {url} in " in out and "s; generation resumes" in out, out
+    assert again.seen_status == ["server back: pushing the weights of model version 3 again"]
+    assert again._repush_status is None and not again.worker.needs_repush()
+
+    step = push_with(HeldWorker(returns=1), again=False, version=4)
+    out = capsys.readouterr().out
+    assert "pushing the weights of model version 4 (this step's weight sync) before generation resumes" in out
+    assert f"pushed model version 4 to {url} in " in out and "re-pushed" not in out, out
+    assert step.seen_status == ["server back: pushing the weights of model version 4"]
+
+    worker = HeldWorker()  # the server comes back while this sync runs: this push does not release generation
+
+    def comes_back():
+        worker.returns += 1
+
+    quiet = push_with(worker, again=False, version=5, during=comes_back)
+    assert capsys.readouterr().out == "" and quiet.seen_status == [None] and worker.needs_repush()
+    push_with(worker, again=False, version=6)  # the next push does, and says so
+    assert "model version 6 to http://127.0.0.1:8000 in " in capsys.readouterr().out
+    assert not worker.needs_repush()
+
+
 class FakeLoraServer:
     """The LoRA routes of a server (models / load / unload), in memory."""
 
@@ -473,6 +541,11 @@ def test_server_killed_and_restarted_on_the_same_port_run_continues_after_a_re_p
     generation = [i for i, r in enumerate(routes) if r != "/finish_weight_update"]
     assert generation, "the restarted server never generated"
     assert "/finish_weight_update" in routes[: generation[0]], routes[:10]  # weights first, then generation
+    # the log says so (issue #36): the server is back, the weights go first, generation resumes after
+    assert f"the sampler server at http://127.0.0.1:{port} answers again after an outage: pushing the weights of " \
+           "model version" in log, log[-4000:]
+    # the re-push, or the step's own sync when generation waited for it (which one depends on timing)
+    assert "; generation resumes" in log and "pushed model version" in log, log[-4000:]
 
 
 def test_trainer_sigkill_takes_worker_and_pool_along_and_a_server_that_stays_down_ends_the_run(

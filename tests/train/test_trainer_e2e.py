@@ -107,8 +107,9 @@ def test_train_syncs_checkpoints_and_resumes(model_dir, server, tmp_path):
     assert [l["step"] for l in lines][-2:] == [3, 4]
 
 
-def test_epoch_based_stop(model_dir, server, tmp_path):
-    """With max_steps unset, training ends after num_train_epochs passes over the prompts (SPEC §16.4)."""
+def test_epoch_based_stop(model_dir, server, tmp_path, capsys):
+    """With max_steps unset, training ends after num_train_epochs passes over the prompts (SPEC §16.4). The
+    console gets one plain line per logging step, as `asyncgrpo train` prints it, not a dict of every metric."""
     out = tmp_path / "epochs"
     args = args_for(out, server.url, max_steps=-1, num_train_epochs=1, save_strategy="no")
     trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=[token_parity_reward], args=args,
@@ -118,6 +119,12 @@ def test_epoch_based_stop(model_dir, server, tmp_path):
     assert trainer.position.value == 6  # exactly one pass: every prompt of epoch 0 trained or dropped
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "finished"
+    from asyncgrpo_cli.run.state import final_model_step
+
+    assert (out / "model.safetensors").is_file() and final_model_step(out) == result.global_step  # the step it holds
+    printed = capsys.readouterr().out
+    assert "step 1 | reward " in printed and " tok/s | step " in printed and "| stale " in printed, printed[-3000:]
+    assert "'loss'" not in printed and "{'" not in printed, printed[-3000:]  # the dict stays in metrics.jsonl
 
 
 def checkpoint_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m asyncgrpo_cli.sampler.embedded",
         description="Embedded sampler: a vLLM-protocol server over a transformers model (CPU or one GPU).",
+        allow_abbrev=False,  # ``--ho 0.0.0.0`` must not stand for ``--host``
     )
     p.add_argument("--model", required=True, help="model folder (or a hub id already in the local cache)")
     p.add_argument("--gguf-file", default=None, help="GGUF file inside --model to load")
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-sampling-mask", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"])
     p.add_argument("--seed", type=int, default=0, help="seeds requests sent without a seed")
+    p.add_argument("--weights-dir", default=None, help="the only folder /update_weights reads files from (the run's "
+                   "<output_dir>/.weights; default: a private temporary folder, named in /server_info)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -63,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_loras=args.max_loras,
         return_sampling_mask=args.return_sampling_mask,
         seed=args.seed,
+        weights_dir=args.weights_dir,
     )
 
 

@@ -426,7 +426,12 @@ class ModelRunner:
         if shapes is not None and len(shapes) != len(names):
             raise WeightUpdateError(f"update_info.shapes has {len(shapes)} entries, names has {len(names)}")
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error type: not a safetensors file
+            raise WeightUpdateError(f"update_info.path={path!r} is not a safetensors file ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})") from None
+        with opened as f:
             available = set(f.keys())
             for i, name in enumerate(names):
                 if name not in self._params and name not in self._expert_slots:

@@ -9,7 +9,9 @@ Routes (JSON shapes as vLLM 0.26 answers them, see VLLM.md):
   ``return_tokens_as_token_ids``) and ``POST /inference/v1/generate`` (tokens in/out; 0.26 log-prob
   shape plus 0.28's ``sampling_mask``);
 - weight sync: ``POST /pause?mode=keep|abort|wait``, ``/resume``, ``/start_weight_update``,
-  ``/update_weights`` (``update_info.path``: a safetensors file holding the tensors of ``names``),
+  ``/update_weights`` (``update_info.path``: a safetensors file holding the tensors of ``names``, inside the
+  server's weights folder: ``--weights-dir``, the run's ``<output_dir>/.weights``, else a private temporary
+  folder; ``/server_info`` names it, and any other path is answered 400),
   ``/finish_weight_update``, ``/reset_prefix_cache``; ``/init_weight_transfer_engine`` answers 400
   (no NCCL here);
 - LoRA: ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; a request picks an adapter with
@@ -25,11 +27,14 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -73,6 +78,8 @@ class ServerConfig:
         return_sampling_mask: answer ``sampling_mask`` on ``/inference/v1/generate`` (like vLLM's
             ``--return-sampling-mask``).
         seed: seeds requests that carry no ``seed``.
+        weights_dir: the only folder ``/update_weights`` reads files from (the run's ``<output_dir>/.weights``);
+            None = a private temporary folder, made at start and removed at stop.
     """
 
     model: str
@@ -92,6 +99,7 @@ class ServerConfig:
     max_loras: int = 1
     return_sampling_mask: bool = True
     seed: int = 0
+    weights_dir: str | None = None
 
 
 class EmbeddedServer:
@@ -140,6 +148,9 @@ class EmbeddedServer:
         self.scheduler = Scheduler(num_blocks, config.block_size, config.max_num_seqs)
         self.engine = Engine(self.runner, self.scheduler, self.runner.eos_token_ids(self.tokenizer))
         self.adapters: dict[str, str] = {}  # served LoRA names -> paths
+        self._temporary_weights_dir = not config.weights_dir
+        self.weights_dir = Path(config.weights_dir or tempfile.mkdtemp(prefix="asyncgrpo-weights-")).expanduser()
+        self.weights_dir = self.weights_dir.resolve()
         self.weight_version: str | None = None
         self.weight_updates = 0
         self._updating = False
@@ -173,6 +184,8 @@ class EmbeddedServer:
         await self.engine.close()
         if self._app_runner is not None:
             await self._app_runner.cleanup()
+        if self._temporary_weights_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
@@ -312,7 +325,7 @@ class EmbeddedServer:
                 "world_size": 1,
             },
             "device_config": {"device": self.runner.device},
-            "weight_transfer_config": {"backend": "file"},
+            "weight_transfer_config": {"backend": "file", "weights_dir": str(self.weights_dir)},
             "api_server_count": 1,
             "embedded": {"batched": self.runner.batched, "config": asdict(c)},
         }
@@ -497,6 +510,7 @@ class EmbeddedServer:
                     "named in update_info.names",
                     param="path",
                 )
+            self._check_weights_path(path)
             count = await self.engine.exclusive(
                 self.runner.update_weights_from_file, path, names, info.get("dtype_names"), info.get("shapes")
             )
@@ -506,6 +520,19 @@ class EmbeddedServer:
             return error_response(str(exc))
         self.weight_updates += 1
         return web.json_response({"message": "Weights updated", "num_tensors": count})
+
+    def _check_weights_path(self, path: str) -> None:
+        """``path`` (symlinks followed) lies inside `weights_dir`: the server reads no other file.
+
+        Raises:
+            BadRequest: 400 naming the path, the folder and the fix.
+        """
+        resolved = Path(path).expanduser().resolve()
+        if resolved == self.weights_dir or not resolved.is_relative_to(self.weights_dir):
+            raise BadRequest(f"update_info.path={path!r} is outside this server's weights folder {self.weights_dir}: "
+                             "it reads weight files from that folder only (--weights-dir, the run's "
+                             f"<output_dir>/.weights). Fix: write the safetensors file inside {self.weights_dir}",
+                             param="path")
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         try:

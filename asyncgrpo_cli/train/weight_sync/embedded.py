@@ -20,6 +20,16 @@ def _owned_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def embedded_weights_dir(client: Any) -> Path | None:
+    """The folder the embedded sampler reads weight files from (``weight_transfer_config.weights_dir`` of its
+    ``/server_info``: the run's ``<output_dir>/.weights`` when ``asyncgrpo`` started it, else its private
+    temporary folder); None when the server does not say (an older server, which reads any path)."""
+    config = client.server_info()
+    transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+    folder = transfer.get("weights_dir") if isinstance(transfer, dict) else None
+    return Path(str(folder)) if folder else None
+
+
 def _remove_if_empty(folder: Path) -> None:
     """Remove ``folder`` when nothing is left in it (a file still there keeps it)."""
     try:
@@ -31,7 +41,8 @@ def _remove_if_empty(folder: Path) -> None:
 class EmbeddedPathSync(WeightSyncBackend):
     """Merged/full-weight sync to the embedded sampler (``"server": "asyncgrpo-embedded"``).
 
-    Per sync: ``/pause?mode=keep`` → ``/start_weight_update`` → for each bucket, write
+    Per sync: ``/server_info`` (the folder the server reads from, `embedded_weights_dir`) →
+    ``/pause?mode=keep`` → ``/start_weight_update`` → for each bucket, write
     ``<weights_dir>/v{version}-{i}.safetensors`` and ``POST /update_weights`` with
     ``{"names", "dtype_names", "shapes", "path"}``, deleting the file once the server has
     copied it → ``/finish_weight_update`` (``weight_version = str(version)``) →
@@ -50,6 +61,15 @@ class EmbeddedPathSync(WeightSyncBackend):
         super().__init__(client)
         self.weights_dir = Path(weights_dir)
 
+    def _follow_server(self, version: int) -> None:
+        """Write into the folder the server reads weights from now (`embedded_weights_dir`): one started
+        without ``--weights-dir`` reads from a temporary folder of its own, another one after a restart."""
+        if getattr(self.client, "server_info", None) is None:
+            return
+        folder = self.call("/server_info", version, embedded_weights_dir, self.client)
+        if folder is not None:
+            self.weights_dir = folder
+
     def sync(self, source: FullWeightSource, version: int) -> SyncTimings:
         """Publish ``source`` as model ``version`` (see the class doc).
 
@@ -61,6 +81,7 @@ class EmbeddedPathSync(WeightSyncBackend):
 
         timings = SyncTimings()
         start = now()
+        self._follow_server(version)
         created = not self.weights_dir.exists()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         buckets = source.buckets()

@@ -1,6 +1,7 @@
 """Choose the weight-sync backend from what the running server is (DESIGN §5, SPEC §9).
 
-``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync`; a vLLM whose
+``GET /version``: ``"server": "asyncgrpo-embedded"`` → `EmbeddedPathSync` (writing into the weights folder
+the server names, `embedded_weights_dir`); a vLLM whose
 ``/server_info`` says ``weight_transfer_config.backend == "ipc"`` (the colocated layout, one GPU) →
 `VllmIpcSync`; vLLM 0.26–0.27 → `VllmNccl026Sync`; vLLM >= 0.28 → `VllmNccl028Sync`. A PEFT model on a server with LoRA enabled
 (``lora_config`` in ``/server_info``) gets `LoraAdapterSync` instead (unless adapter sync is
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .base import WeightSyncBackend
-from .embedded import EmbeddedPathSync
+from .embedded import EmbeddedPathSync, embedded_weights_dir
 from .lora import LoraAdapterSync
 from .vllm_ipc import VllmIpcSync
 from .vllm_nccl import VllmNccl026Sync, VllmNccl028Sync, address_facing
@@ -117,7 +118,7 @@ def make_weight_sync(
             check_lora_limits(lora_config, lora_rank, max_staleness)
             return LoraAdapterSync(client, output_dir / ".vllm_lora", max_staleness)
     if info.get("server") == EMBEDDED_SERVER:
-        return EmbeddedPathSync(client, output_dir / ".weights")
+        return EmbeddedPathSync(client, embedded_weights_dir(client) or output_dir / ".weights")
     version = parse_vllm_version(info["version"])
     if version < (0, 26):
         raise ValueError(f"vLLM {info['version']} is too old for weight transfer; use vLLM >= 0.26")

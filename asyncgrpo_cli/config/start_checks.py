@@ -1,0 +1,233 @@
+"""Checks of a composed config that used to pass ``--dry-run`` and ``config --check`` and then fail once the
+server and the trainer had started (issue #36): an external sampler that cannot be reached, a Hub dataset
+that is not cached while the Hub is off, tools and environments that do not import, a run without any reward,
+a generator with a dataset key, LoRA targets the model does not have (reward keyword arguments nothing reads:
+`sources.check_reward_kwargs`).
+
+Each raises a `ConfigError` naming the key, the value and the fix; `run_checks.validate_run` runs them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+from .rules import ConfigError, ConfigErrors, config_error as _err
+
+SAMPLER_PROBE_S = 10.0
+"""Seconds the probe of an external sampler waits for an answer (the whole sampler.timeout, 30 minutes by
+default, is for a server that loads, not for an address that drops packets)."""
+
+
+# ------------------------------------------------------------------------------------------ the sampler
+def sampler_problem(url: str, timeout_s: float = SAMPLER_PROBE_S) -> str | None:
+    """Why no sampler answers at ``url`` (one ``GET /health`` of at most ``timeout_s`` s), None when one does.
+
+    A refused connection, a name that does not resolve, an address that drops packets (no answer in
+    ``timeout_s``) and an HTTP server without a ``/health`` route are problems; a 5xx answer is not (a server
+    that is starting or recovering: the run waits for it).
+    """
+    import httpx
+
+    try:
+        answer = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.TimeoutException:
+        return (f"no answer within {timeout_s:g} s: the address drops packets (a firewall, or no machine with that "
+                "address on this network)")
+    except httpx.ConnectError as exc:
+        text = str(exc)
+        if "refused" in text.lower() or isinstance(exc.__cause__, ConnectionRefusedError):
+            return "connection refused: no server listens there"
+        if "name or service not known" in text.lower() or "nodename nor servname" in text.lower() \
+                or "temporary failure in name resolution" in text.lower():
+            return f"its host name does not resolve ({text[:120]})"
+        return f"the connection failed ({text[:160]})"
+    except httpx.HTTPError as exc:
+        return f"the request failed ({type(exc).__name__}: {str(exc)[:160]})"
+    if answer.status_code == 200 or answer.status_code >= 500:
+        return None
+    return (f"it answers GET /health with HTTP {answer.status_code}: not an inference server (vLLM and the embedded "
+            "sampler answer 200 there)")
+
+
+def check_external_sampler(cfg: Any, timeout_s: float | None = None) -> None:
+    """``sampler.backend=external``: a sampler answers at ``sampler.url`` now (the run starts none).
+
+    Raises:
+        ConfigError: naming ``sampler.url``, what went wrong and the fix (start it with ``asyncgrpo serve``).
+    """
+    backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
+    if backend != "external" or not cfg.sampler.url:
+        return
+    wait = min(float(cfg.sampler.timeout), SAMPLER_PROBE_S if timeout_s is None else timeout_s)
+    problem = sampler_problem(str(cfg.sampler.url), wait)
+    if problem:
+        raise _err("sampler.url", str(cfg.sampler.url), f"sampler.backend=external starts no server, and none "
+                   f"answers there ({problem})", "start it in another shell with `asyncgrpo serve` and the same "
+                   "model/sampler/rollout overrides (it prints the command it runs), then run this again; or fix "
+                   "sampler.url")
+
+
+# ------------------------------------------------------------------------------------------ data
+def _offline() -> str | None:
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return name
+    return None
+
+
+def check_offline_hub_dataset(name: str, subset: Any = None, key: str = "data.name") -> None:
+    """With ``HF_HUB_OFFLINE`` (or ``HF_DATASETS_OFFLINE``) set, a Hub dataset must be in the local cache:
+    ``datasets`` resolves it offline (no download, no network), as the trainer will.
+
+    Raises:
+        ConfigError: the dataset is not cached (names the variable and the fix).
+    """
+    variable = _offline()
+    if variable is None:
+        return
+    import datasets
+
+    try:
+        datasets.load_dataset_builder(name, subset)
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise _err(key, name, f"this Hub dataset is not in the local cache, and {variable} is set, so it cannot be "
+                   f"downloaded ({type(exc).__name__}: {str(exc)[:160]})",
+                   f"set {key} to a local data file or folder, or download it once where the Hub is reachable "
+                   f"(the cached copy is then used with {variable}=1)") from None
+    except Exception:  # noqa: BLE001 - anything else is the dataset's own problem: the loader reports it
+        return
+
+
+def check_generator_keys(data: Any) -> None:
+    """A generator (``data.generator``) makes its own ``prompt`` column: ``data.prompt_column`` is not read.
+
+    Raises:
+        ConfigError: ``data.prompt_column`` is set with a generator.
+    """
+    if data.generator and str(data.prompt_column) != "prompt":
+        raise _err("data.prompt_column", str(data.prompt_column), f"data.generator={data.generator} makes the "
+                   "prompts itself (its rows have a 'prompt' column), so this key would be ignored",
+                   "remove data.prompt_column, or read a dataset with that column: data.generator=null "
+                   "data.name=PATH_OR_HUB_ID")
+
+
+# ------------------------------------------------------------------------------------------ tools, rewards
+def check_agent_imports(cfg: Any) -> None:
+    """``tools`` and ``environment.factory`` import and have the form the worker needs (SPEC §13), and the
+    run has a reward: ``rewards`` is not empty, or the environment scores rollouts itself (``get_reward``).
+
+    Raises:
+        ConfigErrors: every problem, each naming ``tools[i]``, ``environment.factory`` or ``rewards``.
+    """
+    from omegaconf import DictConfig
+
+    from ..rollout.environments import check_environment_factory
+    from ..rollout.tools import check_tools
+    from .sources import check_import
+
+    errors: list[ConfigError] = []
+    for i, path in enumerate(cfg.get("tools") or []):
+        try:
+            tool = check_import(str(path), f"tools[{i}]")
+            check_tools([tool], what=f"tools[{i}]")
+        except ConfigError as exc:
+            errors.append(exc)
+        except (TypeError, ValueError) as exc:
+            errors.append(_err(f"tools[{i}]", str(path), str(exc), "name a module-level function with type hints "
+                               "and a Google-style docstring (README: Agent training: tools and environments)"))
+    factory = (cfg.get("environment") or {}).get("factory")
+    env = None
+    if factory is not None:
+        try:
+            if isinstance(factory, DictConfig):
+                env = {str(n): check_import(str(p), f"environment.factory.{n}") for n, p in factory.items()}
+            else:
+                env = check_import(str(factory), "environment.factory")
+            check_environment_factory(env)
+        except ConfigError as exc:
+            errors.append(exc)
+            env = None
+        except (TypeError, ValueError) as exc:
+            errors.append(_err("environment.factory", str(factory), str(exc), "name a class with reset(self, "
+                               "**kwargs) (README: Agent training: tools and environments)"))
+            env = None
+    if not cfg.rewards:
+        classes = list(env.values()) if isinstance(env, dict) else [env] if env is not None else []
+        unscored = [c.__name__ for c in classes if isinstance(c, type) and not callable(getattr(c, "get_reward", None))]
+        if factory is None or unscored:
+            why = (f"and the environment {', '.join(unscored)} has no get_reward()" if unscored else
+                   "and no environment scores them")
+            errors.append(_err("rewards", [], f"no reward function, {why}: no rollout could be scored, so the run "
+                               "would never train a step", "rewards=[asyncgrpo_cli.rewards:accuracy_reward] (or your "
+                               "own module:function)"))
+    if errors:
+        raise ConfigErrors(errors)
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def check_peft_targets(cfg: Any, folder: Path | None) -> None:
+    """``peft.target_modules`` names modules the model has (checked on the model's structure, built on the
+    meta device: no weight is read), when the model's config is here (a local folder, a cached Hub id, or
+    a GGUF file's metadata).
+
+    Raises:
+        ConfigError: a name (or pattern) matches no module, with the model's module names and the closest one.
+    """
+    import re
+
+    pe = cfg.peft
+    targets = pe.target_modules
+    if not pe.enabled or targets is None or (isinstance(targets, str) and targets == "all-linear"):
+        return
+    if cfg.model.trust_remote_code:
+        return  # building the model would run its own code
+    config = _model_config(cfg, folder)
+    if config is None:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build here: the trainer says so
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if n and isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+    if isinstance(targets, str):  # peft: a string is a regular expression matched against whole names
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise _err("peft.target_modules", targets, f"the pattern matches no module of the model (its linear "
+                       f"layers: {', '.join(leaves)})", "peft.target_modules=all-linear, or a list of those names")
+        return
+    wanted = [str(t) for t in targets]
+    for target in wanted:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            close = difflib.get_close_matches(target, leaves, n=1, cutoff=0.7)
+            fixed = [close[0] if t == target else t for t in wanted] if close else None
+            fix = (f"peft.target_modules=[{','.join(fixed)}] (the closest name), or peft.target_modules=all-linear"
+                   if fixed else "name modules from that list, or peft.target_modules=all-linear")
+            raise _err("peft.target_modules", wanted, f"the model has no module named {target!r} (its linear "
+                       f"layers: {', '.join(leaves)})", fix)
+
+
+def _model_config(cfg: Any, folder: Path | None) -> Any:
+    """The model's transformers config from ``folder``, else from its GGUF file's metadata; None if neither."""
+    from transformers import AutoConfig
+
+    try:
+        if folder is not None:
+            return AutoConfig.from_pretrained(str(folder))
+        from .models import package_dir
+
+        name, gguf = str(cfg.model.name), cfg.model.gguf_file
+        base = Path(name).expanduser()
+        where = base if base.is_dir() else package_dir(name)
+        if gguf and where is not None and (where / gguf).is_file():
+            return AutoConfig.from_pretrained(str(where), gguf_file=str(gguf))
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the model check
+        return None
+    return None

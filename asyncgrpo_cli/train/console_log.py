@@ -1,0 +1,50 @@
+"""What the trainer prints per logging step: the plain line of `asyncgrpo train` (`run.metrics_line`), not
+transformers' dict of every metric (about 90 of them; issue #36). The whole dict still goes to
+``metrics.jsonl`` and to the ``report_to`` trackers; only the console line changes.
+
+`PlainProgressCallback` replaces transformers' `ProgressCallback` (the progress bar stays, the line is written
+above it) and `PlainPrinterCallback` its `PrinterCallback` (``disable_tqdm=True``); `use_plain_lines` swaps
+them in a trainer's callback handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from ..run.metrics_line import metrics_line
+
+
+def _line(args: Any, state: Any, logs: dict[str, Any] | None) -> str | None:
+    if not logs:
+        return None
+    max_steps = args.max_steps if getattr(args, "max_steps", 0) and args.max_steps > 0 else None
+    return metrics_line({"step": state.global_step, **logs}, max_steps)
+
+
+class PlainProgressCallback(ProgressCallback):
+    """transformers' progress bar, whose per-log line is the plain line instead of the metrics dict."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102 - transformers' hook
+        line = _line(args, state, logs)
+        if state.is_world_process_zero and self.training_bar is not None and line:
+            self.training_bar.write(line)
+
+
+class PlainPrinterCallback(PrinterCallback):
+    """transformers' printer (no progress bar), printing the plain line instead of the metrics dict."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102 - transformers' hook
+        line = _line(args, state, logs)
+        if state.is_local_process_zero and line:
+            print(line, flush=True)
+
+
+def use_plain_lines(callback_handler: Any) -> None:
+    """Replace transformers' `ProgressCallback` / `PrinterCallback` in ``callback_handler`` by the plain ones
+    (subclasses are left alone: a user's own printer stays)."""
+    for old, new in ((ProgressCallback, PlainProgressCallback), (PrinterCallback, PlainPrinterCallback)):
+        if any(type(cb) is old for cb in callback_handler.callbacks):
+            callback_handler.remove_callback(old)
+            callback_handler.add_callback(new)

@@ -1,0 +1,151 @@
+"""Is the sampler server still answering? A `/health` probe on a timer (trainer rank 0; issue #36).
+
+A server that is dead refuses connections: the sampler clients' outage clock sees that (SPEC B.17,
+``server unreachable, retrying``). A server that is *hung* (stopped with SIGSTOP or Ctrl-Z, deadlocked,
+swapping) still accepts connections, because the kernel does, and never answers: every request then
+waits its whole timeout, and nothing else shows it. `ServerWatch` probes ``GET /health`` every
+`PROBE_EVERY_S` seconds (each probe waits at most `PROBE_TIMEOUT_S`) on a daemon thread:
+
+- after `REPORT_AFTER_S` seconds without an answer it reports the silence (`status`, shown by the trainer
+  in ``status.json`` ``server_status`` and so in the panels and the plain log);
+- while the server is silent, `budget` is what is left of ``vllm_server_timeout`` (CLI: ``sampler.timeout``):
+  the trainer's requests (a weight sync) wait at most that, so a hang costs the timeout once, not once per
+  request and attempt;
+- once the silence has lasted ``vllm_server_timeout`` it sets `problem`, which stops the run like a failed
+  rollout worker: the last completed step is saved and the run fails with `ServerHungError` (the URL, how
+  long, what a hang is and the fix).
+
+Any HTTP answer, whatever its status, ends the silence; a refused connection is not a hang (the server is
+gone: the outage clock of B.17 handles it), so it ends the silence too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+PROBE_EVERY_S = 5.0
+PROBE_TIMEOUT_S = 5.0
+REPORT_AFTER_S = 15.0
+
+ANSWERED, REFUSED, SILENT = "answered", "refused", "silent"
+
+
+class ServerHungError(RuntimeError):
+    """The sampler server stopped answering (not refusing) for ``vllm_server_timeout`` seconds."""
+
+
+def probe_health(url: str, timeout_s: float) -> tuple[str, str]:
+    """One ``GET <url>/health``: (`ANSWERED`, ""), (`REFUSED`, why) or (`SILENT`, why) for a timeout or a
+    connection that was dropped without an answer."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.ConnectError as exc:
+        return REFUSED, f"{type(exc).__name__}: {exc}"
+    except httpx.HTTPError as exc:
+        return SILENT, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return ANSWERED, ""
+
+
+class ServerWatch:
+    """Probes the server's ``/health`` and tells how long it has been silent (module docstring).
+
+    Args:
+        url: the server's base URL.
+        timeout_s: ``vllm_server_timeout``: the silence after which the run stops.
+        probe: ``(url, timeout_s) -> (outcome, why)`` (default `probe_health`; tests pass their own).
+        on_problem: called once with `problem` when it is set (the trainer abandons its client's waits).
+        clock: monotonic clock, seconds.
+        every_s / probe_timeout_s / report_after_s: the probe period, one probe's timeout, and the silence
+            before `status` reports it.
+    """
+
+    def __init__(self, url: str, timeout_s: float, *, probe: Callable[[str, float], tuple[str, str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, every_s: float = PROBE_EVERY_S,
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, report_after_s: float = REPORT_AFTER_S,
+                 on_problem: Callable[[str], None] | None = None) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
+        self.on_problem = on_problem
+        self.probe = probe or probe_health
+        self.clock = clock
+        self.every_s, self.probe_timeout_s = every_s, probe_timeout_s
+        self.report_after_s = min(report_after_s, self.timeout_s)
+        self.last_answer = clock()
+        self.silent_since: float | None = None  # the last answer before an unanswered probe
+        self.last_failure = ""
+        self.problem: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ServerWatch:
+        """Start the daemon thread."""
+        self._thread = threading.Thread(target=self._run, name="sampler-server-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (idempotent; a probe in flight ends at its own timeout)."""
+        self._stop.set()
+        self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.check() is not None:
+                    return
+            except Exception:  # noqa: BLE001 - the watch must never break training
+                pass
+            self._stop.wait(self.every_s)
+
+    def check(self) -> str | None:
+        """One probe now (also run by the thread); returns `problem` (None while the server answers or refuses)."""
+        if self.problem is not None:
+            return self.problem
+        outcome, why = self.probe(self.url, self.probe_timeout_s)
+        now = self.clock()
+        if outcome != SILENT:
+            self.last_answer, self.silent_since = now, None
+            return None
+        self.last_failure = why
+        if self.silent_since is None:
+            self.silent_since = self.last_answer
+        if now - self.silent_since >= self.timeout_s:
+            self.problem = self.hung_message(now - self.silent_since)
+            if self.on_problem is not None:
+                self.on_problem(self.problem)
+        return self.problem
+
+    def budget(self) -> float | None:
+        """How much longer the server may stay silent before the run stops (None while it answers): the
+        longest a request should still wait for it (`SyncSamplerClient.silence_budget`)."""
+        silent = self.silent_s()
+        return None if silent is None else self.timeout_s - silent
+
+    def silent_s(self) -> float | None:
+        """Seconds since the server last answered, while it does not (None while it answers or refuses)."""
+        return None if self.silent_since is None else self.clock() - self.silent_since
+
+    def status(self) -> str | None:
+        """The live line once the silence has lasted `report_after_s` (``status.json`` ``server_status``)."""
+        silent = self.silent_s()
+        if silent is None or silent < self.report_after_s:
+            return None
+        left = max(0.0, self.timeout_s - silent)
+        return (f"server not answering: no answer to GET /health for {silent:.0f} s (hung or stopped? a busy "
+                f"server still answers it); the run stops with a checkpoint at sampler.timeout={self.timeout_s:g} s "
+                f"({left:.0f} s left)")
+
+    def hung_message(self, silent_s: float, gave_up: bool = True) -> str:
+        """The failure: the URL, how long, what it means and the fix (``gave_up``: the silence reached the
+        timeout; else another failure ended the wait first, e.g. a weight sync)."""
+        limit = (f"gave up after vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout)" if gave_up else
+                 f"the run stops before vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout) because a "
+                 "request to it failed")
+        return (f"the sampler server at {self.url} has not answered for {silent_s:.0f} s: it accepts connections "
+                f"but GET /health times out ({self.last_failure or 'no answer'}), so it is hung (stopped with "
+                f"SIGSTOP or Ctrl-Z, deadlocked, or swapping), not dead; {limit}. Fix: look at the server (its log; "
+                "`kill -CONT PID` if it was stopped), restart it if needed, and resume from the last checkpoint; "
+                "raise sampler.timeout to wait longer")

@@ -1,0 +1,205 @@
+"""A hung sampler server (SIGSTOP: it accepts connections and never answers) is shown within about 30 s in
+``status.json``, the plain log and the panels, and once it has lasted ``sampler.timeout`` the run ends with
+the cause, a checkpoint of the last completed step and no process left (issue #36; docs/FAULTS.md, the row
+"the server hangs"). The unit tests drive `ServerWatch` with a scripted probe and clock; the drill runs the
+real ``asyncgrpo train`` on the tiny model and stops its server with SIGSTOP."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+from asyncgrpo_cli.sampler.retry import ServerOutage
+from asyncgrpo_cli.train.liveness import WorkerWatch
+from asyncgrpo_cli.train.server_watch import ANSWERED, REFUSED, SILENT, ServerWatch
+
+from .conftest import cli_argv, metrics_steps, status, wait_for
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scripted(outcomes: list[str]):
+    """A probe answering each call with the next outcome (the last one repeats)."""
+    calls = []
+
+    def probe(url: str, timeout_s: float) -> tuple[str, str]:
+        calls.append((url, timeout_s))
+        outcome = outcomes[min(len(calls) - 1, len(outcomes) - 1)]
+        return outcome, "" if outcome == ANSWERED else f"ReadTimeout: timed out ({outcome})"
+    return probe, calls
+
+
+def test_a_silent_server_is_reported_after_15_s_and_fails_the_run_at_the_timeout():
+    clock = Clock()
+    probe, calls = scripted([ANSWERED, SILENT])
+    watch = ServerWatch("http://127.0.0.1:8000/", 60.0, probe=probe, clock=clock)
+    assert watch.check() is None and watch.status() is None  # it answers
+    clock.now += 5
+    assert watch.check() is None and watch.silent_s() == 5.0  # silent since its last answer
+    assert watch.status() is None  # a slow moment is not reported
+    clock.now += 10
+    assert watch.check() is None
+    line = watch.status()
+    assert line is not None and line.startswith("server not answering: no answer to GET /health for 15 s"), line
+    assert "sampler.timeout=60 s (45 s left)" in line
+    clock.now += 45
+    problem = watch.check()
+    assert problem is not None and watch.problem == problem
+    assert "the sampler server at http://127.0.0.1:8000 has not answered for 60 s" in problem
+    assert "hung (stopped with SIGSTOP or Ctrl-Z" in problem and "vllm_server_timeout=60 s (CLI: sampler.timeout)" \
+        in problem and "Fix:" in problem and "kill -CONT" in problem
+    assert calls[0] == ("http://127.0.0.1:8000", 5.0)  # each probe waits at most 5 s
+
+
+def test_an_answer_or_a_refusal_ends_the_silence():
+    """Any answer ends it; a refused connection is not a hang (the server is gone: the outage clock of B.17
+    reports that), so it ends the silence too."""
+    clock = Clock()
+    probe, _ = scripted([SILENT, SILENT, ANSWERED, SILENT, REFUSED])
+    watch = ServerWatch("http://h:1", 30.0, probe=probe, clock=clock)
+    for _ in range(2):
+        clock.now += 10
+        watch.check()
+    assert watch.status() is not None
+    clock.now += 10
+    watch.check()
+    assert watch.silent_s() is None and watch.status() is None
+    clock.now += 20
+    watch.check()
+    assert watch.silent_s() == 20.0
+    clock.now += 20
+    assert watch.check() is None and watch.silent_s() is None and watch.problem is None
+
+
+def test_the_worker_watch_reports_the_server_problem_as_a_server_problem():
+    """The training loop stops on `WorkerWatch.problem`; a silent server's problem reaches it, marked as the
+    server's (the trainer raises `ServerHungError`, not a rollout-worker error)."""
+    class Worker:
+        process = None
+
+        def check_alive(self):
+            return None
+
+    watch = WorkerWatch(Worker())
+    watch.server = type("Server", (), {"problem": None})()
+    assert watch.check() is None
+    watch.server.problem = "the sampler server at URL has not answered for 60 s"
+    assert watch.check() == "the sampler server at URL has not answered for 60 s"
+    assert watch.problem_kind == "server"
+
+
+def test_an_outage_met_late_gives_up_with_the_peer_that_met_it_first():
+    """The worker saw the server refuse 50 s ago (its deadline is 10 s away); a weight sync meeting the outage
+    now adopts that start: both give up together, not the sync T after its own first refusal."""
+    clock, wall = Clock(), Clock()
+    wall.now = 5000.0
+    outage = ServerOutage("http://h:1", 60.0, clock=clock, wall=wall)
+    outage.peer_deadline = lambda: wall.now + 10.0
+    left = outage.refused("refused")
+    assert abs(left - 10.0) < 1e-6 and abs(outage.waited() - 50.0) < 1e-6
+    # a peer outage that began before this client's last answer is another outage: not adopted
+    outage = ServerOutage("http://h:1", 60.0, clock=clock, wall=wall)
+    outage.answered()
+    clock.now += 5.0  # answered 5 s ago; the peer's outage began 50 s ago
+    outage.peer_deadline = lambda: wall.now + 10.0
+    assert outage.refused("refused") == 60.0
+    outage = ServerOutage("http://h:1", 60.0, clock=clock, wall=wall)
+    outage.peer_deadline = lambda: 0.0  # the peer has no outage
+    assert outage.refused("refused") == 60.0
+
+
+# ---------------------------------------------------------------------------------------------- the drill
+HANG_TIMEOUT_S = 45.0
+BOOT_S = 400.0  # start-up and step 1 on two loaded cores
+SHOWN_BOUND_S = 40.0  # "within about 30 s", with room for a loaded machine
+END_BOUND_S = 120.0  # after the timeout: the step in progress, one save of the tiny model, the teardown
+
+
+def test_a_server_stopped_with_sigstop_is_shown_then_ends_the_run_with_a_checkpoint(
+        tiny_model, prompt_file, tmp_path, jobs):
+    out = tmp_path / "run"
+    job = jobs(cli_argv(tiny_model, prompt_file, out, "trainer.max_steps=200", f"sampler.timeout={HANG_TIMEOUT_S:g}",
+                        "launch.stop_timeout=300"), "job")
+    started = wait_for(lambda: re.search(r"started the server \(pid (\d+)\)", job.output()), 60, "the server", job)
+    server_pid = int(started.group(1))
+    wait_for(lambda: metrics_steps(out), BOOT_S, "a trained step", job)
+    os.kill(server_pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    line = wait_for(lambda: str(status(out).get("server_status") or "").startswith("server not answering") and
+                    status(out)["server_status"], SHOWN_BOUND_S, "status.json to show the silent server", job)
+    shown = time.monotonic() - stopped
+    assert f"sampler.timeout={HANG_TIMEOUT_S:g} s" in line, line
+    wait_for(lambda: "server not answering: no answer to GET /health" in job.output(), 10, "the plain log line", job)
+    rc = job.wait(HANG_TIMEOUT_S + END_BOUND_S)
+    ended = time.monotonic() - stopped
+    text = job.output()
+    print(f"measured: server SIGSTOP -> shown in status.json after {shown:.1f} s, job exit after {ended:.1f} s "
+          f"(sampler.timeout={HANG_TIMEOUT_S:g})")  # docs/FAULTS.md
+    assert rc == 1, text[-4000:]
+    assert ended >= HANG_TIMEOUT_S - 15, (ended, text[-4000:])  # it waited for the timeout (from the last answer)
+    job.assert_no_process_left(30)  # the stopped server too
+    cause = next((ln for ln in text.splitlines() if ln.startswith("cause: ")), "")
+    assert "has not answered for" in cause and "hung (stopped with SIGSTOP" in cause, text[-4000:]
+    final = status(out)
+    assert final["state"].startswith("failed: ServerHungError: the sampler server at"), final
+    checkpoint = final.get("last_checkpoint")
+    assert checkpoint and f"checkpoint saved: {checkpoint}" in text, text[-4000:]
+    assert int(checkpoint.rsplit("-", 1)[1]) == max(metrics_steps(out))  # the last completed step, logged
+    assert "resume with: " in text and f"trainer.resume_from_checkpoint={checkpoint}" in text
+
+
+def test_while_the_server_is_silent_a_request_waits_only_what_is_left_of_the_timeout():
+    """The trainer's client asks the watch how much longer the server may stay silent: a weight sync meeting a
+    hung server waits that (at least 1 s), not the whole timeout for each route and each attempt."""
+    import httpx
+
+    from asyncgrpo_cli.sampler.client import SyncSamplerClient
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"]["read"])
+        return httpx.Response(200, json={"is_paused": False})
+
+    client = SyncSamplerClient("http://h:1", timeout_s=60.0, transport=httpx.MockTransport(handler))
+    budgets = iter([None, 12.5, -3.0])
+    client.silence_budget = lambda: next(budgets)
+    for _ in range(3):
+        client.is_paused()
+    assert seen == [60.0, 12.5, 1.0]
+
+
+def test_a_sync_failing_while_the_server_is_silent_is_reported_as_the_hang():
+    """A weight sync that failed while /health went unanswered fails the run as `ServerHungError` (the hang is
+    the cause; the timed-out route only its symptom), saying whether the silence reached the timeout."""
+    import pytest
+
+    from asyncgrpo_cli.train.server_watch import ServerHungError
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    clock = Clock()
+    probe, _ = scripted([ANSWERED, SILENT])
+    watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock)
+    watch.check()
+    clock.now += 20
+    watch.check()
+    trainer = type("T", (), {"server_watch": watch, "state": type("S", (), {"global_step": 7})()})()
+    failure = RuntimeError("weight sync to model version 7 failed at /pause: timed out")
+    with pytest.raises(ServerHungError) as raised:
+        AsyncGRPOTrainer._raise_sync_failure(trainer, failure)
+    text = str(raised.value)
+    assert "has not answered for 20 s" in text and "the run stops before vllm_server_timeout=60 s" in text
+    assert "step 7 is trained; its weight sync failed: weight sync to model version 7" in text
+    probe, _ = scripted([ANSWERED])  # a server that answers: the sync's own failure is the cause
+    trainer.server_watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock)
+    trainer.server_watch.check()
+    with pytest.raises(RuntimeError, match="timed out"):
+        AsyncGRPOTrainer._raise_sync_failure(trainer, failure)
