@@ -59,7 +59,9 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept, except
     a trainer's ``stopped`` when the job failed (rc 1: it was stopped because its server
     died): the job's ``failed: <failure>`` then, the trainer's state in ``trainer_state``, so that the
-    file, the console and the exit status agree. An absent file stays absent (nothing ran)."""
+    file, the console and the exit status agree. A run that did not finish and has a complete checkpoint gets
+    ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none. An absent file stays absent
+    (nothing ran)."""
     from ..run.state import write_json_atomic
 
     status = read_status(output_dir)
@@ -80,6 +82,13 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     if rc in (130, 143):
         status["note"] = (f"the trainer was stopped while {state or 'starting'}; newest complete checkpoint: "
                           f"{newest_checkpoint(output_dir)}")
+    newest = newest_checkpoint(output_dir) if rc != 0 else None
+    if newest and not status.get("resume_command"):
+        # a trainer killed before its first save of this attempt (a resumed run) wrote none: the newest
+        # complete checkpoint of the folder is what the console's "resume with:" names too
+        from ..run.folder import resume_command
+
+        status.update(resume_command=resume_command(newest), last_checkpoint=status.get("last_checkpoint") or newest)
     status.update(state=final, updated_at=time.time())
     try:
         write_json_atomic(Path(output_dir) / "status.json", status)

@@ -37,7 +37,16 @@ def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
             data = fh.read()
     except OSError:
         return []
-    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+    lines: list[str] = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        # a traceback glued to a progress bar it interrupted (tqdm ends its bar with "]" and no newline) starts
+        # a line of its own, so that it is recognised and cut like any other
+        at = line.find(_TRACEBACK)
+        if at > 0:
+            lines += [line[:at], line[at:]]
+        else:
+            lines.append(line)
+    return lines[-n:]
 
 
 def _launcher_block_end(lines: list[str], start: int) -> int | None:

@@ -49,3 +49,23 @@ def test_the_stop_reason_the_supervisor_writes_is_what_the_trainer_reports(tmp_p
     assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT: the server (pid 7) was killed by SIGKILL"
     stopping.clear_stop_reason(tmp_path)  # a new job starts without the last one's reason
     assert stopping.stop_reason(tmp_path, signal.SIGTERM) == "SIGTERM"
+
+
+def test_a_failed_run_without_a_save_of_its_own_gets_the_resume_command(tmp_path, monkeypatch):
+    """fresh-user trial (issue #36): a resumed run whose trainer was killed before its first save left
+    status.json without resume_command, while the console printed one."""
+    from asyncgrpo_cli.launch import job_files
+
+    ckpt = str(tmp_path / "checkpoint-2")
+    monkeypatch.setattr(job_files, "newest_checkpoint", lambda out: ckpt)
+    write(tmp_path, state="running", step=3)
+    finalize_status(tmp_path, 1, "the trainer was killed by SIGKILL")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["resume_command"].endswith(f"trainer.resume_from_checkpoint={ckpt}")
+    assert status["last_checkpoint"] == ckpt
+    write(tmp_path, state="running", step=3, resume_command="asyncgrpo train mine", last_checkpoint="c")
+    finalize_status(tmp_path, 1, "x")  # the trainer's own is kept
+    assert json.loads((tmp_path / "status.json").read_text())["resume_command"] == "asyncgrpo train mine"
+    write(tmp_path, state="running", step=3)
+    finalize_status(tmp_path, 0, None)  # finished: nothing to resume
+    assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())

@@ -93,3 +93,18 @@ def test_the_cause_is_one_line_and_tracebacks_are_cut_to_their_exception():
              "SIGKILL, without reporting an error"]
     assert failure_cause(glued) == "the rollout worker (pid 24163) died: killed by SIGKILL, without reporting an error"
     assert failure_cause(["the terror: of it"]) is None
+
+
+def test_a_launcher_report_glued_to_a_progress_bar_is_removed(tmp_path):
+    """fresh-user trial (issue #36): after a kill -9 of the trainer, accelerate's report started on the line of
+    the tqdm bar the kill interrupted ("...s/it]Traceback ..."), so it was not recognised and its frames and
+    CalledProcessError reached the console as the cause."""
+    log = tmp_path / "trainer.log"
+    bar = "\r 25%|██▌       | 3/12 [00:41<02:05, 13.90s/it]"
+    log.write_text("step 3 done\n" + bar + "\n".join(TORCHRUN_REPORT[:5]) + "\n"
+                   "subprocess.CalledProcessError: Command '['python', '-m', 'asyncgrpo_cli.train.main']' died "
+                   "with <Signals.SIGKILL: 9>.\n")
+    lines = failure_tail(log)
+    assert not any("Traceback" in ln or "CalledProcessError" in ln or ln.startswith("  File") for ln in lines), lines
+    assert "step 3 done" in lines and failure_cause(lines) is None
+    assert killed_by(log) == "SIGKILL"
