@@ -3,6 +3,7 @@ in plain mode and what the Python API prints instead of transformers' dict of ev
 ``metrics.jsonl``). The dashboard adds its diagnosis to the same line; the trainer has none to add.
 
 Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | stale 0.50``
+(``| dropped stale 3 (92% of generated tokens)`` follows in a window that dropped samples stale).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def fmt_rate(value: float | None) -> str:
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
     """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
-    step time, the trainer's busy share (left out when unknown), queue, staleness and ``diagnosis`` (if any)."""
+    step time, the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale
+    (only when some were, with their share of the generated tokens) and ``diagnosis`` (if any)."""
     step = num(metrics, "step")
     busy = busy_share(metrics)
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
@@ -71,6 +73,10 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
              *([f"busy {fmt_pct(busy)}"] if busy is not None else []),
              f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
              f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]
+    dropped = num(metrics, "sample/dropped_stale_count")
+    if dropped:
+        share = num(metrics, "sample/dropped_stale_token_frac")
+        parts.append(f"dropped stale {dropped:.0f}" + (f" ({share:.0%} of generated tokens)" if share else ""))
     if diagnosis:
         parts.append(diagnosis)
     return " | ".join(parts)

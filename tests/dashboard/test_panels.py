@@ -121,6 +121,11 @@ def test_plain_line_and_formats():
     assert line.startswith("step 2/10 | reward 0.2 | gen 12.3k tok/s | train 4.32k tok/s | step 10.00 s")
     unscored = {k: v for k, v in window(3).items() if k != "reward"}  # SPEC §15.1: no rollout scored in it
     assert plain_line(unscored).startswith("step 3 | reward — (no group scored since the last log) | gen ")
+    # stale drops show in the line only when a window had some (fresh-user trial: 92% of a step's generated
+    # tokens dropped while the line read 'stale 1.00')
+    assert "dropped" not in plain_line({**window(4), "sample/dropped_stale_count": 0})
+    dropped = plain_line({**window(4), "sample/dropped_stale_count": 3, "sample/dropped_stale_token_frac": 0.917})
+    assert "| dropped stale 3 (92% of generated tokens)" in dropped
     assert fmt_duration(3725) == "1h02m" and fmt_duration(65) == "1m05s" and fmt_duration(None) == "—"
     assert fmt_rate(2_500_000) == "2.5M" and fmt_rate(None) == "—"
 
