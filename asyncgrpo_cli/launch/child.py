@@ -20,25 +20,31 @@ class Child:
         argv: the command.
         env: variables added to the supervisor's environment.
         log_path: log file (stdout and stderr).
+        death_signal: the kernel sends the leader SIGTERM when the supervisor dies (`orphans.die_with_parent`).
+            Not for the trainer's launcher: accelerate >= 1.16 answers SIGTERM by terminating its whole tree
+            and SIGKILLing it 5 s later, which would cut the trainer's save; the trainer follows the
+            supervisor's pid itself and the launcher exits with it.
     """
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, *,
+                 death_signal: bool = True) -> None:
         self.name, self.argv, self.env, self.log_path = name, list(argv), dict(env), log_path
+        self.death_signal = death_signal
         self.popen: subprocess.Popen | None = None
         self._seen: dict[int, float] = {}  # descendant pid -> create time (psutil)
         self._direct: dict[int, float] = {}  # direct children of the leader -> create time
 
     def start(self) -> Child:
-        """Start the process (its own session / process group). It gets SIGTERM if the supervisor dies, even
-        by SIGKILL (`orphans.die_with_parent`); the trainer also follows the supervisor's pid itself, since
-        the launcher between them dies of that SIGTERM without passing it on."""
+        """Start the process (its own session / process group). With ``death_signal`` it gets SIGTERM if the
+        supervisor dies, even by SIGKILL (`orphans.die_with_parent`); the trainer follows the supervisor's
+        pid itself (`train.main`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"\n$ {' '.join(self.argv)}\n".encode())
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env={**os.environ, **self.env}, start_new_session=True,
-                                          preexec_fn=die_with_parent)
+                                          preexec_fn=die_with_parent if self.death_signal else None)
         return self
 
     @property
@@ -62,6 +68,41 @@ class Child:
                 os.killpg(self.popen.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to the leader's direct children seen so far (`track`: the trainer ranks under
+        ``accelerate launch``), not to the launcher itself: accelerate >= 1.16 answers a SIGINT or SIGTERM by
+        sending SIGTERM to its whole tree and SIGKILL 5 s later, a second signal that would stop the trainer
+        without its save. Before any rank is seen (the launcher still starting), the whole group gets it.
+        A stop signal is followed by SIGCONT, as in `signal_group`."""
+        ranks = self._alive_direct()
+        if not ranks:
+            self.signal_group(sig)
+            return
+        for p in ranks:
+            try:
+                p.send_signal(sig)
+                if sig in (signal.SIGINT, signal.SIGTERM):
+                    p.send_signal(signal.SIGCONT)
+            except Exception:  # noqa: BLE001 - it just exited
+                continue
+
+    def _alive_direct(self) -> list:
+        """The tracked direct children of the leader still running (same pid and start time), as
+        `psutil.Process` objects; [] without psutil."""
+        try:
+            import psutil
+        except ImportError:
+            return []
+        alive = []
+        for pid, created in self._direct.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except Exception:  # noqa: BLE001 - gone
+                continue
+        return alive
 
     def stopped(self) -> bool:
         """Whether the leader is stopped (SIGSTOP, SIGTSTP, Ctrl-Z): alive, and running nothing."""
@@ -102,24 +143,13 @@ class Child:
             return
 
     def main_alive(self) -> bool:
-        """Whether the leader or one of its direct children runs. accelerate's single-process launcher
-        dies at once on SIGINT while the trainer it started goes on saving a checkpoint: that trainer
-        is a direct child, so waiting on this waits for the save (the rollout worker, a grandchild, is
-        not waited for)."""
+        """Whether the leader or one of its direct children runs. A launcher can exit before the trainer it
+        started (accelerate before 1.16 died at once of a signal that reached it while its trainer went on
+        saving): that trainer is a direct child, so waiting on this waits for the save (the rollout worker,
+        a grandchild, is not waited for)."""
         if self.poll() is None and self.popen is not None:
             return True
-        try:
-            import psutil
-        except ImportError:
-            return False
-        for pid, created in self._direct.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    return True
-            except Exception:
-                continue
-        return False
+        return bool(self._alive_direct())
 
     def kill_leftovers(self) -> None:
         """SIGKILL the group and every tracked descendant still running (same pid and start time)."""

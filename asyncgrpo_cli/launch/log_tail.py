@@ -4,7 +4,10 @@ A trainer that fails has already printed its own error; `accelerate launch` then
 own (``subprocess.CalledProcessError`` from its single-process launcher, or torchrun's
 ``ChildFailedError`` report with its "Root Cause" table for several processes). That report says only
 "the child exited with code N", which the supervisor already says, and it buries the trainer's error.
-`launcher_report_removed` drops it; the full log keeps everything.
+`launcher_report_removed` drops it; the full log keeps everything. accelerate >= 1.16 pipes the trainer's
+stderr through the launcher and chains its report to a ``RuntimeError: <the last 512 KiB of that stderr>``
+("The above exception was the direct cause of the following exception:"): a second copy of what the log
+already holds, with a first line that is not an error. It goes too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Int
 _OWN_ERROR = re.compile(r"(?:^|[\r\]])\s*(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")
 _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
 _RULE = re.compile(r"^=+\s*$")
+_CAUSE_TRAILER = "The above exception was the direct cause of the following exception:"
+_STDERR_COPY = "RuntimeError: "
 
 
 def tail_lines(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
@@ -84,11 +89,39 @@ def launcher_report_removed(lines: list[str]) -> list[str]:
         if lines[i].startswith(_TRACEBACK):
             end = _launcher_block_end(lines, i)
             if end is not None:
+                _drop_stderr_copy(out)
                 i = end
                 continue
         out.append(lines[i])
         i += 1
     return out
+
+
+def _drop_stderr_copy(out: list[str]) -> None:
+    """Remove, from the end of ``out`` (the lines before a launcher report), accelerate >= 1.16's chained
+    ``RuntimeError: <stderr copy>`` and its "direct cause" line (module docstring). The copy starts at the
+    earliest ``RuntimeError: `` line whose following lines all appear, in order, before it (stdout lines
+    interleave the original, not the copy); when that start is not within ``out`` (a tail read), only the
+    "direct cause" line and its blanks go."""
+    j = len(out)
+    while j and not out[j - 1].strip():
+        j -= 1
+    if not j or out[j - 1] != _CAUSE_TRAILER:
+        return
+    j -= 1
+    while j and not out[j - 1].strip():
+        j -= 1
+    del out[j:]
+    for r in range(j):
+        if out[r].startswith(_STDERR_COPY) and _in_order(out[r + 1:], out[:r]):
+            del out[r:]
+            return
+
+
+def _in_order(needles: list[str], hay: list[str]) -> bool:
+    """Whether ``needles`` is a subsequence of ``hay``."""
+    it = iter(hay)
+    return all(any(n == h for h in it) for n in needles)
 
 
 def failure_tail(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:

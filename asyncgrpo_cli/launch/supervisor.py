@@ -25,13 +25,13 @@ One job per ``trainer.output_dir``: the supervisor takes ``<output_dir>/.asyncgr
 starts (the trainer it launches shares it) and refuses an unwritable folder or an incomplete checkpoint to
 resume from (exit 2). ``status.json`` always ends in a final state (``finished``, ``stopped``, ``failed: ...``).
 
-SIGINT / SIGTERM: SIGINT goes to the trainer's group first (the trainer saves a checkpoint of its last
-completed step); the supervisor waits up to ``launch.stop_timeout`` s (default: the trainer's last step
-time + 3 × its last save time + 30 s, or ``Timeouts.trainer_grace_s`` before the first save) for the
-launcher and its direct children (the ranks: accelerate's single-process launcher dies at once while its
-trainer saves), then sends SIGTERM,
-then SIGKILL; the server is stopped afterwards. A second signal skips the waits. Note: torchrun
-(2+ processes) itself kills ranks that have not exited 30 s after its SIGINT. Exit status: 0 when the trainer finished, 1 on a failure (with the
+SIGINT / SIGTERM: SIGINT goes to the trainer ranks first, the launcher's direct children, not to the
+launcher (accelerate >= 1.16 answers a signal by terminating its tree and SIGKILLing it 5 s later, which
+would cut the save; `Child.signal_ranks`): each saves a checkpoint of its last completed step. The supervisor
+waits up to ``launch.stop_timeout`` s (default: the trainer's last step time + 3 × its last save time + 30 s,
+or ``Timeouts.trainer_grace_s`` before the first save) for the launcher and the ranks, then sends SIGTERM to
+the group, then SIGKILL; the server is stopped afterwards. A second signal skips the waits. The launcher gets
+no parent-death signal for the same reason: the ranks follow the supervisor's pid themselves. Exit status: 0 when the trainer finished, 1 on a failure (with the
 failing component's cause and last log lines), 2 on a configuration refusal (a config error, a plan
 that cannot run here, a server the doctor refuses), 130 / 143 after SIGINT / SIGTERM.
 """
@@ -337,7 +337,7 @@ class Supervisor:
         self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
                              {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid()),
                               TRAIN_ARGV_ENV: json.dumps(sys.argv)},
-                             plan.logs_dir / "trainer.log").start()
+                             plan.logs_dir / "trainer.log", death_signal=False).start()
         self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
                            markup=False, highlight=False, soft_wrap=True)
         outcome, rc = self._monitor()
@@ -591,7 +591,10 @@ class Supervisor:
             return
         if child.main_alive():
             child.track()  # before any signal: once a parent dies its orphans leave the tree
-            child.signal_group(first)
+            if child is self.trainer:  # the ranks, not accelerate's launcher (`Child.signal_ranks`)
+                child.signal_ranks(first)
+            else:
+                child.signal_group(first)
             if not self._wait_exit(child, grace, interruptible=True):
                 if first != signal.SIGTERM:
                     child.signal_group(signal.SIGTERM)

@@ -108,3 +108,41 @@ def test_a_launcher_report_glued_to_a_progress_bar_is_removed(tmp_path):
     assert not any("Traceback" in ln or "CalledProcessError" in ln or ln.startswith("  File") for ln in lines), lines
     assert "step 3 done" in lines and failure_cause(lines) is None
     assert killed_by(log) == "SIGKILL"
+
+
+def test_accelerate_116s_stderr_copy_chained_to_its_report_is_removed():
+    """accelerate >= 1.16 tees the trainer's stderr and chains its report to ``RuntimeError: <that stderr>``:
+    the copy's first line read as the cause ("cause: RuntimeError" after a kill -9 of the trainer)."""
+    stream = ["\r  0%|          | 0/40", "step 1/40 | reward 0.1",  # stdout interleaves the original only
+              "Traceback (most recent call last):", '  File "/repo/asyncgrpo_cli/train/main.py", line 9, in main',
+              "ValueError: the trainer's own error", "warnings.warn('leaked')"]
+    copy = ["RuntimeError: \r  0%|          | 0/40", "Traceback (most recent call last):",
+            '  File "/repo/asyncgrpo_cli/train/main.py", line 9, in main', "ValueError: the trainer's own error",
+            "warnings.warn('leaked')", "", "", "The above exception was the direct cause of the following exception:",
+            ""]
+    report = ["Traceback (most recent call last):",
+              '  File "/venv/lib/python3.11/site-packages/accelerate/commands/launch.py", line 1049, in _run',
+              "    raise subprocess.CalledProcessError(",
+              "subprocess.CalledProcessError: Command '['python', '-m', 'asyncgrpo_cli.train.main']' died with "
+              "<Signals.SIGKILL: 9>."]
+    assert launcher_report_removed(["$ accelerate launch", *stream, *copy, *report]) == ["$ accelerate launch", *stream]
+    assert failure_cause([*stream, *copy, *report]) == "ValueError: the trainer's own error"
+    # a tail that starts inside the copy: the "direct cause" line goes, the rest is the trainer's stderr
+    assert launcher_report_removed([*copy[2:], *report]) == copy[2:5]
+
+
+def test_a_real_accelerate_launch_of_a_failing_trainer_gives_its_error_as_the_cause(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nprint('step 1 done', flush=True)\nprint('some warning', file=sys.stderr)\n"
+                      "raise ValueError('the trainer failed here')\n")
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert rc == 1 and "CalledProcessError" in log.read_text()
+    lines = failure_tail(log)
+    assert failure_cause(lines) == "ValueError: the trainer failed here", lines
+    assert lines.count("ValueError: the trainer failed here") == 1, lines  # not twice (accelerate >= 1.16's copy)
+    assert not any(ln.startswith("The above exception") or ln.startswith("RuntimeError") for ln in lines), lines
+    assert "step 1 done" in lines
