@@ -103,3 +103,61 @@ def test_the_old_bench_config_is_refused(shaped_model, tmp_path):
     old = [o for o in one_gpu.bench_serve_overrides(shaped_model, 8011) if not o.startswith("rollout.max_completion")]
     with pytest.raises(ConfigError, match="max_completion_length"):
         check(old, "serve")
+
+
+@pytest.fixture(scope="module")
+def offline_assets(tmp_path_factory) -> Path:
+    """Issue #37's offline stand-ins (scripts/gpu/vllm033/offline.py) at the tiny shape, on CPU."""
+    import offline
+
+    dest = tmp_path_factory.mktemp("offline")
+    offline.make_deepmath_data(dest / "deepmath.jsonl", n=64)
+    offline.make_deepmath_model(dest / "deepmath_model", "tiny", "cpu")
+    offline.make_moe_model(dest / "moe_model", "tiny", "cpu")
+    return dest
+
+
+def test_the_offline_deepmath_assets_load_as_the_recipe_reads_them(offline_assets):
+    """The data in the recipe's schema (prompt messages, a solution accuracy_reward scores), a tokenizer whose
+    prompts are real words, and the Qwen3.5 vision-language class the released checkpoint has."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from asyncgrpo_cli.rewards import accuracy_reward
+
+    row = json.loads((offline_assets / "deepmath.jsonl").read_text().splitlines()[0])
+    assert row["prompt"][0]["role"] == "user" and row["solution"].isdigit()
+    tokenizer = AutoTokenizer.from_pretrained(offline_assets / "deepmath_model")
+    ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tokenizer.unk_token_id not in ids  # every word of the problem is in the vocabulary
+    answer = [[{"role": "assistant", "content": f"The answer is \\boxed{{{row['solution']}}}"}]]
+    assert accuracy_reward(answer, solution=[row["solution"]]) == [1.0]
+    config = AutoConfig.from_pretrained(offline_assets / "deepmath_model")
+    assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert "linear_attention" in config.text_config.layer_types
+    moe = AutoConfig.from_pretrained(offline_assets / "moe_model")
+    assert moe.architectures == ["Qwen3MoeForCausalLM"] and moe.num_experts > moe.num_experts_per_tok
+
+
+def test_the_full_deepmath_shape_is_qwen35_2b_and_its_vocabulary_is_covered():
+    import offline
+
+    import bench_gdn
+
+    shape = offline.QWEN35_2B_TEXT
+    assert {k: shape[k] for k in bench_gdn.SHAPES["qwen3.5-2b"]} == bench_gdn.SHAPES["qwen3.5-2b"]
+    vocab = offline.word_vocab(shape["vocab_size"])
+    assert sorted(vocab.values()) == list(range(shape["vocab_size"]))  # vLLM detokenizes any sampled id
+
+
+@pytest.mark.parametrize("run", ["deepmath", "lora", "moe"])
+def test_the_runs_of_issue_37_pass_the_train_checks(offline_assets, run):
+    import offline
+
+    overrides = {"deepmath": offline.deepmath_overrides(offline_assets / "deepmath_model",
+                                                        offline_assets / "deepmath.jsonl", "/tmp/x/deepmath"),
+                 "lora": offline.lora_overrides("/tmp/x/lora"),
+                 "moe": offline.moe_overrides(offline_assets / "moe_model", "/tmp/x/moe")}[run]
+    check(overrides, "train")
