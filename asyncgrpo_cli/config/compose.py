@@ -191,6 +191,7 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from omegaconf.errors import OmegaConfBaseException
 
     overrides, lists = _list_overrides(list(overrides or []))
+    overrides, maps = _map_overrides(overrides)
     broken = _register(extra_recipe_dirs)
     for name in _selected_recipes(overrides):
         if name in broken:
@@ -207,6 +208,8 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
                           ) from exc
     if lists:
         _set_lists(cfg, lists)
+    if maps:
+        _set_maps(cfg, maps)
     if validate:
         validate_config(cfg)
     return cfg
@@ -254,6 +257,64 @@ def _set_lists(cfg: DictConfig, lists: list[str]) -> None:
             raise ConfigError(f"{override}: not a list of the form {key} takes ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:200]}). Fix: quote the whole override for the shell, "
                               f"e.g. {example[key]}", key=key) from None
+
+
+def _map_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``(the overrides for Hydra, the mapping overrides)``: ``key={...}`` for a free-form mapping field
+    (``sampler.env``, ``data.task_kwargs``, ``rewards.0.kwargs``, ...). Hydra merges such a value into the node,
+    and the composed config's struct mode refuses each new key ("unknown key 'sampler.env.MY_VAR'"); the value
+    replaces the mapping instead (`_set_maps`), as ``+sampler.env.MY_VAR=1`` adds one entry."""
+    import typing
+
+    from .override_errors import _unwrap, field_at
+
+    rest, maps, mapped = [], [], []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if any(key.lstrip("+~").startswith(m + ".") for m in mapped):
+            maps.append(o)  # an entry set after the whole mapping: applied after it, in order
+            continue
+        found = field_at(key) if sep and value.lstrip().startswith("{") and key[:1] not in "+~" else None
+        if found is not None and typing.get_origin(_unwrap(found[0])[0]) is dict:
+            maps.append(o)
+            mapped.append(key)
+        else:
+            rest.append(o)
+    return rest, maps
+
+
+def _set_maps(cfg: DictConfig, maps: list[str]) -> None:
+    """Set each mapping override (parsed by Hydra's override grammar), replacing the mapping.
+
+    Raises:
+        ConfigError: the value does not parse or does not fit the field (naming the key and how to write it).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .override_errors import field_at
+
+    parser = OverridesParser.create()
+    for override in maps:
+        key = override.partition("=")[0].lstrip("+~")
+        try:
+            parsed = parser.parse_override(override)
+            if parsed.is_delete():  # ~sampler.env.NAME after the mapping was set
+                parent, _, name = key.rpartition(".")
+                with open_dict(cfg):
+                    OmegaConf.select(cfg, parent).pop(name, None)
+                continue
+            value = parsed.value()
+            if field_at(key) is not None and not isinstance(value, dict):  # the mapping itself, not an entry
+                raise ValueError(f"{value!r} is not a mapping")
+            with open_dict(cfg):
+                OmegaConf.update(cfg, key, value, merge=False)
+        except (HydraException, OmegaConfBaseException, TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}={{...}}: not a mapping {key} takes ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}). Fix: quote the whole override for the shell, e.g. "
+                              f"'{key}={{NAME: value}}', or set one entry with +{key}.NAME=value", key=key) from None
 
 
 def _value_without(key: str, overrides: list[str], recipe_dirs: list[str | Path] | None) -> Any:

@@ -215,3 +215,25 @@ def test_public_sampler_host_needs_allow_public():
     assert "anyone who can reach" in public_host_warning(
         compose(["model.name=x", "sampler.host=0.0.0.0", "sampler.allow_public=true"]))
     assert public_host_warning(compose(["model.name=x", "sampler.host=localhost"])) is None
+
+
+def test_a_mapping_field_set_whole_on_the_command_line_replaces_the_mapping():
+    """``sampler.env={MY_VAR:1}`` was refused as "unknown key 'sampler.env.MY_VAR'" (Hydra merged it into the
+    struct node); ``data.task_kwargs={...}`` likewise. The value replaces the mapping; entries set after it
+    apply in order."""
+    cfg = compose(["+recipe=smoke", "sampler.env={MY_VAR:1}", "data.task_kwargs={min_terms:3,max_terms:3}"])
+    assert dict(cfg.sampler.env) == {"MY_VAR": "1"}
+    assert dict(cfg.data.task_kwargs) == {"min_terms": 3, "max_terms": 3}  # the recipe's other entries are gone
+    cfg = compose(["+recipe=smoke", "sampler.env={A:1,B:2}", "+sampler.env.C=3", "~sampler.env.A",
+                   "sampler.env.B=5"])
+    assert dict(cfg.sampler.env) == {"B": "5", "C": "3"}
+    assert dict(compose(["+recipe=smoke", "+sampler.env.X=1", "sampler.env={Y:2}"]).sampler.env) == {"Y": "2"}
+
+
+def test_a_mapping_value_that_does_not_fit_names_the_key_and_both_forms():
+    with pytest.raises(ConfigError) as err:
+        compose(["+recipe=smoke", "sampler.env={A:{b:1}}"])
+    assert "sampler.env" in str(err.value) and "+sampler.env.NAME=value" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # the secret rail sees the mapping form too, and hides the value
+        compose(["+recipe=smoke", "sampler.env={HF_TOKEN:hf_abcdefghijklmnopqrstuvwxyz012345}"])
+    assert "HF_TOKEN" in str(err.value) and "hf_abcdefghijklmnopqrstuvwxyz012345" not in str(err.value)
