@@ -115,6 +115,24 @@ class Child:
         except Exception:  # noqa: BLE001 - psutil missing or the process just exited
             return False
 
+    def stopped_pid(self) -> int | None:
+        """The pid of the leader or of a tracked direct child (a trainer rank) that is stopped (SIGSTOP, Ctrl-Z),
+        else None. A stopped launcher stops its trainer too once the stderr pipe it relays fills (accelerate
+        >= 1.16 relays the trainer's stderr)."""
+        if self.stopped():
+            return self.popen.pid if self.popen is not None else None
+        try:
+            import psutil
+        except ImportError:
+            return None
+        for p in self._alive_direct():
+            try:
+                if p.status() == psutil.STATUS_STOPPED:
+                    return p.pid
+            except Exception:  # noqa: BLE001 - it just exited
+                continue
+        return None
+
     def group_alive(self) -> bool:
         """Whether any process of the child's group is still there."""
         if self.popen is None:

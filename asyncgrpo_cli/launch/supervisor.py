@@ -191,6 +191,7 @@ class Supervisor:
         self._signals: list[int] = []
         self._failures: list[tuple[str, list[str], str, str | None]] = []  # (message, log lines, log path, cause)
         self._monitoring = False
+        self._trainer_paused: int | None = None  # the stopped trainer process last reported (_say_trainer_stopped)
         self._escalated_said = False
         self.lock = None
         self._checkpoints_before: str | None = None
@@ -483,10 +484,24 @@ class Supervisor:
         if self.trainer is not None:
             n = self.plan.accelerate.get("num_processes", 1)
             rc = self.trainer.poll()
+            paused = self.trainer.stopped_pid() if rc is None else None
             table.append(ProcessInfo("trainer", self.trainer.pid, rc is None,
                                      f"{n} process(es)" + (f", exit code {rc}" if rc is not None else "")
-                                     + "  log: logs/trainer.log"))
+                                     + "  log: logs/trainer.log" + (
+                                         f"  (pid {paused} stopped by SIGSTOP or Ctrl-Z: kill -CONT {paused} "
+                                         "continues it)" if paused is not None else ""), stopped=paused is not None))
         return table
+
+    def _say_trainer_stopped(self, dash) -> None:
+        """One line when a trainer process (the launcher or a rank) is stopped (SIGSTOP, Ctrl-Z), and one when
+        it runs again: a stopped trainer shows no error, only steps that stop coming."""
+        paused = self.trainer.stopped_pid() if self.trainer is not None else None
+        if paused is not None and self._trainer_paused is None:
+            dash.print(Text(f"the trainer process {paused} is stopped (SIGSTOP or Ctrl-Z): training waits until "
+                            f"`kill -CONT {paused}` continues it", style="red"))
+        elif paused is None and self._trainer_paused is not None:
+            dash.print(Text(f"the trainer process {self._trainer_paused} runs again", style="green"))
+        self._trainer_paused = paused
 
     def _monitor(self) -> tuple[str, int]:
         """Follow the run until the trainer exits, a signal arrives or the server dies."""
@@ -534,6 +549,7 @@ class Supervisor:
                 trainer.track()
                 if self.server is not None:
                     self.server.track()
+                self._say_trainer_stopped(dash)
                 dash.poll(self._processes())
                 self._stop.wait(self.timeouts.poll_s)
             dash.finish(outcome, self._processes())  # the last frame: the outcome, no ETA, nothing "alive"

@@ -4,6 +4,7 @@ which then stops without saving)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import textwrap
@@ -67,5 +68,29 @@ def test_before_any_rank_is_seen_the_group_gets_the_signal(tmp_path):
         child.signal_ranks(signal.SIGTERM)  # nothing tracked: the leader is the one to stop
         assert _wait(lambda: child.poll() is not None)
         assert child.poll() == -signal.SIGTERM
+    finally:
+        child.kill_leftovers()
+
+
+def test_a_stopped_rank_or_launcher_is_named(tmp_path):
+    """SIGSTOP of a trainer rank (or of the launcher, which then stops relaying its stderr): `stopped_pid` names
+    it, so the supervisor can say so instead of showing a live trainer whose steps stop coming."""
+    launcher, rank, out = tmp_path / "launcher.py", tmp_path / "rank.py", tmp_path / "got.txt"
+    launcher.write_text(LAUNCHER)
+    rank.write_text(RANK)
+    child = Child("trainer", [sys.executable, str(launcher), str(rank), str(out)], {}, tmp_path / "trainer.log",
+                  death_signal=False).start()
+    try:
+        assert _wait(out.with_suffix(".ready").is_file)
+        child.track()
+        (pid,) = child._direct
+        assert child.stopped_pid() is None
+        os.kill(pid, signal.SIGSTOP)
+        assert _wait(lambda: child.stopped_pid() == pid)
+        os.kill(pid, signal.SIGCONT)
+        assert _wait(lambda: child.stopped_pid() is None)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _wait(lambda: child.stopped_pid() == child.pid)
+        os.kill(child.pid, signal.SIGCONT)
     finally:
         child.kill_leftovers()
