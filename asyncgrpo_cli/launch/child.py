@@ -74,7 +74,7 @@ class Child:
         ``accelerate launch``), not to the launcher itself: accelerate >= 1.16 answers a SIGINT or SIGTERM by
         sending SIGTERM to its whole tree and SIGKILL 5 s later, a second signal that would stop the trainer
         without its save. Before any rank is seen (the launcher still starting), the whole group gets it.
-        A stop signal is followed by SIGCONT, as in `signal_group`."""
+        A stop signal is followed by SIGCONT to them and to the launcher, as in `signal_group`."""
         ranks = self._alive_direct()
         if not ranks:
             self.signal_group(sig)
@@ -86,6 +86,11 @@ class Child:
                     p.send_signal(signal.SIGCONT)
             except Exception:  # noqa: BLE001 - it just exited
                 continue
+        if sig in (signal.SIGINT, signal.SIGTERM) and self.popen is not None:  # a stopped launcher relays no
+            try:                                                             # stderr: the rank would block on it
+                os.kill(self.popen.pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _alive_direct(self) -> list:
         """The tracked direct children of the leader still running (same pid and start time), as
