@@ -116,17 +116,39 @@ def _drop_stderr_copy(out: list[str]) -> None:
         if out[r].startswith(_STDERR_COPY) and _in_order(out[r + 1:], out[:r]):
             del out[r:]
             return
+    # The original is not all within the lines read: a copy of a stderr that began with a progress bar starts
+    # with a bare "RuntimeError: " line (its text was on the other side of the bar's carriage return).
+    bare = [r for r in range(j) if out[r].strip() == _STDERR_COPY.strip()]
+    if bare:
+        del out[bare[-1]:]
 
 
 def _in_order(needles: list[str], hay: list[str]) -> bool:
-    """Whether ``needles`` is a subsequence of ``hay``."""
+    """Whether every non-blank line of ``needles`` is found, in order, inside a line of ``hay`` (the original
+    holds stdout glued to the stderr lines the copy has alone: "...it/s]step 1/40 | ...")."""
     it = iter(hay)
-    return all(any(n == h for h in it) for n in needles)
+    return all(any(n in h for h in it) for n in needles if n.strip())
+
+
+_BAR = re.compile(r"^\s*\d+%\|[^|]*\|\s*\d+/\d+ \[[^\]]*\]")  # tqdm: " 5%|▌    | 2/40 [00:43<12:00, 18.96s/it]"
+
+
+def without_progress_bars(lines: list[str]) -> list[str]:
+    """``lines`` without tqdm's progress bars (a bar glued to the text after it leaves that text) and without
+    the blank lines they leave: a log's last lines say what happened, not how far a bar had got."""
+    out: list[str] = []
+    for line in lines:
+        line = _BAR.sub("", line)
+        line = line if line.strip() else ""
+        if line or (out and out[-1]):
+            out.append(line)
+    return out
 
 
 def failure_tail(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``n`` lines of a failed child's log once the launcher's own report is removed."""
-    return launcher_report_removed(tail_lines(path, n + 60))[-n:]
+    """The last ``n`` lines of a failed child's log once the launcher's own report and progress bars are
+    removed."""
+    return without_progress_bars(launcher_report_removed(tail_lines(path, n + 60)))[-n:]
 
 
 def killed_by(path: str | Path) -> str | None:

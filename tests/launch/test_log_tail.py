@@ -146,3 +146,17 @@ def test_a_real_accelerate_launch_of_a_failing_trainer_gives_its_error_as_the_ca
     assert lines.count("ValueError: the trainer failed here") == 1, lines  # not twice (accelerate >= 1.16's copy)
     assert not any(ln.startswith("The above exception") or ln.startswith("RuntimeError") for ln in lines), lines
     assert "step 1 done" in lines
+
+
+def test_a_trainer_killed_under_accelerate_116_with_stdout_glued_to_its_bars(tmp_path):
+    """fresh-user trial: kill -9 of the trainer rank under accelerate 1.16 read ``cause: RuntimeError``: the
+    step lines (stdout) sat glued to the progress bars (stderr) in the log, never in the stderr copy, and the
+    last lines shown were mostly bars. The log is the trial's, paths shortened."""
+    from pathlib import Path
+
+    log = Path(__file__).parent / "data" / "accelerate116_sigkill.log"
+    assert "RuntimeError: " in log.read_text() and killed_by(log) == "SIGKILL"
+    lines = failure_tail(log)
+    assert failure_cause(lines) is None, lines  # nothing but the kill: the supervisor's "killed by SIGKILL" says it
+    assert not any(ln.startswith("RuntimeError") or ln.startswith("The above") or "%|" in ln for ln in lines), lines
+    assert any(ln.startswith("step 2/40 |") for ln in lines), lines
