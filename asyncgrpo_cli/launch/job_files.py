@@ -80,8 +80,10 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     else:
         final = f"failed: {failure or f'exit status {rc}'}"[:300]
     if rc in (130, 143):
-        status["note"] = (f"the trainer was stopped while {state or 'starting'}; newest complete checkpoint: "
-                          f"{newest_checkpoint(output_dir)}")
+        kept = newest_checkpoint(output_dir)
+        status["note"] = (f"the trainer was stopped while {state or 'starting'}; "
+                          + (f"newest complete checkpoint: {kept}" if kept else "no complete checkpoint"))
+    status.pop("stopping", None)  # the stop is over: its "saving ... and stopping" no longer holds
     newest = newest_checkpoint(output_dir) if rc != 0 else None
     if newest and not status.get("resume_command"):
         # a trainer killed before its first save of this attempt (a resumed run) wrote none: the newest

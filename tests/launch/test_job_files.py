@@ -19,10 +19,12 @@ def test_stop_grace_from_the_measured_save(tmp_path):
 
 
 def test_finalize_status(tmp_path):
-    write(tmp_path, state="saving", step=3)
+    write(tmp_path, state="saving", step=3, stopping="SIGINT: saving the last completed step (step 3) and stopping")
     finalize_status(tmp_path, 130, None)
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "stopped" and "stopped while saving" in status["note"]
+    # fresh-user trial: a double Ctrl-C left "newest complete checkpoint: None" and the stop's "saving ..." line
+    assert status["note"].endswith("no complete checkpoint") and "stopping" not in status
     write(tmp_path, state="running")
     finalize_status(tmp_path, 1, "the trainer exited with code -9")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed: the trainer exited with code -9"
