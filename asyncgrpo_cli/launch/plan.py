@@ -29,6 +29,7 @@ without it 2 CPU ranks would each run alone instead of forming a gloo group).
 
 from __future__ import annotations
 
+import copy
 import os
 import shlex
 import sys
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from ..config.compose import DEFAULT_OUTPUT_DIR  # noqa: F401  (re-exported)
+from ..config.compose import DEFAULT_OUTPUT_DIR, server_url  # noqa: F401  (DEFAULT_OUTPUT_DIR: re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
@@ -480,3 +481,33 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                                                    trainer=cfg.trainer, model=cfg.model),
                       trainer_argv=trainer_argv(acc_path, cfg_path), trainer_env=env,
                       output_dir=out, config_path=cfg_path, accelerate_config_path=acc_path, logs_dir=out / "logs")
+
+
+def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
+    """The config the trainer gets: ``model.name`` = the resolved path (``model.gguf_file`` cleared),
+    ``sampler.url`` = the server URL, ``trainer.output_dir`` = the absolute output folder."""
+    out = copy.deepcopy(cfg)
+    out.model.name = model_path
+    out.model.gguf_file = None
+    out.sampler.url = server_url(cfg)
+    out.trainer.output_dir = str(output_dir)
+    return out
+
+
+def dry_run_resolved(cfg: DictConfig, plan: LaunchPlan, running: bool) -> tuple[DictConfig, LaunchPlan, bool]:
+    """The dry run's plan with the commands the real start runs: ``model.name`` resolved as the start resolves
+    it, without exporting anything (`config.models.plan_model_path`: a packaged GGUF's folder, with a note when
+    the first start still has to export it). ``(cfg, plan, False)`` unchanged when that cannot be planned (the
+    check that fails is already in the plan's problems or the real start names it)."""
+    from ..config.models import plan_model_path
+    from ..config.rules import ConfigError
+
+    try:
+        path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
+        rcfg = resolved_config(cfg, str(path), plan.output_dir)
+        shown = build_launch_plan(rcfg, plan.gpus.gpu_count, server_running=running)
+    except ConfigError:
+        return cfg, plan, False
+    if gguf is not None:
+        shown.gpus.notes.append(f"{path} does not exist yet: the first start exports {gguf} there (once)")
+    return rcfg, shown, True

@@ -38,7 +38,6 @@ that cannot run here, a server the doctor refuses), 130 / 143 after SIGINT / SIG
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 import re
@@ -63,7 +62,8 @@ from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
 from ..run.stop_reason import clear_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
-from .plan import LaunchPlan, accelerate_config_yaml, build_launch_plan, output_dir_of
+from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
+                   output_dir_of, resolved_config)
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import failure_cause, killed_by, tail_lines, without_tracebacks
@@ -106,35 +106,6 @@ class Timeouts:
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
-    """The config the trainer gets: ``model.name`` = the resolved path (``model.gguf_file`` cleared),
-    ``sampler.url`` = the server URL, ``trainer.output_dir`` = the absolute output folder."""
-    out = copy.deepcopy(cfg)
-    out.model.name = model_path
-    out.model.gguf_file = None
-    out.sampler.url = server_url(cfg)
-    out.trainer.output_dir = str(output_dir)
-    return out
-
-
-def _dry_run_resolved(cfg: DictConfig, plan: LaunchPlan, running: bool) -> tuple[DictConfig, LaunchPlan, bool]:
-    """The dry run's plan with the commands the real start runs: ``model.name`` resolved as the start resolves
-    it, without exporting anything (`config.models.plan_model_path`: a packaged GGUF's folder, with a note when
-    the first start still has to export it). ``(cfg, plan, False)`` unchanged when that cannot be planned (the
-    check that fails is already in the plan's problems or the real start names it)."""
-    from ..config.models import plan_model_path
-
-    try:
-        path, gguf = plan_model_path(str(cfg.model.name), cfg.model.gguf_file)
-        rcfg = resolved_config(cfg, str(path), plan.output_dir)
-        shown = build_launch_plan(rcfg, plan.gpus.gpu_count, server_running=running)
-    except ConfigError:
-        return cfg, plan, False
-    if gguf is not None:
-        shown.gpus.notes.append(f"{path} does not exist yet: the first start exports {gguf} there (once)")
-    return rcfg, shown, True
-
-
 def server_exec_argv(command: ServerCommand) -> list[str]:
     """The argv to start: ``vllm`` becomes ``python -m vllm.entrypoints.cli.main`` when the ``vllm``
     script is not on PATH but the package is importable.
@@ -765,7 +736,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run and not plan.problems:
-        cfg, plan, resolved = _dry_run_resolved(cfg, plan, running)
+        cfg, plan, resolved = dry_run_resolved(cfg, plan, running)
     else:
         resolved = False
     if dry_run or plan.problems:
