@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "gpu" / "vllm033"))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import one_gpu  # noqa: E402
+import rollouts as vllm033_rollouts  # noqa: E402
 import runs as vllm033_runs  # noqa: E402
 import speed as vllm033_speed  # noqa: E402
 
@@ -79,6 +80,33 @@ def test_the_speed_runs_of_issue_33_pass_the_train_checks(name, overrides, steps
 def test_the_speed_server_passes_the_serve_checks():
     argv = vllm033_speed.serve_argv()
     check(argv[argv.index("serve") + 1:], "serve")
+
+
+@pytest.mark.parametrize("name", ["async", "sync"])
+@pytest.mark.parametrize("winner", sorted(vllm033_rollouts.WINNER_OVERRIDES))
+def test_the_rollout_jobs_of_issue_41_pass_the_train_checks(name, winner):
+    argv = vllm033_rollouts.job_argv(name, Path("/tmp/x") / name, vllm033_rollouts.WINNER_OVERRIDES[winner])
+    overrides = _train_overrides(argv)
+    assert f"trainer.max_steps={vllm033_rollouts.STEPS}" in overrides
+    assert ("staleness.max_staleness=0" in overrides) == (name == "sync")
+    check(overrides, "train")
+
+
+def test_the_rollout_screen_server_passes_the_serve_checks():
+    argv = vllm033_rollouts.serve_argv()
+    check(argv[argv.index("serve") + 1:], "serve")
+
+
+def test_the_rollout_job_figures_of_issue_41():
+    """The figures the GPU runs report, from synthetic metrics rows (one per step, 2 s apart, reward rising)."""
+    rows = [{"step": s, "time": 100.0 + 2.0 * s, "perf/step_s": 1.0 if s <= 10 else 3.0, "reward": 0.02 * s,
+             "rollout/rollouts_per_s": 500.0} for s in range(1, 41)]
+    f = vllm033_rollouts.job_figures(rows, engine_rollouts_per_s=1000.0)
+    assert f["step_s_median_2_10"] == 1.0 and f["step_s_median_31_40"] == 3.0 and f["late_over_early_step_s"] == 3.0
+    assert f["time_to_reward_040_s"] == 38.0 and f["time_to_reward_045_s"] == 44.0  # steps 20 and 23
+    assert f["generation_frac_of_engine"] == 0.5 and f["steps_per_s_2_20"] == 0.5
+    per_step = vllm033_rollouts.job_rows(rows)
+    assert per_step[0]["t_since_step1_s"] == 0.0 and per_step[-1]["step"] == 40
 
 
 def test_serve_configs_of_gpu_scripts_pass_the_serve_checks(shaped_model):

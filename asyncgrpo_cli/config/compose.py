@@ -33,7 +33,7 @@ FIELD_PATHS: dict[str, str] = {
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty", "num_sampler_logprobs", "chat_template_kwargs", "max_tool_calling_iterations",
         "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal", "reward_weights",
-        "scale_rewards", "multi_objective_aggregation")},
+        "scale_rewards", "multi_objective_aggregation", "group_requests", "request_seeds")},
     **{n: f"loss.{n}" for n in (
         "score_centering", "epsilon", "epsilon_high", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "loss_type", "importance_sampling_level",
@@ -549,6 +549,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"sampler.max_logprobs={cfg.sampler.max_logprobs}: below rollout.num_sampler_logprobs="
                           f"{cfg.rollout.num_sampler_logprobs}, the server would refuse every request. Fix: set "
                           f"sampler.max_logprobs={cfg.rollout.num_sampler_logprobs} (or leave it null)")
+    if not cfg.rollout.request_seeds and cfg.sampler.data_parallel_size > 1:
+        raise ConfigError(f"rollout.request_seeds=false with sampler.data_parallel_size={cfg.sampler.data_parallel_size}: "
+                          "the engines would draw their seeds from the same --seed and could decode identical text "
+                          "for the same prompt (SPEC §3.1). Fix: rollout.request_seeds=true (the default)")
     if not is_loopback(str(cfg.sampler.host)) and not cfg.sampler.allow_public:
         raise ConfigError(f"sampler.host={cfg.sampler.host} is not a loopback address: {PUBLIC_HOST_RISK}. Fix: keep "
                           "sampler.host=127.0.0.1 (reach it through an SSH tunnel), or set sampler.allow_public=true "

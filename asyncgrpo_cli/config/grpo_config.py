@@ -27,6 +27,8 @@ ASYNC_GRPO_FIELDS = (
     # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
     "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
     "reward_weights", "beta", "scale_rewards", "multi_objective_aggregation",
+    # The worker's requests (issue #41):
+    "group_requests", "request_seeds",
 )
 
 
@@ -158,6 +160,12 @@ class AsyncGRPOConfig(TrainingArguments):
     max_groups_without_signal: int = field(default=64, metadata={
         "help": "Stop after this many consecutive groups dropped for zero reward spread or no reward, with a "
                 "diagnosis of the reward functions; 0 never stops."})
+
+    group_requests: bool = field(default=True, metadata={
+        "help": "One request with n = num_generations per group of single-turn rollouts (no tools, environment, "
+                "sampling filters or overridden generate_one / generate_one_turn); False: one request per rollout."})
+    request_seeds: bool = field(default=True, metadata={
+        "help": "A unique seed with every request (SPEC §3.1); False lets the server draw them (one engine only)."})
 
     def __post_init__(self) -> None:
         import torch

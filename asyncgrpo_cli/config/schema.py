@@ -177,6 +177,16 @@ class RolloutConfig:
     multi_objective_aggregation: str = "sum_then_normalize"
     """TRL's name: ``sum_then_normalize`` (the only value): weighted sum of the reward functions, then the group
     advantage. ``normalize_then_sum`` is refused (its final normalisation is over the generation batch)."""
+    group_requests: bool = True
+    """Send a group's ``num_generations`` single-turn rollouts as ONE request with ``n = num_generations``
+    (vLLM's parallel sampling: one HTTP round trip and one response per group instead of one per rollout;
+    issue #41). It applies without tools, environments, sampling filters (their route answers one completion
+    per request) or a ``loop_cls`` that overrides ``generate_one`` / ``generate_one_turn``; false sends one
+    request per rollout."""
+    request_seeds: bool = True
+    """Send a unique ``seed`` with every request (SPEC §3.1: data-parallel engines sharing a sampler seed could
+    otherwise decode identical text; completion ``i`` of a group request gets ``seed + i``). False sends none
+    and the server draws one per request; refused with ``sampler.data_parallel_size`` > 1."""
 
 
 @dataclass

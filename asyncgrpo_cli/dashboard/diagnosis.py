@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..run.metrics_line import busy_share, num  # noqa: F401 - re-exported: the dashboard's readers of a window
+from ..run.metrics_line import breakdown_text, request_breakdown
 
 OK, INFO, WARN, ALERT = "ok", "info", "warn", "alert"
 SEVERITY_RANK = {OK: 0, INFO: 1, WARN: 2, ALERT: 3}
@@ -287,10 +288,11 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
     if wl == "high":
         empty = queue is not None and queue < max(1.0, th.queue_empty_steps * (per_step or 0.0))
         q = "queue nearly empty" if empty else f"queue {queue:.0f}" if queue is not None else "queue ?"
+        rate = breakdown_text(request_breakdown(m))  # issue #41: the rate and the request's binding stage
         return Diagnosis("generation_bound",
-                         f"generation-bound: the trainer waits {_wait_text(wait, step_s)} for samples ({q}); "
-                         "check rollout/generated_tokens_per_s, rollout/concurrency, rollout/score_queue_size",
-                         WARN)
+                         f"generation-bound{f' ({rate})' if rate else ''}: the trainer waits "
+                         f"{_wait_text(wait, step_s)} for samples ({q}); check rollout/generated_tokens_per_s, "
+                         "rollout/concurrency, rollout/score_queue_size", WARN)
     if bl == "high":
         stale = num(m, "sample/staleness_mean")
         full = queue is not None and per_step is not None \

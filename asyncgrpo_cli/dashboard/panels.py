@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..run.metrics_line import DASH, fmt, fmt_pct, fmt_rate, metrics_line  # noqa: F401 - re-exported
+from ..run.metrics_line import request_breakdown
 from ..run.state import final_model_step
 from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
 
@@ -319,10 +320,26 @@ def throughput_panel(view: DashboardView) -> Panel:
         ("step time", fmt_s(num(m, "perf/step_s"))),
         ("trainer busy", busy_text(m)),
     ]
+    rows.extend(request_rows(m))
     mfu = num(m, "perf/fwd_bwd_mfu")
     if mfu is not None:
         rows.append(("fwd+bwd MFU", fmt_pct(mfu)))
     return Panel(_kv_table(rows), title="throughput", border_style="blue")
+
+
+def request_rows(m: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
+    """The throughput panel's rows of where a generation request's time goes (issue #41,
+    `run.metrics_line.request_breakdown`): rollouts and groups per second, then the request's mean time with
+    each stage's share (vLLM's queue, prefill, decode; the API server and HTTP; the worker's parse)."""
+    b = request_breakdown(m)
+    if b is None:
+        return []
+    rows: list[tuple[str, Any]] = [("rollouts/s · groups/s", f"{fmt_rate(b['rollouts_per_s'])} · "
+                                                             f"{fmt_rate(b['groups_per_s'])}")]
+    if b["request_s"] is not None:
+        shares = " ".join(f"{k} {v:.0%}" for k, v in b["shares"].items())
+        rows.append(("request", f"{fmt_s(b['request_s'])} ({shares})" if shares else fmt_s(b["request_s"])))
+    return rows
 
 
 def has_tool_metrics(metrics: Mapping[str, Any] | None) -> bool:

@@ -47,6 +47,8 @@ from .stale_loop import EpochExhaustedError, StaleScheduling  # noqa: F401 - Epo
 from .stale_schedule import StaleSchedule
 from .on_policy import OnPolicyRounds
 from .rollout_metrics import record_rollout_metrics
+from .requests import RequestPaths, _RolloutResult
+from ..sampler.server_load import request_time_means
 from .tool_loop import run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
 from .types import PromptOutcome, Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -59,7 +61,7 @@ METRICS_SHIP_S = 1.0       # how often a metrics snapshot goes to the trainer, s
 SCORERS = 4                # scoring batches at once: slow rewards (math-verify) left generation blocked otherwise
 
 
-class AsyncRolloutLoop(EvalRounds, StaleScheduling):
+class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
     """Generates and scores rollouts for `AsyncGRPOTrainer` in the spawned worker process (SPEC §16.5).
 
     Subclass it, override a hook, and set the subclass as the trainer's ``loop_cls``. Hooks read
@@ -161,7 +163,10 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         self._group_counter = 0
         self._groups_in_progress: set[asyncio.Task] = set()
         self._last_preemptions: int | None = None
+        self._last_load = None  # the previous /metrics scrape (its request-time counters)
         self._generated_tokens = 0
+        self._rollouts_done = 0  # rollouts / groups generated since the last metrics shipment
+        self._groups_done = 0
         self._last_ship = time.monotonic()
         self._stop = False
         self.ready_event = None  # set by the worker process; signalled once connected and set up
@@ -241,18 +246,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         A request that named an adapter a restarted server no longer has (HTTP 404 after an outage ended
         while it waited; only the current adapter is re-pushed, SPEC B.17) is sent once more under the
         current adapter."""
-        from ..sampler.protocol import SamplerRequestError
-
-        model = self.served_model()
-        outage = getattr(self.client, "outage", None)
-        recoveries = outage.recoveries if outage is not None else 0
-        try:
-            result = await self.client.generate_turn(prompt_ids, self.sampling, model=model)
-        except SamplerRequestError as exc:
-            current = self.served_model()
-            if not (exc.status == 404 and outage is not None and outage.recoveries != recoveries and current != model):
-                raise
-            result = await self.client.generate_turn(prompt_ids, self.sampling, model=current)
+        result = (await self._request(lambda model: self.client.generate_turn(prompt_ids, self.sampling,
+                                                                              model=model)))
+        self._record_request(result)
         return result.to_turn_record()
 
     def served_model(self) -> str:
@@ -314,7 +310,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             self.client = SamplerClient(self.config.vllm_server_base_url,
                                         max_concurrency=self.config.max_concurrent_rollouts,
                                         timeout_s=self.config.vllm_server_timeout,
-                                        after_outage=self._wait_for_repush if self.server_values else None)
+                                        after_outage=self._wait_for_repush if self.server_values else None,
+                                        request_seeds=bool(getattr(self.config, "request_seeds", True)))
         score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._running_loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
@@ -456,33 +453,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
             self._group_error = task.exception()
             self._stop_event.set()
 
-    async def _acquire_slot(self) -> None:
-        """Wait for a concurrency slot under the cap and take it; a rollout cancelled while it waits (its group
-        can no longer be trained, `_cancel_doomed`) stops waiting without one."""
-        acquired = False
-        try:
-            async with self._slot_changed:
-                await self._slot_changed.wait_for(lambda: self._in_flight < self.cap.value)
-                self._in_flight += 1
-                self._waiting_rollouts -= 1
-                acquired = True
-                self._slot_changed.notify_all()
-        finally:
-            if not acquired:
-                self._waiting_rollouts -= 1
-
-    async def _release_slot(self) -> None:
-        async with self._slot_changed:
-            self._in_flight -= 1
-            self._slot_changed.notify_all()
-
     async def _one_rollout(self, row: dict[str, Any], group_id: int, stamp: list[int]) -> "_RolloutResult":
         await self._acquire_slot()
-        if not stamp:  # the group's model version: the policy when its first rollout starts (SPEC §3.1)
-            stamp.append(int(self.model_version_value.value))
-            self._group_stamps[group_id] = stamp
-            if self.rounds is not None:
-                self.rounds.on_group_stamped(group_id, stamp[0])
+        self._stamp(group_id, stamp)
         start = time.monotonic()
         try:
             if self.environments is None:
@@ -546,13 +519,19 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         G = self.config.num_generations
         stamp: list[int] = []
         try:
-            results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
+            if self.group_requests_apply:
+                results = await self._group_rollouts(row, group_id, stamp)
+            else:
+                results = await asyncio.gather(*(self._one_rollout(row, group_id, stamp) for _ in range(G)))
         except asyncio.CancelledError:
             if self._stop or group_id not in self._cancelling:
                 raise
             self._requeue_cancelled(group_id, stamp, position, row_index, row)  # rollout/stale_loop.py
             return
         model_version = stamp[0]
+        assembling = time.perf_counter()
+        self._rollouts_done += len(results)
+        self._groups_done += 1
         sequences, stats = [], []
         for res in results:
             rollout = res.rollout
@@ -583,6 +562,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                              rollout_rewards=[r.reward for r in rollouts],
                              failed=[r.failed is not None for r in results])
         self._record_rollout_metrics(rollouts, stats, sequences)
+        self.metrics.add("rollout/assembly_s", time.perf_counter() - assembling)
         blocked = time.monotonic()
         group.queued_at = blocked
         await score_queue.put((group, rollouts, position))
@@ -739,6 +719,10 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
                         m.add("rollout/vllm_preemption_count",
                               max(0, load.num_preemptions_total - self._last_preemptions))
                     self._last_preemptions = load.num_preemptions_total
+                    if self._last_load is not None:  # vLLM's own time per request, by stage (issue #41)
+                        for stage, seconds in request_time_means(self._last_load, load).items():
+                            m.add(f"rollout/vllm_{stage}_s", seconds)
+                    self._last_load = load
             self.metrics.add("rollout/concurrency", self._in_flight)
             self.metrics.add("rollout/concurrency_cap", self.cap.value)
             if self.concurrency_value is not None:
@@ -762,24 +746,12 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling):
         """Send the worker's metrics since the last shipment to the trainer (a mergeable snapshot)."""
         now = time.monotonic() if now is None else now
         self.metrics.add_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - self._last_ship)
+        self.metrics.add_rate("rollout/rollouts_per_s", self._rollouts_done, now - self._last_ship)
+        self.metrics.add_rate("rollout/groups_per_s", self._groups_done, now - self._last_ship)
         retries = getattr(self.client, "retry_count", 0)
         self.metrics.add("rollout/vllm_retry_count", retries - getattr(self, "_retries_shipped", 0))
         self._retries_shipped = retries
         self._generated_tokens = 0
+        self._rollouts_done = self._groups_done = 0
         self._last_ship = now
         self.metrics_queue.put(self.metrics.snapshot(reset=True))
-
-
-class _RolloutResult:
-    """One rollout of a group with what the group needs beside it: its prompt (an environment's ``reset``
-    may make it), the environment reward, the failure reason of a failed environment hook, its wall time."""
-
-    __slots__ = ("rollout", "prompt", "env_reward", "failed", "duration")
-
-    def __init__(self, rollout: Rollout, prompt: list[dict[str, Any]], env_reward: tuple[type, float] | None = None,
-                 failed: str | None = None) -> None:
-        self.rollout = rollout
-        self.prompt = prompt
-        self.env_reward = env_reward
-        self.failed = failed
-        self.duration = 0.0

@@ -2,7 +2,7 @@
 in plain mode and what the Python API prints instead of transformers' dict of every metric (the dict stays in
 ``metrics.jsonl``). The dashboard adds its diagnosis to the same line; the trainer has none to add.
 
-Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | stale 0.50``
+Example: ``step 3/8 | reward 0.25 | gen 1.2k tok/s 40 rollouts/s | train 3.4k tok/s | step 2.10 s | busy 41% | queue 5 | stale 0.50``
 (``| dropped stale 3 (92% of generated tokens)`` follows in a window that dropped samples stale).
 """
 
@@ -38,6 +38,50 @@ def busy_share(m: Mapping[str, Any] | None) -> float | None:
     return min(1.0, max(0.0, 1.0 - wait / step_s))
 
 
+#: The stages of one generation request, as `request_breakdown` names them, with the metric each is read from.
+REQUEST_STAGES = (("queue", "rollout/vllm_queue_s"), ("prefill", "rollout/vllm_prefill_s"),
+                  ("decode", "rollout/vllm_decode_s"))
+
+
+def request_breakdown(m: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Where one generation request's time goes (issue #41), from a window's metrics: vLLM's own per-request
+    means (``rollout/vllm_queue_s``, ``_prefill_s``, ``_decode_s``), the worker's HTTP round trip
+    (``rollout/request_s``; what it holds beyond vLLM's three stages is the API server, the HTTP transport and
+    the worker's event loop: ``server+http``) and its parse of the answer (``rollout/parse_s``).
+
+    Returns:
+        ``{"rollouts_per_s", "groups_per_s", "request_s", "shares": {stage: fraction of request + parse},
+        "binding": the largest stage}``; None without ``rollout/request_s`` (shares then unknown) and without
+        ``rollout/rollouts_per_s``. Stages vLLM did not report are left out of ``shares``.
+    """
+    rate, request = num(m, "rollout/rollouts_per_s"), num(m, "rollout/request_s")
+    if rate is None and request is None:
+        return None
+    out: dict[str, Any] = {"rollouts_per_s": rate, "groups_per_s": num(m, "rollout/groups_per_s"),
+                           "request_s": request, "shares": {}, "binding": None}
+    if request is None or request <= 0:
+        return out
+    parse = num(m, "rollout/parse_s") or 0.0
+    whole = request + parse
+    parts = {name: v for name, key in REQUEST_STAGES if (v := num(m, key)) is not None}
+    if parts:
+        parts["server+http"] = max(0.0, request - sum(parts.values()))
+    parts["parse"] = parse
+    out["shares"] = {name: min(1.0, v / whole) for name, v in parts.items()}
+    out["binding"] = max(out["shares"], key=out["shares"].get)
+    return out
+
+
+def breakdown_text(b: Mapping[str, Any] | None) -> str | None:
+    """``700 rollouts/s; decode 60% of a request`` (the binding stage with its share), or None when unknown."""
+    if not b or b.get("rollouts_per_s") is None:
+        return None
+    text = f"{fmt_rate(b['rollouts_per_s'])} rollouts/s"
+    if b.get("binding"):
+        text += f"; {b['binding']} {b['shares'][b['binding']]:.0%} of a request"
+    return text
+
+
 def fmt(value: float | None, spec: str = ".3g") -> str:
     """A number with ``spec``, or ``—`` when unknown."""
     return DASH if value is None else format(value, spec)
@@ -67,7 +111,8 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
              f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
              "reward — (no group scored since the last log)",
-             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s",
+             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s"
+             + (f" {fmt_rate(r)} rollouts/s" if (r := num(metrics, "rollout/rollouts_per_s")) is not None else ""),
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
              *([f"busy {fmt_pct(busy)}"] if busy is not None else []),

@@ -68,6 +68,7 @@ from .protocol import (  # noqa: F401 - re-exported: the client's public protoco
     _completion_style_logprobs,
     _content_style_logprobs,
     parse_turn,
+    parse_turns,
     server_error_message,
     request_summary,
     _json_body,
@@ -107,6 +108,9 @@ class SamplerClient:
         backoff_base_s / backoff_max_s: exponential backoff, first delay and cap (1 s, 30 s).
         metrics_timeout_s: timeout of one ``/metrics`` read (polled, never retried).
         seed_base: base of the request seeds (tests); default random.
+        request_seeds: send a unique ``seed`` with every request (SPEC §3.1: data-parallel engines that share
+            a sampler seed could otherwise decode identical text); False sends none and the server draws one
+            per request (``sampler.request_seeds``).
         transport: an ``httpx.AsyncBaseTransport`` (tests); requests then go through httpx
             (`connection_pool.HttpxPool`) instead of the default aiohttp pool.
         after_outage: ``async () -> None`` run once when the server answers again after an outage
@@ -144,6 +148,7 @@ class SamplerClient:
         seed_base: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         after_outage: Any = None,
+        request_seeds: bool = True,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
@@ -158,6 +163,7 @@ class SamplerClient:
         self.backoff_max_s = backoff_max_s
         self.metrics_timeout_s = metrics_timeout_s
         self.seeds = SeedSequence(seed_base)
+        self.request_seeds = bool(request_seeds)
         self.retry_count = 0
         self.request_count = 0
         self.outage = ServerOutage(self.base_url, self.timeout_s)
@@ -356,7 +362,7 @@ class SamplerClient:
 
     # ------------------------------------------------------------------ generation
     async def generate_turn(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None = None) -> TurnResult:
-        """Generate one turn from ``prompt_ids`` (SPEC §3.1, B.17).
+        """Generate one turn from ``prompt_ids`` (SPEC §3.1, B.17): `generate_turns` with ``n=1``.
 
         Args:
             prompt_ids: the full prompt of the turn, token ids.
@@ -364,8 +370,8 @@ class SamplerClient:
             model: the served model or LoRA adapter name; default the client's ``model``.
 
         Returns:
-            `TurnResult` with output ids, processed log-probs, top-N by token id, finish reason
-            and (when asked and returned) the sampling mask.
+            `TurnResult` with output ids, processed log-probs, top-N by token id, finish reason,
+            (when asked and returned) the sampling mask, and the request's round trip and parse seconds.
 
         Raises:
             ValueError: empty or non-integer ``prompt_ids``.
@@ -373,21 +379,57 @@ class SamplerClient:
             SamplerRetryError / SamplerUnavailableError: retries exhausted / server unreachable.
             SamplerProtocolError: an unreadable response.
         """
+        return (await self.generate_turns(prompt_ids, sampling, 1, model))[0]
+
+    async def generate_turns(self, prompt_ids: list[int], sampling: SamplingParams, n: int,
+                             model: str | None = None) -> list[TurnResult]:
+        """Generate ``n`` independent turns from one prompt in ONE request (``/v1/completions`` with ``n``).
+
+        One request per group instead of ``n`` (issue #41): the server fans it out into ``n`` engine requests
+        that share the prompt, and the worker pays one HTTP round trip and one response for the group.
+        ``n > 1`` needs the ``/v1/completions`` route (no sampling masks): with ``return_sampling_mask`` it
+        raises ValueError (send ``n`` single requests instead). Seeds: the request's seed (``sampling.seed``, else
+        the client's next block of ``n`` seeds when ``request_seeds`` is on, else none) and ``seed + i`` for
+        completion ``i``.
+
+        Returns:
+            ``n`` `TurnResult`, completion ``i`` at index ``i``; each carries the request's ``request_s`` (HTTP
+            round trip, retries included) and ``parse_s`` (JSON decoding and reading, the whole response's).
+
+        Raises:
+            ValueError: empty or non-integer ``prompt_ids``, ``n < 1``, or ``n > 1`` with sampling masks.
+            SamplerRequestError / SamplerRetryError / SamplerUnavailableError / SamplerProtocolError: as
+            `generate_turn`.
+        """
         if not prompt_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of int token ids")
-        seed = sampling.seed if sampling.seed is not None else self.seeds.next()
+        if n < 1:
+            raise ValueError(f"n={n}: at least one completion per request")
+        if n > 1 and sampling.return_sampling_mask:
+            raise ValueError(f"n={n} with sampling masks: /inference/v1/generate answers one completion per "
+                             "request; send n requests of n=1")
+        if sampling.seed is not None:
+            seed: int | None = sampling.seed
+        else:
+            seed = self.seeds.next(n) if self.request_seeds else None
         model = model or self.model
         if sampling.return_sampling_mask:
             route, body = GENERATE_ROUTE, generate_body(prompt_ids, sampling, model, seed)
         else:
-            route, body = COMPLETIONS_ROUTE, completion_body(prompt_ids, sampling, model, seed)
+            route, body = COMPLETIONS_ROUTE, completion_body(prompt_ids, sampling, model, seed, n)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_concurrency)
         async with self._slots:
+            sent = time.perf_counter()
             response = await self._send("POST", route, body=body)
-        result = parse_turn(route, _json_body(route, response), prompt_ids, sampling, seed)
+            received = time.perf_counter()
+        results = parse_turns(route, _json_body(route, response), prompt_ids, sampling, seed, n)
+        parse_s = time.perf_counter() - received
+        for result in results:
+            result.request_s = received - sent
+            result.parse_s = parse_s
         self.request_count += 1
-        return result
+        return results
 
     # ------------------------------------------------------------------ weight transfer
     async def pause(self, mode: str = "keep") -> None:

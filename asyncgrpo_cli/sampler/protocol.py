@@ -15,6 +15,11 @@ import httpx
 from .turn_record import TurnRecord
 from .prometheus import ServerLoad, parse_server_load
 
+try:  # orjson decodes a generation answer (top log-probs of every token) 2-3x faster than the json module
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - a dependency; the json module reads the same answers
+    _loads = json.loads
+
 COMPLETIONS_ROUTE = "/v1/completions"
 GENERATE_ROUTE = "/inference/v1/generate"
 
@@ -121,8 +126,12 @@ class TurnResult:
         finish_reason: ``"stop"``, ``"length"`` (or ``"abort"`` when the server aborted it).
         sampling_mask: per output token, the candidate token ids; ``None`` when not requested or
             not returned by the server (the trainer then uses the full vocabulary, SPEC §7).
-        seed: the seed sent with the request.
+        seed: the seed of this completion (the request's, ``+ i`` for choice ``i`` of an ``n``-request);
+            ``None`` when the request sent none (the server drew it).
         route: the route that answered.
+        request_s: seconds of the HTTP round trip of the request that returned it (send to body read, retries
+            included); shared by the ``n`` turns of one ``n``-request.
+        parse_s: seconds spent decoding and reading the response body, the request's total (not per turn).
     """
 
     prompt_ids: list[int]
@@ -131,8 +140,10 @@ class TurnResult:
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     sampling_mask: list[list[int]] | None
-    seed: int
+    seed: int | None
     route: str
+    request_s: float = 0.0
+    parse_s: float = 0.0
 
     def to_turn_record(self, output_mask: list[int] | None = None) -> TurnRecord:
         """This turn as the shared `TurnRecord` (SPEC §16.7)."""
@@ -158,41 +169,55 @@ class SeedSequence:
         self.base = random.SystemRandom().getrandbits(63) if base is None else int(base) % 2**63
         self.counter = 0
 
-    def next(self) -> int:
-        """The next seed, in [0, 2**63)."""
+    def next(self, count: int = 1) -> int:
+        """The next seed, in [0, 2**63); ``count`` reserves that many consecutive seeds (an ``n``-request's
+        completions are sampled with ``seed + i``), so no two completions share one."""
+        count = max(1, int(count))
         seed = (self.base + self.counter) % 2**63
-        self.counter += 1
+        if seed + count > 2**63:  # the n seeds would pass vLLM's int64: start this block at 0 instead
+            self.counter += 2**63 - seed
+            seed = 0
+        self.counter += count
         return seed
 
 
 # ---------------------------------------------------------------------------------------------- bodies
-def completion_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int) -> dict:
-    """The ``/v1/completions`` JSON for one token-id prompt (only non-default fields are sent)."""
+def completion_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int | None,
+                    n: int = 1) -> dict:
+    """The ``/v1/completions`` JSON for one token-id prompt (only non-default fields are sent).
+
+    ``n > 1`` asks for ``n`` completions of the prompt in one request (vLLM fans it out into ``n`` engine
+    requests sharing the prompt; with a ``seed``, completion ``i`` is sampled with ``seed + i``). ``seed=None``
+    sends none: the server draws one per request."""
     body: dict[str, Any] = {
         "prompt": list(prompt_ids),
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "seed": seed,
         "logprobs": sampling.logprobs,
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
+    if seed is not None:
+        body["seed"] = seed
+    if n != 1:
+        body["n"] = int(n)
     body.update(_optional_sampling(sampling))
     if model:
         body["model"] = model
     return body
 
 
-def generate_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int) -> dict:
-    """The ``/inference/v1/generate`` JSON (tokens in/out) for one prompt."""
+def generate_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int | None) -> dict:
+    """The ``/inference/v1/generate`` JSON (tokens in/out) for one prompt; ``seed=None`` sends none."""
     params: dict[str, Any] = {
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "seed": seed,
         "logprobs": sampling.logprobs,
     }
+    if seed is not None:
+        params["seed"] = seed
     params.update(_optional_sampling(sampling))
     body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params}
     if model:
@@ -271,8 +296,10 @@ def _completion_style_logprobs(route: str, lp: dict, n: int, num_tokens: int) ->
         for pos in raw:
             if not isinstance(pos, dict):
                 raise _fail(route, "logprobs.top_logprobs entries must be objects")
-            try:  # the common case, "token_id:N" keys: one int() per key (this loop is the worker's hot path)
-                entries = {int(k[prefix:]): float(v) for k, v in pos.items() if k[:prefix] == "token_id:"}
+            try:  # the common case, "token_id:N" keys (checked on the first): one int() per key, the values as
+                # decoded (this loop is the worker's hot path: issue #41's screen)
+                entries = {int(k[prefix:]): v for k, v in pos.items()} \
+                    if next(iter(pos), "token_id:")[:prefix] == "token_id:" else {}
             except (TypeError, ValueError):
                 entries = {}
             if len(entries) != len(pos):
@@ -298,13 +325,39 @@ def _content_style_logprobs(route: str, content: list, n: int, output_ids: list[
     return sampled, (tops if n > 0 else None)
 
 
-def parse_turn(route: str, data: Any, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> TurnResult:
-    """Read one generation response (either route, either log-prob format) into a `TurnResult`.
+def parse_turn(route: str, data: Any, prompt_ids: list[int], sampling: SamplingParams, seed: int | None) -> TurnResult:
+    """Read one generation response (either route, either log-prob format) into a `TurnResult` (its first choice).
 
     Raises:
         SamplerProtocolError: missing token ids or log-probs, or lengths that disagree.
     """
-    choice = _first_choice(route, data)
+    return _parse_choice(route, _first_choice(route, data), prompt_ids, sampling, seed)
+
+
+def parse_turns(route: str, data: Any, prompt_ids: list[int], sampling: SamplingParams, seed: int | None,
+                n: int) -> list[TurnResult]:
+    """Read the ``n`` choices of one ``n``-completion response into ``n`` `TurnResult`, in ``index`` order.
+
+    Choice ``i``'s ``seed`` is ``seed + i`` (vLLM's rule for its child requests), or None without a seed.
+
+    Raises:
+        SamplerProtocolError: not exactly ``n`` choices with the indices 0..n-1, or a choice `parse_turn` refuses.
+    """
+    if n == 1:
+        return [parse_turn(route, data, prompt_ids, sampling, seed)]
+    _first_choice(route, data)
+    choices = data["choices"]
+    if len(choices) != n or not all(isinstance(c, dict) for c in choices):
+        raise _fail(route, f"asked for n={n} completions, the answer holds {len(choices)} choices")
+    by_index = sorted(choices, key=lambda c: c.get("index", -1) if isinstance(c.get("index"), int) else -1)
+    if [c.get("index") for c in by_index] != list(range(n)):
+        raise _fail(route, f"choice indices {[c.get('index') for c in choices]} are not 0..{n - 1}")
+    return [_parse_choice(route, c, prompt_ids, sampling, None if seed is None else (seed + i) % 2**63)
+            for i, c in enumerate(by_index)]
+
+
+def _parse_choice(route: str, choice: dict, prompt_ids: list[int], sampling: SamplingParams,
+                  seed: int | None) -> TurnResult:
     lp = choice.get("logprobs")
     output_ids = choice.get("token_ids")
     if output_ids is None and isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
@@ -393,7 +446,7 @@ def request_summary(body: Any) -> str:
 
 def _json_body(route: str, response: httpx.Response) -> Any:
     try:
-        return response.json()
+        return _loads(response.content)
     except ValueError:
         snippet = response.text[:200]
         raise SamplerProtocolError(

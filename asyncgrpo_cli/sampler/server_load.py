@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["ServerLoad", "reduce_vllm_metrics"]
+__all__ = ["REQUEST_STAGES", "ServerLoad", "reduce_vllm_metrics", "request_time_means"]
 
 _KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 _CACHE_INFO = "vllm:cache_config_info"
+#: Per-request time histograms of vLLM (0.26-0.33 names), by the stage they time (seconds per request).
+REQUEST_STAGES: dict[str, tuple[str, ...]] = {
+    "queue": ("vllm:request_queue_time_seconds",),
+    "prefill": ("vllm:request_prefill_time_seconds",),
+    "decode": ("vllm:request_decode_time_seconds",),
+    "request": ("vllm:e2e_request_latency_seconds",),
+    "first_token": ("vllm:time_to_first_token_seconds",),
+    "per_output_token": ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds"),
+}
+_STAGE_OF = {name + suffix: (stage, suffix) for stage, names in REQUEST_STAGES.items() for name in names
+             for suffix in ("_sum", "_count")}
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,10 @@ class ServerLoad:
             ``vllm:cache_config_info`` (``kv_cache_size_tokens``, else ``num_gpu_blocks × block_size``);
             ``None`` when no engine reports it.
         num_engines: distinct engines seen (by the ``engine`` label).
+        request_times: ``{stage: (seconds summed, requests counted)}`` of vLLM's per-request histograms
+            (`REQUEST_STAGES`: queue, prefill, decode, request = end to end, first_token, per_output_token),
+            summed over engines; cumulative counters, so a window's mean per request is the difference of two
+            scrapes' sums over the difference of their counts (`request_time_means`). Empty when absent.
     """
 
     kv_cache_usage_frac: float | None
@@ -42,6 +57,19 @@ class ServerLoad:
     num_preemptions_total: int
     kv_cache_tokens: int | None
     num_engines: int
+    request_times: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def request_time_means(before: ServerLoad | None, after: ServerLoad) -> dict[str, float]:
+    """Mean seconds per request of each stage between two scrapes: ``{stage: Δsum / Δcount}`` for the stages
+    with requests finished in between (a counter that went back, a restarted server, gives nothing)."""
+    out: dict[str, float] = {}
+    for stage, (total, count) in after.request_times.items():
+        prev_total, prev_count = (before.request_times.get(stage, (0.0, 0.0)) if before is not None else (0.0, 0.0))
+        finished = count - prev_count
+        if finished > 0 and total >= prev_total:
+            out[stage] = (total - prev_total) / finished
+    return out
 
 
 def _label_int(labels: Mapping[str, str], key: str) -> int | None:
@@ -80,10 +108,17 @@ def reduce_vllm_metrics(
     seen_any = False
     engines: set[str] = set()
     capacity_by_engine: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
     for index, (name, labels, value) in enumerate(samples):
         labels = labels or {}
         engine = labels.get("engine")
         value = float(value)
+        stage = _STAGE_OF.get(name)
+        if stage is not None:
+            if not math.isnan(value):
+                pair = times.setdefault(stage[0], [0.0, 0.0])
+                pair[0 if stage[1] == "_sum" else 1] += value
+            continue
         if name in usage_by_name:
             if not math.isnan(value):
                 usage_by_name[name].append(value)
@@ -117,4 +152,5 @@ def reduce_vllm_metrics(
         num_preemptions_total=int(preemptions),
         kv_cache_tokens=sum(capacity_by_engine.values()) if capacity_by_engine else None,
         num_engines=max(1, len(engines)),
+        request_times={stage: (pair[0], pair[1]) for stage, pair in times.items()},
     )

@@ -249,6 +249,9 @@ CLI_CASES = [
     ("data_folder_of_empty_files", [R, "data.name={root}/empty_data"], "data.name", "no rows"),
     ("data_blank_lines", [R, "data.name={root}/blank.jsonl"], "data.name", "no rows"),
     ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
+    ("group_requests_not_a_bool", [R, "rollout.group_requests=maybe"], "rollout.group_requests", ""),
+    ("request_seeds_off_with_engines", [R, "rollout.request_seeds=false", "sampler.data_parallel_size=2"],
+     "rollout.request_seeds", "identical text"),
 ]
 
 

@@ -261,3 +261,34 @@ def test_pause_keep_freezes_and_resume_continues(conformance):
 def test_reset_prefix_cache_when_idle(conformance):
     with SyncSamplerClient(conformance.url, timeout_s=30) as sync:
         assert sync.reset_prefix_cache(max_attempts=3, retry_delay_s=0.05) is True
+
+
+def test_group_request_n_completions_match_single_requests(conformance):
+    """One request with ``n`` (issue #41) returns ``n`` completions, completion ``i`` sampled with ``seed + i``:
+    the same text as a single request with that seed (vLLM's parallel-sampling rule, and the embedded server's)."""
+    async def main():
+        async with client(conformance) as c:
+            params = SamplingParams(max_tokens=12, logprobs=3, seed=4242, ignore_eos=True)
+            group = await c.generate_turns(PROMPT, params, 4)
+            singles = [await c.generate_turn(PROMPT, SamplingParams(max_tokens=12, logprobs=3, seed=4242 + i,
+                                                                     ignore_eos=True)) for i in (0, 3)]
+            unseeded = await c.generate_turns(PROMPT, SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True), 4)
+            return group, singles, unseeded, c.seeds.counter
+
+    group, singles, unseeded, counter = run(main())
+    assert [t.seed for t in group] == [4242, 4243, 4244, 4245]
+    assert group[0].output_ids == singles[0].output_ids and group[3].output_ids == singles[1].output_ids
+    assert all(len(t.top_logprobs) == len(t.output_ids) == 12 and t.request_s > 0 for t in group)
+    assert len({tuple(t.output_ids) for t in unseeded}) >= 3  # four distinct seeds, four samples
+    assert len({t.seed for t in unseeded}) == 4 and counter == 4  # the client reserved a block of 4 seeds
+
+
+def test_group_request_without_seeds(conformance):
+    """``request_seeds=False`` sends no seed: the server draws one per completion, still distinct text."""
+    async def main():
+        async with client(conformance, request_seeds=False) as c:
+            return await c.generate_turns(PROMPT, SamplingParams(max_tokens=12, logprobs=1, ignore_eos=True), 4)
+
+    turns = run(main())
+    assert [t.seed for t in turns] == [None] * 4
+    assert len({tuple(t.output_ids) for t in turns}) >= 3

@@ -24,6 +24,7 @@ no authentication: bind it to 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from .sampling import finite_logprob
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "asyncgrpo-embedded"
+MAX_N = 64  # most completions per prompt of one /v1/completions request (``n``)
 
 
 def package_version() -> str:
@@ -349,8 +351,8 @@ class EmbeddedServer:
             if body.get("echo"):
                 raise BadRequest("echo=true is not supported by the embedded sampler", param="echo")
             n = _integer(body, "n", 1)
-            if n != 1:
-                raise BadRequest(f"n={n} is not supported by the embedded sampler; send n=1", param="n")
+            if n is None or not 1 <= n <= MAX_N:
+                raise BadRequest(f"n={n} must be between 1 and {MAX_N} completions per prompt", param="n")
             if "prompt" not in body:
                 raise BadRequest("prompt is required", param="prompt")
             adapter = self._adapter_for(body.get("model"))
@@ -366,7 +368,10 @@ class EmbeddedServer:
                     strict_length=True,
                     want_mask=False,
                 )
-                requests.append(EngineRequest(f"cmpl-{uuid.uuid4().hex}", prompt, opts, adapter, self.max_model_len))
+                for i in range(n):  # like vLLM's parallel sampling: completion i of a seeded request uses seed + i
+                    child = opts if i == 0 or opts.seed is None else dataclasses.replace(opts, seed=opts.seed + i)
+                    requests.append(EngineRequest(f"cmpl-{uuid.uuid4().hex}", prompt, child, adapter,
+                                                  self.max_model_len))
             await self._run_requests(requests)
         except BadRequest as exc:
             return error_response(exc.message, exc.status, exc.param)

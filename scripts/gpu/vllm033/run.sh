@@ -8,6 +8,9 @@
 #   bash scripts/gpu/vllm033/run.sh speed_new   # issue #33: the job as shipped, on-policy, the recipe's choices
 #   bash scripts/gpu/vllm033/run.sh speed_old   # issue #33: the baseline (main at 3199842, carried in .base/)
 #   bash scripts/gpu/vllm033/run.sh speed_stop  # issue #33: stops the server a KEEP_SERVER=1 speed_new call left
+#   bash scripts/gpu/vllm033/run.sh rollouts_engine     # issue #41: the engine's offline rollouts/s (rollouts.py)
+#   bash scripts/gpu/vllm033/run.sh rollouts_screen     # issue #41: the request levers against one served recipe
+#   bash scripts/gpu/vllm033/run.sh rollouts_job_async  # issue #41: the job as users run it (rollouts_job_sync: on-policy)
 # Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
 set -uo pipefail
 VSITE="${VSITE:-/tmp/vsite}"
@@ -26,5 +29,7 @@ case "${1:-train}" in
   bench) SKIP_EMBEDDED=1 python3 scripts/gpu/one_gpu.py bench ;;
   masks|p9) python3 scripts/gpu/vllm033/runs.py "$1" ;;
   speed_new|speed_old|speed_stop) python3 scripts/gpu/vllm033/speed.py "${1#speed_}" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_new, speed_old, speed_stop)"; exit 2 ;;
+  rollouts_engine|rollouts_screen) python3 scripts/gpu/vllm033/rollouts.py "${1#rollouts_}" ;;
+  rollouts_job_*) python3 scripts/gpu/vllm033/rollouts.py job "${1#rollouts_job_}" ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_job_NAME)"; exit 2 ;;
 esac

@@ -1,0 +1,484 @@
+"""Issue #41 on one H200 with vLLM 0.33 (staged by `install.py`): rollouts per second of the one-GPU job.
+
+    python3 scripts/gpu/vllm033/rollouts.py engine        # the engine's own ceiling: offline LLM.generate
+    python3 scripts/gpu/vllm033/rollouts.py screen        # the request levers against one `asyncgrpo serve`
+    python3 scripts/gpu/vllm033/rollouts.py job async     # the job as users run it (the supervisor starts vLLM)
+    python3 scripts/gpu/vllm033/rollouts.py job sync      # the same with staleness.max_staleness=0 (on-policy)
+    python3 scripts/gpu/vllm033/rollouts.py combine A S   # here: the pair's JSON from two job results (no GPU)
+
+engine
+  ``vllm.LLM`` on the recipe's exported model (bf16, ``max_model_len`` 512, processed log-probs, CUDA graphs),
+  nothing else on the GPU, the recipe's prompts rendered with the chat template, every group at once. Variants
+  (`ENGINE_VARIANTS`): ``job`` (n = 8, temperature 1, 64 tokens, top-8 log-probs, a seed per request: the job's
+  requests), ``job_noseed``, ``no_logprobs``, and ``short`` (12 tokens: the shape of the late steps, where
+  completions are ~10 tokens). Writes ``$OUT/rollouts_engine.json``: rollouts/s and generated tok/s of each.
+screen
+  ``asyncgrpo serve +recipe=arith_vllm_1gpu`` (the job's own server line, colocated share included), then one
+  load generator per variant through the project's `SamplerClient` (its parse included): the recipe's 512
+  rollouts in flight for `SCREEN_S` seconds after a warm-up. Variants (`SCREEN_VARIANTS`): one request per
+  rollout (the job before issue #41) or one per group (``n = 8``), with and without per-request seeds, top-8
+  or no log-probs, 12-token completions, and two load processes instead of one (the worker's CPU). Each row:
+  rollouts/s, generated tok/s, the load process's CPU share, the worker's request and parse times, and vLLM's
+  own per-request stage means from ``/metrics`` over the variant. Writes ``$OUT/rollouts_screen.json`` and the
+  job overrides of the measured winner to ``/tmp/asyncgrpo_rollouts/winner.txt`` (read by ``job``).
+job NAME
+  ``asyncgrpo train +recipe=arith_vllm_1gpu trainer.max_steps=40`` (``sync``: ``staleness.max_staleness=0``),
+  plain log, one window per step, stopped with SIGINT at `JOB_DEADLINE_S` if still running. Writes
+  ``$OUT/rollouts_job_NAME.json``: one row per step (time since step 1, step time, reward, rollouts/s, groups/s,
+  request breakdown, ...) and the issue's figures (`job_figures`).
+
+Every command line here is composed and checked on CPU in CI (``tests/test_gpu_script_configs.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+sys.path.insert(0, str(HERE.parent))
+
+OUT = Path(os.environ.get("OUT") or "gpu_out")
+WORK = Path("/tmp/asyncgrpo_rollouts")
+RECIPE = "arith_vllm_1gpu"
+PORT = int(os.environ.get("ROLLOUTS_PORT", 8000))
+URL = f"http://127.0.0.1:{PORT}"
+STEPS = 40
+JOB_DEADLINE_S = float(os.environ.get("JOB_DEADLINE_S", 540))
+SCREEN_S = float(os.environ.get("SCREEN_S", 10))
+WARMUP_S = 3.0
+INFLIGHT = 512  # the recipe's staleness.max_concurrent_rollouts
+G = 8
+ENGINE_GROUPS = int(os.environ.get("ENGINE_GROUPS", 1024))
+#: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes)
+SCREEN_VARIANTS: dict[str, tuple[int, bool, int, int, int]] = {
+    "per_rollout": (1, True, 8, 64, 1),           # the job's requests before issue #41
+    "group": (G, True, 8, 64, 1),                 # one request per group (n = 8)
+    "group_noseed": (G, False, 8, 64, 1),
+    "group_logprobs0": (G, True, 0, 64, 1),       # what top-8 log-probs cost (score centering needs them)
+    "group_2proc": (G, True, 8, 64, 2),           # two worker processes
+    "per_rollout_short": (1, True, 8, 12, 1),     # the late steps' shape: ~10-token completions
+    "group_short": (G, True, 8, 12, 1),
+}
+ENGINE_VARIANTS: dict[str, dict] = {
+    "job": {"seed": True, "logprobs": 8, "max_tokens": 64},
+    "job_noseed": {"seed": False, "logprobs": 8, "max_tokens": 64},
+    "no_logprobs": {"seed": True, "logprobs": None, "max_tokens": 64},
+    "short": {"seed": True, "logprobs": 8, "max_tokens": 12},
+}
+#: The job's overrides for each screen variant that can win (what the product offers).
+WINNER_OVERRIDES = {
+    "per_rollout": ["rollout.group_requests=false"],
+    "group": [],
+    "group_noseed": ["rollout.request_seeds=false"],
+}
+
+
+def job_argv(name: str, run_dir: Path, extra: list[str] | None = None) -> list[str]:
+    """The job's ``asyncgrpo train`` line (``sync``: on-policy); checked on CPU in CI."""
+    import bench_e2e
+
+    overrides = ["staleness.max_staleness=0"] if name.startswith("sync") else []
+    return bench_e2e.train_argv(RECIPE, [], [*overrides, *(extra or [])], STEPS, run_dir)
+
+
+def serve_argv() -> list[str]:
+    """``asyncgrpo serve`` of the recipe (the job's own server line); checked on CPU in CI."""
+    return [sys.executable, "-m", "asyncgrpo_cli", "serve", f"+recipe={RECIPE}", f"sampler.port={PORT}"]
+
+
+def versions() -> dict:
+    import bench_e2e
+
+    out = bench_e2e.versions()
+    out["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                     "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out["gpu"] = None
+    return out
+
+
+def write(name: str, result: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=1)
+    (OUT / name).write_text(text)
+    (WORK / name).write_text(text)
+
+
+def recipe_prompts(limit: int) -> tuple[str, list[list[int]]]:
+    """The recipe's exported model folder and its first ``limit`` prompts as token ids (chat template)."""
+    from transformers import AutoTokenizer
+
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.models import resolve_model_path
+    from asyncgrpo_cli.data import load_prompts
+
+    cfg = compose([f"+recipe={RECIPE}"])
+    model = resolve_model_path(str(cfg.model.name), cfg.model.gguf_file)
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = load_prompts(cfg)
+    prompts = []
+    for i in range(min(limit, len(rows))):
+        ids = tok.apply_chat_template(rows[i]["prompt"], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    while len(prompts) < limit:
+        prompts.extend(prompts[: limit - len(prompts)])
+    return model, prompts
+
+
+def mps_probe() -> dict:
+    """Whether CUDA MPS could be started here (its control binary on PATH); nothing is started."""
+    return {"nvidia-cuda-mps-control": shutil.which("nvidia-cuda-mps-control"),
+            "nvidia-cuda-mps-server": shutil.which("nvidia-cuda-mps-server")}
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def phase_engine() -> int:
+    from vllm import LLM, SamplingParams
+
+    result: dict = {"issue": 41, "phase": "engine", "versions": versions(), "mps": mps_probe(), "runs": []}
+    model, prompts = recipe_prompts(ENGINE_GROUPS)
+    result["workload"] = {"model": model, "groups": len(prompts), "n": G, "temperature": 1.0,
+                          "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts),
+                          "dtype": "bfloat16", "max_model_len": 512, "logprobs_mode": "processed_logprobs",
+                          "gpu_memory_utilization": float(os.environ.get("ENGINE_GPU_UTIL", 0.3))}
+    write("rollouts_engine.json", result)
+    t0 = time.monotonic()
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, max_logprobs=8, logprobs_mode="processed_logprobs",
+              gpu_memory_utilization=result["workload"]["gpu_memory_utilization"], seed=0)
+    result["start_s"] = round(time.monotonic() - t0, 1)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    seed = 1
+    for name, v in ENGINE_VARIANTS.items():
+        def params(count: int):
+            nonlocal seed
+            out = []
+            for _ in range(count):
+                out.append(SamplingParams(n=G, temperature=1.0, max_tokens=v["max_tokens"], logprobs=v["logprobs"],
+                                          seed=seed if v["seed"] else None))
+                seed += G
+            return out
+
+        llm.generate(inputs[:64], params(64), use_tqdm=False)  # warm-up of this shape
+        t = time.perf_counter()
+        outputs = llm.generate(inputs, params(len(inputs)), use_tqdm=False)
+        wall = time.perf_counter() - t
+        completions = [c for o in outputs for c in o.outputs]
+        tokens = sum(len(c.token_ids) for c in completions)
+        row = {"variant": name, **v, "wall_s": round(wall, 3), "rollouts": len(completions),
+               "rollouts_per_s": round(len(completions) / wall, 1), "generated_tokens_per_s": round(tokens / wall, 1),
+               "groups_per_s": round(len(outputs) / wall, 2),
+               "completion_tokens_mean": round(tokens / max(1, len(completions)), 2)}
+        result["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        write("rollouts_engine.json", result)
+    result["engine_rollouts_per_s"] = result["runs"][0]["rollouts_per_s"]
+    write("rollouts_engine.json", result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- screen
+async def _load(n: int, seeds: bool, logprobs: int, max_tokens: int, inflight: int, seconds: float,
+                prompts: list[list[int]], model: str) -> dict:
+    """Keep ``inflight`` rollouts in flight for ``seconds`` (after `WARMUP_S`), as the worker does."""
+    from asyncgrpo_cli.sampler.client import SamplerClient, SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=logprobs)
+    client = SamplerClient(URL, max_concurrency=max(1, inflight // n) + 4, timeout_s=300, request_seeds=seeds)
+    stats = {"rollouts": 0, "tokens": 0, "request_s": [], "parse_s": []}
+    measuring = False
+    stop = False
+    index = 0
+
+    async def one() -> None:
+        nonlocal index
+        while not stop:
+            prompt = prompts[index % len(prompts)]
+            index += 1
+            turns = await client.generate_turns(prompt, sampling, n, model=model)
+            if measuring:
+                stats["rollouts"] += len(turns)
+                stats["tokens"] += sum(len(t.output_ids) for t in turns)
+                stats["request_s"].append(turns[0].request_s)
+                stats["parse_s"].append(turns[0].parse_s)
+
+    tasks = [asyncio.create_task(one()) for _ in range(max(1, inflight // n))]
+    await asyncio.sleep(WARMUP_S)
+    measuring = True
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    measuring = False
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    stop = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.aclose()
+    return {"rollouts": stats["rollouts"], "tokens": stats["tokens"], "wall_s": wall, "cpu_s": cpu,
+            "request_s": stats["request_s"], "parse_s": stats["parse_s"]}
+
+
+def _load_process(args: tuple, queue) -> None:
+    queue.put(asyncio.run(_load(*args)))
+
+
+def _metrics() -> "object | None":
+    from asyncgrpo_cli.sampler.client import SyncSamplerClient
+
+    with SyncSamplerClient(URL, timeout_s=30) as c:
+        return c.read_metrics()
+
+
+def screen_variant(name: str, prompts: list[list[int]], model: str) -> dict:
+    from asyncgrpo_cli.sampler.server_load import request_time_means
+
+    n, seeds, logprobs, max_tokens, procs = SCREEN_VARIANTS[name]
+    before = _metrics()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = (n, seeds, logprobs, max_tokens, INFLIGHT // procs, SCREEN_S, prompts, model)
+    workers = [ctx.Process(target=_load_process, args=(args, queue)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    parts = [queue.get(timeout=SCREEN_S + 240) for _ in workers]
+    for w in workers:
+        w.join(30)
+    after = _metrics()
+    wall = max(p["wall_s"] for p in parts)
+    rollouts, tokens = sum(p["rollouts"] for p in parts), sum(p["tokens"] for p in parts)
+    request_s = [x for p in parts for x in p["request_s"]]
+    parse_s = [x for p in parts for x in p["parse_s"]]
+    row = {"variant": name, "n": n, "request_seeds": seeds, "logprobs": logprobs, "max_tokens": max_tokens,
+           "load_processes": procs, "inflight_rollouts": INFLIGHT, "wall_s": round(wall, 2),
+           "rollouts_per_s": round(rollouts / wall, 1), "generated_tokens_per_s": round(tokens / wall, 1),
+           "completion_tokens_mean": round(tokens / max(1, rollouts), 2),
+           "load_cpu_frac": round(sum(p["cpu_s"] for p in parts) / wall / procs, 3),
+           "request_s_mean": round(statistics.fmean(request_s), 4) if request_s else None,
+           "parse_ms_mean": round(1000 * statistics.fmean(parse_s), 3) if parse_s else None}
+    if before is not None and after is not None:  # warm-up requests finished in the window count too
+        row["vllm_stage_s"] = {k: round(v, 4) for k, v in request_time_means(before, after).items()}
+        row["vllm_running_after"] = after.num_requests_running
+    return row
+
+
+def phase_screen() -> int:
+    import httpx
+
+    import one_gpu
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    result: dict = {"issue": 41, "phase": "screen", "versions": versions(), "mps": mps_probe(),
+                    "command": " ".join(serve_argv()[2:]), "runs": []}
+    model, prompts = recipe_prompts(2048)
+    result["workload"] = {"prompts": len(prompts), "inflight_rollouts": INFLIGHT, "seconds": SCREEN_S,
+                          "warmup_s": WARMUP_S, "temperature": 1.0}
+    write("rollouts_screen.json", result)
+    log = open(WORK / "serve_screen.log", "w")
+    t0 = time.monotonic()
+    server = subprocess.Popen(serve_argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while time.monotonic() - t0 < 300 and server.poll() is None:
+            try:
+                if httpx.get(f"{URL}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        result["server_start_s"] = round(time.monotonic() - t0, 1)
+        if server.poll() is not None:
+            result["server_log_tail"] = (WORK / "serve_screen.log").read_text(errors="replace").splitlines()[-40:]
+            write("rollouts_screen.json", result)
+            return 1
+        served = httpx.get(f"{URL}/v1/models", timeout=10).json()["data"][0]["id"]
+        result["metrics_names"] = sorted({line.split("{")[0].split(" ")[0] for line in
+                                          httpx.get(f"{URL}/metrics", timeout=10).text.splitlines()
+                                          if line.startswith("vllm:") and "_seconds" in line})
+        for name in (os.environ.get("SCREEN", "").split(",") if os.environ.get("SCREEN") else SCREEN_VARIANTS):
+            try:
+                row = screen_variant(name, prompts, served)
+            except Exception as exc:  # noqa: BLE001 - one failed variant must not lose the others
+                row = {"variant": name, "error": f"{type(exc).__name__}: {exc}"}
+            result["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            write("rollouts_screen.json", result)
+        contenders = [r for r in result["runs"] if r.get("variant") in WINNER_OVERRIDES and r.get("rollouts_per_s")]
+        if contenders:
+            best = max(contenders, key=lambda r: r["rollouts_per_s"])
+            result["winner"] = {"variant": best["variant"], "overrides": WINNER_OVERRIDES[best["variant"]],
+                                "rollouts_per_s": best["rollouts_per_s"]}
+            (WORK / "winner.txt").write_text(" ".join(WINNER_OVERRIDES[best["variant"]]))
+        write("rollouts_screen.json", result)
+    finally:
+        one_gpu.stop_server(server)
+        log.close()
+        result["gpu_processes_after"] = one_gpu.gpu_processes()
+        write("rollouts_screen.json", result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- job
+def _first_at(rows: list[dict], threshold: float, t1: float) -> float | None:
+    for r in rows:
+        if r.get("reward") is not None and r["reward"] >= threshold:
+            return round(r["time"] - t1, 2)
+    return None
+
+
+def job_rows(rows: list[dict]) -> list[dict]:
+    """One row per logged step with the figures the issue reads (time from step 1's log line)."""
+    from asyncgrpo_cli.run.metrics_line import request_breakdown
+
+    if not rows:
+        return []
+    t1 = rows[0]["time"]
+    keys = ("perf/step_s", "perf/rollout_wait_s", "reward", "rollout/rollouts_per_s", "rollout/groups_per_s",
+            "rollout/generated_tokens_per_s", "batch/groups_per_step", "batch/trained_tokens_per_step",
+            "frac_reward_zero_std", "completions/mean_length", "completions/duplicate_frac",
+            "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac", "perf/weight_sync_s",
+            "sample/staleness_mean", "sample/dropped_stale_count", "sampling/importance_sampling_ratio/mean",
+            "rollout/request_s", "rollout/parse_s", "rollout/vllm_queue_s", "rollout/vllm_prefill_s",
+            "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s")
+    out = []
+    for r in rows:
+        row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3)}
+        row.update({k: r.get(k) for k in keys if r.get(k) is not None})
+        b = request_breakdown(r)
+        if b and b.get("binding"):
+            row["request_binding"] = b["binding"]
+            row["request_shares"] = {k: round(v, 3) for k, v in b["shares"].items()}
+        out.append(row)
+    return out
+
+
+def job_figures(rows: list[dict], engine_rollouts_per_s: float | None = None) -> dict:
+    """The issue's figures of one run: median step time of steps 2-10 and 31-40 (and their ratio), steps/s over
+    steps 2-20 and 2-40, seconds from step 1 to reward 0.40 and 0.45, generation while training against the
+    engine's offline rollouts/s."""
+    by_step = {r["step"]: r for r in rows if r.get("step") is not None}
+
+    def med(lo: int, hi: int) -> float | None:
+        vals = [by_step[s]["perf/step_s"] for s in range(lo, hi + 1) if s in by_step and "perf/step_s" in by_step[s]]
+        return round(statistics.median(vals), 3) if vals else None
+
+    def steps_per_s(lo: int, hi: int) -> float | None:
+        if lo in by_step and hi in by_step and by_step[hi]["time"] > by_step[lo]["time"]:
+            return round((hi - lo) / (by_step[hi]["time"] - by_step[lo]["time"]), 4)
+        return None
+
+    t1 = by_step[min(by_step)]["time"] if by_step else None
+    early, late = med(2, 10), med(31, 40)
+    rates = [r["rollout/rollouts_per_s"] for r in rows[1:] if r.get("rollout/rollouts_per_s") is not None]
+    gen = round(statistics.fmean(rates), 1) if rates else None
+    return {
+        "steps_logged": len(rows), "last_step": max(by_step) if by_step else None,
+        "step_s_median_2_10": early, "step_s_median_31_40": late,
+        "late_over_early_step_s": round(late / early, 3) if early and late else None,
+        "steps_per_s_2_20": steps_per_s(2, 20), "steps_per_s_2_40": steps_per_s(2, 40),
+        "time_to_reward_040_s": _first_at(rows, 0.40, t1) if t1 is not None else None,
+        "time_to_reward_045_s": _first_at(rows, 0.45, t1) if t1 is not None else None,
+        "generation_rollouts_per_s": gen,
+        "generation_frac_of_engine": round(gen / engine_rollouts_per_s, 3) if gen and engine_rollouts_per_s else None,
+    }
+
+
+def phase_job(name: str) -> int:
+    import bench_e2e
+
+    import one_gpu
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    winner = (WORK / "winner.txt").read_text().split() if (WORK / "winner.txt").exists() else []
+    extra = [*winner, *os.environ.get("JOB_EXTRA", "").split()]
+    run_dir = WORK / f"job_{name}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    argv = job_argv(name, run_dir, extra)
+    result: dict = {"issue": 41, "phase": f"job {name}", "versions": versions(), "command": " ".join(argv[2:]),
+                    "gpu_processes_before": one_gpu.gpu_processes()}
+    engine = WORK / "rollouts_engine.json"
+    engine_rate = json.loads(engine.read_text()).get("engine_rollouts_per_s") if engine.exists() else None
+    write(f"rollouts_job_{name}.json", result)
+    log = WORK / f"job_{name}.log"
+    t0 = time.monotonic()
+    stopped = False
+    with open(log, "w") as f:  # as bench_e2e.run_variant, but the rows so far are written every 10 s
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        while proc.poll() is None:
+            if not stopped and time.monotonic() - t0 > JOB_DEADLINE_S:
+                stopped = True
+                os.killpg(proc.pid, signal.SIGINT)  # it saves and stops
+            if stopped and time.monotonic() - t0 > JOB_DEADLINE_S + 90:
+                os.killpg(proc.pid, signal.SIGKILL)
+            rows = bench_e2e.read_metrics(run_dir)
+            result.update({"figures": job_figures(rows, engine_rate), "rows": job_rows(rows),
+                           "run_wall_s": round(time.monotonic() - t0, 1)})
+            write(f"rollouts_job_{name}.json", result)
+            time.sleep(10)
+    rows = bench_e2e.read_metrics(run_dir)
+    result.update({"exit": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1),
+                   "stopped_at_deadline": stopped, "summary": bench_e2e.summarize(rows),
+                   "figures": job_figures(rows, engine_rate), "engine_rollouts_per_s": engine_rate,
+                   "rows": job_rows(rows), "gpu_processes_after": one_gpu.gpu_processes()})
+    plain = (WORK / f"job_{name}.log").read_text(errors="replace").splitlines()
+    result["plain_tail"] = [line for line in plain if line.startswith("step ")][-6:]
+    write(f"rollouts_job_{name}.json", result)
+    print(json.dumps(result["figures"]), flush=True)
+    subprocess.run(["tar", "czf", str(OUT / f"logs_job_{name}.tgz"), "-C", str(WORK), f"job_{name}.log",
+                    f"job_{name}/metrics.jsonl", f"job_{name}/status.json", f"job_{name}/logs"], capture_output=True)
+    return 0
+
+
+def combine(async_path: str, sync_path: str, out_path: str) -> dict:
+    """The async/sync pair's JSON (issue #41 item 4): both runs' rows and figures and the ratios."""
+    a, s = json.loads(Path(async_path).read_text()), json.loads(Path(sync_path).read_text())
+    fa, fs = a["figures"], s["figures"]
+
+    def ratio(x, y):
+        return round(x / y, 3) if x and y else None
+
+    lo, hi = 2, min(fa.get("last_step") or 0, fs.get("last_step") or 0, STEPS)
+    pa = {r["step"]: r["t_since_step1_s"] for r in a["rows"]}
+    ps = {r["step"]: r["t_since_step1_s"] for r in s["rows"]}
+    span = (lambda p: (hi - lo) / (p[hi] - p[lo]) if lo in p and hi in p and p[hi] > p[lo] else None)
+    out = {"issue": 41, "steps_compared": [lo, hi],
+           "async_over_sync_steps_per_s": ratio(span(pa), span(ps)),
+           "async_over_sync_time_to_reward": ratio(fs.get("time_to_reward_040_s"), fa.get("time_to_reward_040_s")),
+           "targets": {"generation_frac_of_engine": ">= 0.70", "late_over_early_step_s": "<= 2.0",
+                       "time_to_reward_045_s": "<= 40", "async_over_sync_steps_per_s": ">= 1.3",
+                       "async_over_sync_time_to_reward": ">= 1.5 (to reward 0.40)"},
+           "async": a, "sync": s}
+    Path(out_path).write_text(json.dumps(out, indent=1))
+    return out
+
+
+def main() -> int:
+    phase = sys.argv[1] if len(sys.argv) > 1 else "screen"
+    if phase == "engine":
+        return phase_engine()
+    if phase == "screen":
+        return phase_screen()
+    if phase == "job":
+        return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
+    if phase == "combine":
+        out = combine(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "rollouts_async_sync.json")
+        print(json.dumps({k: v for k, v in out.items() if k not in ("async", "sync")}, indent=1))
+        return 0
+    print(f"rollouts.py: unknown phase {phase!r} (engine, screen, job NAME, combine A S [OUT])")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Where a generation request's time goes (issue #41): vLLM's per-request histograms read from ``/metrics``,
+their means per window, the breakdown the panels, the plain line and the generation-bound diagnosis show."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo_cli.dashboard.diagnosis import bottleneck
+from asyncgrpo_cli.dashboard.panels import request_rows
+from asyncgrpo_cli.run.metrics_line import breakdown_text, metrics_line, request_breakdown
+from asyncgrpo_cli.sampler.prometheus import parse_server_load
+from asyncgrpo_cli.sampler.server_load import request_time_means
+
+
+def scrape(decode_sum: float, decode_count: float, queue_sum: float = 0.0) -> str:
+    """A vLLM 0.33 ``/metrics`` excerpt with two engines' decode and queue histograms."""
+    lines = ["# TYPE vllm:num_requests_running gauge", 'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+             "# TYPE vllm:request_decode_time_seconds histogram",
+             "# TYPE vllm:request_queue_time_seconds histogram"]
+    for engine in ("0", "1"):
+        lines += [f'vllm:request_decode_time_seconds_bucket{{engine="{engine}",le="+Inf",model_name="m"}} {decode_count / 2}',
+                  f'vllm:request_decode_time_seconds_count{{engine="{engine}",model_name="m"}} {decode_count / 2}',
+                  f'vllm:request_decode_time_seconds_sum{{engine="{engine}",model_name="m"}} {decode_sum / 2}',
+                  f'vllm:request_queue_time_seconds_count{{engine="{engine}",model_name="m"}} {decode_count / 2}',
+                  f'vllm:request_queue_time_seconds_sum{{engine="{engine}",model_name="m"}} {queue_sum / 2}']
+    return "\n".join(lines) + "\n"
+
+
+def test_request_times_summed_over_engines_and_differenced_per_window():
+    first, second = parse_server_load(scrape(10.0, 20.0, 1.0)), parse_server_load(scrape(16.0, 30.0, 1.5))
+    assert first.request_times == {"decode": (10.0, 20.0), "queue": (1.0, 20.0)}
+    assert request_time_means(first, second) == pytest.approx({"decode": 0.6, "queue": 0.05})
+    assert request_time_means(None, first) == pytest.approx({"decode": 0.5, "queue": 0.05})
+    assert request_time_means(second, second) == {}  # no request finished in between
+    assert request_time_means(second, first) == {}  # a restarted server's counters went back
+
+
+WINDOW = {"rollout/rollouts_per_s": 700.0, "rollout/groups_per_s": 87.5, "rollout/request_s": 0.5,
+          "rollout/parse_s": 0.002, "rollout/vllm_queue_s": 0.02, "rollout/vllm_prefill_s": 0.01,
+          "rollout/vllm_decode_s": 0.3, "perf/rollout_wait_s": 3.0, "perf/step_s": 4.0}
+
+
+def test_breakdown_names_the_binding_stage():
+    b = request_breakdown(WINDOW)
+    assert b["binding"] == "decode" and b["shares"]["decode"] == pytest.approx(0.3 / 0.502)
+    assert b["shares"]["server+http"] == pytest.approx(0.17 / 0.502)
+    assert breakdown_text(b) == "700 rollouts/s; decode 60% of a request"
+    slow_http = dict(WINDOW, **{"rollout/request_s": 2.0})
+    assert request_breakdown(slow_http)["binding"] == "server+http"
+    worker_only = {"rollout/rollouts_per_s": 50.0, "rollout/request_s": 0.1, "rollout/parse_s": 0.2}
+    assert request_breakdown(worker_only)["binding"] == "parse"  # no vLLM stages: the worker's share alone
+    assert request_breakdown({"reward": 1.0}) is None and breakdown_text(None) is None
+
+
+def test_generation_bound_line_panels_and_plain_line_show_it():
+    d = bottleneck(WINDOW)
+    assert d.rule == "generation_bound" and d.text.startswith("generation-bound (700 rollouts/s; decode 60% of a request)")
+    without = bottleneck({k: v for k, v in WINDOW.items() if not k.startswith("rollout/")})
+    assert without.text.startswith("generation-bound: the trainer waits")
+    rows = dict(request_rows(WINDOW))
+    assert rows["rollouts/s · groups/s"] == "700 · 87.5"
+    assert rows["request"].startswith("0.50 s (queue 4% prefill 2% decode 60% server+http 34% parse 0%)")
+    assert request_rows({"reward": 1.0}) == []
+    assert "gen — tok/s 700 rollouts/s" in metrics_line(WINDOW)
