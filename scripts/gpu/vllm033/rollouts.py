@@ -63,14 +63,14 @@ INFLIGHT = 512  # the recipe's staleness.max_concurrent_rollouts
 G = 8
 ENGINE_GROUPS = int(os.environ.get("ENGINE_GROUPS", 1024))
 #: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes)
-SCREEN_VARIANTS: dict[str, tuple[int, bool, int, int, int]] = {
+SCREEN_VARIANTS: dict[str, tuple[int, bool, int, int, int]] = {  # in order of importance (a cut call keeps the first)
     "per_rollout": (1, True, 8, 64, 1),           # the job's requests before issue #41
     "group": (G, True, 8, 64, 1),                 # one request per group (n = 8)
-    "group_noseed": (G, False, 8, 64, 1),
-    "group_logprobs0": (G, True, 0, 64, 1),       # what top-8 log-probs cost (score centering needs them)
-    "group_2proc": (G, True, 8, 64, 2),           # two worker processes
     "per_rollout_short": (1, True, 8, 12, 1),     # the late steps' shape: ~10-token completions
     "group_short": (G, True, 8, 12, 1),
+    "group_logprobs0": (G, True, 0, 64, 1),       # what top-8 log-probs cost (score centering needs them)
+    "group_noseed": (G, False, 8, 64, 1),
+    "group_2proc": (G, True, 8, 64, 2),           # two worker processes
 }
 ENGINE_VARIANTS: dict[str, dict] = {
     "job": {"seed": True, "logprobs": 8, "max_tokens": 64},
@@ -306,6 +306,12 @@ def phase_screen() -> int:
         result["metrics_names"] = sorted({line.split("{")[0].split(" ")[0] for line in
                                           httpx.get(f"{URL}/metrics", timeout=10).text.splitlines()
                                           if line.startswith("vllm:") and "_seconds" in line})
+        # The group request against vLLM itself: n completions, completion i sampled with seed + i (conformance).
+        check = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "group_request",
+                                str(ROOT / "tests" / "sampler" / "test_conformance.py")], capture_output=True, text=True,
+                               timeout=240, env={**os.environ, "ASYNCGRPO_CONFORMANCE_URL": URL})
+        result["conformance_group_requests"] = {"exit": check.returncode, "tail": check.stdout.splitlines()[-3:]}
+        write("rollouts_screen.json", result)
         for name in (os.environ.get("SCREEN", "").split(",") if os.environ.get("SCREEN") else SCREEN_VARIANTS):
             try:
                 row = screen_variant(name, prompts, served)
