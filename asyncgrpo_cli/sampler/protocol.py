@@ -284,28 +284,36 @@ def _completion_style_logprobs(route: str, lp: dict, n: int, num_tokens: int) ->
     token_logprobs = lp.get("token_logprobs")
     if not isinstance(token_logprobs, list) or len(token_logprobs) != num_tokens:
         raise _fail(route, f"logprobs.token_logprobs must list one value per output token ({num_tokens})")
-    if any(not isinstance(v, (int, float)) for v in token_logprobs):
-        raise _fail(route, "logprobs.token_logprobs holds a non-number")
+    try:
+        sampled = [float(v) for v in token_logprobs]  # float(True) passes: vLLM never sends a boolean here
+    except (TypeError, ValueError):
+        raise _fail(route, "logprobs.token_logprobs holds a non-number") from None
     tops = None
     if n > 0:
         raw = lp.get("top_logprobs")
         if not isinstance(raw, list) or len(raw) != num_tokens:
             raise _fail(route, f"logprobs.top_logprobs must list one entry per output token ({num_tokens})")
-        tops = []
         prefix = len("token_id:")
+        # The worker's hot path (issue #41): with "token_id:N" keys (the request asks for them; checked on the first
+        # key of the answer) one int() per key, the values as decoded, and no per-position type checks: a position
+        # that is not an object, or a key that is not a token id, falls to the checked path below.
+        first = raw[0] if raw and isinstance(raw[0], dict) else None
+        fast = first is not None and next(iter(first), "token_id:")[:prefix] == "token_id:"
+        tops = []
+        append = tops.append
         for pos in raw:
-            if not isinstance(pos, dict):
-                raise _fail(route, "logprobs.top_logprobs entries must be objects")
-            try:  # the common case, "token_id:N" keys (checked on the first): one int() per key, the values as
-                # decoded (this loop is the worker's hot path: issue #41's screen)
-                entries = {int(k[prefix:]): v for k, v in pos.items()} \
-                    if next(iter(pos), "token_id:")[:prefix] == "token_id:" else {}
-            except (TypeError, ValueError):
-                entries = {}
-            if len(entries) != len(pos):
+            entries = None
+            if fast:
+                try:
+                    entries = {int(k[prefix:]): v for k, v in pos.items()}
+                except (AttributeError, TypeError, ValueError):
+                    entries = None
+            if entries is None or len(entries) != len(pos):
+                if not isinstance(pos, dict):
+                    raise _fail(route, "logprobs.top_logprobs entries must be objects")
                 entries = {token_id_from_key(k, route): float(v) for k, v in pos.items()}
-            tops.append(entries if len(entries) <= n else keep_top_n(entries, n))
-    return [float(v) for v in token_logprobs], tops
+            append(entries if len(entries) <= n else keep_top_n(entries, n))
+    return sampled, tops
 
 
 def _content_style_logprobs(route: str, content: list, n: int, output_ids: list[int]) -> tuple[list[float], list[dict[int, float]] | None]:

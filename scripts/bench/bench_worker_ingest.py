@@ -45,10 +45,14 @@ def serve(port: int, completion: int, ready) -> None:
     choice = {"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length",
               "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-1.0] * completion,
                            "top_logprobs": [{f"token_id:{t + k}": -1.0 - k for k in range(8)} for t in tokens]}}
-    body = json.dumps({"id": "x", "object": "text_completion", "model": "synthetic", "choices": [choice]}).encode()
+    bodies: dict[int, bytes] = {}  # one prepared answer per n (a request with n gets n choices, issue #41)
 
     async def completions(request):
-        await request.read()
+        n = int(json.loads(await request.read()).get("n", 1))
+        body = bodies.get(n)
+        if body is None:
+            body = bodies[n] = json.dumps({"id": "x", "object": "text_completion", "model": "synthetic",
+                                           "choices": [dict(choice, index=i) for i in range(n)]}).encode()
         return web.Response(body=body, content_type="application/json")
 
     async def models(request):
@@ -109,6 +113,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--queue", choices=("process", "thread"), default="process",
                     help="rollout queue to a consumer process (pickled, as in training) or thread (not pickled)")
+    ap.add_argument("--group-requests", choices=("on", "off"), default="on",
+                    help="one request per group with n = 8 (rollout.group_requests, issue #41) or one per rollout")
+    ap.add_argument("--tag", default="", help="suffix of the result file: P6<tag>.json")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "bench" / "results"))
     ns = ap.parse_args()
 
@@ -132,7 +139,9 @@ def main() -> int:
                                           for i in range(512)])
     cfg = AsyncGRPOConfig(output_dir="/tmp/p6", num_generations=8, max_completion_length=ns.completion,
                           num_sampler_logprobs=8, vllm_server_base_url=f"http://127.0.0.1:{port}",
-                          max_concurrent_rollouts=ns.concurrency, vllm_server_timeout=60.0, report_to="none")
+                          max_concurrent_rollouts=ns.concurrency, vllm_server_timeout=60.0, report_to="none",
+                          **({"group_requests": ns.group_requests == "on"} if "group_requests" in
+                             AsyncGRPOConfig.__dataclass_fields__ else {}))
     errors = queue.Queue()
     if ns.queue == "process":
         buf, metrics = ctx.Queue(), ctx.Queue()
@@ -184,13 +193,15 @@ def main() -> int:
             profile.dump_stats(os.environ["P6_PROFILE_OUT"])  # for pstats callers / callees
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     result = {"target": ">= 50000", "generated_tokens_per_s": tps, "ratio": tps / 50000, "seconds": elapsed,
-              "samples": samples, "queue": ns.queue, "completion_tokens": ns.completion, "concurrency": ns.concurrency,
+              "samples": samples, "rollouts_per_s": samples / elapsed, "group_requests": ns.group_requests,
+              "queue": ns.queue, "completion_tokens": ns.completion, "concurrency": ns.concurrency,
               "num_generations": 8, "top_logprobs": 8, "cpus": os.cpu_count(), "python": sys.version.split()[0],
               "date": datetime.date.today().isoformat()}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "P6.json").write_text(json.dumps(result, indent=1))
-    print(f"P6  {tps:,.0f} generated tokens/s accepted, scored and queued (target >= 50,000; ratio {tps / 50000:.2f})")
+    (out / f"P6{ns.tag}.json").write_text(json.dumps(result, indent=1))
+    print(f"P6  {tps:,.0f} generated tokens/s accepted, scored and queued (target >= 50,000; ratio {tps / 50000:.2f}); "
+          f"{samples / elapsed:,.0f} rollouts/s")
     return 0
 
 
