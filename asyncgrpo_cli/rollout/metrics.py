@@ -20,6 +20,7 @@ the same works across training processes.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -33,6 +34,7 @@ _KINDS = (MEAN, SUM, MAX, MIN, RATE)
 _WORD_SPLIT = re.compile(r"[_\-.\s]+")
 
 
+@functools.lru_cache(maxsize=4096)  # called for every value the worker records; the names are few
 def metric_kind(name: str) -> str:
     """How a metric recorded with ``add``/``add_many`` is reduced over a window (SPEC §15.1).
 

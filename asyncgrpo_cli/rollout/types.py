@@ -9,6 +9,8 @@ cross-process rollout queue.
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +22,17 @@ from ..sampler.turn_record import TurnRecord
 __all__ = ["PromptOutcome", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
 
+_ID_PREFIX: tuple[int, str] | None = None  # (pid, a random prefix drawn once in that process)
+_ID_COUNTER = itertools.count()
+
+
 def _new_rollout_id() -> str:
-    return uuid.uuid4().hex
+    """A unique rollout id: 20 random hex digits drawn once per process, then a counter (a fresh ``uuid4`` per
+    rollout read the OS entropy source each time: 8% of the worker's time at 12-token completions, issue #41)."""
+    global _ID_PREFIX
+    if _ID_PREFIX is None or _ID_PREFIX[0] != os.getpid():  # a forked child draws its own prefix
+        _ID_PREFIX = (os.getpid(), uuid.uuid4().hex[:20])
+    return f"{_ID_PREFIX[1]}{next(_ID_COUNTER):012x}"
 
 
 @dataclass
