@@ -28,7 +28,8 @@ Thresholds (`Thresholds`; every one can be changed):
   "near the bottom": in the lower 20%; "mid-range": in between.
 - Duplicates: "near 0" below 0.1; "jumps toward (G-1)/G" from 80% of ``(num_generations - 1) /
   num_generations``; "creeps up": the trend of ``completions/duplicate_frac`` above +0.02 while the trend of
-  ``entropy`` is negative by more than 2% of its earlier mean.
+  ``entropy`` is negative by more than 2% of its earlier mean: collapse (an alert) when the reward does not rise,
+  converging (info) when it does (the policy settling on the credited answer, issue #41).
 
 The trainer's busy share (`busy_share`) is ``1 - perf/rollout_wait_s / perf/step_s`` clamped to [0, 1]. The
 trainer is idle (`trainer_idle`, issue #33) when its wait is "high" as above (the premise of generation-bound).
@@ -425,9 +426,14 @@ def duplicates(history: MetricsHistory, settings: RunSettings = RunSettings(),
     falling = e_trend is not None and e_base is not None and e_trend < -th.entropy_fall_frac * abs(e_base)
     if d_trend is not None and d_trend > th.dup_creep and falling:
         ent = num(m, "entropy")
-        return Diagnosis("collapse", f"collapse: duplicates creep up ({dup:.0%}) while entropy falls"
-                         + (f" ({ent:.3g})" if ent is not None else "")
-                         + ": the policy converges to one answer per prompt", ALERT)
+        etxt = f" ({ent:.3g})" if ent is not None else ""
+        lo, hi = reward_range(history, settings)
+        r_trend, reward = history.trend("reward", k), num(m, "reward")
+        if reward is not None and r_trend is not None and r_trend > th.reward_trend_frac * (hi - lo):  # learning (#41)
+            return Diagnosis("converging", f"converging: duplicates creep up ({dup:.0%}) while entropy falls{etxt} and "
+                             f"the reward rises ({reward:.3g}): the policy settles on one answer per prompt", INFO)
+        return Diagnosis("collapse", f"collapse: duplicates creep up ({dup:.0%}) while entropy falls{etxt} and the "
+                         "reward does not rise: the policy converges to one answer per prompt", ALERT)
     if dup < th.dup_near_zero:
         return Diagnosis("healthy_duplicates", f"duplicates {dup:.0%}", OK)
     return Diagnosis("duplicates", f"duplicates at {dup:.0%} (short completions can repeat by chance)", INFO)
@@ -710,8 +716,9 @@ def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
     if _level(wait, step_s, th) != "high":
         return None
     busy = busy_share(m)
+    rate = breakdown_text(request_breakdown(m))  # issue #41: generation's rate and its request's binding stage
     head = (f"trainer idle {1 - busy:.0%} of the step" if busy is not None else "trainer idle") \
-        + f" (waits {wait:.2f} s for samples)"
+        + f" (waits {wait:.2f} s for samples{f'; generation {rate}' if rate else ''})"
     for cause in IDLE_CAUSES:
         found = cause(history, settings, th)
         if found is not None:

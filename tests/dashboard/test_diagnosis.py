@@ -193,6 +193,16 @@ def test_collapse_duplicates_creep_while_entropy_falls():
     windows = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.2, 0.6))
     d = duplicates(history_of(*windows), SETTINGS)
     assert d.rule == "collapse" and d.severity == ALERT and "one answer per prompt" in d.text
+    # the same creep while the reward rises is the policy converging on the credited answer (issue #41): info, so
+    # a generation-bound warning beside it stays the line
+    rising = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.2, 0.6), ramp("reward", 0.1, 0.5))
+    d = duplicates(history_of(*rising), SETTINGS)
+    assert d.rule == "converging" and d.severity == INFO and "reward rises (0.5)" in d.text
+    waits = [dict(w, **{"perf/rollout_wait_s": 3.0, "perf/step_s": 4.0, "rollout/rollouts_per_s": 765.0}) for w in rising]
+    line = diagnose(history_of(*waits), SETTINGS)
+    assert line.rule == "generation_bound" and "765 rollouts/s" in line.text
+    falling = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.2, 0.6), ramp("reward", 0.5, 0.1))
+    assert duplicates(history_of(*falling), SETTINGS).rule == "collapse"
     # the same creep with a steady entropy is not collapse
     steady = merge(ramp("completions/duplicate_frac", 0.02, 0.25), ramp("entropy", 1.0, 1.0))
     d = duplicates(history_of(*steady), SETTINGS)
