@@ -350,7 +350,8 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
     folder = None
     if isinstance(model, str):
-        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None,
+                      probe_hub=True)  # a Hub id not cached, without the Hub: one line now, not transformers' retries
         folder = found[0] if found else None
     if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
             not getattr(processing_class, "chat_template", None):

@@ -536,3 +536,31 @@ def test_cited_readme_sections_exist():
     assert not missing, f"citations.README_SECTIONS names README sections that do not exist: {missing}"
     text = cite_shipped("biased (SPEC B.11). Watch (SPEC §7).\n  - indented (SPEC §13.2)")
     assert text == "biased. Watch (README: Sampling filters).\n  - indented (README: Agent training: tools and environments)"
+
+
+def test_readme_hub_snippet_without_the_hub_is_refused_in_a_few_lines_before_anything_loads(tmp_path):
+    """Issue #45: README's Hub API snippet, run without network, printed five "Retrying in Ns" lines and a
+    65-line transformers traceback ending in OSError, although README says ``AsyncGRPOTrainer(...)`` checks the
+    model before anything loads. It is refused there: the id, why, the fix, and only the user's frame."""
+    import socket
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'model="Qwen/Qwen3-0.6B"' in snippet, snippet
+    (tmp_path / "hub_snippet.py").write_text(snippet)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: the Hub refuses at once, whatever this machine's network
+    env = {**_env(), "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "0"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "hub_snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "ConfigError: model='Qwen/Qwen3-0.6B': this Hub model is not in the local cache" in out, out
+    assert "Fix: set model to a local folder" in out and "HF_HUB_OFFLINE=1" in out, out
+    assert "Retrying in" not in out and "OSError" not in out and len(out.splitlines()) <= 8, out
+    assert elapsed < FAIL_WITHIN_S, elapsed
