@@ -138,7 +138,7 @@ def probe_reward_funcs(funcs: Sequence[Any], row: dict[str, Any], key_of: Callab
         called = (f"called once before the start on the first prompt with a stand-in completion "
                   f"{STAND_IN_COMPLETION!r}")
         if thread.is_alive():
-            warnings.append(f"{key_of(i)}={shown}: {called}, it had not returned after {timeout_s:.0f} s; it was not "
+            warnings.append(f"{key_of(i)}={shown}: {called}, it had not returned after {timeout_s:g} s; it was not "
                             f"checked (for a reward with side effects or a slow judge: {how_to_skip})")
             continue
         later = (f"(the run would fail at the first group it scores); a reward that must not run before the start "
