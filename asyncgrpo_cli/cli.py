@@ -284,7 +284,8 @@ def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
     return complete_override(incomplete, dirs)
 
 
-@app.command("config")
+@app.command("config", help="Print the composed config as YAML, types and rules checked (--check: every check "
+                             "train runs; --doc: with each key's description).")  # one line: --help breaks a docstring's
 def config_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
@@ -295,8 +296,7 @@ def config_cmd(
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
     info: bool = _info_flag(),
 ) -> None:
-    """Print the composed config as YAML, types and rules checked (--check: every check train runs; --doc: with
-    each key's description)."""
+    """`asyncgrpo config` (its help is the decorator's: a docstring's line break showed in ``--help``)."""
     from .config.compose import to_yaml
     from .config.docs import documented_yaml
 

@@ -19,6 +19,7 @@ from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
 from .loss_rules import loss_warnings
+from .reward_probe import probe_reward_funcs
 from .start_checks import check_agent_imports, check_external_sampler, check_peft_targets
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
@@ -111,7 +112,13 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
                 c.run(check_environment_column, (cfg.get("environment") or {}).get("factory"), columns)
             if columns is not None and imported is not None:
                 funcs, paths = imported
+                before = len(c.errors)
                 c.run(check_reward_funcs, funcs, columns, lambda i: f"rewards[{i}].func", paths)
+                row = _first_row(ds) if len(c.errors) == before else None
+                if row is not None:  # each reward called once (issue #45)
+                    c.warnings.extend(c.run(probe_reward_funcs, funcs, row, lambda i: f"rewards[{i}].func",
+                                            paths, skip=[not spec.get("probe", True) for spec in cfg.rewards],
+                                            skip_hint=lambda i: f"set rewards[{i}].probe=false") or [])
             if columns is not None and folder is not None and not c.errors:
                 from .prompt_lengths import check_dataset_lengths
 
@@ -343,7 +350,8 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
     folder = None
     if isinstance(model, str):
-        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
+        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None,
+                      probe_hub=True)  # a Hub id not cached, without the Hub: one line now, not transformers' retries
         folder = found[0] if found else None
     if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
             not getattr(processing_class, "chat_template", None):
@@ -368,8 +376,13 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
     else:
         columns = list(getattr(train_dataset, "column_names", None) or [])
     if funcs:
-        c.run(check_reward_funcs, funcs, columns,
-              lambda i: f"reward_funcs[{i}]" if isinstance(reward_funcs, (list, tuple)) else "reward_funcs")
+        key_of = (lambda i: f"reward_funcs[{i}]") if isinstance(reward_funcs, (list, tuple)) else \
+            (lambda i: "reward_funcs")
+        before = len(c.errors)
+        c.run(check_reward_funcs, funcs, columns, key_of)
+        row = _first_row(train_dataset) if environment_factory is None and len(c.errors) == before else None
+        if row is not None:  # each reward called once (issue #45)
+            c.warnings.extend(c.run(probe_reward_funcs, funcs, row, key_of) or [])
     if args is not None and not c.errors:
         c.run(check_api_lengths, model, folder, args, train_dataset, processing_class)
     c.raise_if_any()
@@ -380,6 +393,17 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
                                          "importance_sampling_level": args.importance_sampling_level}))
     return c.warnings
+
+
+def _first_row(dataset: Any) -> dict[str, Any] | None:
+    """Row 0 of a map-style dataset with a ``prompt`` column, as a dict; None for a stream or an empty one."""
+    try:
+        if not hasattr(dataset, "__len__") or len(dataset) == 0:
+            return None
+        row = dataset[0]
+    except Exception:  # noqa: BLE001 - the dataset checks above report what is wrong with it
+        return None
+    return dict(row) if isinstance(row, dict) and "prompt" in row else None
 
 
 API_ROWS_SCANNED = 1000

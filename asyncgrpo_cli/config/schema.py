@@ -114,6 +114,10 @@ class RewardFuncConfig:
     """``module:function`` or ``module.function``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments bound to the function."""
+    probe: bool = True
+    """Call the function once before the start (train, --dry-run, config --check) on the first prompt with a
+    stand-in completion, and refuse the run when it raises or returns something that is not a number or None;
+    false skips that call (a reward with side effects, e.g. a paid judge)."""
 
 
 @dataclass

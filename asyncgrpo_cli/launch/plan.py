@@ -498,7 +498,8 @@ def dry_run_resolved(cfg: DictConfig, plan: LaunchPlan, running: bool) -> tuple[
     """The dry run's plan with the commands the real start runs: ``model.name`` resolved as the start resolves
     it, without exporting anything (`config.models.plan_model_path`: a packaged GGUF's folder, with a note when
     the first start still has to export it). ``(cfg, plan, False)`` unchanged when that cannot be planned (the
-    check that fails is already in the plan's problems or the real start names it)."""
+    check that fails is already in the plan's problems or the real start names it). Problems found outside the
+    plan (a used folder, a busy port) stay: a plan that cannot run shows the commands a start would run too."""
     from ..config.models import plan_model_path
     from ..config.rules import ConfigError
 
@@ -510,4 +511,5 @@ def dry_run_resolved(cfg: DictConfig, plan: LaunchPlan, running: bool) -> tuple[
         return cfg, plan, False
     if gguf is not None:
         shown.gpus.notes.append(f"{path} does not exist yet: the first start exports {gguf} there (once)")
+    shown.gpus.problems.extend(p for p in plan.problems if p not in shown.problems)
     return rcfg, shown, True

@@ -735,7 +735,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         problem = start_problem(cfg.trainer, plan.output_dir)
         if problem:
             plan.gpus.problems.append(problem)
-    if dry_run and not plan.problems:
+    if dry_run:  # the commands the start runs, also next to a problem (a used folder planned the package name)
         cfg, plan, resolved = dry_run_resolved(cfg, plan, running)
     else:
         resolved = False

@@ -306,6 +306,8 @@ def accuracy_reward(
 
 
 accuracy_reward.ground_truth_columns = ("solution", "answer")  # checked before start (config.sources)
+accuracy_reward.probe_at_start = False  # not called before the start (config.reward_probe): tested here, and its
+# first call starts the math-verify process pool
 
 
 def _run_jobs(

@@ -195,20 +195,22 @@ def _drop_boot_signals() -> None:
 
 
 def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, parent_pid: int | None = None,
-                 death_signal: bool = True, no_signal_value=None) -> None:
+                 death_signal: bool = True, no_signal_value=None, stopping=None) -> None:
     """Entry point of the spawned process: bind its lifetime to the trainer's (`bind_to_parent`), build
     the loop and run it until stopped or failed; the processes it started are reaped on the way out. An
-    error while building the loop reaches the trainer through ``failed_event`` like a run-time one."""
+    error while building the loop reaches the trainer through ``failed_event`` like a run-time one.
+    ``stopping`` (`RolloutWorker.begin_stop`) stops the loop as ``stop_flag`` does."""
     if parent_pid is not None:
         bind_to_parent(parent_pid, death_signal)
     _drop_boot_signals()
     try:
-        _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value)
+        _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value, stopping)
     finally:
         _reap_children()
 
 
-def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signal_value=None) -> None:
+def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signal_value=None,
+              stopping=None) -> None:
     try:
         loop = loop_cls(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
@@ -219,8 +221,11 @@ def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signa
 
     def watch_stop() -> None:
         # A polled flag, not an mp.Event: setting an Event whose waiter died can block the setter forever.
-        while not stop_flag.value:
+        while not stop_flag.value and not (stopping is not None and stopping.value):
             time.sleep(0.2)
+        if not stop_flag.value:  # the trainer began a stop: nothing generated now would be trained
+            print("asyncgrpo rollout worker: the trainer is stopping: generation ends (no request is retried "
+                  "any more)", file=sys.stderr, flush=True)
         loop.stop()
 
     threading.Thread(target=watch_stop, name="stop-watch", daemon=True).start()
@@ -295,6 +300,8 @@ class RolloutWorker:
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
         self.stop_flag = ctx.Value("b", 0)
+        # set by the trainer's stop-signal handler (`begin_stop`): a plain shared byte, no lock to take there
+        self.stopping_value = ctx.RawValue("b", 0)
         # server outages (SPEC B.17): the worker's give-up time while its server is unreachable (wall
         # clock, 0 = reachable), outages it saw end, and the last of those the trainer re-pushed after
         self.server_down_until = ctx.Value("d", 0.0)
@@ -346,7 +353,7 @@ class RolloutWorker:
         death_signal = threading.current_thread() is threading.main_thread()
         self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event,
                                                                     self.stop_flag, os.getpid(), death_signal,
-                                                                    self.no_signal_value),
+                                                                    self.no_signal_value, self.stopping_value),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         # A stop signal sent to the trainer's process group (the CLI's SIGINT/SIGTERM) must not reach the worker
         # while it boots, still in that group: it would die half-started (or hang the start). Blocked here, the
@@ -390,6 +397,17 @@ class RolloutWorker:
             q.cancel_join_thread()
         self.process = None
 
+    def begin_stop(self) -> None:
+        """The trainer begins a stop (a stop signal): the worker ends its generation now, without retrying any
+        request against a server that may be gone (nothing generated from now on would be trained). Only
+        writes a shared byte, so it is safe in a signal handler; the worker's exit is then no failure."""
+        self.stopping_value.value = 1
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `begin_stop` was called."""
+        return bool(self.stopping_value.value)
+
     def server_returns_seen(self) -> int:
         """Outages of the server that the worker saw end (each may have cost the server its weights)."""
         return int(self.server_returns.value)
@@ -403,8 +421,11 @@ class RolloutWorker:
         self.server_repushed.value = max(int(self.server_repushed.value), int(returns_seen))
 
     def server_seconds_left(self) -> float | None:
-        """Seconds before the worker gives up on an unreachable server, None while the server answers."""
+        """Seconds before the worker gives up on an unreachable server, None while the server answers (or once a
+        stop began: the worker no longer waits for it)."""
         until = float(self.server_down_until.value)
+        if self.stopping:
+            return None
         return None if until <= 0 else until - time.time()
 
     # ------------------------------------------------------------------------------------ health
@@ -425,6 +446,8 @@ class RolloutWorker:
                 text = "(no traceback was received)"
             raise RolloutWorkerError(f"the rollout worker failed:\n{text}")
         if self.process is not None and not self.process.is_alive():
+            if self.stopping and self.process.exitcode == 0:
+                return  # it ended its generation because the trainer stops (`begin_stop`)
             raise RolloutWorkerError(f"the rollout worker exited with code {self.process.exitcode} "
                                      "without reporting an error: it died before running any code of ours (its "
                                      "stderr, above in this log, has the cause: often the main script runs training "

@@ -225,9 +225,10 @@ class SamplerClient:
                     if done:
                         return response if response.status_code != 404 else None
             self.retry_count += 1
-            # one warning per request's first retry and per backoff doubling, not one per request per try
+            # one warning per request's first retry and per backoff doubling, not one per request per try; none
+            # while the server is unreachable: the outage logs its start and its end once (`ServerOutage`)
             level = logging.WARNING if (state.retries + state.refusals) & (state.retries + state.refusals - 1) == 0 \
-                else logging.DEBUG
+                and not self.outage.active else logging.DEBUG
             log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s", self.base_url, route, delay,
                     self.retry_count, f"; {self.outage.status()}" if self.outage.active else "")
             await asyncio.sleep(delay)
@@ -244,8 +245,7 @@ class SamplerClient:
 
     def _server_answered(self) -> None:
         """End the outage if one was on; start ``after_outage`` once for it."""
-        if self.outage.answered():
-            log.warning("sampler %s answers again (outage %d ended)", self.base_url, self.outage.recoveries)
+        if self.outage.answered():  # logged by the outage
             if self.after_outage is not None and (self._recovery is None or self._recovery.done()):
                 self._recovery = asyncio.ensure_future(self.after_outage())
 
@@ -568,14 +568,13 @@ class SyncSamplerClient:
             except _TRANSPORT_ERRORS as exc:
                 delay = state.on_error(exc, body, retry)
             else:
-                if self.outage.answered():
-                    log.warning("sampler %s answers again (outage %d ended)", self.base_url, self.outage.recoveries)
+                self.outage.answered()  # an outage's end is logged by the outage
                 done, delay = state.on_response(response, body, allow_404)
                 if done:
                     return response if response.status_code != 404 else None
             self.retry_count += 1
-            if self.outage.active:
-                log.warning("sampler %s%s: %s", self.base_url, route, self.outage.status())
+            if self.outage.active:  # the outage logged its start once; the countdown is its status()
+                log.debug("sampler %s%s: %s", self.base_url, route, self.outage.status())
             self._pause(delay)
 
     def _pause(self, delay: float) -> None:

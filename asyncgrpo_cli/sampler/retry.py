@@ -3,7 +3,9 @@
 - `ServerOutage`: one per client. It starts at the first refused connection and ends at the next answer
   from the server, whatever the request; while it lasts every request waits for the server, for at most
   ``timeout_s`` (``vllm_server_timeout``) counted from the outage's start, not per request. It counts the
-  outages that ended (``recoveries``): after one, the server may have lost its weights (a restart).
+  outages that ended (``recoveries``): after one, the server may have lost its weights (a restart). It logs
+  one line when an outage starts (how long it is waited out, until what time) and one when it ends (after how
+  long), whatever the number of requests waiting: the live countdown is ``status()`` (``status.json``).
 - `_RetryState`: the decisions for one request: connection refused → wait with backoff until the
   outage's deadline; timeout / 5xx / dropped connection → at most ``max_retries`` retries with backoff
   (``base_s`` doubling to ``max_s``); 4xx → `SamplerRequestError`, never retried.
@@ -15,6 +17,7 @@ Every clock is injectable (``clock=``) so the decisions are tested without sleep
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,7 @@ from .protocol import (
 )
 
 Clock = Callable[[], float]
+log = logging.getLogger("asyncgrpo_cli.sampler.client")  # the clients' logger: one place to configure
 
 TRANSPORT_ERRORS = (httpx.TimeoutException, httpx.TransportError, asyncio.TimeoutError)
 WAKE_S = 0.2
@@ -86,12 +90,23 @@ class ServerOutage:
     def refused(self, error: Any) -> float:
         """Record a refused (or failed) connection; returns the seconds left before giving up (<= 0: give up)."""
         now = self.clock()
-        if self.since is None:
+        first = self.since is None
+        if first:
             self.since = now
             self.started += 1
         self._adopt_peer_start(now)
         self.last_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if first and self.abandoned is None:
+            log.warning("%s", self.start_line())
         return self.timeout_s - (now - self.since)
+
+    def start_line(self) -> str:
+        """The one log line of an outage's start: the URL, the error, how long requests wait and until when."""
+        left = self.seconds_left() or 0.0
+        until = time.strftime("%H:%M:%S", time.localtime(self.wall() + left))
+        return (f"sampler {self.url}: server unreachable ({self.last_error}); every request waits for it, "
+                f"{left:.0f} s more at most (until {until}; vllm_server_timeout={self.timeout_s:g} s, CLI: "
+                f"sampler.timeout); one line more when it answers")
 
     def _adopt_peer_start(self, now: float) -> None:
         """Move ``since`` back to the start of the peer's outage (`peer_deadline`) when that is earlier and
@@ -121,8 +136,11 @@ class ServerOutage:
         self._last_answer = self.clock()
         if self.since is None:
             return False
+        lasted = self._last_answer - self.since
         self.since = None
         self.recoveries += 1
+        log.warning("sampler %s answers again after %.0f s unreachable (outage %d ended)", self.url, lasted,
+                    self.recoveries)
         return True
 
     def deadline_wall(self) -> float:

@@ -123,8 +123,12 @@ def evaluate(facts: ServerFacts, colocated: bool | None = None, gpu_count: int |
     checks: list[Check] = []
     add = checks.append
     if not facts.reachable:
+        named = bool(model is not None and (model.get("name") if hasattr(model, "get") else getattr(model, "name", None)))
+        start = ("start it with `asyncgrpo serve` (same overrides)" if named else  # bare `serve` refuses: no model
+                 "start one with `asyncgrpo serve +recipe=NAME` (`asyncgrpo recipes` lists them; +recipe=smoke runs on "
+                 "a CPU) and check it with `asyncgrpo doctor +recipe=NAME`")
         add(Check("server reachable", FAIL, f"no answer from {facts.url}: {facts.error}",
-                  "start it with `asyncgrpo serve` (same overrides), or set sampler.url to where it runs"))
+                  f"{start}, or set sampler.url to where it runs"))
         checks.extend(_local_checks(gpu_count, launch=launch, sampler=sampler))
         return checks
     kind = "asyncgrpo embedded sampler" if facts.embedded else f"vLLM {(facts.version or {}).get('version', '?')}"

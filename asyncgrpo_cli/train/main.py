@@ -71,9 +71,24 @@ def load_config(path: str):
     return cfg
 
 
-def _follow_supervisor() -> None:
+def _output_dir_of(config_path: str) -> str:
+    """``trainer.output_dir`` of the composed config at ``config_path`` (the supervisor writes it there: its
+    folder when the file cannot be read)."""
+    import os
+
+    try:
+        from omegaconf import OmegaConf
+
+        return str(OmegaConf.load(config_path).trainer.output_dir)
+    except Exception:  # noqa: BLE001 - the folder the supervisor wrote it into
+        return os.path.dirname(os.path.abspath(config_path))
+
+
+def _follow_supervisor(config_path: str | None = None) -> None:
     """Started by `asyncgrpo train`: once the supervisor is gone (even killed by SIGKILL), stop as on SIGTERM,
-    which saves the last completed step, writes the final status and takes the rollout worker down."""
+    which saves the last completed step, writes the final status and takes the rollout worker down. Rank 0
+    first starts the status guard (`run.status_guard`): if this process dies before its final status (killed
+    during that save), the guard writes that the save was cut and names the newest complete checkpoint."""
     import os
     import signal
 
@@ -88,6 +103,10 @@ def _follow_supervisor() -> None:
         from .stopping import own_reason
 
         own_reason.append(f"the supervisor (pid {owner}) is gone")
+        if config_path is not None and os.environ.get("RANK", "0") == "0":
+            from ..run.status_guard import start_guard
+
+            start_guard(_output_dir_of(config_path), f"the supervisor (pid {owner}) was gone")
         print(f"asyncgrpo trainer: the supervisor (pid {owner}) is gone: saving the last completed step and "
               "stopping, as on SIGTERM", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -115,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..rollout.worker import RolloutWorkerError
     from .server_watch import ServerHungError
 
-    _follow_supervisor()
+    _follow_supervisor(ns.config)
     try:
         cfg = load_config(ns.config)
         trainer = build_trainer(cfg)

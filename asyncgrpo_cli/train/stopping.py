@@ -3,7 +3,9 @@
 - SIGINT / SIGTERM (`StopHandling._on_stop_signal`): training stops after the step in progress and saves it.
   Any wait for the sampler server in progress or later is abandoned at once (`ServerOutage.abandon`): a
   weight sync retrying against a dead server ends within `sampler.retry.WAKE_S` s, the step it followed is
-  complete and is saved. ``status.json`` says ``stopping`` with the reason meanwhile (the supervisor names
+  complete and is saved. The rollout worker ends its generation at once (`RolloutWorker.begin_stop`: nothing
+  it would generate is trained, and it no longer retries against a server that may be gone). ``status.json``
+  says ``stopping`` with the reason meanwhile (the supervisor names
   it in `STOP_REASON_FILE` before it signals: "the server exited with code -9", "the supervisor is gone").
   A second signal stops at once, without saving.
 - A failure (`StopHandling._on_failure`): the last completed step is saved when that is safe, then
@@ -33,6 +35,9 @@ class StopHandling:
         outage = getattr(getattr(self, "sampler", None), "outage", None)
         if outage is not None:
             outage.abandon(f"{self._stop_reason}: the trainer stops")
+        worker = getattr(self, "worker", None)
+        if worker is not None:  # nothing it generates now would be trained: it stops retrying, and ends
+            worker.begin_stop()
 
     def _stopping_status(self) -> dict:
         """``status.json`` fields while a stop is under way (merged by the status ticker)."""

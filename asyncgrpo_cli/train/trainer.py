@@ -24,6 +24,7 @@ from ..rollout.allowance import allowance_after_step, initial_allowance
 from ..rollout.on_policy import step_capacity
 from ..rollout.loop import AsyncRolloutLoop
 from ..config.grpo_config import AsyncGRPOConfig
+from ..config.rules import ConfigError
 from .loss import LossConfig, finalize_metrics, merge_metric_contributions
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
@@ -78,8 +79,11 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         from .evaluation import TrainerEvaluation, check_eval_inputs
 
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
-        funcs, train_dataset = check_trainer_inputs(model, reward_funcs, args, train_dataset, tools,
-                                                    environment_factory, processing_class)
+        try:
+            funcs, train_dataset = check_trainer_inputs(model, reward_funcs, args, train_dataset, tools,
+                                                        environment_factory, processing_class)
+        except ConfigError as exc:  # a user error: the message is the information, not the frames of the checks
+            raise exc.with_traceback(None) from None
         check_eval_inputs(args, eval_dataset, funcs, environment_factory)
         self.evaluation = TrainerEvaluation(args, eval_dataset is not None)
         if isinstance(model, str):

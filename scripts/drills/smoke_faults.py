@@ -15,7 +15,10 @@ Scenarios (issue #36):
 - ``double-ctrl-c``: two SIGINTs 0.3 s apart once step 2 is trained: what the console says about checkpoints;
 - ``resume-stop``: a finished run (8 steps), resumed with ``trainer.max_steps=16`` and stopped after step 9: the
   summary's final-model row, then the same command again: the used-folder refusal;
-- ``server-kill``: kill -9 of the supervised server after step 1: the error and cause lines, time to exit.
+- ``server-kill``: kill -9 of the supervised server after step 1: the error and cause lines, time to exit;
+- ``supervisor-kill``: kill -9 of the supervisor (``asyncgrpo train`` itself) once step 1 is in ``metrics.jsonl``
+  (issue #45): how long until every process of the job is gone, the checkpoints, what ``status.json`` says last,
+  and the end of ``logs/trainer.log``. ``--after-step N`` kills after step N instead.
 
 Every process a scenario starts runs in a session of its own and is SIGKILLed by its group at the end. Prints
 one JSON object of measurements (and the load average before and after).
@@ -293,9 +296,34 @@ def server_kill(out: Path) -> dict:
     return result
 
 
+def supervisor_kill(out: Path, after_step: int = 1) -> dict:
+    """Scenario ``supervisor-kill``."""
+    job = Proc(train(out, f"sampler.port={free_port()}", "trainer.max_steps=50",
+                     "rollout.max_groups_without_signal=100000"), out.parent / "job.log")
+    result: dict = {}
+    try:
+        wait_for(lambda: after_step in steps(out), 1800, f"step {after_step}", [job])
+        job.track()
+        os.kill(job.popen.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        job.popen.wait(10)
+        others = [pid for pid in job.seen if pid != job.popen.pid]
+        wait_for(lambda: not [pid for pid in job.left() if pid in others], 600, "every process gone")
+        trainer_log = (out / "logs" / "trainer.log").read_text(errors="replace").splitlines()
+        result.update(all_gone_after_s=round(time.monotonic() - t0, 1), processes=len(others),
+                      checkpoints=checkpoints(out), partial=[p.name for p in out.glob(".checkpoint-*")],
+                      steps=steps(out), status={k: status(out).get(k) for k in
+                                                ("state", "step", "note", "stopping", "last_error", "resume_command")},
+                      retry_lines=sum("retrying" in ln for ln in trainer_log), trainer_log_tail=trainer_log[-25:])
+    finally:
+        job.kill()
+    return result
+
+
 SCENARIOS = {"hang": lambda out: hang(out, None), "hang-timeout": lambda out: hang(out, 120.0),
              "external-down": lambda out: external(out, None), "external-back": lambda out: external(out, 20.0),
-             "double-ctrl-c": double_ctrl_c, "resume-stop": resume_stop, "server-kill": server_kill}
+             "double-ctrl-c": double_ctrl_c, "resume-stop": resume_stop, "server-kill": server_kill,
+             "supervisor-kill": supervisor_kill}
 
 
 def main() -> int:
@@ -303,13 +331,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--out", default="/tmp/asyncgrpo-drills")
+    parser.add_argument("--after-step", type=int, default=1, help="supervisor-kill: the step to kill after")
     ns = parser.parse_args()
     base = Path(ns.out) / ns.scenario
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     load_before = os.getloadavg()
     start = time.monotonic()
-    result = SCENARIOS[ns.scenario](base / "run")
+    if ns.scenario == "supervisor-kill":
+        result = supervisor_kill(base / "run", ns.after_step)
+    else:
+        result = SCENARIOS[ns.scenario](base / "run")
     print(json.dumps({"scenario": ns.scenario, "load_before": [round(x, 2) for x in load_before],
                       "load_after": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count(),
                       "wall_s": round(time.monotonic() - start, 1), **result}, indent=1))

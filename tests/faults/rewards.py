@@ -23,3 +23,8 @@ def failing_at_prompt_40(completion_ids, index=None, **kwargs):
     if index and int(index[0]) == 40:
         raise RuntimeError("reward exploded on prompt 40")
     return logged_parity(completion_ids, index=index, **kwargs)
+
+
+# Each call is logged (the resume tests count them): not called once before the start (config.reward_probe).
+logged_parity.probe_at_start = False
+failing_at_prompt_40.probe_at_start = False

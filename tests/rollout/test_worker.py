@@ -268,3 +268,35 @@ def test_groups_are_scored_concurrently(server, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="scorers=0"):
         _Loop(cfg, "tiny", prompts(), [alternating_reward], tokenizer, [tokenizer.eos_token_id], buf, _Value(0),
               _Value(1.0), _Value(0.0), threading.Event(), errors, metrics, scorers=0)
+
+
+def test_once_a_stop_began_the_worker_ends_without_retrying_a_server_that_is_gone(model_dir, tokenizer, tmp_path):
+    """Issue #45: after the supervisor (and with it the server) was gone, the worker kept retrying for the whole
+    sampler timeout while the trainer saved. `begin_stop` (the trainer's stop-signal handler calls it) ends its
+    generation at once; its exit is no failure, and no outage countdown is shown for it any more."""
+    own = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32", max_model_len=MAX_LEN,
+                                    kv_cache_tokens=8 * MAX_LEN, max_num_seqs=16, served_model_name="tiny")).start()
+    cfg = config(tmp_path, own.url, vllm_server_timeout=1800.0)
+    worker = RolloutWorker(cfg, "tiny", prompts(), [length_parity_reward], tokenizer, [tokenizer.eos_token_id],
+                           initial_allowance=10**9)
+    worker.start(ready_timeout_s=machine_deadline(120))
+    try:
+        pull(worker, 1)
+        own.stop()  # the server is gone: the worker's requests are refused
+        end = time.monotonic() + machine_deadline(60)
+        while worker.server_seconds_left() is None:
+            assert time.monotonic() < end, "the worker never saw the server gone"
+            worker.check_alive()
+            worker.get_outcome(0.2)
+        assert worker.server_seconds_left() > 1700  # it would wait out sampler.timeout
+        worker.begin_stop()
+        stopped = time.monotonic()
+        worker.process.join(machine_deadline(30))
+        assert not worker.process.is_alive(), "the worker kept retrying after the stop began"
+        print(f"measured: the worker ended {time.monotonic() - stopped:.1f} s after begin_stop")
+        assert worker.process.exitcode == 0
+        worker.check_alive()  # its exit is no failure: the trainer is stopping
+        assert worker.server_seconds_left() is None  # no "server unreachable, retrying" for a stopped worker
+    finally:
+        worker.stop()
+        own.stop()

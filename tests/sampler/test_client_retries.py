@@ -538,3 +538,50 @@ def test_a_failing_after_outage_hook_fails_the_waiting_generation():
                 await server.close()
 
     run(main())
+
+
+def test_an_outage_is_one_log_line_when_it_starts_and_one_when_it_ends_whatever_the_requests(caplog):
+    """Issue #45: 16 generation requests waiting out one outage printed a line per request and backoff doubling
+    (64 lines of 'retrying in 8.0 s ... (1793 s left)' in one trainer.log), the time left never moving. Now the
+    outage says once when it starts (until when it is waited out) and once when it ends (after how long)."""
+    port = free_port()
+
+    async def handler(request):
+        return web.json_response(GOOD)
+
+    async def main():
+        async with SamplerClient(f"http://127.0.0.1:{port}", max_concurrency=16, timeout_s=600, backoff_base_s=0.01,
+                                 backoff_max_s=0.05) as c:
+            tasks = [asyncio.create_task(c.generate_turn([1], PARAMS)) for _ in range(16)]
+            deadline = time.monotonic() + 30
+            while c.retry_count < 16 * 6:  # every request has retried several times (backoff doubled)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            server = await serve(handler, port=port)
+            try:
+                turns = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            finally:
+                await server.close()
+            return turns, c.outage.recoveries
+
+    with caplog.at_level("DEBUG", logger="asyncgrpo_cli.sampler.client"):
+        turns, recoveries = run(main())
+    assert len(turns) == 16 and recoveries == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"sampler http://127.0.0.1:{port}: server unreachable (") and \
+        "600 s more at most (until " in warnings[0] and "sampler.timeout" in warnings[0], warnings
+    assert warnings[1].startswith(f"sampler http://127.0.0.1:{port} answers again after ") and \
+        "s unreachable (outage 1 ended)" in warnings[1], warnings
+
+
+def test_the_sync_client_logs_an_outage_once_too(caplog):
+    port = free_port()
+    with caplog.at_level("DEBUG", logger="asyncgrpo_cli.sampler.client"):
+        with SyncSamplerClient(f"http://127.0.0.1:{port}", timeout_s=0.5, backoff_base_s=0.01,
+                               backoff_max_s=0.02) as c:
+            with pytest.raises(SamplerUnavailableError):
+                c.update_weights({"names": []})
+    assert c.retry_count >= 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "server unreachable (" in warnings[0], warnings
