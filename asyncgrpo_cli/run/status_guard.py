@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .state import _pid_alive, _process_started  # the one liveness test of a pid (same start time)
+
 POLL_S = 0.25
 """Seconds between the guard's checks that the trainer still runs."""
 
@@ -87,26 +89,6 @@ def close_cut_status(output_dir: str | Path, pid: int, why: str) -> dict[str, An
     return status
 
 
-def _alive(pid: int, started: float | None) -> bool:
-    """Whether ``pid`` still runs (the same process: same start time; a zombie counts as gone)."""
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        if started is not None and abs(p.create_time() - started) > 1e-3:
-            return False
-        return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:  # noqa: BLE001 - gone (or psutil missing: then fall back to a signal 0)
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def start_guard(output_dir: str | Path, why: str, pid: int | None = None) -> int | None:
     """Start the detached guard of the trainer ``pid`` (default: this process) for ``output_dir``.
 
@@ -114,22 +96,13 @@ def start_guard(output_dir: str | Path, why: str, pid: int | None = None) -> int
     effort: the trainer's own final state still comes first)."""
     pid = os.getpid() if pid is None else int(pid)
     try:
-        started = _create_time(pid)
+        started = _process_started(pid)
         proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo_cli.run.status_guard", str(output_dir), str(pid),
                                  why, repr(started)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
         proc.wait(30)  # the intermediate exits at once, its child (the guard) detached
         return proc.pid
     except Exception:  # noqa: BLE001 - best effort
-        return None
-
-
-def _create_time(pid: int) -> float | None:
-    try:
-        import psutil
-
-        return float(psutil.Process(pid).create_time())
-    except Exception:  # noqa: BLE001
         return None
 
 
@@ -147,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         started = None
     if hasattr(os, "fork") and os.fork() != 0:
         return 0  # the intermediate: the guard below is re-parented, out of the trainer's tree
-    while _alive(pid, started):
+    while _pid_alive(pid, started):
         time.sleep(POLL_S)
     close_cut_status(output_dir, pid, why)
     return 0
