@@ -110,7 +110,11 @@ class SamplerClient:
         seed_base: base of the request seeds (tests); default random.
         request_seeds: send a unique ``seed`` with every request (SPEC §3.1: data-parallel engines that share
             a sampler seed could otherwise decode identical text); False sends none and the server draws one
-            per request (``sampler.request_seeds``).
+            per request (``rollout.request_seeds``).
+        tokens_route: send every generation request to ``/inference/v1/generate`` (tokens in and out) with
+            ``detokenize: false``, sparing the server the output text (the worker decodes what it needs); the server
+            needs that route (vLLM 0.33: ``--enable-scale-out``). A lever of issue #41, screened by
+            ``scripts/gpu/vllm033/rollouts.py``; the default is ``/v1/completions``.
         transport: an ``httpx.AsyncBaseTransport`` (tests); requests then go through httpx
             (`connection_pool.HttpxPool`) instead of the default aiohttp pool.
         after_outage: ``async () -> None`` run once when the server answers again after an outage
@@ -149,6 +153,7 @@ class SamplerClient:
         transport: httpx.AsyncBaseTransport | None = None,
         after_outage: Any = None,
         request_seeds: bool = True,
+        tokens_route: bool = False,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
@@ -164,6 +169,7 @@ class SamplerClient:
         self.metrics_timeout_s = metrics_timeout_s
         self.seeds = SeedSequence(seed_base)
         self.request_seeds = bool(request_seeds)
+        self.tokens_route = bool(tokens_route)
         self.retry_count = 0
         self.request_count = 0
         self.outage = ServerOutage(self.base_url, self.timeout_s)
@@ -387,8 +393,8 @@ class SamplerClient:
 
         One request per group instead of ``n`` (issue #41): the server fans it out into ``n`` engine requests
         that share the prompt, and the worker pays one HTTP round trip and one response for the group.
-        ``n > 1`` needs the ``/v1/completions`` route (no sampling masks): with ``return_sampling_mask`` it
-        raises ValueError (send ``n`` single requests instead). Seeds: the request's seed (``sampling.seed``, else
+        ``n > 1`` with ``return_sampling_mask`` needs ``tokens_route`` (else ValueError: send ``n`` single
+        requests instead). Seeds: the request's seed (``sampling.seed``, else
         the client's next block of ``n`` seeds when ``request_seeds`` is on, else none) and ``seed + i`` for
         completion ``i``.
 
@@ -405,15 +411,17 @@ class SamplerClient:
             raise ValueError("prompt_ids must be a non-empty list of int token ids")
         if n < 1:
             raise ValueError(f"n={n}: at least one completion per request")
-        if n > 1 and sampling.return_sampling_mask:
-            raise ValueError(f"n={n} with sampling masks: /inference/v1/generate answers one completion per "
-                             "request; send n requests of n=1")
+        if n > 1 and sampling.return_sampling_mask and not self.tokens_route:
+            raise ValueError(f"n={n} with sampling masks: send n requests of n=1 (or use the tokens route, "
+                             "tokens_route=True, which answers n completions with their masks)")
         if sampling.seed is not None:
             seed: int | None = sampling.seed
         else:
             seed = self.seeds.next(n) if self.request_seeds else None
         model = model or self.model
-        if sampling.return_sampling_mask:
+        if self.tokens_route:
+            route, body = GENERATE_ROUTE, generate_body(prompt_ids, sampling, model, seed, n, detokenize=False)
+        elif sampling.return_sampling_mask:
             route, body = GENERATE_ROUTE, generate_body(prompt_ids, sampling, model, seed)
         else:
             route, body = COMPLETIONS_ROUTE, completion_body(prompt_ids, sampling, model, seed, n)

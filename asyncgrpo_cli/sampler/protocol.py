@@ -208,8 +208,10 @@ def completion_body(prompt_ids: list[int], sampling: SamplingParams, model: str 
     return body
 
 
-def generate_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int | None) -> dict:
-    """The ``/inference/v1/generate`` JSON (tokens in/out) for one prompt; ``seed=None`` sends none."""
+def generate_body(prompt_ids: list[int], sampling: SamplingParams, model: str | None, seed: int | None,
+                  n: int = 1, detokenize: bool = True) -> dict:
+    """The ``/inference/v1/generate`` JSON (tokens in/out) for one prompt; ``seed=None`` sends none, ``n > 1``
+    asks for ``n`` completions (``seed + i`` each), ``detokenize=False`` spares the server the output text."""
     params: dict[str, Any] = {
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
@@ -218,6 +220,10 @@ def generate_body(prompt_ids: list[int], sampling: SamplingParams, model: str | 
     }
     if seed is not None:
         params["seed"] = seed
+    if n != 1:
+        params["n"] = int(n)
+    if not detokenize:
+        params["detokenize"] = False
     params.update(_optional_sampling(sampling))
     body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params}
     if model:

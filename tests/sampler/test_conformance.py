@@ -292,3 +292,22 @@ def test_group_request_without_seeds(conformance):
     turns = run(main())
     assert [t.seed for t in turns] == [None] * 4
     assert len({tuple(t.output_ids) for t in turns}) >= 3
+
+
+def test_tokens_route_group_request(conformance):
+    """``tokens_route=True`` (issue #41's lever): ``/inference/v1/generate`` with ``n`` and no detokenizing gives
+    the same completions as ``/v1/completions`` with the same seeds."""
+    async def main():
+        params = SamplingParams(max_tokens=10, logprobs=3, seed=9090, ignore_eos=True)
+        async with client(conformance, tokens_route=True) as c:
+            tokens = await c.generate_turns(PROMPT, params, 3)
+        async with client(conformance) as c:
+            text = await c.generate_turns(PROMPT, params, 3)
+        return tokens, text
+
+    tokens, text = run(main())
+    assert [t.route for t in tokens] == ["/inference/v1/generate"] * 3 and [t.seed for t in tokens] == [9090, 9091, 9092]
+    assert [t.output_ids for t in tokens] == [t.output_ids for t in text]
+    for a, b in zip(tokens, text):
+        assert len(a.top_logprobs) == len(a.output_ids) and all(len(top) == 3 for top in a.top_logprobs)
+        assert all(math.isclose(x, y, abs_tol=1e-3) for x, y in zip(a.output_log_probs, b.output_log_probs))

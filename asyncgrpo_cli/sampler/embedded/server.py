@@ -432,8 +432,9 @@ class EmbeddedServer:
             params = body.get("sampling_params") or {}
             if not isinstance(params, dict):
                 raise BadRequest("sampling_params must be an object", param="sampling_params")
-            if (_integer(params, "n", 1) or 1) != 1:
-                raise BadRequest("sampling_params.n must be 1 on the embedded sampler", param="n")
+            n = _integer(params, "n", 1) or 1
+            if not 1 <= n <= MAX_N:
+                raise BadRequest(f"sampling_params.n={n} must be between 1 and {MAX_N}", param="n")
             adapter = self._adapter_for(body.get("model"))
             opts = parse_sampling(
                 params,
@@ -445,12 +446,20 @@ class EmbeddedServer:
                 want_mask=self.config.return_sampling_mask,
             )
             rid = str(body.get("request_id") or uuid.uuid4().hex)
-            req = EngineRequest(f"generate-tokens-{rid}", prompt, opts, adapter, self.max_model_len)
-            await self._run_requests([req])
+            reqs = [EngineRequest(f"generate-tokens-{rid}-{i}", prompt, opts if i == 0 or opts.seed is None else
+                                  dataclasses.replace(opts, seed=opts.seed + i), adapter, self.max_model_len)
+                    for i in range(n)]  # n completions, completion i seeded with seed + i (as vLLM)
+            await self._run_requests(reqs)
         except BadRequest as exc:
             return error_response(exc.message, exc.status, exc.param)
+        choices = [self._generate_choice(index, req, opts.logprobs is not None) for index, req in enumerate(reqs)]
+        return web.json_response(
+            {"request_id": reqs[0].request_id, "choices": choices, "prompt_logprobs": None, "kv_transfer_params": None}
+        )
+
+    def _generate_choice(self, index: int, req: EngineRequest, with_logprobs: bool) -> dict[str, Any]:
         logprobs = None
-        if opts.logprobs is not None:
+        if with_logprobs:
             content = []
             for i, tok in enumerate(req.output_ids):
                 content.append(
@@ -466,16 +475,14 @@ class EmbeddedServer:
                 )
             logprobs = {"content": content}
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "logprobs": logprobs,
             "finish_reason": req.finish_reason,
             "token_ids": list(req.output_ids),
         }
         if req.sampling_masks and all(m is not None for m in req.sampling_masks):
             choice["sampling_mask"] = [list(m) for m in req.sampling_masks]
-        return web.json_response(
-            {"request_id": req.request_id, "choices": [choice], "prompt_logprobs": None, "kv_transfer_params": None}
-        )
+        return choice
 
     # ------------------------------------------------------------------ weight sync
     async def pause(self, request: web.Request) -> web.Response:

@@ -17,7 +17,8 @@ screen
   load generator per variant through the project's `SamplerClient` (its parse included): the recipe's 512
   rollouts in flight for `SCREEN_S` seconds after a warm-up. Variants (`SCREEN_VARIANTS`): one request per
   rollout (the job before issue #41) or one per group (``n = 8``), with and without per-request seeds, top-8
-  or no log-probs, 12-token completions, and two load processes instead of one (the worker's CPU). Each row:
+  or no log-probs, 12-token completions, two load processes instead of one (the worker's CPU), and the tokens route
+  (``/inference/v1/generate`` with ``n`` and no detokenizing; the served line adds ``--enable-scale-out``). Each row:
   rollouts/s, generated tok/s, the load process's CPU share, the worker's request and parse times, and vLLM's
   own per-request stage means from ``/metrics`` over the variant. Writes ``$OUT/rollouts_screen.json`` and the
   job overrides of the measured winner to ``/tmp/asyncgrpo_rollouts/winner.txt`` (read by ``job``).
@@ -62,8 +63,8 @@ WARMUP_S = 3.0
 INFLIGHT = 512  # the recipe's staleness.max_concurrent_rollouts
 G = 8
 ENGINE_GROUPS = int(os.environ.get("ENGINE_GROUPS", 1024))
-#: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes)
-SCREEN_VARIANTS: dict[str, tuple[int, bool, int, int, int]] = {  # in order of importance (a cut call keeps the first)
+#: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes[, tokens route])
+SCREEN_VARIANTS: dict[str, tuple] = {  # in order of importance (a cut call keeps the first)
     "per_rollout": (1, True, 8, 64, 1),           # the job's requests before issue #41
     "group": (G, True, 8, 64, 1),                 # one request per group (n = 8)
     "per_rollout_short": (1, True, 8, 12, 1),     # the late steps' shape: ~10-token completions
@@ -71,6 +72,8 @@ SCREEN_VARIANTS: dict[str, tuple[int, bool, int, int, int]] = {  # in order of i
     "group_logprobs0": (G, True, 0, 64, 1),       # what top-8 log-probs cost (score centering needs them)
     "group_noseed": (G, False, 8, 64, 1),
     "group_2proc": (G, True, 8, 64, 2),           # two worker processes
+    "group_tokens": (G, True, 8, 64, 1, True),    # /inference/v1/generate, tokens in and out, no detokenizing
+    "group_tokens_short": (G, True, 8, 12, 1, True),
 }
 ENGINE_VARIANTS: dict[str, dict] = {
     "job": {"seed": True, "logprobs": 8, "max_tokens": 64},
@@ -95,8 +98,10 @@ def job_argv(name: str, run_dir: Path, extra: list[str] | None = None) -> list[s
 
 
 def serve_argv() -> list[str]:
-    """``asyncgrpo serve`` of the recipe (the job's own server line); checked on CPU in CI."""
-    return [sys.executable, "-m", "asyncgrpo_cli", "serve", f"+recipe={RECIPE}", f"sampler.port={PORT}"]
+    """``asyncgrpo serve`` of the recipe (the job's own server line, plus ``--enable-scale-out``: the tokens route
+    the ``*_tokens`` variants use; it only adds routes); checked on CPU in CI."""
+    return [sys.executable, "-m", "asyncgrpo_cli", "serve", f"+recipe={RECIPE}", f"sampler.port={PORT}",
+            "sampler.extra_args=[--enable-scale-out]"]
 
 
 def versions() -> dict:
@@ -194,12 +199,13 @@ def phase_engine() -> int:
 
 # ---------------------------------------------------------------------------------------------- screen
 async def _load(n: int, seeds: bool, logprobs: int, max_tokens: int, inflight: int, seconds: float,
-                prompts: list[list[int]], model: str) -> dict:
+                prompts: list[list[int]], model: str, tokens_route: bool = False) -> dict:
     """Keep ``inflight`` rollouts in flight for ``seconds`` (after `WARMUP_S`), as the worker does."""
     from asyncgrpo_cli.sampler.client import SamplerClient, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=logprobs)
-    client = SamplerClient(URL, max_concurrency=max(1, inflight // n) + 4, timeout_s=300, request_seeds=seeds)
+    client = SamplerClient(URL, max_concurrency=max(1, inflight // n) + 4, timeout_s=300, request_seeds=seeds,
+                           tokens_route=tokens_route)
     stats = {"rollouts": 0, "tokens": 0, "request_s": [], "parse_s": []}
     measuring = False
     stop = False
@@ -245,11 +251,12 @@ def _metrics() -> "object | None":
 def screen_variant(name: str, prompts: list[list[int]], model: str) -> dict:
     from asyncgrpo_cli.sampler.server_load import request_time_means
 
-    n, seeds, logprobs, max_tokens, procs = SCREEN_VARIANTS[name]
+    n, seeds, logprobs, max_tokens, procs, *rest = SCREEN_VARIANTS[name]
+    tokens_route = bool(rest and rest[0])
     before = _metrics()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (n, seeds, logprobs, max_tokens, INFLIGHT // procs, SCREEN_S, prompts, model)
+    args = (n, seeds, logprobs, max_tokens, INFLIGHT // procs, SCREEN_S, prompts, model, tokens_route)
     workers = [ctx.Process(target=_load_process, args=(args, queue)) for _ in range(procs)]
     for w in workers:
         w.start()
@@ -262,7 +269,7 @@ def screen_variant(name: str, prompts: list[list[int]], model: str) -> dict:
     request_s = [x for p in parts for x in p["request_s"]]
     parse_s = [x for p in parts for x in p["parse_s"]]
     row = {"variant": name, "n": n, "request_seeds": seeds, "logprobs": logprobs, "max_tokens": max_tokens,
-           "load_processes": procs, "inflight_rollouts": INFLIGHT, "wall_s": round(wall, 2),
+           "load_processes": procs, "tokens_route": tokens_route, "inflight_rollouts": INFLIGHT, "wall_s": round(wall, 2),
            "rollouts_per_s": round(rollouts / wall, 1), "generated_tokens_per_s": round(tokens / wall, 1),
            "completion_tokens_mean": round(tokens / max(1, rollouts), 2),
            "load_cpu_frac": round(sum(p["cpu_s"] for p in parts) / wall / procs, 3),
@@ -307,7 +314,7 @@ def phase_screen() -> int:
                                           httpx.get(f"{URL}/metrics", timeout=10).text.splitlines()
                                           if line.startswith("vllm:") and "_seconds" in line})
         # The group request against vLLM itself: n completions, completion i sampled with seed + i (conformance).
-        check = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "group_request",
+        check = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "group_request or tokens_route",
                                 str(ROOT / "tests" / "sampler" / "test_conformance.py")], capture_output=True, text=True,
                                timeout=240, env={**os.environ, "ASYNCGRPO_CONFORMANCE_URL": URL})
         result["conformance_group_requests"] = {"exit": check.returncode, "tail": check.stdout.splitlines()[-3:]}
