@@ -373,7 +373,8 @@ def test_lora_re_push_after_a_restart_loads_the_current_adapter_and_forgets_the_
     assert backend.window.names == ["policy-v3", "policy-v4"] and ("unload", "policy-v3") not in server.calls
 
 
-def test_a_rollout_under_an_adapter_a_restarted_server_lost_is_resent_under_the_current_one():
+@pytest.mark.parametrize("group", [False, True], ids=["one request per rollout", "one request per group"])
+def test_a_rollout_under_an_adapter_a_restarted_server_lost_is_resent_under_the_current_one(group):
     import asyncio
     from types import SimpleNamespace
 
@@ -386,23 +387,37 @@ def test_a_rollout_under_an_adapter_a_restarted_server_lost_is_resent_under_the_
         def __init__(self):
             self.outage = outage
 
-        async def generate_turn(self, prompt_ids, sampling, model=None):
+        async def generate_turns(self, prompt_ids, sampling, n, model=None):
             sent.append(model)
             if model == "policy-v2":  # waited through a restart; only policy-v3 was re-pushed
                 outage.refused("refused")
                 outage.answered()
                 raise SamplerRequestError("404", "/v1/completions", 404, "The model `policy-v2` does not exist.")
-            return SimpleNamespace(to_turn_record=lambda: "turn")
+            return [SimpleNamespace(to_turn_record=lambda: "turn", request_s=0.1, parse_s=0.0) for _ in range(n)]
+
+        async def generate_turn(self, prompt_ids, sampling, model=None):
+            return (await self.generate_turns(prompt_ids, sampling, 1, model))[0]
+
+    def make_loop(served_model):
+        loop = SimpleNamespace(client=Client(), sampling=None, served_model=served_model,
+                               metrics=SimpleNamespace(add=lambda *a: None))
+        for name in ("_request", "_record_request"):  # the request path of the loop (rollout/requests.py)
+            setattr(loop, name, getattr(AsyncRolloutLoop, name).__get__(loop))
+        return loop
+
+    def call(loop, prompt):
+        if group:
+            return AsyncRolloutLoop.generate_group_turns(loop, prompt, 3)
+        return AsyncRolloutLoop.generate_one_turn(loop, prompt)
 
     names = iter(["policy-v2", "policy-v3"])
-    loop = SimpleNamespace(client=Client(), sampling=None, served_model=lambda: next(names))
-    assert asyncio.run(AsyncRolloutLoop.generate_one_turn(loop, [1, 2])) == "turn"
+    got = asyncio.run(call(make_loop(lambda: next(names)), [1, 2]))
+    assert got == (["turn"] * 3 if group else "turn")
     assert sent == ["policy-v2", "policy-v3"]
     # without an outage in between, a 404 is the user's error: raised
-    loop = SimpleNamespace(client=Client(), sampling=None, served_model=lambda: "policy-v2")
     outage.answered()
     with pytest.raises(SamplerRequestError):
-        asyncio.run(AsyncRolloutLoop.generate_one_turn(loop, [1]))  # recoveries change but the name does not
+        asyncio.run(call(make_loop(lambda: "policy-v2"), [1]))  # recoveries change but the name does not
 
 
 # ---------------------------------------------------------------------------------------------- processes
