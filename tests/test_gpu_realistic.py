@@ -95,7 +95,8 @@ def test_trl_figures_plan_and_exact_error():
 
 def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     ours = {"summary": {"steps_measured": 5, "trained_tokens_per_s": 6000.0, "trainer_busy_frac": 0.75,
-                        "generated_tokens_per_s": 7000.0, "weight_sync_s": 0.6}, "rows": []}
+                        "generated_tokens_per_s": 7000.0, "weight_sync_s": 0.6},
+            "rows": [{"busy_frac": 0.1}, {"busy_frac": 0.8}, {"busy_frac": 0.72}]}
     sync = {"summary": {**ours["summary"], "trained_tokens_per_s": 3000.0, "trainer_busy_frac": 0.5}, "rows": []}
     trl = {"figures": {"trained_tokens_per_s": 2000.0, "rows": [{"step": 1}]}, "mode_measured": "colocate"}
     for name, data in {"realistic_job_async.json": ours, "realistic_job_sync.json": sync, "realistic_trl.json": trl,
@@ -104,6 +105,7 @@ def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     out = realistic_trl.combine(tmp_path, tmp_path / "out")
     assert out["ours_over_trl"] == 3.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
     assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7
+    assert out["figures"]["async"]["busy_frac_min_step"] == 0.72  # step 1 (start-up) left out
     assert {k: v["met"] for k, v in out["targets"].items()} == {
         "async_over_sync_trained_tok_s": True, "ours_over_trl_trained_tok_s": True, "async_busy_frac": True,
         "generation_frac_of_engine": True}
@@ -143,3 +145,17 @@ def test_the_stage_plan_is_the_packing_of_its_items_and_carries_trl_last():
     trl = [r for r in build_parts.read_manifest() if r[0] == "trl"]
     assert [r[1] for r in trl] == ["trl-1.16.0-py3-none-any.whl"]
     assert parts[-1][0] == "trl" and f"p{len(parts):02d}" == packed[trl[0][1]]
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_trl_accepts_the_arguments(mode, tmp_path):
+    """Every argument `trl_run.grpo_kwargs` gives is a field of TRL's GRPOConfig (where trl is installed; CI has
+    none: the GPU session's install.py stages trl 1.16.0, and `pip install --no-deps trl==1.16.0` runs it here)."""
+    trl = pytest.importorskip("trl")
+    import trl_run
+
+    kw = trl_run.grpo_kwargs(mode, str(tmp_path), 20, 48, learning_rate=1e-6, completion=512, max_model_len=1024,
+                             server_url="http://127.0.0.1:8011", bf16=False)  # TRL refuses bf16 without a GPU
+    config = trl.GRPOConfig(**kw)
+    assert config.generation_batch_size == 48 and config.steps_per_generation == 6
+    assert config.vllm_mode == mode and config.gradient_checkpointing and config.lr_scheduler_type == "constant"

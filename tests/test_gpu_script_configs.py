@@ -240,7 +240,7 @@ def test_trl_runs_the_same_job_as_ours(realistic_assets):
     assert kw["learning_rate"] == cfg.trainer.learning_rate and kw["vllm_max_model_length"] == 1024
     assert kw["bf16"] is cfg.trainer.bf16 is True and kw["gradient_checkpointing"] is True
     assert kw["use_vllm"] and kw["vllm_mode"] == "colocate" and kw["beta"] == cfg.loss.beta == 0.0
-    assert kw["loss_type"] == cfg.loss.loss_type
+    assert kw["loss_type"] == cfg.loss.loss_type and kw["lr_scheduler_type"] == cfg.trainer.lr_scheduler_type
     assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 48
     with pytest.raises(ValueError, match="multiple of num_generations"):
         trl_run.grpo_kwargs("colocate", "/tmp/x", 20, 44, learning_rate=1e-6, completion=512, max_model_len=1024)

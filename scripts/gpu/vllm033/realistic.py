@@ -6,7 +6,7 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
-    python3 scripts/gpu/vllm033/realistic.py combine DIR   # here, no GPU: ours_over_trl from the fetched JSONs
+    python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
 
 The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
 Qwen3-1.7B shape (``scripts/bench``'s ``qwen3-1.7b``, Qwen3-1.7B's vocabulary of 151,936 and tied embeddings; bf16
@@ -19,7 +19,8 @@ activation (gradient) checkpointing (`trl_run.py`).
 
 Each phase writes ``$OUT/realistic_<phase>.json`` (versions, date, exact commands, one row per step, GPU memory
 per process from ``nvidia-smi`` polled every `POLL_S` seconds: `gpu_memory`), rewritten as it goes. A run still
-going at `DEADLINE_S` gets a SIGINT (ours saves and stops) and a SIGKILL `GRACE_S` later.
+going at `DEADLINE_S` (or earlier, so that the call ends within `CALL_S`) gets a SIGINT (ours saves and stops) and
+a SIGKILL `GRACE_S` later.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ STEPS = int(os.environ.get("REALISTIC_STEPS", 30))
 DEADLINE_S = float(os.environ.get("REALISTIC_DEADLINE_S", 470))
 GRACE_S = float(os.environ.get("REALISTIC_GRACE_S", 110))  # SIGINT's save of 1.7B fp32 weights + AdamW (~20 GB)
 POLL_S = float(os.environ.get("REALISTIC_POLL_S", 3))
+CALL_S = float(os.environ.get("REALISTIC_CALL_S", 570))  # what one device call may use (600 s a call)
+T0 = time.monotonic()
 VOCAB = 151936
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -233,8 +236,9 @@ def phase_job(name: str) -> int:
     run_dir = WORK / f"job_{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [*CLI, "train", *job_overrides(model, data, run_dir, name)]
+    deadline = min(DEADLINE_S, CALL_S - (time.monotonic() - T0) - GRACE_S)  # the build counts against the call
     result.update({"command": "PYTHONPATH=scripts/gpu/vllm033:$PYTHONPATH asyncgrpo " + " ".join(argv[3:]),
-                   "deadline_s": DEADLINE_S, "poll_s": POLL_S})
+                   "deadline_s": round(deadline, 1), "poll_s": POLL_S})
     log = WORK / f"job_{name}.log"
     poller = gpu_memory.Poller(POLL_S).start()
 
@@ -243,7 +247,7 @@ def phase_job(name: str) -> int:
         result["rows"] = step_rows(rows, poller.samples, poller.processes)
         write(f"realistic_job_{name}.json", result)
 
-    result.update(run_until(argv, log, DEADLINE_S, GRACE_S, tick, child_env()))
+    result.update(run_until(argv, log, deadline, GRACE_S, tick, child_env()))
     poller.stop()
     rows = bench_e2e.read_metrics(run_dir)
     text = log.read_text(errors="replace")
@@ -340,11 +344,12 @@ def main() -> int:
     if phase == "combine":
         import realistic_trl
 
-        out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT))
+        out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT),
+                                    Path(sys.argv[3]) if len(sys.argv) > 3 else None)
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
     print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, trl [colocate|server], "
-          "combine DIR")
+          "combine IN [OUT]")
     return 2
 
 

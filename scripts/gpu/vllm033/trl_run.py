@@ -9,7 +9,8 @@ generation, for the CPU check of this script only.
 
 The settings mirror our job (`realistic.job_overrides`): the model (fp32 weights, as ours: TRL loads float32 unless
 told otherwise, and ``bf16=True`` is mixed precision), ``num_generations`` 8, 512 completion tokens, learning rate,
-bf16, gradient checkpointing, ``beta`` 0 and the ``dapo`` loss (both sides' defaults), `offline.number_reward`.
+bf16, gradient checkpointing, ``beta`` 0 and the ``dapo`` loss (both sides' defaults), a constant learning rate
+(ours; TRL's default schedule is transformers' linear decay), `offline.number_reward`.
 A step trains ``--per-step`` completions (a multiple of 8): ``per_device_train_batch_size`` 8 (one group per
 micro-batch) times ``gradient_accumulation_steps``, generated in one batch per step (TRL's default
 ``steps_per_generation`` = ``gradient_accumulation_steps``: on-policy).
@@ -48,8 +49,8 @@ def grpo_kwargs(mode: str, output_dir: str, steps: int, per_step: int, *, learni
     kwargs = dict(output_dir=output_dir, max_steps=steps, learning_rate=learning_rate, num_generations=G,
                   max_completion_length=completion, per_device_train_batch_size=G,
                   gradient_accumulation_steps=per_step // G, bf16=bf16, gradient_checkpointing=True, beta=0.0,
-                  loss_type="dapo", temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-                  use_vllm=mode != "none")
+                  loss_type="dapo", temperature=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                  report_to="none", seed=0, use_vllm=mode != "none")
     if mode != "none":
         kwargs.update(vllm_mode=mode, vllm_max_model_length=max_model_len,
                       vllm_gpu_memory_utilization=gpu_memory_utilization)
