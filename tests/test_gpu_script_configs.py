@@ -189,3 +189,79 @@ def test_the_runs_of_issue_37_pass_the_train_checks(offline_assets, run):
                  "lora": offline.lora_overrides("/tmp/x/lora"),
                  "moe": offline.moe_overrides(offline_assets / "moe_model", "/tmp/x/moe")}[run]
     check(overrides, "train")
+
+
+@pytest.fixture(scope="module")
+def realistic_assets(tmp_path_factory) -> Path:
+    """Issue #42's stand-in (scripts/gpu/vllm033/realistic.py) at the tiny shape, on CPU."""
+    import realistic
+
+    work = tmp_path_factory.mktemp("realistic")
+    realistic.build(work, shape="tiny", device="cpu", rows=64)
+    return work
+
+
+@pytest.mark.parametrize("name", ["async", "sync"])
+def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
+    """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
+    through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
+    must import, one GPU is shared with vLLM."""
+    import realistic
+
+    overrides = realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic", name)
+    check(overrides, "train")
+    cfg = compose([*overrides, *CPU_ONLY])
+    assert cfg.rollout.num_generations == 8 and cfg.rollout.max_completion_length == 512
+    assert (cfg.staleness.max_staleness == 0) == (name == "sync")
+    assert cfg.trainer.activation_checkpointing and cfg.launch.colocate and cfg.sampler.backend.value == "vllm"
+
+
+def test_the_realistic_job_check_bites(realistic_assets):
+    """A max_model_len that a prompt plus 512 completion tokens does not fit is refused on CPU too."""
+    import realistic
+
+    from asyncgrpo_cli.config.rules import ConfigError
+
+    overrides = realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        check([*overrides, "sampler.max_model_len=520"], "train")
+
+
+def test_trl_runs_the_same_job_as_ours(realistic_assets):
+    """TRL's GRPOConfig arguments (trl_run.py) against our job's: model settings, data, G, completion length, learning
+    rate, bf16, checkpointing; a step of whole groups; server mode needs its URL."""
+    import realistic
+    import trl_run
+
+    cfg = compose(realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic"))
+    kw = trl_run.grpo_kwargs("colocate", "/tmp/x/trl", 20, 48, learning_rate=cfg.trainer.learning_rate,
+                             completion=cfg.rollout.max_completion_length, max_model_len=cfg.sampler.max_model_len)
+    assert kw["num_generations"] == cfg.rollout.num_generations and kw["max_completion_length"] == 512
+    assert kw["learning_rate"] == cfg.trainer.learning_rate and kw["vllm_max_model_length"] == 1024
+    assert kw["bf16"] is cfg.trainer.bf16 is True and kw["gradient_checkpointing"] is True
+    assert kw["use_vllm"] and kw["vllm_mode"] == "colocate" and kw["beta"] == cfg.loss.beta == 0.0
+    assert kw["loss_type"] == cfg.loss.loss_type and kw["lr_scheduler_type"] == cfg.trainer.lr_scheduler_type
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 48
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        trl_run.grpo_kwargs("colocate", "/tmp/x", 20, 44, learning_rate=1e-6, completion=512, max_model_len=1024)
+    with pytest.raises(ValueError, match="--server-url"):
+        trl_run.grpo_kwargs("server", "/tmp/x", 20, 48, learning_rate=1e-6, completion=512, max_model_len=1024)
+    argv = " ".join(__import__("realistic_trl").trl_argv("colocate", Path("/tmp/x/r.jsonl"), {"steps": 20, "per_step": 48}))
+    assert f"--model {realistic.paths()[0]}" in argv and "--learning-rate 1e-06" in argv and "--completion 512" in argv
+
+
+def test_the_full_realistic_shape_is_qwen3_17b_and_its_vocabulary_is_covered():
+    import bench_packing
+    import offline
+    import realistic
+
+    assert bench_packing.SHAPES["qwen3-1.7b"]["num_hidden_layers"] == 28 and realistic.VOCAB == 151936
+    vocab = offline.word_vocab(realistic.VOCAB)
+    assert sorted(vocab.values()) == list(range(realistic.VOCAB))  # vLLM detokenizes any sampled id
+
+
+def test_the_realistic_phases_are_in_run_sh():
+    text = (ROOT / "scripts/gpu/vllm033/run.sh").read_text()
+    for line in ("realistic.py engine", 'realistic.py job "${1#realistic_job_}"', "realistic.py trl colocate",
+                 "realistic.py trl server"):
+        assert line in text

@@ -13,6 +13,13 @@ project's own missing wheels and model, cut into parts of at most 58 MiB (one pa
    has can be skipped), and writes ``scripts/gpu/vllm033/PARTS.txt`` (the plan `install.py` reads).
 
 Re-running is idempotent: existing pieces whose sha256 matches are kept.
+
+    python3 scripts/gpu/vllm033/build_parts.py --add-group trl     # one group, after the parts already planned
+
+adds one group of ``wheels.txt`` (``trl``: TRL's wheel for issue #42's comparison, the last group of
+`GROUP_ORDER`, so a full rebuild plans it in the same part) in new parts after the last one of ``PARTS.txt``,
+downloading and cutting only that group's wheels: the other parts stay as they are. Exits with a message when the
+group is unknown or already planned.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent.parent
 PIECE = 58 * 1024 * 1024
-GROUP_ORDER = ["project", "core", "nccl", "nvshmem", "cusparselt", "cudnn"]
+GROUP_ORDER = ["project", "core", "nccl", "nvshmem", "cusparselt", "cudnn", "trl"]  # trl last: optional
 
 
 def sha256(path: Path) -> str:
@@ -64,12 +71,91 @@ def download(rows: list[tuple[str, str, int, str]], dest: Path) -> None:
             sys.exit(f"build_parts: sha256 mismatch for {name}")
 
 
+def item_lines_and_pieces(items: list[tuple[str, str, str, Path]], groups: list[str]) -> tuple[list[str], list]:
+    """ITEM lines and the pieces (group, piece name, item name, index, bytes, source, offset) of ``items``, group
+    by group in ``groups``' order."""
+    lines, pieces = [], []
+    for group in groups:
+        for g, kind, name, src in items:
+            if g != group:
+                continue
+            size = src.stat().st_size
+            count = max(1, -(-size // PIECE))
+            lines.append(f"ITEM {g} {kind} {name} {size} {sha256(src)} {count}")
+            for index in range(count):
+                piece = name if count == 1 else f"{name}.part{index:02d}"
+                pieces.append((g, piece, name, index, min(PIECE, size - index * PIECE), src, index * PIECE))
+    return lines, pieces
+
+
+def pack(pieces: list, groups: list[str]) -> list[tuple[str, list, int]]:
+    """First-fit of the pieces into parts of at most `PIECE` bytes, never mixing groups, biggest pieces first
+    within a group: [(group, members, bytes)]."""
+    parts: list[tuple[str, list, int]] = []
+    for group in groups:
+        own = sorted((p for p in pieces if p[0] == group), key=lambda p: -p[4])
+        group_parts: list[list] = []
+        fill: list[int] = []
+        for p in own:
+            for i, used in enumerate(fill):
+                if used + p[4] <= PIECE:
+                    group_parts[i].append(p)
+                    fill[i] += p[4]
+                    break
+            else:
+                group_parts.append([p])
+                fill.append(p[4])
+        parts += [(group, gp, f) for gp, f in zip(group_parts, fill)]
+    return parts
+
+
+def write_parts(parts: list[tuple[str, list, int]], first: int) -> list[str]:
+    """Cut the pieces into ``.stage033/pNN/`` from part number ``first`` on; returns their PIECE lines."""
+    stage = ROOT / ".stage033"
+    stage.mkdir(exist_ok=True)
+    lines = []
+    for number, (group, members, _fill) in enumerate(parts, start=first):
+        part = f"p{number:02d}"
+        folder = stage / part
+        folder.mkdir(exist_ok=True)
+        for g, piece, name, index, size, src, offset in members:
+            dst = folder / piece
+            if not (dst.exists() and dst.stat().st_size == size):
+                with open(src, "rb") as f:
+                    f.seek(offset)
+                    dst.write_bytes(f.read(size))
+            lines.append(f"PIECE {part} {g} {piece} {name} {index} {size} {sha256(dst)}")
+        print(f"{part} {group:10s} {_fill / 2**20:5.1f} MiB  {len(members)} pieces")
+    return lines
+
+
+def add_group(group: str, rows: list[tuple[str, str, int, str]], wheels_dir: Path) -> None:
+    """The ``--add-group`` mode (module docstring)."""
+    plan = (HERE / "PARTS.txt").read_text()
+    records = [line.split() for line in plan.splitlines()]
+    if group not in {r[0] for r in rows}:
+        sys.exit(f"build_parts: --add-group {group}: wheels.txt has no such group; use one of "
+                 f"{sorted({r[0] for r in rows})}")
+    if any(f[:2] == ["ITEM", group] for f in records):
+        sys.exit(f"build_parts: --add-group {group}: PARTS.txt already plans it")
+    own = [r for r in rows if r[0] == group]
+    download(own, wheels_dir)
+    lines, pieces = item_lines_and_pieces([(g, "wheel", name, wheels_dir / name) for g, name, _s, _d in own], [group])
+    last = max(int(f[1][1:]) for f in records if f and f[0] == "PIECE")
+    lines += write_parts(pack(pieces, [group]), last + 1)
+    (HERE / "PARTS.txt").write_text(plan + "\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", default="/tmp/vllm033_wheels", help="download folder for the vLLM stack")
+    parser.add_argument("--add-group", help="plan only this group of wheels.txt, after the existing parts")
     args = parser.parse_args()
     rows = read_manifest()
     wheels_dir = Path(args.wheels)
+    if args.add_group:
+        add_group(args.add_group, rows, wheels_dir)
+        return
     download(rows, wheels_dir)
 
     # items: (group, kind, name, source path)
@@ -85,53 +171,14 @@ def main() -> None:
     for group, name, _size, _digest in rows:
         items.append((group, "wheel", name, wheels_dir / name))
 
-    stage = ROOT / ".stage033"
     lines = ["# Stage plan for scripts/gpu/vllm033/install.py, written by build_parts.py. Records:",
              "#   ITEM  <group> <kind> <name> <bytes> <sha256> <n-pieces>",
              "#   PIECE <part> <group> <piece> <name> <index> <bytes> <sha256>",
              "# A one-piece item travels whole (piece == name); else <name>.partNN, joined in index order."]
-    pieces = []  # (group, piece name, item name, index, bytes, source, offset)
-    for group in GROUP_ORDER:
-        for g, kind, name, src in items:
-            if g != group:
-                continue
-            size = src.stat().st_size
-            count = max(1, -(-size // PIECE))
-            lines.append(f"ITEM {g} {kind} {name} {size} {sha256(src)} {count}")
-            for index in range(count):
-                piece = name if count == 1 else f"{name}.part{index:02d}"
-                pieces.append((g, piece, name, index, min(PIECE, size - index * PIECE), src, index * PIECE))
-    # First-fit into parts, never mixing groups, biggest pieces first within a group.
-    parts: list[tuple[str, list, int]] = []
-    for group in GROUP_ORDER:
-        own = sorted((p for p in pieces if p[0] == group), key=lambda p: -p[4])
-        group_parts: list[list] = []
-        fill: list[int] = []
-        for p in own:
-            for i, used in enumerate(fill):
-                if used + p[4] <= PIECE:
-                    group_parts[i].append(p)
-                    fill[i] += p[4]
-                    break
-            else:
-                group_parts.append([p])
-                fill.append(p[4])
-        parts += [(group, gp, f) for gp, f in zip(group_parts, fill)]
-    stage.mkdir(exist_ok=True)
-    for number, (group, members, _fill) in enumerate(parts, start=1):
-        part = f"p{number:02d}"
-        folder = stage / part
-        folder.mkdir(exist_ok=True)
-        for g, piece, name, index, size, src, offset in members:
-            dst = folder / piece
-            if not (dst.exists() and dst.stat().st_size == size):
-                with open(src, "rb") as f:
-                    f.seek(offset)
-                    dst.write_bytes(f.read(size))
-            lines.append(f"PIECE {part} {g} {piece} {name} {index} {size} {sha256(dst)}")
+    item_lines, pieces = item_lines_and_pieces(items, GROUP_ORDER)
+    lines += item_lines
+    lines += write_parts(pack(pieces, GROUP_ORDER), 1)
     (HERE / "PARTS.txt").write_text("\n".join(lines) + "\n")
-    for number, (group, members, fill) in enumerate(parts, start=1):
-        print(f"p{number:02d} {group:10s} {fill / 2**20:5.1f} MiB  {len(members)} pieces")
 
 
 if __name__ == "__main__":

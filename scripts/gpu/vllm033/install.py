@@ -16,6 +16,11 @@ wheels into ``/tmp/asyncgrpo_site`` (``pip --target``, no index), puts the SmolL
 A conditional group (nccl, nvshmem, cusparselt, cudnn) is needed only when the image's copy is older than the
 one torch 2.14.0 pins; its parts are then listed as needed, else skipped.
 
+An optional group (`OPTIONAL`: ``trl``, issue #42's TRL wheel, part p45) is never waited for: once its pieces are
+staged (carried in any call, before or after the install), its wheels go into ``/tmp/asyncgrpo_site`` without
+dependencies, and the requirements of their ``METADATA`` are checked against what the image and both sites hold
+(`unmet_requirements`: printed, the install goes on; the ``vllm`` extra's pins too, for the record).
+
 Exit status: 0 installed and checked; 2 waiting for parts (the message names them); 1 failure.
 """
 
@@ -37,6 +42,7 @@ SITE = Path(os.environ.get("ASYNCGRPO_SITE", "/tmp/asyncgrpo_site"))
 CONDITIONAL = {"nccl": "nvidia-nccl-cu13", "nvshmem": "nvidia-nvshmem-cu13", "cusparselt": "nvidia-cusparselt-cu13",
                "cudnn": "nvidia-cudnn-cu13"}
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+OPTIONAL = {"trl": ("vllm",)}  # group -> extras whose pins are also reported
 
 sys.path.insert(0, str(HERE))
 from build_parts import sha256  # noqa: E402  (the same digest both sides)
@@ -135,6 +141,51 @@ def pip_target(target: Path, wheels: list[Path]) -> None:
         raise SystemExit(f"install: pip could not install into {target}")
 
 
+def unmet_requirements(metadata: str, paths: list[str], extras: tuple[str, ...] = ()) -> list[str]:
+    """The ``Requires-Dist`` entries of a wheel's METADATA text (those without a marker, or whose marker holds
+    with one of ``extras`` or none) that the distributions found on ``paths`` do not satisfy, as
+    ``"<requirement>: missing"`` or ``"<requirement>: <version> found"``."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+            continue
+        found = list(md.distributions(name=req.name, path=paths))
+        if not found:
+            out.append(f"{req}: missing")
+        elif req.specifier and not req.specifier.contains(found[0].version, prereleases=True):
+            out.append(f"{req}: {found[0].version} found")
+    return out
+
+
+def install_optional(items: dict, pieces: list) -> None:
+    """Install each `OPTIONAL` group whose pieces are all staged (once; a marker in the site says so)."""
+    import zipfile
+
+    for group, extras in OPTIONAL.items():
+        own = [p for p in pieces if p["group"] == group]
+        marker = SITE / f".{group}_installed"
+        if not own or marker.exists():
+            continue
+        if not all(have_piece(p) for p in own):
+            print(f"install: {group} not staged (carry {' '.join(sorted({p['part'] for p in own}))} to add it)")
+            continue
+        wheels = [joined(n, it, pieces) for n, it in items.items() if it["group"] == group]
+        pip_target(SITE, wheels)
+        paths = [str(SITE), str(VSITE), *(p for p in sys.path if p)]
+        for whl in wheels:
+            with zipfile.ZipFile(whl) as z:
+                meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+            core, with_extras = unmet_requirements(meta, paths), unmet_requirements(meta, paths, extras)
+            print(f"install: {whl.name}: requirements unmet: {core or 'none'}; with extras {list(extras)}: "
+                  f"{[r for r in with_extras if r not in core] or 'none'}")
+        marker.write_text("ok")
+
+
 def check() -> int:
     env = {**os.environ, "PYTHONPATH": f"{SITE}:{VSITE}:{VSITE}/nvidia_cutlass_dsl/dsl_packages"}
     code = ("import torch, vllm, importlib.metadata as md; "
@@ -183,6 +234,7 @@ def main() -> int:
             f"export PATH={VSITE}/bin:$PATH\n")
         marker.write_text("ok")
         print(f"install: {len(stack)} wheels in {VSITE}, {len(project)} in {SITE}, the GGUF in {package}")
+    install_optional(items, pieces)
     return 0 if check() == 0 else 1
 
 

@@ -1,0 +1,357 @@
+"""Issue #42 on one H200 with vLLM 0.33 (staged by `install.py`): a 1.7B-class job with 512-token completions,
+ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPOTrainer``, with no network.
+
+    python3 scripts/gpu/vllm033/realistic.py engine        # builds the stand-in, then vLLM's offline LLM.generate
+    python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
+    python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
+    python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
+    python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
+    python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
+
+The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
+Qwen3-1.7B shape (``scripts/bench``'s ``qwen3-1.7b``, Qwen3-1.7B's vocabulary of 151,936 and tied embeddings; bf16
+on disk; the default ``initializer_range`` 0.02, so that next-token distributions are near uniform and a
+completion runs to the 512-token limit), `offline.make_tokenizer`'s word-level tokenizer over every id with a
+chat template, `offline.make_deepmath_data`'s problems, and `offline.number_reward` (a random model's text holds
+numbers at random: signal in every group). The job's choices are `job_overrides`; TRL gets the same model, data,
+reward, ``num_generations``, completion length, learning rate, bf16 mixed precision (fp32 weights) and
+activation (gradient) checkpointing (`trl_run.py`).
+
+Each phase writes ``$OUT/realistic_<phase>.json`` (versions, date, exact commands, one row per step, GPU memory
+per process from ``nvidia-smi`` polled every `POLL_S` seconds: `gpu_memory`), rewritten as it goes. A run still
+going at `DEADLINE_S` (or earlier, so that the call ends within `CALL_S`) gets a SIGINT (ours saves and stops) and
+a SIGKILL `GRACE_S` later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent.parent
+for _p in (ROOT, ROOT / "scripts" / "bench", HERE):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+OUT = Path(os.environ.get("OUT") or "gpu_out")
+WORK = Path(os.environ.get("REALISTIC_WORK", "/tmp/asyncgrpo_realistic"))
+CLI = [sys.executable, "-m", "asyncgrpo_cli"]
+G = 8
+COMPLETION = 512
+MAX_MODEL_LEN = 1024  # a ~45-token prompt + 512 completion tokens, with room
+TOKEN_BUDGET = 16384
+GRAD_ACCUM = int(os.environ.get("REALISTIC_GA", 2))  # a step of 2 x 16K forwarded tokens, about 7 groups of 8
+LEARNING_RATE = 1e-6
+STEPS = int(os.environ.get("REALISTIC_STEPS", 30))
+DEADLINE_S = float(os.environ.get("REALISTIC_DEADLINE_S", 470))
+GRACE_S = float(os.environ.get("REALISTIC_GRACE_S", 110))  # SIGINT's save of 1.7B fp32 weights + AdamW (~20 GB)
+POLL_S = float(os.environ.get("REALISTIC_POLL_S", 3))
+CALL_S = float(os.environ.get("REALISTIC_CALL_S", 570))  # what one device call may use (600 s a call)
+T0 = time.monotonic()
+VOCAB = 151936
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+TINY_VOCAB = 2048
+
+
+def paths(work: Path = WORK) -> tuple[Path, Path]:
+    """(model folder, data file) of the stand-in under ``work``."""
+    return work / "model", work / "deepmath.jsonl"
+
+
+def make_model(out: Path, shape: str = "qwen3-1.7b", device: str = "cuda") -> Path:
+    """The random Qwen3 checkpoint (module docstring) in ``out``, kept when it exists. ``shape``: ``qwen3-1.7b``
+    (151,936 ids) or ``tiny`` (`TINY`, 2,048 ids, for the CPU check). Raises KeyError for another shape."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import offline
+
+    if (out / "config.json").exists():
+        return out
+    if shape == "tiny":
+        dims, vocab = TINY, TINY_VOCAB
+    else:
+        from bench_packing import SHAPES
+
+        dims, vocab = SHAPES[shape], VOCAB
+    tokenizer = offline.make_tokenizer(vocab)
+    config = Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=40960,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **dims)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", rows: int = 4000) -> dict:
+    """Model and data under ``work`` (kept when there); returns their paths and the seconds it took."""
+    import offline
+
+    t0 = time.monotonic()
+    model, data = paths(work)
+    if not data.exists():
+        offline.make_deepmath_data(data, n=rows)
+    make_model(model, shape, device)
+    return {"model": str(model), "data": str(data), "build_s": round(time.monotonic() - t0, 1)}
+
+
+def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | str, name: str = "async",
+                  steps: int = STEPS) -> list[str]:
+    """Our job's Hydra overrides (``sync``: on-policy). No recipe: every choice is here. One GPU shared with vLLM
+    (colocated, CUDA-IPC sync); fp32 weights with bf16 autocast and activation checkpointing (the defaults, set
+    so the record shows them; TRL's too); 16K-token rows, `GRAD_ACCUM` of them a step; the default staleness
+    (4) and concurrency ceiling (512) for ``async``."""
+    if name not in ("async", "sync"):
+        raise ValueError(f"job name {name!r}: use async or sync")
+    return [f"model.name={model_dir}", "model.dtype=float32", f"data.name={data_file}",
+            "rewards=[{func:offline:number_reward}]", f"rollout.num_generations={G}",
+            f"rollout.max_completion_length={COMPLETION}", "sampler.backend=vllm",
+            f"sampler.max_model_len={MAX_MODEL_LEN}",
+            "launch.colocate=true", f"packing.token_budget={TOKEN_BUDGET}",
+            f"trainer.gradient_accumulation_steps={GRAD_ACCUM}", f"trainer.learning_rate={LEARNING_RATE}",
+            "trainer.bf16=true", "trainer.activation_checkpointing=true",
+            *(["staleness.max_staleness=0"] if name == "sync" else []),
+            f"trainer.max_steps={steps}", "trainer.logging_steps=1", "logging.dashboard=plain",
+            f"trainer.output_dir={run_dir}", "trainer.save_steps=1000000"]
+
+
+def versions() -> dict:
+    import rollouts
+
+    return rollouts.versions()
+
+
+def write(name: str, result: dict) -> None:
+    text = json.dumps(result, indent=1)
+    for folder in (OUT, WORK):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
+def child_env() -> dict:
+    """The environment of a child: this folder on PYTHONPATH (``offline:number_reward``)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_until(argv: list[str], log: Path, deadline_s: float, grace_s: float, on_tick=None, env=None) -> dict:
+    """Run ``argv`` (own process group, output to ``log``) to its end or ``deadline_s`` (SIGINT; SIGKILL
+    ``grace_s`` later); ``on_tick()`` every 10 s while it runs. Returns exit, wall seconds, stopped."""
+    t0 = time.monotonic()
+    stopped = killed = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        while True:
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            elapsed = time.monotonic() - t0
+            if not stopped and elapsed > deadline_s:
+                stopped = True
+                os.killpg(proc.pid, signal.SIGINT)
+            elif stopped and not killed and elapsed > deadline_s + grace_s:
+                killed = True
+                os.killpg(proc.pid, signal.SIGKILL)
+            if on_tick:
+                on_tick()
+    return {"exit": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1), "stopped_at_deadline": stopped,
+            "killed": killed}
+
+
+# ---------------------------------------------------------------------------------------------- our job
+def step_rows(rows: list[dict], memory: list[dict] | None = None, processes: dict | None = None) -> list[dict]:
+    """One row per logged step: trained tok/s, the trainer's busy share, generated tok/s, weight sync, and the
+    GPU memory peak of each process role over the step (from the `gpu_memory` samples)."""
+    from gpu_memory import peaks
+
+    out, prev_t = [], None
+    t1 = rows[0]["time"] if rows else 0.0
+    for r in rows:
+        step_s, wait = r.get("perf/step_s"), r.get("perf/rollout_wait_s")
+        row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3), "step_s": step_s,
+               "trained_tokens": r.get("batch/trained_tokens_per_step"),
+               "trained_tok_s": r.get("perf/wall_clock_trained_tokens_per_s"),
+               "busy_frac": round(1 - wait / step_s, 4) if step_s and wait is not None else None,
+               "generated_tok_s": r.get("rollout/generated_tokens_per_s"),
+               "weight_sync_s": r.get("perf/weight_sync_s"), "weight_sync_pause_s": r.get("perf/weight_sync_pause_s"),
+               "weight_sync_transfer_s": r.get("perf/weight_sync_transfer_s"), "fwd_bwd_s": r.get("perf/fwd_bwd_s"),
+               "completions": r.get("batch/samples_per_step"), "groups": r.get("batch/groups_per_step"),
+               "reward": r.get("reward"), "staleness_mean": r.get("sample/staleness_mean"),
+               "dropped_stale_count": r.get("sample/dropped_stale_count"),
+               "completion_mean_length": r.get("completions/mean_length"),
+               "rollouts_in_flight": r.get("rollout/concurrency"),
+               "kv_cache_usage_frac": r.get("rollout/vllm_kv_cache_usage_frac")}
+        if memory:
+            row["gpu_peak_mib"] = peaks(memory, processes or {}, prev_t, r["time"])
+        prev_t = r["time"]
+        out.append({k: v for k, v in row.items() if v is not None})
+    return out
+
+
+def completion_figures(rows: list[dict]) -> dict:
+    """Completions trained over the steps after the first, and seconds per 1,000 of them (wall clock from the
+    first step's end to the last's: start-up and step 1 left out, as `bench_e2e.summarize` does)."""
+    kept = [r for r in rows[1:] if r.get("completions")]
+    if not kept:
+        return {"completions_total": sum(r.get("completions", 0) for r in rows)}
+    span = rows[-1]["t_since_step1_s"] - rows[0]["t_since_step1_s"]
+    n = sum(r["completions"] for r in kept)
+    return {"completions_total": sum(r.get("completions", 0) for r in rows), "completions_after_step1": n,
+            "s_per_1000_completions": round(1000 * span / n, 2) if n and span > 0 else None}
+
+
+def planned_vllm_frac(log_text: str) -> float | None:
+    """vLLM's ``--gpu-memory-utilization`` as the job's log prints it (the plan's share), or None."""
+    m = re.search(r"--gpu-memory-utilization[ =]([0-9.]+)", log_text)
+    return float(m.group(1)) if m else None
+
+
+def vllm_memory_lines(log_text: str) -> list[str]:
+    """vLLM's own memory report (weights, KV cache, CUDA graphs) from a log."""
+    keys = ("Model loading took", "KV cache", "Memory profiling", "CUDA graph", "memory usage")
+    return [line.strip()[:300] for line in log_text.splitlines() if any(k in line for k in keys)][:20]
+
+
+def phase_job(name: str) -> int:
+    import bench_e2e
+    import gpu_memory
+
+    result: dict = {"issue": 42, "phase": f"job {name}", "versions": versions(), "stand_in": build()}
+    model, data = paths()
+    run_dir = WORK / f"job_{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = [*CLI, "train", *job_overrides(model, data, run_dir, name)]
+    deadline = min(DEADLINE_S, CALL_S - (time.monotonic() - T0) - GRACE_S)  # the build counts against the call
+    result.update({"command": "PYTHONPATH=scripts/gpu/vllm033:$PYTHONPATH asyncgrpo " + " ".join(argv[3:]),
+                   "deadline_s": round(deadline, 1), "poll_s": POLL_S})
+    log = WORK / f"job_{name}.log"
+    poller = gpu_memory.Poller(POLL_S).start()
+
+    def tick() -> None:
+        rows = bench_e2e.read_metrics(run_dir)
+        result["rows"] = step_rows(rows, poller.samples, poller.processes)
+        write(f"realistic_job_{name}.json", result)
+
+    result.update(run_until(argv, log, deadline, GRACE_S, tick, child_env()))
+    poller.stop()
+    rows = bench_e2e.read_metrics(run_dir)
+    text = log.read_text(errors="replace")
+    result["rows"] = step_rows(rows, poller.samples, poller.processes)
+    result["summary"] = {**bench_e2e.summarize(rows), **completion_figures(result["rows"])}
+    result["gpu_memory"] = {**gpu_memory.summary(poller.samples, poller.processes, planned_vllm_frac(text)),
+                            "poll_errors": poller.errors}
+    result["vllm_memory_log"] = vllm_memory_lines(text)
+    result["plain_tail"] = [line for line in text.splitlines() if line.startswith("step ")][-6:]
+    if result["exit"] not in (0, 130) or not rows:
+        result["log_tail"] = text.splitlines()[-40:]
+    write(f"realistic_job_{name}.json", result)
+    subprocess.run(["tar", "czf", str(OUT / f"logs_realistic_{name}.tgz"), "-C", str(WORK), log.name,
+                    f"{run_dir.name}/metrics.jsonl", f"{run_dir.name}/status.json", f"{run_dir.name}/logs"],
+                   capture_output=True)
+    for ckpt in run_dir.glob("checkpoint-*"):  # ~20 GB each: the machine's disk holds 64 GiB
+        shutil.rmtree(ckpt, ignore_errors=True)
+    print(json.dumps(result["summary"]), flush=True)
+    return 0 if result["exit"] in (0, 130) and rows else 1
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def rendered_prompts(model_dir: Path, data_file: Path, groups: int) -> list[list[int]]:
+    """The first ``groups`` prompts as token ids, through the chat template with a generation prompt (as the
+    rollout worker and TRL render them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for line in data_file.read_text().splitlines()[:groups]:
+        ids = tok.apply_chat_template(json.loads(line)["prompt"], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+ENGINE_VARIANTS = {"job": 8, "no_logprobs": None}  # name -> top log-probs (our job asks for 8; TRL for 0)
+
+
+def phase_engine() -> int:
+    from vllm import LLM, SamplingParams
+
+    groups = int(os.environ.get("ENGINE_GROUPS", 64))
+    util = float(os.environ.get("ENGINE_GPU_UTIL", 0.45))
+    result: dict = {"issue": 42, "phase": "engine", "versions": versions(), "stand_in": build(), "runs": []}
+    model, data = paths()
+    prompts = rendered_prompts(model, data, groups)
+    result["workload"] = {"groups": len(prompts), "n": G, "max_tokens": COMPLETION, "temperature": 1.0,
+                          "seed_per_request": True,
+                          "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+                          "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": util,
+                          "logprobs_mode": "processed_logprobs"}
+    write("realistic_engine.json", result)
+    t0 = time.monotonic()
+    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_logprobs=8,
+              logprobs_mode="processed_logprobs", gpu_memory_utilization=util, seed=0)
+    result["start_s"] = round(time.monotonic() - t0, 1)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    seed = 1
+    for name, logprobs in ENGINE_VARIANTS.items():
+        params = []
+        for _ in inputs:
+            params.append(SamplingParams(n=G, temperature=1.0, max_tokens=COMPLETION, logprobs=logprobs, seed=seed))
+            seed += G
+        llm.generate(inputs[:8], params[:8], use_tqdm=False)  # warm-up of this shape
+        t = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        completions = sum(len(o.outputs) for o in outputs)
+        row = {"variant": name, "logprobs": logprobs, "wall_s": round(wall, 3), "completions": completions,
+               "generated_tokens": tokens, "generated_tok_s": round(tokens / wall, 1),
+               "completion_mean_length": round(tokens / max(1, completions), 1)}
+        result["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        write("realistic_engine.json", result)
+    result["engine_generated_tok_s"] = result["runs"][0]["generated_tok_s"]
+    write("realistic_engine.json", result)
+    return 0
+
+
+def main() -> int:
+    phase = sys.argv[1] if len(sys.argv) > 1 else ""
+    if phase == "build":
+        print(json.dumps(build()))
+        return 0
+    if phase == "engine":
+        return phase_engine()
+    if phase == "job":
+        return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
+    if phase == "trl":
+        import realistic_trl
+
+        return realistic_trl.phase_trl(sys.argv[2] if len(sys.argv) > 2 else "colocate")
+    if phase == "combine":
+        import realistic_trl
+
+        out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT),
+                                    Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+        print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
+        return 0
+    print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, trl [colocate|server], "
+          "combine IN [OUT]")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

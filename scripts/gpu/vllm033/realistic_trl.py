@@ -1,0 +1,278 @@
+"""The TRL side of issue #42 (``realistic.py trl [colocate|server]``) and the comparison (``realistic.py combine``).
+
+``trl``: TRL's ``GRPOTrainer`` through `trl_run.py` in a child process (so that its failure, its GPU memory and
+a deadline are the parent's to record), over the same number of completions as our asynchronous run
+(`trl_plan`), with ``nvidia-smi`` polled as for our job. ``colocate`` first; when it trains no step, its exact
+error is kept and, if the call has `SERVER_MIN_S` left, the server mode runs on the same GPU: TRL's own
+``vllm serve`` line (``trl.scripts.vllm_serve.build_command``: NCCL weight transfer, processed log-probs,
+``VLLM_SERVER_DEV_MODE=1``) at TRL's colocated memory share, then the trainer with ``vllm_mode="server"``.
+Writes ``$OUT/realistic_trl.json``.
+
+``combine IN [OUT]``: from ``realistic_job_async.json``, ``realistic_job_sync.json``, ``realistic_trl.json`` and
+``realistic_engine.json`` in ``IN`` (the fetched results), writes ``realistic_async_sync.json`` (our pair, the
+engine's ceiling, ``ours_over_trl`` and the issue's targets) and ``realistic_trl.json`` (TRL's, with
+``ours_over_trl``) into ``OUT`` (default ``scripts/gpu/results/vllm033``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import realistic as R
+
+SERVER_MIN_S = float(os.environ.get("TRL_SERVER_MIN_S", 330))  # vLLM start + trainer start + a few steps
+SERVER_PORT = int(os.environ.get("TRL_SERVER_PORT", 8011))
+TRL_GPU_UTIL = float(os.environ.get("TRL_GPU_UTIL", 0.3))  # TRL's default vllm_gpu_memory_utilization
+DEFAULT_COMPLETIONS, DEFAULT_PER_STEP = 20 * 48, 48
+# Our asynchronous run's result: this machine's (same call series), else the committed one (it travels with the tree).
+ASYNC_RESULTS = [R.WORK / "realistic_job_async.json",
+                 R.ROOT / "scripts" / "gpu" / "results" / "vllm033" / "realistic_job_async.json"]
+
+
+def trl_plan(async_result: dict | None) -> dict:
+    """Steps and completions per step for TRL: as many completions as our asynchronous run trained, in steps of
+    about its completions per step (rounded to a multiple of 8). The run is `ASYNC_RESULTS`' first; without one,
+    960 in steps of 48. ``TRL_COMPLETIONS`` / ``TRL_PER_STEP`` win over both."""
+    total, per_step, source = DEFAULT_COMPLETIONS, DEFAULT_PER_STEP, "default"
+    rows = (async_result or {}).get("rows") or []
+    done = [r["completions"] for r in rows if r.get("completions")]
+    if done:
+        total, source = int(sum(done)), "async run"
+        per_step = max(R.G, R.G * round(sum(done) / len(done) / R.G))
+    total = int(os.environ.get("TRL_COMPLETIONS", total))
+    per_step = int(os.environ.get("TRL_PER_STEP", per_step))
+    return {"completions": total, "per_step": per_step, "steps": max(2, math.ceil(total / per_step)),
+            "source": source if "TRL_COMPLETIONS" not in os.environ else "TRL_COMPLETIONS"}
+
+
+def trl_argv(mode: str, rows: Path, plan: dict, server_url: str | None = None) -> list[str]:
+    model, data = R.paths()
+    argv = [sys.executable, str(R.HERE / "trl_run.py"), "--mode", mode, "--model", str(model), "--data", str(data),
+            "--steps", str(plan["steps"]), "--per-step", str(plan["per_step"]), "--rows", str(rows),
+            "--output-dir", str(R.WORK / f"trl_{mode}_out"), "--learning-rate", str(R.LEARNING_RATE),
+            "--completion", str(R.COMPLETION), "--max-model-len", str(R.MAX_MODEL_LEN),
+            "--gpu-memory-utilization", str(TRL_GPU_UTIL)]
+    cpu_check = ["--no-bf16"] if os.environ.get("TRL_BF16", "1") == "0" else []  # TRL refuses bf16 without a GPU
+    return argv + cpu_check + (["--server-url", server_url] if server_url else [])
+
+
+def read_records(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by the stop
+    return out
+
+
+def trl_figures(records: list[dict]) -> dict:
+    """From `trl_run.py`'s records: trained (completion) tokens per second and seconds per 1,000 completions
+    over the steps after the first (wall clock from step 1's end to the last step's, as ours), the share of a
+    step spent training (after the reward call), and every step's row."""
+    steps = [r for r in records if "step" in r and "time" in r]
+    out: dict = {"steps": len(steps), "rows": steps,
+                 "completions_total": sum(r["completions"] for r in steps)}
+    if len(steps) < 3:
+        out["note"] = "fewer than 3 steps: no steady-state figures"
+        return out
+    kept, span = steps[1:], steps[-1]["time"] - steps[0]["time"]
+    tokens, completions = sum(r["completion_tokens"] for r in kept), sum(r["completions"] for r in kept)
+    step_s = sum(r["generate_s"] + r["train_s"] for r in kept)
+    out.update({"steps_measured": len(kept), "wall_s": round(span, 2),
+                "trained_tokens_per_s": round(tokens / span, 1) if span > 0 else None,
+                "s_per_1000_completions": round(1000 * span / completions, 2) if completions else None,
+                "completions_after_step1": completions,
+                "train_frac": round(sum(r["train_s"] for r in kept) / step_s, 4) if step_s else None,
+                "completion_mean_length": round(tokens / completions, 1) if completions else None})
+    return out
+
+
+def exact_error(records: list[dict], log_text: str) -> str | None:
+    """The child's own error record, else the last ``...Error: ...`` line of its log, else None."""
+    for r in reversed(records):
+        if r.get("error"):
+            return r["error"]
+    for line in reversed(log_text.splitlines()):
+        if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]:
+            return line.strip()[:2000]
+    return None
+
+
+def serve_argv(port: int = SERVER_PORT) -> list[str]:
+    """TRL's own ``vllm serve`` line for the stand-in (the trainer on the same GPU keeps 1 - `TRL_GPU_UTIL`)."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    model, _ = R.paths()
+    return build_command(ScriptArguments(model=str(model), host="127.0.0.1", port=port,
+                                         gpu_memory_utilization=TRL_GPU_UTIL, max_model_len=R.MAX_MODEL_LEN))
+
+
+def start_server(argv: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, float | None]:
+    """Start the server and wait for ``/health`` (or its exit); returns it and the seconds it took (None: not up)."""
+    import httpx
+
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{SERVER_PORT}/health", timeout=2).status_code == 200:
+                return proc, round(time.monotonic() - t0, 1)
+        except httpx.HTTPError:
+            pass
+        try:
+            proc.wait(timeout=2)  # the pause between polls, ended early by the server's exit
+        except subprocess.TimeoutExpired:
+            pass
+    return proc, None
+
+
+def run_mode(mode: str, plan: dict) -> dict:
+    """One TRL run in ``mode`` (``server`` starts and stops its server); the record of it."""
+    import gpu_memory
+
+    rows, log = R.WORK / f"trl_{mode}_rows.jsonl", R.WORK / f"trl_{mode}.log"
+    rows.unlink(missing_ok=True)
+    out: dict = {"mode": mode}
+    server = None
+    poller = gpu_memory.Poller(R.POLL_S).start()
+    try:
+        url = None
+        if mode == "server":
+            argv = serve_argv()
+            out["server_command"] = "VLLM_SERVER_DEV_MODE=1 " + " ".join(argv)
+            server, out["server_start_s"] = start_server(argv, R.WORK / "trl_server.log")
+            if out["server_start_s"] is None:
+                out["error"] = "the server did not answer /health"
+                out["server_log_tail"] = (R.WORK / "trl_server.log").read_text(errors="replace").splitlines()[-40:]
+                return out
+            url = f"http://127.0.0.1:{SERVER_PORT}"
+        argv = trl_argv(mode, rows, plan, url)
+        out["command"] = "PYTHONPATH=scripts/gpu/vllm033:$PYTHONPATH " + " ".join(["python3", *argv[1:]])
+        deadline = max(60.0, R.CALL_S - (time.monotonic() - R.T0) - 30)
+        out["deadline_s"] = round(deadline, 1)
+        out.update(R.run_until(argv, log, deadline, 30, env=R.child_env()))
+    finally:
+        poller.stop()
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+    records = read_records(rows)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    out["versions"] = next((r["versions"] for r in records if "versions" in r), None)
+    out["grpo_config"] = next((r["grpo_config"] for r in records if "grpo_config" in r), None)
+    out["figures"] = trl_figures(records)
+    out["logs"] = [r["log"] for r in records if "log" in r]
+    out["vllm_version_warning"] = next((ln.strip() for ln in text.splitlines() if "TRL currently supports" in ln), None)
+    out["gpu_memory"] = {**gpu_memory.summary(poller.samples, poller.processes,
+                                              TRL_GPU_UTIL if mode == "server" else None),
+                         "poll_errors": poller.errors}
+    if out.get("exit") not in (0, None) or out["figures"]["steps"] == 0:
+        out["error"] = exact_error(records, text)
+        out["traceback"] = next((r["traceback"] for r in records if r.get("traceback")), None)
+        out["log_tail"] = text.splitlines()[-60:]
+    return out
+
+
+def phase_trl(mode: str = "colocate") -> int:
+    if mode not in ("colocate", "server"):
+        print(f"realistic.py trl {mode!r}: use colocate or server")
+        return 2
+    async_json = next((p for p in ASYNC_RESULTS if p.exists()), None)
+    async_result = json.loads(async_json.read_text()) if async_json else None
+    result: dict = {"issue": 42, "phase": f"trl {mode}", "versions": R.versions(), "stand_in": R.build(),
+                    "plan": {**trl_plan(async_result), "from": str(async_json) if async_json else None}, "runs": {}}
+    R.write("realistic_trl.json", result)
+    result["runs"][mode] = run_mode(mode, result["plan"])
+    R.write("realistic_trl.json", result)
+    left = R.CALL_S - (time.monotonic() - R.T0)
+    if mode == "colocate" and result["runs"]["colocate"]["figures"]["steps"] == 0:
+        if left >= SERVER_MIN_S:
+            result["runs"]["server"] = run_mode("server", result["plan"])
+        else:
+            result["runs"]["server"] = {"not_run": f"{left:.0f} s left of the call, {SERVER_MIN_S:.0f} needed: "
+                                                   "run `bash scripts/gpu/vllm033/run.sh realistic_trl_server`"}
+    ran = [r for r in result["runs"].values() if r.get("figures", {}).get("steps")]
+    result["figures"] = ran[0]["figures"] if ran else None
+    result["mode_measured"] = ran[0]["mode"] if ran else None
+    R.write("realistic_trl.json", result)
+    print(json.dumps({k: v for k, v in (result["figures"] or {}).items() if k != "rows"}), flush=True)
+    return 0 if ran else 1
+
+
+# ---------------------------------------------------------------------------------------------- combine
+TARGETS = {"async_over_sync_trained_tok_s": 1.5, "ours_over_trl_trained_tok_s": 2.0, "async_busy_frac": 0.70,
+           "generation_frac_of_engine": 0.60}
+
+
+def _ratio(x, y):
+    return round(x / y, 3) if x and y else None
+
+
+def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
+    """Our run's figures over the steps after the first: trained tok/s (wall clock), busy share (whole run, and the
+    least of a step: the issue asks 70% of each step), generated tok/s
+    (mean of the steps' windows) and its share of the engine's offline rate, weight sync, s per 1,000 completions,
+    and each process role's peak GPU memory."""
+    s = run.get("summary") or {}
+    gen = s.get("generated_tokens_per_s")
+    busy = [r["busy_frac"] for r in (run.get("rows") or [])[1:] if r.get("busy_frac") is not None]
+    return {"steps_measured": s.get("steps_measured"), "trained_tokens_per_s": s.get("trained_tokens_per_s"),
+            "busy_frac": s.get("trainer_busy_frac"), "busy_frac_min_step": min(busy) if busy else None,
+            "generated_tokens_per_s": gen,
+            "generation_frac_of_engine": _ratio(gen, engine_tok_s), "weight_sync_s": s.get("weight_sync_s"),
+            "s_per_1000_completions": s.get("s_per_1000_completions"),
+            "completions_after_step1": s.get("completions_after_step1"),
+            "peak_mib_by_role": (run.get("gpu_memory") or {}).get("peak_mib_by_role")}
+
+
+def combine(folder: Path, out_dir: Path | None = None) -> dict:
+    """The issue's comparison from the fetched JSONs (module docstring). Raises FileNotFoundError naming a missing
+    result and the phase that writes it."""
+    folder = Path(folder)
+    out_dir = Path(out_dir or R.ROOT / "scripts" / "gpu" / "results" / "vllm033")
+
+    def load(name: str, phase: str, required: bool = True) -> dict | None:
+        path = folder / name
+        if not path.exists():
+            if required:
+                raise FileNotFoundError(f"{path}: missing; it is written by `run.sh {phase}` on the GPU")
+            return None
+        return json.loads(path.read_text())
+
+    a = load("realistic_job_async.json", "realistic_job_async")
+    s = load("realistic_job_sync.json", "realistic_job_sync")
+    trl, engine = load("realistic_trl.json", "realistic_trl"), load("realistic_engine.json", "realistic_engine", False)
+    engine_tok_s = (engine or {}).get("engine_generated_tok_s")
+    fa, fs = ours_figures(a, engine_tok_s), ours_figures(s, engine_tok_s)
+    ft = {k: v for k, v in (trl.get("figures") or {}).items() if k != "rows"}
+    ours_over_trl = _ratio(fa["trained_tokens_per_s"], ft.get("trained_tokens_per_s"))
+    figures = {"async": fa, "sync": fs, "trl": {**ft, "mode": trl.get("mode_measured")},
+               "engine_generated_tokens_per_s": engine_tok_s,
+               "async_over_sync_trained_tok_s": _ratio(fa["trained_tokens_per_s"], fs["trained_tokens_per_s"]),
+               "ours_over_trl_trained_tok_s": ours_over_trl,
+               "sync_over_trl_trained_tok_s": _ratio(fs["trained_tokens_per_s"], ft.get("trained_tokens_per_s"))}
+    measured = {"async_over_sync_trained_tok_s": figures["async_over_sync_trained_tok_s"],
+                "ours_over_trl_trained_tok_s": ours_over_trl, "async_busy_frac": fa["busy_frac"],
+                "generation_frac_of_engine": fa["generation_frac_of_engine"]}
+    targets = {k: {"target": f">= {v}", "measured": measured[k],
+                   "met": None if measured[k] is None else measured[k] >= v} for k, v in TARGETS.items()}
+    out = {"issue": 42, "figures": figures, "ours_over_trl": ours_over_trl, "targets": targets,
+           "async": a, "sync": s, "engine": engine}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "realistic_async_sync.json").write_text(json.dumps(out, indent=1))
+    (out_dir / "realistic_trl.json").write_text(json.dumps({**trl, "ours_over_trl": ours_over_trl,
+                                                            "ours_async_figures": fa}, indent=1))
+    return out

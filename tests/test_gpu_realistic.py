@@ -1,0 +1,161 @@
+"""Issue #42's GPU scripts, their CPU-checkable parts: the nvidia-smi poll's arithmetic, the figures and the
+comparison from synthetic rows, TRL's plan, and the staging of TRL's wheel (scripts/gpu/vllm033/)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = ROOT / "scripts" / "gpu" / "vllm033"
+for _p in (HERE, ROOT / "scripts" / "bench"):
+    sys.path.insert(0, str(_p))
+
+import gpu_memory  # noqa: E402
+import realistic  # noqa: E402
+import realistic_trl  # noqa: E402
+
+
+def test_nvidia_smi_lines_parse_and_roles_come_from_the_command_line():
+    apps = gpu_memory.parse_apps("123, python3, 40960\n456, VLLM::EngineCore, 81920\nbad line\n789, x, [N/A]\n")
+    assert apps == {123: ("python3", 40960.0), 456: ("VLLM::EngineCore", 81920.0)}
+    assert gpu_memory.parse_gpu("130000, 143771\n") == (130000.0, 143771.0) and gpu_memory.parse_gpu("") is None
+    assert gpu_memory.role_of("VLLM::EngineCore") == "vllm"
+    assert gpu_memory.role_of("/usr/bin/python3 -m asyncgrpo_cli.train.worker") == "trainer"
+    assert gpu_memory.role_of("python3 scripts/gpu/vllm033/trl_run.py --mode colocate") == "trainer"
+    assert gpu_memory.role_of("/tmp/vsite/bin/vllm serve /tmp/m --port 8000") == "vllm"
+    assert gpu_memory.role_of("python3 -m vllm.entrypoints.cli.main serve /tmp/m") == "vllm"
+    assert gpu_memory.role_of("Xorg") == "other"
+    assert gpu_memory.role_of_pid(__import__("os").getpid())[0] in ("trainer", "other")  # pytest: no vLLM
+    with pytest.raises(ValueError, match="interval_s"):
+        gpu_memory.Poller(0)
+
+
+def _samples() -> tuple[list[dict], dict]:
+    processes = {1: {"role": "vllm"}, 2: {"role": "trainer"}, 3: {"role": "trainer"}}
+    samples = [{"t": 10.0, "apps": {1: 50000.0}, "gpu_used_mib": 50500.0, "gpu_total_mib": 143771.0},
+               {"t": 13.0, "apps": {1: 60000.0, 2: 20000.0, 3: 1000.0}, "gpu_used_mib": 81500.0,
+                "gpu_total_mib": 143771.0},
+               {"t": 16.0, "apps": {1: 60000.0, 2: 30000.0}, "gpu_used_mib": 90600.0, "gpu_total_mib": 143771.0}]
+    return samples, processes
+
+
+def test_memory_peaks_per_step_window_and_the_check_against_the_plan():
+    samples, processes = _samples()
+    assert gpu_memory.peaks(samples, processes, None, 13.0) == {"vllm": 60000.0, "trainer": 21000.0}
+    assert gpu_memory.peaks(samples, processes, 13.0, 16.0) == {"vllm": 60000.0, "trainer": 30000.0}
+    s = gpu_memory.summary(samples, processes, planned_vllm_frac=0.4)
+    assert s["peak_mib_by_role"] == {"vllm": 60000.0, "trainer": 30000.0}
+    assert s["at_widest_read"] == {"processes_sum_mib": 90000.0, "gpu_used_mib": 90600.0}
+    assert s["planned"]["vllm_within_share"] is False  # 60,000 MiB > 0.4 x 143,771
+    assert s["planned"]["trainer_within_rest"] is True
+    assert gpu_memory.summary([], {}) == {"samples": 0}
+
+
+def _metrics(n: int = 6) -> list[dict]:
+    return [{"step": s, "time": 100.0 + 10 * s, "perf/step_s": 10.0, "perf/rollout_wait_s": 2.0,
+             "batch/trained_tokens_per_step": 24576.0, "perf/wall_clock_trained_tokens_per_s": 2457.6,
+             "rollout/generated_tokens_per_s": 5000.0, "perf/weight_sync_s": 0.6, "batch/samples_per_step": 48.0}
+            for s in range(1, n + 1)]
+
+
+def test_our_step_rows_and_completion_figures():
+    samples, processes = _samples()
+    rows = realistic.step_rows([{**r, "time": r["time"] - 100.0} for r in _metrics(2)], samples, processes)
+    assert rows[0]["busy_frac"] == 0.8 and rows[0]["trained_tok_s"] == 2457.6 and rows[0]["weight_sync_s"] == 0.6
+    assert rows[0]["gpu_peak_mib"] == {"vllm": 50000.0}  # the reads up to t = 10 s: only vLLM was up
+    assert rows[1]["gpu_peak_mib"] == {"vllm": 60000.0, "trainer": 30000.0}
+    figures = realistic.completion_figures(realistic.step_rows(_metrics()))
+    assert figures == {"completions_total": 288.0, "completions_after_step1": 240.0, "s_per_1000_completions": 208.33}
+    assert realistic.planned_vllm_frac("... vllm serve m --gpu-memory-utilization 0.62 --port 1") == 0.62
+
+
+def _trl_records(n: int = 4) -> list[dict]:
+    return [{"versions": {"trl": "1.16.0"}}] + [
+        {"step": s, "time": 1000.0 + 20 * s, "completions": 48, "completion_tokens": 48 * 512, "generate_s": 12.0,
+         "train_s": 8.0} for s in range(1, n + 1)]
+
+
+def test_trl_figures_plan_and_exact_error():
+    f = realistic_trl.trl_figures(_trl_records())
+    assert f["trained_tokens_per_s"] == round(3 * 48 * 512 / 60, 1) and f["s_per_1000_completions"] == 416.67
+    assert f["train_frac"] == 0.4 and f["completions_total"] == 192
+    assert realistic_trl.trl_figures(_trl_records(2))["note"].startswith("fewer than 3")
+    plan = realistic_trl.trl_plan({"rows": [{"completions": 50}, {"completions": 45}, {"completions": 58}]})
+    assert plan == {"completions": 153, "per_step": 48, "steps": 4, "source": "async run"}
+    assert realistic_trl.trl_plan(None)["per_step"] % 8 == 0
+    assert realistic_trl.exact_error([{"error": "AttributeError: no model_executor"}], "") == \
+        "AttributeError: no model_executor"
+    assert realistic_trl.exact_error([], "x\nRuntimeError: NCCL error: duplicate GPU\nwarn") == \
+        "RuntimeError: NCCL error: duplicate GPU"
+
+
+def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
+    ours = {"summary": {"steps_measured": 5, "trained_tokens_per_s": 6000.0, "trainer_busy_frac": 0.75,
+                        "generated_tokens_per_s": 7000.0, "weight_sync_s": 0.6},
+            "rows": [{"busy_frac": 0.1}, {"busy_frac": 0.8}, {"busy_frac": 0.72}]}
+    sync = {"summary": {**ours["summary"], "trained_tokens_per_s": 3000.0, "trainer_busy_frac": 0.5}, "rows": []}
+    trl = {"figures": {"trained_tokens_per_s": 2000.0, "rows": [{"step": 1}]}, "mode_measured": "colocate"}
+    for name, data in {"realistic_job_async.json": ours, "realistic_job_sync.json": sync, "realistic_trl.json": trl,
+                       "realistic_engine.json": {"engine_generated_tok_s": 10000.0}}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    out = realistic_trl.combine(tmp_path, tmp_path / "out")
+    assert out["ours_over_trl"] == 3.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
+    assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7
+    assert out["figures"]["async"]["busy_frac_min_step"] == 0.72  # step 1 (start-up) left out
+    assert {k: v["met"] for k, v in out["targets"].items()} == {
+        "async_over_sync_trained_tok_s": True, "ours_over_trl_trained_tok_s": True, "async_busy_frac": True,
+        "generation_frac_of_engine": True}
+    written = json.loads((tmp_path / "out" / "realistic_trl.json").read_text())
+    assert written["ours_over_trl"] == 3.0 and "async" in (tmp_path / "out" / "realistic_async_sync.json").name
+    (tmp_path / "realistic_trl.json").unlink()
+    with pytest.raises(FileNotFoundError, match="realistic_trl"):
+        realistic_trl.combine(tmp_path, tmp_path / "out")
+
+
+def test_unmet_requirements_of_a_wheel():
+    import install
+
+    meta = ("Name: x\nRequires-Dist: pytest>=1\nRequires-Dist: pytest>=999\nRequires-Dist: no-such-dist-zz>=1\n"
+            "Requires-Dist: other-missing-zz; extra == \"vllm\"\nRequires-Dist: deepspeed; extra == \"deepspeed\"\n")
+    paths = [p for p in sys.path if p]
+    assert install.unmet_requirements(meta, paths) == [f"pytest>=999: {__import__('pytest').__version__} found",
+                                                      "no-such-dist-zz>=1: missing"]
+    assert install.unmet_requirements(meta, paths, ("vllm",))[-1].startswith("other-missing-zz")
+
+
+def test_the_stage_plan_is_the_packing_of_its_items_and_carries_trl_last():
+    """build_parts.pack, run on PARTS.txt's own items, puts every piece in the part the plan names (the
+    refactor for --add-group changed nothing), and TRL's wheel of wheels.txt is the last part's."""
+    import build_parts
+
+    records = [line.split() for line in (HERE / "PARTS.txt").read_text().splitlines() if line and line[0] != "#"]
+    pieces = []
+    for f in (r for r in records if r[0] == "ITEM"):
+        size, count = int(f[4]), int(f[6])
+        for i in range(count):
+            piece = f[3] if count == 1 else f"{f[3]}.part{i:02d}"
+            pieces.append((f[1], piece, f[3], i, min(build_parts.PIECE, size - i * build_parts.PIECE), None, 0))
+    parts = build_parts.pack(pieces, build_parts.GROUP_ORDER)
+    packed = {m[1]: f"p{n:02d}" for n, (_g, members, _b) in enumerate(parts, start=1) for m in members}
+    assert packed == {f[3]: f[1] for f in records if f[0] == "PIECE"}
+    trl = [r for r in build_parts.read_manifest() if r[0] == "trl"]
+    assert [r[1] for r in trl] == ["trl-1.16.0-py3-none-any.whl"]
+    assert parts[-1][0] == "trl" and f"p{len(parts):02d}" == packed[trl[0][1]]
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_trl_accepts_the_arguments(mode, tmp_path):
+    """Every argument `trl_run.grpo_kwargs` gives is a field of TRL's GRPOConfig (where trl is installed; CI has
+    none: the GPU session's install.py stages trl 1.16.0, and `pip install --no-deps trl==1.16.0` runs it here)."""
+    trl = pytest.importorskip("trl")
+    import trl_run
+
+    kw = trl_run.grpo_kwargs(mode, str(tmp_path), 20, 48, learning_rate=1e-6, completion=512, max_model_len=1024,
+                             server_url="http://127.0.0.1:8011", bf16=False)  # TRL refuses bf16 without a GPU
+    config = trl.GRPOConfig(**kw)
+    assert config.generation_batch_size == 48 and config.steps_per_generation == 6
+    assert config.vllm_mode == mode and config.gradient_checkpointing and config.lr_scheduler_type == "constant"
