@@ -552,7 +552,8 @@ def validate_config(cfg: DictConfig) -> None:
     if not cfg.rollout.request_seeds and cfg.sampler.data_parallel_size > 1:
         raise ConfigError(f"rollout.request_seeds=false with sampler.data_parallel_size={cfg.sampler.data_parallel_size}: "
                           "the engines would draw their seeds from the same --seed and could decode identical text "
-                          "for the same prompt (SPEC §3.1). Fix: rollout.request_seeds=true (the default)")
+                          "for the same prompt (README: Requests to the sampler). Fix: rollout.request_seeds=true "
+                          "(the default)")
     if not is_loopback(str(cfg.sampler.host)) and not cfg.sampler.allow_public:
         raise ConfigError(f"sampler.host={cfg.sampler.host} is not a loopback address: {PUBLIC_HOST_RISK}. Fix: keep "
                           "sampler.host=127.0.0.1 (reach it through an SSH tunnel), or set sampler.allow_public=true "

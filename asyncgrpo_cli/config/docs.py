@@ -83,8 +83,13 @@ def _group_classes() -> dict[str, tuple[type | None, str]]:
 
 
 def _comment(text: str, indent: str) -> list[str]:
+    """``text`` as ``#`` comment lines: each paragraph (blank-line separated) rewrapped as a whole, so a docstring's
+    own line breaks never cut a sentence."""
     lines: list[str] = []
-    for para in cite_shipped(text).splitlines() or [""]:
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", cite_shipped(text))] or [""]
+    for i, para in enumerate(paragraphs):
+        if i:
+            lines.append("")
         lines += textwrap.wrap(para, COMMENT_WIDTH - len(indent) - 2) or [""]
     return [f"{indent}# {line}".rstrip() for line in lines]
 

@@ -1,8 +1,9 @@
 """Each reward function called once before anything starts (issue #45): a reward that raises, or that returns
 something other than numbers or None, was found only when the first group was scored (a minute into the CPU
 smoke job; after vLLM's 3-minute start on a GPU). `probe_reward_funcs` calls every reward function once on
-the first prompt of the data with a stand-in completion (`STAND_IN_COMPLETION`), as the rollout worker calls it
-(``prompts``, ``completions``, ``completion_ids`` and every other column of that row, by keyword, lists of one),
+the first prompt of the data with a group of two stand-in completions (`STAND_IN_COMPLETIONS`; two, so that a
+function returning a fixed-length list is caught), as the rollout worker calls it (``prompts``, ``completions``,
+``completion_ids`` and every other column of that row, by keyword, lists of two),
 and refuses at start with the function's own error and the fix. ``asyncgrpo train``, its ``--dry-run`` and
 ``asyncgrpo config --check`` run it (`run_checks.validate_run`), and so does ``AsyncGRPOTrainer(...)``
 (`run_checks.validate_trainer_inputs`).
@@ -27,7 +28,9 @@ from typing import Any
 from .rules import ConfigError, ConfigErrors, config_error as _err
 
 STAND_IN_COMPLETION = "The answer is 0."
-"""The text of the stand-in completion the probe scores (an assistant message for conversational prompts)."""
+"""The text of the first stand-in completion the probe scores (an assistant message for conversational prompts)."""
+STAND_IN_COMPLETIONS = (STAND_IN_COMPLETION, "I cannot tell.")
+"""The probe's group: two completions, so a function that returns a fixed-length list is caught."""
 STAND_IN_IDS = [16, 17, 18]
 """Its ``completion_ids`` (any ids: a reward that decodes them gets some text)."""
 PROBE_TIMEOUT_S = 60.0
@@ -45,15 +48,17 @@ def probe_enabled(func: Any) -> bool:
 
 
 def stand_in_kwargs(row: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of one probe call for the dataset ``row`` (a group of one completion)."""
+    """The keyword arguments of one probe call for the dataset ``row`` (a group of the `STAND_IN_COMPLETIONS`)."""
     prompt = row.get("prompt")
     conversational = isinstance(prompt, (list, tuple))
-    completion: Any = [{"role": "assistant", "content": STAND_IN_COMPLETION}] if conversational \
-        else STAND_IN_COMPLETION
-    kwargs: dict[str, Any] = {"prompts": [prompt], "completions": [completion], "completion_ids": [list(STAND_IN_IDS)]}
+    n = len(STAND_IN_COMPLETIONS)
+    completions: list[Any] = [[{"role": "assistant", "content": text}] if conversational else text
+                              for text in STAND_IN_COMPLETIONS]
+    kwargs: dict[str, Any] = {"prompts": [prompt] * n, "completions": completions,
+                              "completion_ids": [list(STAND_IN_IDS), list(STAND_IN_IDS[:1])]}
     for column, value in row.items():
         if column not in ("prompt", "prompts", "completions", "completion_ids"):
-            kwargs[column] = [value]
+            kwargs[column] = [value] * n
     return kwargs
 
 
@@ -76,21 +81,22 @@ def _where(exc: BaseException) -> str:
 
 
 def _bad_result(result: Any) -> str | None:
-    """Why ``result`` is not one reward for one completion (None when it is)."""
+    """Why ``result`` is not one reward per stand-in completion (None when it is)."""
+    n = len(STAND_IN_COMPLETIONS)
     if hasattr(result, "tolist") and getattr(result, "ndim", 1) == 1:
         result = result.tolist()
     if not isinstance(result, (list, tuple)):
         return f"it returned {type(result).__name__} {result!r:.80}, not a list with one reward per completion"
-    if len(result) != 1:
-        return f"it returned {len(result)} rewards for 1 completion"
-    value = result[0]
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return (f"it returned [{value!r:.80}] ({type(value).__name__}); each reward must be a number (float or int) "
-                "or None")
-    if math.isinf(float(value)):
-        return f"it returned [{value}]; rewards must be finite (None leaves a completion unscored)"
+    if len(result) != n:
+        return f"it returned {len(result)} rewards for {n} completions"
+    for value in result:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return (f"it returned {list(result)!r:.80} ({type(value).__name__}); each reward must be a number "
+                    "(float or int) or None")
+        if math.isinf(float(value)):
+            return f"it returned {list(result)}; rewards must be finite (None leaves a completion unscored)"
     return None
 
 
@@ -135,8 +141,8 @@ def probe_reward_funcs(funcs: Sequence[Any], row: dict[str, Any], key_of: Callab
         thread = threading.Thread(target=run, name=f"reward-probe-{i}", daemon=True)
         thread.start()
         thread.join(timeout_s)
-        called = (f"called once before the start on the first prompt with a stand-in completion "
-                  f"{STAND_IN_COMPLETION!r}")
+        called = (f"called once before the start on the first prompt with {len(STAND_IN_COMPLETIONS)} stand-in "
+                  f"completions {list(STAND_IN_COMPLETIONS)!r}")
         if thread.is_alive():
             warnings.append(f"{key_of(i)}={shown}: {called}, it had not returned after {timeout_s:g} s; it was not "
                             f"checked (for a reward with side effects or a slow judge: {how_to_skip})")

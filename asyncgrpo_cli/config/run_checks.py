@@ -118,7 +118,9 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
                 if row is not None:  # each reward called once (issue #45)
                     c.warnings.extend(c.run(probe_reward_funcs, funcs, row, lambda i: f"rewards[{i}].func",
                                             paths, skip=[not spec.get("probe", True) for spec in cfg.rewards],
-                                            skip_hint=lambda i: f"set rewards[{i}].probe=false") or [])
+                                            skip_hint=lambda i: f"add probe: false to rewards[{i}] (in a recipe; on "
+                                            f"the command line 'rewards=[{{func: {paths[i]}, probe: false}}]' with "
+                                            "the other entries as they are)") or [])
             if columns is not None and folder is not None and not c.errors:
                 from .prompt_lengths import check_dataset_lengths
 

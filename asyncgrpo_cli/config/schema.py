@@ -184,13 +184,13 @@ class RolloutConfig:
     group_requests: bool = True
     """Send a group's ``num_generations`` single-turn rollouts as ONE request with ``n = num_generations``
     (vLLM's parallel sampling: one HTTP round trip and one response per group instead of one per rollout;
-    issue #41). It applies without tools, environments, sampling filters (their route answers one completion
-    per request) or a ``loop_cls`` that overrides ``generate_one`` / ``generate_one_turn``; false sends one
-    request per rollout."""
+    README: Requests to the sampler). It applies without tools, environments, sampling filters (their route
+    answers one completion per request) or a ``loop_cls`` that overrides ``generate_one`` / ``generate_one_turn``;
+    false sends one request per rollout."""
     request_seeds: bool = True
-    """Send a unique ``seed`` with every request (SPEC §3.1: data-parallel engines sharing a sampler seed could
-    otherwise decode identical text; completion ``i`` of a group request gets ``seed + i``). False sends none
-    and the server draws one per request; refused with ``sampler.data_parallel_size`` > 1."""
+    """Send a unique ``seed`` with every request, so data-parallel engines sharing a sampler seed never decode
+    identical text (completion ``i`` of a group request gets ``seed + i``; README: Requests to the sampler).
+    False sends none and the server draws one per request; refused with ``sampler.data_parallel_size`` > 1."""
 
 
 @dataclass

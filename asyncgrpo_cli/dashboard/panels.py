@@ -338,7 +338,8 @@ def request_rows(m: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
                                                              f"{fmt_rate(b['groups_per_s'])}")]
     if b["request_s"] is not None:
         shares = " ".join(f"{k} {v:.0%}" for k, v in b["shares"].items())
-        rows.append(("request", f"{fmt_s(b['request_s'])} ({shares})" if shares else fmt_s(b["request_s"])))
+        rows.append(("request", f"{fmt_s(b['request_s'])} ({shares})" if shares else
+                     f"{fmt_s(b['request_s'])} (no per-stage times from this server)"))
     return rows
 
 

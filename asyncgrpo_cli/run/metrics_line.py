@@ -51,8 +51,9 @@ def request_breakdown(m: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
     Returns:
         ``{"rollouts_per_s", "groups_per_s", "request_s", "shares": {stage: fraction of request + parse},
-        "binding": the largest stage}``; None without ``rollout/request_s`` (shares then unknown) and without
-        ``rollout/rollouts_per_s``. Stages vLLM did not report are left out of ``shares``.
+        "binding": the largest stage}``; None without ``rollout/request_s`` and ``rollout/rollouts_per_s``.
+        ``shares`` is empty and ``binding`` None when the server reports none of vLLM's three stages (the
+        embedded sampler has no such histograms): the worker's parse alone would not say where the time goes.
     """
     rate, request = num(m, "rollout/rollouts_per_s"), num(m, "rollout/request_s")
     if rate is None and request is None:
@@ -64,8 +65,9 @@ def request_breakdown(m: Mapping[str, Any] | None) -> dict[str, Any] | None:
     parse = num(m, "rollout/parse_s") or 0.0
     whole = request + parse
     parts = {name: v for name, key in REQUEST_STAGES if (v := num(m, key)) is not None}
-    if parts:
-        parts["server+http"] = max(0.0, request - sum(parts.values()))
+    if not parts:
+        return out
+    parts["server+http"] = max(0.0, request - sum(parts.values()))
     parts["parse"] = parse
     out["shares"] = {name: min(1.0, v / whole) for name, v in parts.items()}
     out["binding"] = max(out["shares"], key=out["shares"].get)

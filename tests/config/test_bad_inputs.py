@@ -47,7 +47,7 @@ def text_reward(completions, **kwargs):
     return ["right" for _ in completions]
 
 async def async_text_reward(completions, **kwargs):
-    return [None, 0.5]
+    return [None, 0.5, 1.0]
 
 def paid_judge(completions, **kwargs):
     raise RuntimeError("the judge would charge for this call")
@@ -274,9 +274,9 @@ CLI_CASES = [
     # issue #45: each reward function is called once before the start (it failed a minute into the run)
     ("reward_raises", ["+recipe=raising_reward"], "rewards[0].func",
      "it raised ZeroDivisionError: float division by zero (at "),
-    ("reward_returns_text", ["+recipe=text_reward"], "rewards[1].func", "it returned ['right'] (str)"),
-    ("reward_async_two_rewards_for_one", ["+recipe=async_text_reward"], "rewards[0].func",
-     "it returned 2 rewards for 1 completion"),
+    ("reward_returns_text", ["+recipe=text_reward"], "rewards[1].func", "it returned ['right', 'right'] (str)"),
+    ("reward_async_three_rewards_for_two", ["+recipe=async_text_reward"], "rewards[0].func",
+     "it returned 3 rewards for 2 completions"),
     ("reward_probe_not_bool", [R, "rewards=[{func: badrewards:good_reward, probe: maybe}]"], "rewards", "'maybe'"),
 ]
 
@@ -310,7 +310,7 @@ def test_the_reward_probe_runs_in_train_and_its_dry_run_alike(world, tripwire, f
     result, elapsed = _cli(world, ["+recipe=raising_reward", *flag])
     assert result.exit_code == 2 and "it raised ZeroDivisionError" in result.output, result.output
     assert "Fix: correct the function (the run would fail at the first group it scores)" in result.output
-    assert "set rewards[0].probe=false" in result.output and "Traceback" not in result.output
+    assert "add probe: false to rewards[0]" in result.output and "Traceback" not in result.output
     assert not tripwire and elapsed < FAIL_WITHIN_S
 
 
@@ -465,7 +465,7 @@ TRAINER_CASES = [
     ("model_without_chat_template", "bare", [_good_reward], _chat, "model", "chat template"),
     # issue #45: called once on the first row before anything loads
     ("reward_raises", "tiny", [_good_reward, _raising_reward], _chat, "reward_funcs[1]", "it raised KeyError: 'solution'"),
-    ("reward_returns_text", "tiny", _text_reward, _chat, "reward_funcs", "it returned ['yes'] (str)"),
+    ("reward_returns_text", "tiny", _text_reward, _chat, "reward_funcs", "it returned ['yes', 'yes'] (str)"),
 ]
 
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from asyncgrpo_cli.config.reward_probe import STAND_IN_COMPLETION, probe_reward_funcs, stand_in_kwargs
+from asyncgrpo_cli.config.reward_probe import STAND_IN_COMPLETION, STAND_IN_COMPLETIONS, probe_reward_funcs, stand_in_kwargs
 from asyncgrpo_cli.config.rules import ConfigError, ConfigErrors
 
 ROW = {"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5", "level": 1}
@@ -17,7 +17,7 @@ seen: list[dict] = []
 def recording_reward(completions, prompts, completion_ids, answer, level, **kwargs):
     seen.append({"completions": completions, "prompts": prompts, "ids": completion_ids, "answer": answer,
                  "level": level})
-    return [1.0]
+    return [1.0] * len(completions)
 
 
 def judge(completions, **kwargs):
@@ -28,11 +28,11 @@ judge.probe_at_start = False
 
 
 def scaled(completions, scale, **kwargs):
-    return [scale]
+    return [scale] * len(completions)
 
 
 async def async_none(completions, **kwargs):
-    return [None]
+    return [None, 0.5]
 
 
 def key(i):
@@ -43,10 +43,11 @@ def test_the_call_is_the_workers_call_for_one_completion_of_the_first_row():
     seen.clear()
     assert probe_reward_funcs([recording_reward], ROW, key) == []
     (call,) = seen
-    assert call["completions"] == [[{"role": "assistant", "content": STAND_IN_COMPLETION}]]
-    assert call["prompts"] == [ROW["prompt"]] and call["answer"] == ["5"] and call["level"] == [1]
-    assert len(call["ids"]) == 1 and call["ids"][0]
-    assert stand_in_kwargs({"prompt": "2+3?"})["completions"] == [STAND_IN_COMPLETION]  # a text prompt: text
+    assert call["completions"] == [[{"role": "assistant", "content": text}] for text in STAND_IN_COMPLETIONS]
+    assert call["completions"][0] == [{"role": "assistant", "content": STAND_IN_COMPLETION}]
+    assert call["prompts"] == [ROW["prompt"]] * 2 and call["answer"] == ["5"] * 2 and call["level"] == [1] * 2
+    assert len(call["ids"]) == 2 and all(call["ids"])
+    assert stand_in_kwargs({"prompt": "2+3?"})["completions"] == list(STAND_IN_COMPLETIONS)  # a text prompt: text
 
 
 def test_numbers_none_async_and_partials_pass_and_the_opt_outs_are_not_called():
@@ -55,8 +56,8 @@ def test_numbers_none_async_and_partials_pass_and_the_opt_outs_are_not_called():
     assert probe_reward_funcs([functools.partial(scaled, scale="not a number")], ROW, key, skip=[True]) == []
 
 
-@pytest.mark.parametrize("result,text", [("0.5", "it returned str"), ([True], "(bool)"), ([float("inf")], "finite"),
-                                         ([1.0, 2.0], "2 rewards for 1 completion"), ([[1.0]], "(list)")])
+@pytest.mark.parametrize("result,text", [("0.5", "it returned str"), ([1.0, True], "(bool)"), ([float("inf"), 0.0], "finite"),
+                                         ([1.0], "1 rewards for 2 completions"), ([[1.0], [1.0]], "(list)")])
 def test_anything_but_one_number_or_none_is_refused_with_the_fix(result, text):
     def reward(completions, **kwargs):
         return result

@@ -47,8 +47,11 @@ def test_breakdown_names_the_binding_stage():
     assert breakdown_text(b) == "700 rollouts/s; decode 60% of a request"
     slow_http = dict(WINDOW, **{"rollout/request_s": 2.0})
     assert request_breakdown(slow_http)["binding"] == "server+http"
-    worker_only = {"rollout/rollouts_per_s": 50.0, "rollout/request_s": 0.1, "rollout/parse_s": 0.2}
-    assert request_breakdown(worker_only)["binding"] == "parse"  # no vLLM stages: the worker's share alone
+    # no vLLM stages (the embedded sampler): no shares, no binding stage; the rate alone is shown
+    worker_only = {"rollout/rollouts_per_s": 0.648, "rollout/request_s": 25.4, "rollout/parse_s": 0.001}
+    b = request_breakdown(worker_only)
+    assert b["binding"] is None and b["shares"] == {} and breakdown_text(b) == "0.648 rollouts/s"
+    assert dict(request_rows(worker_only))["request"] == "25.40 s (no per-stage times from this server)"
     assert request_breakdown({"reward": 1.0}) is None and breakdown_text(None) is None
 
 
