@@ -352,8 +352,7 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.errors.append(ConfigError(main_guard_message(*where), key="__main__"))
     folder = None
     if isinstance(model, str):
-        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None,
-                      probe_hub=True)  # a Hub id not cached, without the Hub: one line now, not transformers' retries
+        found = c.run(check_model_source, model, "model", needs_chat_template=processing_class is None)
         folder = found[0] if found else None
     if processing_class is not None and hasattr(processing_class, "apply_chat_template") and \
             not getattr(processing_class, "chat_template", None):
@@ -483,3 +482,15 @@ def _context_length(config: Any) -> int | None:
     scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
     return int(value * factor) if isinstance(factor, (int, float)) and factor > 1 else value
+
+
+def check_api_hub_model(model: Any) -> None:
+    """The Python API's last check before anything loads: a Hub id that is not in the local cache must be
+    reachable on the Hub (one line now, instead of transformers' retries and traceback when it loads). Run after
+    every cheaper check of the inputs, so that a mistake in them is named first.
+
+    Raises:
+        ConfigError: the Hub id is not cached and the Hub does not answer (names ``model``, the id and the fix).
+    """
+    if isinstance(model, str):
+        check_model_source(model, "model", needs_chat_template=False, probe_hub=True)

@@ -72,6 +72,9 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
                          "epochs of a stream have no known length. Fix: set max_steps > 0")
     if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, EnvironmentOwnedPrompts):
         check_text_only(train_dataset[: min(len(train_dataset), 1000)]["prompt"])  # images refused (SPEC §14)
+    from ..config.run_checks import check_api_hub_model
+
+    check_api_hub_model(model)  # last: the inputs' own mistakes are named first (no network needed for them)
     return list(funcs), train_dataset
 
 
