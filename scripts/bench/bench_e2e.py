@@ -59,8 +59,8 @@ def train_argv(recipe: str, common: list[str], overrides: list[str], steps: int,
             "trainer.save_steps=1000000"]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` ([] when it does not exist), a line cut by a stop left out."""
     if not path.exists():
         return []
     rows = []
@@ -70,6 +70,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except ValueError:
             pass  # a line cut by the stop
     return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's ``metrics.jsonl`` rows."""
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _mean(values: list[float]) -> float | None:

@@ -64,14 +64,10 @@ def trl_argv(mode: str, rows: Path, plan: dict, server_url: str | None = None) -
 
 
 def read_records(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut by the stop
-    return out
+    """The runner's JSON lines (`bench_e2e.read_jsonl`)."""
+    import bench_e2e
+
+    return bench_e2e.read_jsonl(path)
 
 
 def trl_figures(records: list[dict]) -> dict:
