@@ -79,7 +79,7 @@ def test_image_prompts_are_refused(tmp_path):
     data = Dataset.from_list([{"prompt": text_parts}, {"prompt": parts}])  # arrow adds None-valued keys
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
     with pytest.raises(ImagesUnsupported, match="row 1"):
-        AsyncGRPOTrainer(str(make_tiny_model(tmp_path / "m")), reward_funcs=lambda completions, **kw: [0.0],
+        AsyncGRPOTrainer(str(make_tiny_model(tmp_path / "m")), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                          args=args, train_dataset=data)
 
 
