@@ -389,7 +389,8 @@ class SamplerClient:
 
     async def generate_turns(self, prompt_ids: list[int], sampling: SamplingParams, n: int,
                              model: str | None = None) -> list[TurnResult]:
-        """Generate ``n`` independent turns from one prompt in ONE request (``/v1/completions`` with ``n``).
+        """Generate ``n`` independent turns from one prompt in ONE request (``n`` on ``/v1/completions``, or on
+        ``/inference/v1/generate`` with ``tokens_route``).
 
         One request per group instead of ``n`` (issue #41): the server fans it out into ``n`` engine requests
         that share the prompt, and the worker pays one HTTP round trip and one response for the group.
@@ -403,7 +404,8 @@ class SamplerClient:
             round trip, retries included) and ``parse_s`` (JSON decoding and reading, the whole response's).
 
         Raises:
-            ValueError: empty or non-integer ``prompt_ids``, ``n < 1``, or ``n > 1`` with sampling masks.
+            ValueError: empty or non-integer ``prompt_ids``, ``n < 1``, or ``n > 1`` with sampling masks off the
+                tokens route.
             SamplerRequestError / SamplerRetryError / SamplerUnavailableError / SamplerProtocolError: as
             `generate_turn`.
         """

@@ -127,29 +127,44 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def run_until(argv: list[str], log: Path, deadline_s: float, grace_s: float, on_tick=None, env=None) -> dict:
+    """Run ``argv`` (own process group, output to ``log``) to its end or ``deadline_s`` (SIGINT: the job saves and
+    stops; SIGKILL to its group ``grace_s`` later); ``on_tick()`` every 10 s while it runs. Returns exit, wall
+    seconds, whether it was stopped at the deadline and whether it had to be killed."""
+    t0 = time.monotonic()
+    stopped = killed = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        while True:
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            elapsed = time.monotonic() - t0
+            if not stopped and elapsed > deadline_s:
+                stopped = True
+                os.killpg(proc.pid, signal.SIGINT)
+            elif stopped and not killed and elapsed > deadline_s + grace_s:
+                killed = True
+                os.killpg(proc.pid, signal.SIGKILL)
+            if on_tick:
+                on_tick()
+    return {"exit": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1), "stopped_at_deadline": stopped,
+            "killed": killed}
+
+
 def run_variant(name: str, argv: list[str], run_dir: Path, deadline_s: float, env: dict | None = None,
                 log: Path | None = None) -> dict:
     """Run one ``asyncgrpo train`` to its end or to ``deadline_s`` seconds (then SIGINT: it saves and stops; a
-    run still alive 120 s later is killed with its process group). Returns its summary with exit code and wall
-    time."""
+    run still alive 120 s later is killed with its process group, `run_until`). Returns its summary with exit
+    code and wall time."""
     log = log or run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        stopped = False
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline_s))
-        except subprocess.TimeoutExpired:
-            stopped = True
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                rc = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-    result = {"variant": name, "exit": rc, "stopped_at_deadline": stopped, "run_wall_s": round(time.monotonic() - t0, 1),
-              "command": shlex.join(argv[2:])}
+    ran = run_until(argv, log, max(1.0, deadline_s), 120.0, env=env)
+    rc = ran["exit"]
+    result = {"variant": name, "exit": rc, "stopped_at_deadline": ran["stopped_at_deadline"],
+              "run_wall_s": ran["run_wall_s"], "command": shlex.join(argv[2:])}
     result.update(summarize(read_metrics(run_dir)))
     if rc not in (0, 130) or result.get("windows", 0) == 0:
         result["log_tail"] = log.read_text(errors="replace").splitlines()[-30:]

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -148,29 +147,10 @@ def child_env() -> dict:
 
 
 def run_until(argv: list[str], log: Path, deadline_s: float, grace_s: float, on_tick=None, env=None) -> dict:
-    """Run ``argv`` (own process group, output to ``log``) to its end or ``deadline_s`` (SIGINT; SIGKILL
-    ``grace_s`` later); ``on_tick()`` every 10 s while it runs. Returns exit, wall seconds, stopped."""
-    t0 = time.monotonic()
-    stopped = killed = False
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        while True:
-            try:
-                proc.wait(timeout=10)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            elapsed = time.monotonic() - t0
-            if not stopped and elapsed > deadline_s:
-                stopped = True
-                os.killpg(proc.pid, signal.SIGINT)
-            elif stopped and not killed and elapsed > deadline_s + grace_s:
-                killed = True
-                os.killpg(proc.pid, signal.SIGKILL)
-            if on_tick:
-                on_tick()
-    return {"exit": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1), "stopped_at_deadline": stopped,
-            "killed": killed}
+    """`bench_e2e.run_until` (the job to its end or a deadline: SIGINT, then SIGKILL of its group)."""
+    import bench_e2e
+
+    return bench_e2e.run_until(argv, log, deadline_s, grace_s, on_tick, env)
 
 
 # ---------------------------------------------------------------------------------------------- our job

@@ -38,7 +38,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -425,24 +424,15 @@ def phase_job(name: str) -> int:
     engine_rate = json.loads(engine.read_text()).get("engine_rollouts_per_s") if engine.exists() else None
     write(f"rollouts_job_{name}.json", result)
     log = WORK / f"job_{name}.log"
-    t0 = time.monotonic()
-    stopped = False
-    with open(log, "w") as f:  # as bench_e2e.run_variant, but the rows so far are written every 10 s
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None:
-            if not stopped and time.monotonic() - t0 > JOB_DEADLINE_S:
-                stopped = True
-                os.killpg(proc.pid, signal.SIGINT)  # it saves and stops
-            if stopped and time.monotonic() - t0 > JOB_DEADLINE_S + 90:
-                os.killpg(proc.pid, signal.SIGKILL)
-            rows = bench_e2e.read_metrics(run_dir)
-            result.update({"figures": job_figures(rows, engine_rate), "rows": job_rows(rows),
-                           "run_wall_s": round(time.monotonic() - t0, 1)})
-            write(f"rollouts_job_{name}.json", result)
-            time.sleep(10)
+
+    def tick() -> None:  # the rows so far, every 10 s: a call cut by the device's limit still returns them
+        rows = bench_e2e.read_metrics(run_dir)
+        result.update({"figures": job_figures(rows, engine_rate), "rows": job_rows(rows)})
+        write(f"rollouts_job_{name}.json", result)
+
+    ran = bench_e2e.run_until(argv, log, JOB_DEADLINE_S, 90.0, tick)
     rows = bench_e2e.read_metrics(run_dir)
-    result.update({"exit": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1),
-                   "stopped_at_deadline": stopped, "summary": bench_e2e.summarize(rows),
+    result.update({**ran, "summary": bench_e2e.summarize(rows),
                    "figures": job_figures(rows, engine_rate), "engine_rollouts_per_s": engine_rate,
                    "rows": job_rows(rows), "gpu_processes_after": one_gpu.gpu_processes()})
     plain = (WORK / f"job_{name}.log").read_text(errors="replace").splitlines()
