@@ -41,6 +41,7 @@ FIELD_PATHS: dict[str, str] = {
     **{n: f"staleness.{n}" for n in (
         "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
     "token_budget": "packing.token_budget",
+    "max_groups_per_step": "packing.max_groups_per_step",
     "tree_attention": "packing.attention",
     "vllm_server_base_url": "sampler.url",
     "vllm_server_timeout": "sampler.timeout",

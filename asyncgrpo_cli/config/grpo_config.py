@@ -23,7 +23,7 @@ ASYNC_GRPO_FIELDS = (
     "log_completions", "num_completions_to_print",
     # Extensions of this project (not in SPEC §16.2's signature):
     "tree_attention", "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal",
-    "weight_transfer_address", "weight_transfer_port",
+    "weight_transfer_address", "weight_transfer_port", "max_groups_per_step",
     # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
     "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
     "reward_weights", "beta", "scale_rewards", "multi_objective_aggregation",
@@ -142,6 +142,9 @@ class AsyncGRPOConfig(TrainingArguments):
     num_sampler_logprobs: int = field(default=8, metadata={"help": "Top log-probs requested per generated token."})
     token_budget: int | None = field(default=None, metadata={
         "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (README: Packing and the token budget)."})
+    max_groups_per_step: int | None = field(default=None, metadata={
+        "help": "Max prompt groups per optimizer step, split evenly over its gradient_accumulation_steps micro-batches "
+                "(rounded up); None = only token_budget bounds a step (README: Packing and the token budget)."})
     # Async pipeline.
     max_concurrent_rollouts: int = field(default=512, metadata={"help": "Ceiling on rollouts in flight (README: Staleness and concurrency)."})
     max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (README: Staleness and concurrency)."})

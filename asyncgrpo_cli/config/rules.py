@@ -91,6 +91,10 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     tb = g("token_budget", None)
     if tb is not None and tb < 1:
         _fail(p("token_budget"), tb, "must be >= 1 token", f"set {p('token_budget')}=null to use the server's max_model_len")
+    mgs = g("max_groups_per_step", None)
+    if mgs is not None and (isinstance(mgs, bool) or not isinstance(mgs, int) or mgs < 1):
+        _fail(p("max_groups_per_step"), mgs, "must be >= 1 group, or null for no bound beyond the token budget",
+              f"set {p('max_groups_per_step')}=null, or a count of groups such as 64")
     if g("max_concurrent_rollouts", 512) < 1:
         _fail(p("max_concurrent_rollouts"), g("max_concurrent_rollouts"), "must be >= 1",
               f"set {p('max_concurrent_rollouts')}=512")

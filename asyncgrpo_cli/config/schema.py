@@ -257,6 +257,11 @@ class PackingConfig:
 
     token_budget: Optional[int] = None
     """Max forwarded tokens per row (None = the server's max_model_len)."""
+    max_groups_per_step: Optional[int] = None
+    """Max prompt groups per optimizer step, split evenly over its gradient_accumulation_steps micro-batches
+    (rounded up); None = only token_budget bounds a step. Late in a run completions shrink and identical ones
+    share their tokens, so a token-bounded step grows to hundreds of groups and waits for thousands of rollouts;
+    this bound keeps a step's size in rollouts steady (README: Packing and the token budget)."""
     attention: AttentionBackend = AttentionBackend.auto
     """Tree-attention backend."""
 

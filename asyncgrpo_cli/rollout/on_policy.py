@@ -50,18 +50,23 @@ KEEP_FLOOR = 0.1
 
 
 def step_capacity(token_budget: int, gradient_accumulation_steps: int, num_processes: int, weight_sync_steps: int,
-                  sample_tokens: int = 0, forwarded_tokens: int = 0) -> float:
+                  sample_tokens: int = 0, forwarded_tokens: int = 0, max_groups_per_step: int | None = None,
+                  groups: int = 0) -> float:
     """Sample tokens one weight version's steps hold when every row is full (issue #33).
 
     ``token_budget × gradient_accumulation_steps × num_processes × weight_sync_steps`` forwarded tokens, times
     the last step's packing ratio ``sample_tokens / forwarded_tokens`` (SPEC B.13: tree packing shares prompt
     tokens, so a full row holds more sample tokens than its budget). Before any step (``forwarded_tokens=0``)
-    the ratio is taken as 1, as SPEC B.3 does.
+    the ratio is taken as 1, as SPEC B.3 does. With ``max_groups_per_step`` (``packing.max_groups_per_step``,
+    issue #41) and a last step of ``groups`` groups, the capacity is also at most ``max_groups_per_step ×
+    weight_sync_steps`` groups of the last step's mean sample tokens per group.
 
     Args:
         token_budget, gradient_accumulation_steps, num_processes, weight_sync_steps: ints >= 1.
         sample_tokens: the last step's sample tokens (each sample's own tokens, before sharing), >= 0.
         forwarded_tokens: the last step's forwarded tokens (after sharing), >= 0.
+        max_groups_per_step: the group bound of a step (>= 1), or None.
+        groups: the last step's distinct groups, >= 0 (0: no bound applied yet).
 
     Returns:
         The capacity in sample tokens (float).
@@ -74,8 +79,14 @@ def step_capacity(token_budget: int, gradient_accumulation_steps: int, num_proce
         _require_int(name, value, 1)
     _require_int("sample_tokens", sample_tokens, 0)
     _require_int("forwarded_tokens", forwarded_tokens, 0)
+    _require_int("groups", groups, 0)
+    if max_groups_per_step is not None:
+        _require_int("max_groups_per_step", max_groups_per_step, 1)
     ratio = sample_tokens / forwarded_tokens if forwarded_tokens > 0 and sample_tokens > 0 else 1.0
-    return float(token_budget * gradient_accumulation_steps * num_processes * weight_sync_steps) * ratio
+    capacity = float(token_budget * gradient_accumulation_steps * num_processes * weight_sync_steps) * ratio
+    if max_groups_per_step is not None and groups > 0 and sample_tokens > 0:
+        capacity = min(capacity, max_groups_per_step * weight_sync_steps * sample_tokens / groups)
+    return capacity
 
 
 class _Group:

@@ -91,6 +91,10 @@ class TokenBudgetBatcher:
        adding it (empty rows first, naturally; a row already holding a common prefix costs less).
     4. Otherwise the micro-batch is closed and the sample opens the next one.
 
+    With ``max_groups``, a sample of a group new to the open micro-batch also closes it once it holds
+    ``max_groups`` groups (issue #41: late in a run completions shrink and identical ones merge, so a token-bounded
+    micro-batch grows to hundreds of groups and its step waits for thousands of rollouts).
+
     A sample with more tokens than ``token_budget`` fits in no row: it is dropped with a warning and
     counted in :attr:`dropped_oversize_count` (``batch/dropped_oversize_count``); :attr:`oversize_streak` counts
     those dropped since the last sample placed (the trainer stops on a long streak, `OVERSIZE_STREAK_LIMIT`).
@@ -98,17 +102,20 @@ class TokenBudgetBatcher:
     Args:
         token_budget: maximum forwarded (unique) tokens per row, >= 1.
         num_processes: rows per micro-batch (data-parallel processes), >= 1.
+        max_groups: most groups per micro-batch (all rows together), >= 1; None = only ``token_budget`` bounds it.
 
     Raises:
-        ValueError: ``token_budget`` or ``num_processes`` is not a positive int.
+        ValueError: ``token_budget``, ``num_processes`` or ``max_groups`` is not a positive int.
     """
 
-    def __init__(self, token_budget: int, num_processes: int) -> None:
-        for name, value in (("token_budget", token_budget), ("num_processes", num_processes)):
+    def __init__(self, token_budget: int, num_processes: int, max_groups: int | None = None) -> None:
+        for name, value in (("token_budget", token_budget), ("num_processes", num_processes),
+                            ("max_groups", 1 if max_groups is None else max_groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.token_budget = token_budget
         self.num_processes = num_processes
+        self.max_groups = max_groups
         self.dropped_oversize_count = 0
         self.oversize_streak = 0  # samples dropped as oversize since the last one placed
         self.dropped: list[TrainingSequence] = []
@@ -141,7 +148,9 @@ class TokenBudgetBatcher:
             return None
         self.oversize_streak = 0
         key = _key(sample.input_ids)
-        r, delta = self._choose(self._open, sample.group_id, key)
+        full = (self.max_groups is not None and sample.group_id not in self._open.group_rows
+                and len(self._open.group_rows) >= self.max_groups)
+        r, delta = (None, (0, 0)) if full else self._choose(self._open, sample.group_id, key)
         if r is not None:
             self._open.place(r, sample, index, key, delta)
             return None
@@ -242,7 +251,7 @@ def plan_edge_first(plans: list[MicroBatchPlan], batcher: TokenBudgetBatcher, ve
     last = plans[-1]
     samples: list[TrainingSequence] = [s for row in last.rows for s in row] + batcher.take_pending()
     samples.sort(key=lambda s: (s.model_version, s.group_id))  # stable: a group's samples stay in order
-    fresh = TokenBudgetBatcher(batcher.token_budget, batcher.num_processes)
+    fresh = TokenBudgetBatcher(batcher.token_budget, batcher.num_processes, batcher.max_groups)
     new_last, rest = None, []
     for s in samples:
         if new_last is not None:

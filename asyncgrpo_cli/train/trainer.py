@@ -311,7 +311,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             self.weight_sync.sync(self.model_version)
         if not self.is_world_process_zero():
             return
-        self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes)
+        per_micro_batch = (None if args.max_groups_per_step is None
+                           else math.ceil(args.max_groups_per_step / args.gradient_accumulation_steps))
+        self.batcher = TokenBudgetBatcher(self.token_budget, self.accelerator.num_processes, per_micro_batch)
         self.position = TrainedPosition(start_position)
         self.pulled = TrainedPosition(start_position)  # every position whose outcome has left the queue
         self.num_prompts = len(self.train_dataset) if self._prompts_have_length else None
@@ -614,7 +616,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.worker.publish_allowance(allowance_after_step(args.max_staleness, args.weight_sync_steps, sample_tokens))
         self.worker.publish_capacity(step_capacity(self.token_budget, args.gradient_accumulation_steps,
                                                    self.accelerator.num_processes, args.weight_sync_steps,
-                                                   sample_tokens, forwarded))
+                                                   sample_tokens, forwarded, args.max_groups_per_step,
+                                                   len({s.group_id for s in trained_samples})))
         self.worker.set_model_version(self.model_version)
         if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
             self.state.epoch = self.position.value / self.num_prompts

@@ -211,6 +211,20 @@ def test_step_capacity_counts_sample_tokens_of_full_rows():
         step_capacity(0, 1, 1, 1)
 
 
+def test_step_capacity_honours_the_group_bound_of_a_step():
+    """Issue #41: packing.max_groups_per_step bounds an on-policy round too (the last step's tokens per group)."""
+    # 300 groups of 50 sample tokens fitted the token capacity; the bound keeps 64 groups' worth per step.
+    assert step_capacity(16384, 1, 1, 1, sample_tokens=15000, forwarded_tokens=5000, max_groups_per_step=64,
+                         groups=300) == 64 * 50.0
+    assert step_capacity(16384, 1, 1, 2, sample_tokens=15000, forwarded_tokens=5000, max_groups_per_step=64,
+                         groups=300) == 2 * 64 * 50.0  # one round per weight version
+    assert step_capacity(4096, 1, 1, 1, max_groups_per_step=64) == 4096.0  # before any step: tokens alone
+    assert step_capacity(1000, 1, 1, 1, sample_tokens=1000, forwarded_tokens=1000, max_groups_per_step=64,
+                         groups=10) == 1000.0  # under the bound: the token capacity
+    with pytest.raises(ValueError, match="max_groups_per_step"):
+        step_capacity(1000, 1, 1, 1, max_groups_per_step=0)
+
+
 def test_a_round_starts_the_expected_need_at_once_and_is_done_when_everything_is_back():
     r = OnPolicyRounds(fill_target=0.9, min_fill=0.5)
     r.observe(0, 0, capacity=1000.0)

@@ -458,3 +458,20 @@ def test_an_oversize_streak_is_counted_until_a_sample_fits_and_names_the_fix():
     assert b.oversize_streak == 0 and b.dropped_oversize_count == 3
     text = oversize_stop_message(32, 49, 256)
     assert text.startswith("packing.token_budget=32: the last 256 samples were all longer") and "at least 49" in text
+
+
+def test_batcher_max_groups_closes_a_micro_batch_at_the_group_bound():
+    """Issue #41: with max_groups, a new group closes a micro-batch that holds that many groups, well inside the
+    token budget; a group already in it still joins it; every sample is placed exactly once."""
+    rng = random.Random(7)
+    samples = [s for g in range(10) for s in _group(g, rng, n=4, prompt=20, completion=(5, 9))]
+    unbounded = TokenBudgetBatcher(token_budget=100_000, num_processes=2).plan(samples)
+    assert len(unbounded) == 1
+    b = TokenBudgetBatcher(token_budget=100_000, num_processes=2, max_groups=3)
+    plans = b.plan(samples)
+    _check_plans(plans, samples, b)
+    groups = [sorted({s.group_id for row in p.rows for s in row}) for p in plans]
+    assert groups == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [p.num_samples for p in plans] == [12, 12, 12, 4]
+    with pytest.raises(ValueError, match="max_groups"):
+        TokenBudgetBatcher(token_budget=10, num_processes=1, max_groups=0)

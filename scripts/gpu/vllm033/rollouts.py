@@ -26,7 +26,8 @@ job NAME
   ``asyncgrpo train +recipe=arith_vllm_1gpu trainer.max_steps=40`` (``sync``: ``staleness.max_staleness=0``),
   plain log, one window per step, stopped with SIGINT at `JOB_DEADLINE_S` if still running. Writes
   ``$OUT/rollouts_job_NAME.json``: one row per step (time since step 1, step time, reward, rollouts/s, groups/s,
-  request breakdown, ...) and the issue's figures (`job_figures`).
+  request breakdown, ...) and the issue's figures (`job_figures`). ``JOB_MPS=1``: under CUDA MPS (`start_mps`);
+  ``JOB_EXTRA``: more overrides.
 
 Every command line here is composed and checked on CPU in CI (``tests/test_gpu_script_configs.py``).
 """
@@ -406,7 +407,45 @@ def job_figures(rows: list[dict], engine_rollouts_per_s: float | None = None) ->
     }
 
 
+MPS_DIR = Path("/tmp/asyncgrpo_mps")
+
+
+def mps_env() -> dict:
+    """The CUDA MPS pipe and log folders of `start_mps` (clients find the daemon through the pipe folder)."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": str(MPS_DIR / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(MPS_DIR / "log")}
+
+
+def start_mps() -> dict:
+    """Start the CUDA MPS control daemon (``nvidia-cuda-mps-control -d``) and check that a CUDA client runs under
+    it (a tensor on the GPU within 90 s). Returns what happened, ``ok`` among it; the job is only run when ok."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return {"ok": False, "why": "nvidia-cuda-mps-control is not on PATH"}
+    for d in ("pipe", "log"):
+        (MPS_DIR / d).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **mps_env()}
+    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=60)
+    probe = subprocess.run([sys.executable, "-c", "import torch; x = torch.ones(1024, device='cuda'); "
+                            "print(float(x.sum()))"], env=env, capture_output=True, text=True, timeout=90)
+    log = MPS_DIR / "log" / "control.log"
+    return {"ok": started.returncode == 0 and probe.returncode == 0, "control_exit": started.returncode,
+            "probe_exit": probe.returncode, "probe_tail": (probe.stdout + probe.stderr).splitlines()[-3:],
+            "control_log": log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []}
+
+
+def stop_mps() -> list[str]:
+    """Quit the MPS control daemon of `start_mps`; returns the tail of its control log (its clients, servers)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is not None:
+        subprocess.run([control], input="quit\n", env={**os.environ, **mps_env()}, capture_output=True, text=True,
+                       timeout=60)
+    log = MPS_DIR / "log" / "control.log"
+    return log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
+
+
 def phase_job(name: str) -> int:
+    """``job NAME``: with ``JOB_MPS=1`` the job runs under CUDA MPS (started here, quit after), so vLLM's kernels
+    and the trainer's can run at once on the one GPU (issue #41 item 3)."""
     import bench_e2e
 
     import one_gpu
@@ -422,6 +461,15 @@ def phase_job(name: str) -> int:
                     "gpu_processes_before": one_gpu.gpu_processes()}
     engine = WORK / "rollouts_engine.json"
     engine_rate = json.loads(engine.read_text()).get("engine_rollouts_per_s") if engine.exists() else None
+    env = None
+    if os.environ.get("JOB_MPS") == "1":
+        result["mps"] = start_mps()
+        if not result["mps"]["ok"]:
+            result["mps"]["control_log_after"] = stop_mps()
+            write(f"rollouts_job_{name}.json", result)
+            print(json.dumps(result["mps"]), flush=True)
+            return 1
+        env = {**os.environ, **mps_env()}
     write(f"rollouts_job_{name}.json", result)
     log = WORK / f"job_{name}.log"
 
@@ -430,7 +478,11 @@ def phase_job(name: str) -> int:
         result.update({"figures": job_figures(rows, engine_rate), "rows": job_rows(rows)})
         write(f"rollouts_job_{name}.json", result)
 
-    ran = bench_e2e.run_until(argv, log, JOB_DEADLINE_S, 90.0, tick)
+    try:
+        ran = bench_e2e.run_until(argv, log, JOB_DEADLINE_S, 90.0, tick, env=env)
+    finally:
+        if env is not None:
+            result.setdefault("mps", {})["control_log_after"] = stop_mps()
     rows = bench_e2e.read_metrics(run_dir)
     result.update({**ran, "summary": bench_e2e.summarize(rows),
                    "figures": job_figures(rows, engine_rate), "engine_rollouts_per_s": engine_rate,
