@@ -109,6 +109,21 @@ def test_the_rollout_job_figures_of_issue_41():
     assert per_step[0]["t_since_step1_s"] == 0.0 and per_step[-1]["step"] == 40
 
 
+def test_generation_against_the_served_engine_at_the_steps_length():
+    """Issue #41's anchor: a rollout's time linear in its tokens between the screen's 12- and 44-token rows."""
+    screen = {"runs": [{"variant": "group", "rollouts_per_s": 400.0, "completion_tokens_mean": 44.0},
+                       {"variant": "group_short", "rollouts_per_s": 1000.0, "completion_tokens_mean": 12.0}]}
+    assert vllm033_rollouts.served_rate(screen, 12.0) == pytest.approx(1000.0)
+    assert vllm033_rollouts.served_rate(screen, 44.0) == pytest.approx(400.0)
+    assert vllm033_rollouts.served_rate(screen, 28.0) == pytest.approx(1 / ((1 / 1000 + 1 / 400) / 2))
+    assert vllm033_rollouts.served_rate(screen, 5.0) == pytest.approx(1000.0)  # clamped to the measured range
+    rows = [{"step": s, "rollout/rollouts_per_s": 500.0 if s <= 10 else 700.0,
+             "completions/mean_length": 44.0 if s <= 10 else 12.0} for s in range(1, 41)]
+    g = vllm033_rollouts.generation_against_served(rows, screen)
+    assert g["steps_2_10"] == 1.25 and g["steps_31_40"] == 0.7
+    assert vllm033_rollouts.served_rate({"runs": []}, 20.0) is None
+
+
 def test_serve_configs_of_gpu_scripts_pass_the_serve_checks(shaped_model):
     check(one_gpu.bench_serve_overrides(shaped_model, 8011), "serve")
     for api_servers in (8, 1):

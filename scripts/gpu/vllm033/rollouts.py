@@ -4,7 +4,7 @@
     python3 scripts/gpu/vllm033/rollouts.py screen        # the request levers against one `asyncgrpo serve`
     python3 scripts/gpu/vllm033/rollouts.py job async     # the job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/rollouts.py job sync      # the same with staleness.max_staleness=0 (on-policy)
-    python3 scripts/gpu/vllm033/rollouts.py combine A S   # here: the pair's JSON from two job results (no GPU)
+    python3 scripts/gpu/vllm033/rollouts.py combine A S [OUT [SCREEN [ENGINE]]]   # here: the pair's JSON (no GPU)
 
 engine
   ``vllm.LLM`` on the recipe's exported model (bf16, ``max_model_len`` 512, processed log-probs, CUDA graphs),
@@ -496,8 +496,42 @@ def phase_job(name: str) -> int:
     return 0
 
 
-def combine(async_path: str, sync_path: str, out_path: str) -> dict:
-    """The async/sync pair's JSON (issue #41 item 4): both runs' rows and figures and the ratios."""
+def served_rate(screen: dict, tokens: float) -> float | None:
+    """The served engine's rollouts/s alone (the screen's one-request-per-group rows at ~44 and ~12 tokens) at a
+    mean completion length of ``tokens``: a rollout's time taken as linear in its tokens between the two rows (a
+    per-request cost plus a per-token cost), clamped to their range."""
+    rows = {r["variant"]: r for r in screen.get("runs", []) if r.get("rollouts_per_s")}
+    if "group" not in rows or "group_short" not in rows:
+        return None
+    (l1, r1), (l2, r2) = ((rows[v]["completion_tokens_mean"], rows[v]["rollouts_per_s"]) for v in ("group_short", "group"))
+    x = min(max(tokens, l1), l2)
+    t = 1 / r1 + (x - l1) * (1 / r2 - 1 / r1) / (l2 - l1)
+    return 1 / t
+
+
+def generation_against_served(rows: list[dict], screen: dict) -> dict:
+    """Per step, the job's generation rate over the served engine's alone at the step's completion length
+    (`served_rate`); medians over steps 2-10 and 31-40 and over every step after the first."""
+    fracs = {}
+    for r in rows:
+        rate, length = r.get("rollout/rollouts_per_s"), r.get("completions/mean_length")
+        if r.get("step", 0) >= 2 and rate and length:
+            served = served_rate(screen, length)
+            if served:
+                fracs[r["step"]] = rate / served
+
+    def med(lo: int, hi: int) -> float | None:
+        vals = [v for k, v in fracs.items() if lo <= k <= hi]
+        return round(statistics.median(vals), 3) if vals else None
+
+    return {"steps_2_10": med(2, 10), "steps_31_40": med(31, 40), "all": med(2, 10_000)}
+
+
+def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | None = None,
+            engine_path: str | None = None) -> dict:
+    """The async/sync pair's JSON (issue #41 item 4): both runs' rows and figures and the ratios; with the screen's
+    JSON, generation while training against the served engine alone at the same completion length
+    (`generation_against_served`), and with the engine's JSON, its offline rows beside them."""
     a, s = json.loads(Path(async_path).read_text()), json.loads(Path(sync_path).read_text())
     fa, fs = a["figures"], s["figures"]
 
@@ -515,6 +549,15 @@ def combine(async_path: str, sync_path: str, out_path: str) -> dict:
                        "time_to_reward_045_s": "<= 40", "async_over_sync_steps_per_s": ">= 1.3",
                        "async_over_sync_time_to_reward": ">= 1.5 (to reward 0.40)"},
            "async": a, "sync": s}
+    if screen_path:
+        screen = json.loads(Path(screen_path).read_text())
+        out["generation_frac_of_served_engine"] = {"screen": Path(screen_path).name, "screen_date": screen["versions"].get("date"),
+                                                   "async": generation_against_served(a["rows"], screen),
+                                                   "sync": generation_against_served(s["rows"], screen)}
+    if engine_path:
+        engine = json.loads(Path(engine_path).read_text())
+        out["engine_offline"] = {"file": Path(engine_path).name, "runs": engine.get("runs"),
+                                 "start_s": engine.get("start_s"), "workload": engine.get("workload")}
     Path(out_path).write_text(json.dumps(out, indent=1))
     return out
 
@@ -528,10 +571,11 @@ def main() -> int:
     if phase == "job":
         return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
     if phase == "combine":
-        out = combine(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "rollouts_async_sync.json")
-        print(json.dumps({k: v for k, v in out.items() if k not in ("async", "sync")}, indent=1))
+        rest = sys.argv[4:] + [None] * 3
+        out = combine(sys.argv[2], sys.argv[3], rest[0] or "rollouts_async_sync.json", rest[1], rest[2])
+        print(json.dumps({k: v for k, v in out.items() if k not in ("async", "sync", "engine_offline")}, indent=1))
         return 0
-    print(f"rollouts.py: unknown phase {phase!r} (engine, screen, job NAME, combine A S [OUT])")
+    print(f"rollouts.py: unknown phase {phase!r} (engine, screen, job NAME, combine A S [OUT [SCREEN [ENGINE]]])")
     return 2
 
 
