@@ -63,7 +63,7 @@ WARMUP_S = 3.0
 INFLIGHT = 512  # the recipe's staleness.max_concurrent_rollouts
 G = 8
 ENGINE_GROUPS = int(os.environ.get("ENGINE_GROUPS", 1024))
-#: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes[, tokens route])
+#: name -> (n per request, per-request seeds, top log-probs, max tokens, load processes[, tokens route[, in flight]])
 SCREEN_VARIANTS: dict[str, tuple] = {  # in order of importance (a cut call keeps the first)
     "per_rollout": (1, True, 8, 64, 1),           # the job's requests before issue #41
     "group": (G, True, 8, 64, 1),                 # one request per group (n = 8)
@@ -74,6 +74,12 @@ SCREEN_VARIANTS: dict[str, tuple] = {  # in order of importance (a cut call keep
     "group_2proc": (G, True, 8, 64, 2),           # two worker processes
     "group_tokens": (G, True, 8, 64, 1, True),    # /inference/v1/generate, tokens in and out, no detokenizing
     "group_tokens_short": (G, True, 8, 12, 1, True),
+    # The rollout ceiling (staleness.max_concurrent_rollouts): the job held 512 in flight, every one running in vLLM,
+    # with its KV cache 1.2% used, so rollouts/s = 512 / a request's time (the afternoon session's job pair).
+    "group_1024": (G, True, 8, 64, 1, False, 1024),
+    "group_short_1024": (G, True, 8, 12, 1, False, 1024),
+    "group_2048": (G, True, 8, 64, 1, False, 2048),
+    "group_short_2048": (G, True, 8, 12, 1, False, 2048),
 }
 ENGINE_VARIANTS: dict[str, dict] = {
     "job": {"seed": True, "logprobs": 8, "max_tokens": 64},
@@ -253,10 +259,11 @@ def screen_variant(name: str, prompts: list[list[int]], model: str) -> dict:
 
     n, seeds, logprobs, max_tokens, procs, *rest = SCREEN_VARIANTS[name]
     tokens_route = bool(rest and rest[0])
+    inflight = rest[1] if len(rest) > 1 else INFLIGHT
     before = _metrics()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (n, seeds, logprobs, max_tokens, INFLIGHT // procs, SCREEN_S, prompts, model, tokens_route)
+    args = (n, seeds, logprobs, max_tokens, inflight // procs, SCREEN_S, prompts, model, tokens_route)
     workers = [ctx.Process(target=_load_process, args=(args, queue)) for _ in range(procs)]
     for w in workers:
         w.start()
@@ -269,7 +276,7 @@ def screen_variant(name: str, prompts: list[list[int]], model: str) -> dict:
     request_s = [x for p in parts for x in p["request_s"]]
     parse_s = [x for p in parts for x in p["parse_s"]]
     row = {"variant": name, "n": n, "request_seeds": seeds, "logprobs": logprobs, "max_tokens": max_tokens,
-           "load_processes": procs, "tokens_route": tokens_route, "inflight_rollouts": INFLIGHT, "wall_s": round(wall, 2),
+           "load_processes": procs, "tokens_route": tokens_route, "inflight_rollouts": inflight, "wall_s": round(wall, 2),
            "rollouts_per_s": round(rollouts / wall, 1), "generated_tokens_per_s": round(tokens / wall, 1),
            "completion_tokens_mean": round(tokens / max(1, rollouts), 2),
            "load_cpu_frac": round(sum(p["cpu_s"] for p in parts) / wall / procs, 3),
