@@ -219,15 +219,16 @@ def test_doctor_failure_stops_with_restart_command(make_cfg, tmp_path):
 
 
 @contextlib.contextmanager
-def running_job(tmp_path, mode: str, processes: int):
+def running_job(tmp_path, mode: str, processes: int, grace_s: float = 60.0):
     """``drive_supervisor.py`` in its own process with the fake trainer in ``mode``, through the real
     ``accelerate launch``; yields ``(driver, out, pids)`` once every child runs (``pids``: name -> pid), and
-    SIGKILLs whatever is left on the way out, even when the test failed."""
+    SIGKILLs whatever is left on the way out, even when the test failed. ``grace_s``: the supervisor's
+    `Timeouts.trainer_grace_s` (SIGINT to the ranks, then SIGTERM to the group)."""
     out, pid_dir = tmp_path / "run", tmp_path / "pids"
     pid_dir.mkdir()
     driver = subprocess.Popen([sys.executable, str(HERE / "drive_supervisor.py"), str(out), str(free_port()),
-                               str(pid_dir), mode, str(processes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                               str(pid_dir), mode, str(processes), str(grace_s)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True)
     names = ("server", "worker", *(f"rank{r}" for r in range(processes)))
     try:
         def ready() -> bool:
@@ -256,12 +257,19 @@ def running_job(tmp_path, mode: str, processes: int):
                 pass
 
 
+# The fake "hang" trainer's rollout worker ignores SIGINT and SIGTERM and keeps the stderr pipe that accelerate's
+# single-process launcher (1.16) copies until EOF, so that launcher outlives its rank and the supervisor waits
+# its whole trainer grace before the SIGTERM and the group SIGKILL. The fake rank saves in milliseconds: 20 s is
+# still a generous grace for it on a loaded machine, and the path (grace, SIGTERM, SIGKILL) is the same as at 60 s.
+HANG_GRACE_S = 20.0
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigint_leaves_no_child_alive(tmp_path, processes):
     """SIGINT to the supervisor: the trainer (real ``accelerate launch``: its single-process launcher, or
     torchrun with 2 CPU ranks) gets SIGINT first and finishes saving a checkpoint; the rollout worker that
     ignores SIGINT/SIGTERM is killed with its group; the server stops; nothing survives."""
-    with running_job(tmp_path, "hang", processes) as (driver, out, procs):
+    with running_job(tmp_path, "hang", processes, HANG_GRACE_S) as (driver, out, procs):
         os.kill(driver.pid, signal.SIGINT)
         output, _ = driver.communicate(timeout=120)
         text = output.decode()
@@ -298,7 +306,7 @@ def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoin
 def test_a_server_killed_from_outside_has_a_cause_line(tmp_path):
     """kill -9 of the supervised server during training: besides the error line, a cause line says where a
     SIGKILL comes from (its log ends without an error), as every other failure path has one."""
-    with running_job(tmp_path, "hang", 1) as (driver, out, procs):
+    with running_job(tmp_path, "hang", 1, HANG_GRACE_S) as (driver, out, procs):
         os.kill(procs["server"], signal.SIGKILL)
         output, _ = driver.communicate(timeout=120)
         text = output.decode()
