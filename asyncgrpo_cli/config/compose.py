@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,7 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    _refuse_loose_bools(list(overrides or []))
     overrides, lists = _list_overrides(list(overrides or []))
     overrides, maps = _map_overrides(overrides)
     broken = _register(extra_recipe_dirs)
@@ -216,6 +218,31 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     return cfg
 
 
+def _refuse_loose_bools(overrides: list[str]) -> None:
+    """A true/false field set on the command line takes ``true`` or ``false`` (``null`` where None is allowed):
+    OmegaConf would read ``2``, ``yes`` or ``on`` as true, so ``rollout.group_requests=2`` passed unnoticed.
+
+    Raises:
+        ConfigError: naming the field, the value and the two values it takes.
+    """
+    from .override_errors import _unwrap, describe_type, field_at, type_error_message
+
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        key = key.lstrip("+")
+        if not sep or key.startswith("~") or key.startswith("hydra."):
+            continue
+        found = field_at(key)
+        if found is None:
+            continue
+        tp, optional = _unwrap(found[0])
+        allowed = {"true", "false"} | ({"null"} if optional else set())
+        parts = [v.strip().strip("'\"").lower() for v in value.split(",")]  # a sweep: true,false
+        if tp is bool and not value.strip().startswith("${") and not all(v in allowed for v in parts):
+            raise ConfigError(type_error_message(key, value) or f"{key}={value}: not {describe_type(found[0])}",
+                              key=key)
+
+
 LIST_GROUPS = ("rewards", "tools")
 """Groups whose config is a list: ``rewards=[...]`` / ``tools=[...]`` on the command line set the list itself."""
 
@@ -223,10 +250,16 @@ LIST_GROUPS = ("rewards", "tools")
 def _list_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """``(the overrides for Hydra, the list overrides of `LIST_GROUPS`)``. Hydra reads ``tools=X`` as the option
     X of the group, so ``tools=[pkg.mod:fn]`` would look for a file ``conf/tools/[pkg.mod:fn].yaml``."""
-    rest, lists = [], []
+    rest, lists, listed = [], [], []
     for o in overrides:
         key, sep, value = o.partition("=")
-        (lists if sep and key in LIST_GROUPS and value.lstrip().startswith("[") else rest).append(o)
+        if sep and any(key.lstrip("+~").startswith(g + ".") for g in listed):
+            lists.append(o)  # an entry set after the whole list (rewards.0.probe=false): applied after it, in order
+        elif sep and key in LIST_GROUPS and value.lstrip().startswith("["):
+            lists.append(o)
+            listed.append(key)
+        else:
+            rest.append(o)
     return rest, lists
 
 
@@ -243,21 +276,66 @@ def _set_lists(cfg: DictConfig, lists: list[str]) -> None:
 
     example = {"rewards": "'rewards=[asyncgrpo_cli.rewards:accuracy_reward,{func:my_pkg.mod:fn,kwargs:{scale:0.5}}]'",
                "tools": "'tools=[my_pkg.tools:add,my_pkg.tools:multiply]'"}
+    from omegaconf.errors import ValidationError
+
+    from .override_errors import describe_type
+    from .schema import RewardFuncConfig
+
     parser = OverridesParser.create()
     for override in lists:
         key = override.partition("=")[0]
+        if key.lstrip("+~") not in LIST_GROUPS:  # one entry after the whole list: rewards.0.probe=false
+            _set_list_entry(cfg, override, parser)
+            continue
         try:
             value = parser.parse_override(override).value()
             if key == "rewards":
-                from .schema import RewardFuncConfig
-
-                value = [OmegaConf.merge(OmegaConf.structured(RewardFuncConfig), {"func": v} if isinstance(v, str)
-                                         else v) for v in value]
+                items = []
+                for i, v in enumerate(value):
+                    try:
+                        items.append(OmegaConf.merge(OmegaConf.structured(RewardFuncConfig),
+                                                     {"func": v} if isinstance(v, str) else v))
+                    except ValidationError as exc:  # one field of one entry has the wrong type
+                        name = str(getattr(exc, "key", "") or "")
+                        tp = typing.get_type_hints(RewardFuncConfig).get(name)
+                        if tp is None:
+                            raise
+                        raise ConfigError(f"rewards[{i}].{name}: {getattr(exc, 'value', '?')!r} is not "
+                                          f"{describe_type(tp)}. Fix: write {name}: true or {name}: false"
+                                          if tp is bool else
+                                          f"rewards[{i}].{name}: {getattr(exc, 'value', '?')!r} is not "
+                                          f"{describe_type(tp)}. Fix: give {name} {describe_type(tp)} in the list",
+                                          key=f"rewards.{i}.{name}") from None
+                value = items
             cfg[key] = value
+        except ConfigError:
+            raise
         except (HydraException, OmegaConfBaseException, TypeError, ValueError) as exc:
             raise ConfigError(f"{override}: not a list of the form {key} takes ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:200]}). Fix: quote the whole override for the shell, "
                               f"e.g. {example[key]}", key=key) from None
+
+
+def _set_list_entry(cfg: DictConfig, override: str, parser) -> None:
+    """Apply one ``rewards.N.field=value`` (or ``tools.N=...``) given after the whole list was set.
+
+    Raises:
+        ConfigError: no such entry, or a value the field does not take (naming the key and the fix).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    key = override.partition("=")[0].lstrip("+~")
+    group, _, rest = key.partition(".")
+    index = rest.partition(".")[0]
+    if not index.isdigit() or int(index) >= len(cfg[group]):
+        raise ConfigError(f"{override}: {group} has {len(cfg[group])} entries (0-based) after {group}=[...]. Fix: "
+                          f"name an entry from 0 to {len(cfg[group]) - 1}, or set it inside the list", key=key)
+    try:
+        OmegaConf.update(cfg, key, parser.parse_override(override).value(), merge=False)
+    except (HydraException, OmegaConfBaseException, TypeError, ValueError) as exc:
+        raise ConfigError(f"{override}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}. Fix: give {key} a "
+                          f"value of its type (`asyncgrpo config --doc {group}` describes it)", key=key) from None
 
 
 def _map_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:

@@ -246,3 +246,30 @@ def test_the_smoke_recipe_does_not_tighten_the_staleness_limit():
     default = compose([]).staleness.max_staleness
     assert default == 4
     assert compose(["+recipe=smoke"]).staleness.max_staleness >= default
+
+
+@pytest.mark.parametrize("override", ["rollout.group_requests=2", "trainer.bf16=yes", "peft.enabled=on",
+                                      "logging.log_completions=1"])
+def test_a_true_false_field_takes_only_true_or_false(override):
+    """Issue #45's trial: OmegaConf read 2, yes, on and 1 as true, so a typo in a switch passed unnoticed."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"field {key}: value '.*' is not true or false.* Fix: {key}="):
+        compose([override], validate=False)
+    assert compose(["rollout.group_requests=False", "launch.colocate=null"], validate=False).rollout.group_requests is False
+
+
+def test_an_entry_set_after_the_whole_reward_list_is_applied_after_it():
+    """Issue #45's trial: rewards.0.probe=false after rewards=[...] was silently overwritten by the list."""
+    cfg = compose(["rewards=[asyncgrpo_cli.rewards:accuracy_reward]", "rewards.0.probe=false"], validate=False)
+    assert cfg.rewards[0].probe is False and cfg.rewards[0].func == "asyncgrpo_cli.rewards:accuracy_reward"
+    with pytest.raises(ConfigError, match="rewards has 1 entries"):
+        compose(["rewards=[asyncgrpo_cli.rewards:accuracy_reward]", "rewards.2.probe=false"], validate=False)
+
+
+@pytest.mark.parametrize("item, message", [("probe: maybe", r"rewards\[0\]\.probe: 'maybe' is not true or false"),
+                                           ("kwargs: 3", r"rewards\[0\]\.kwargs: 3 is not a mapping")])
+def test_a_wrong_field_inside_the_reward_list_is_named(item, message):
+    """Issue #45's trial: probe: maybe was reported as list syntax ('quote the whole override')."""
+    with pytest.raises(ConfigError, match=message) as info:
+        compose([f"rewards=[{{func: 'x:y', {item}}}]"], validate=False)
+    assert "quote" not in str(info.value)
