@@ -732,10 +732,18 @@ def _findings(history: MetricsHistory, settings: RunSettings, th: Thresholds) ->
     m = history.latest
     limit = active_limit(m, settings, th)
     neck = trainer_idle(history, settings, th) or bottleneck(m, settings, th)
-    found = [d for d in (duplicates(history, settings, th), saturation(history, settings, th), neck, limit,
+    sat = saturation(history, settings, th)
+    mix = sat if sat is not None and sat.rule == "mix" else None  # after an idle trainer (issue #41): see diagnose
+    found = [d for d in (duplicates(history, settings, th), None if mix else sat, neck, mix, limit,
                          length_bias(history, settings, th), tool_use(m, th))
              if d is not None]
     return found, limit
+
+
+def _family(rule: str) -> str:
+    """Findings that hold together in `steady_diagnosis`: an idle trainer is one finding whether a window names
+    its cause (``trainer_idle_*``) or not (``generation_bound``), as a cause's metrics flicker around a threshold."""
+    return "idle" if rule.startswith("trainer_idle") or rule == "generation_bound" else rule
 
 
 def _shown(best: Diagnosis, limit: Diagnosis | None) -> Diagnosis:
@@ -750,7 +758,8 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
     """The ONE diagnosis line of the dashboard for the newest window of ``history``.
 
     The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, length bias,
-    in that order). The bottleneck is `trainer_idle` when the trainer is idle for a cause it names (it
+    in that order; saturation's "mix", whose action is to read the rollouts, comes after the bottleneck: in the
+    one-GPU job it hid an idle trainer's measured fix, issue #41). The bottleneck is `trainer_idle` when the trainer is idle for a cause it names (it
     replaces generation-bound and staleness-too-tight), else `bottleneck`. A generation-bound diagnosis gets
     the active concurrency limit appended (SPEC §4.4 says what holds generation back). When everything is ok
     the line starts with ``healthy:`` and lists the findings.
@@ -771,7 +780,8 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
     """The dashboard's line: `diagnose` of the newest window when it is ok; otherwise the most severe warning
     (info and above) found in each of the newest ``th.hold_windows`` windows, each finding counted on its own
     (a finding that held while a more severe one came and went is shown), its text then ending with the steps
-    it held over (``held over steps 4-6``). Until one has held, the line says that no finding has held yet,
+    it held over (``held over steps 4-6``); an idle trainer holds whether or not each window names its cause
+    (`_family`), and the newest window's text is shown. Until one has held, the line says that no finding has held yet,
     naming the newest one, with severity ok."""
     current = diagnose(history, settings, th)
     if current.severity == OK or th.hold_windows <= 1:
@@ -781,13 +791,13 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
     steps = [num(r, "step") for r in rows[-hold:]]
     if len(rows) >= hold:
         found, limit = _findings(history, settings, th)
-        held = {d.rule for d in found if d.severity != OK}
+        held = {_family(d.rule) for d in found if d.severity != OK}
         for back in range(1, hold):
             past = MetricsHistory(maxlen=len(rows))
             for r in rows[:-back]:
                 past.push(r)
-            held &= {d.rule for d in _findings(past, settings, th)[0] if d.severity != OK}
-        steady = [d for d in found if d.rule in held]
+            held &= {_family(d.rule) for d in _findings(past, settings, th)[0] if d.severity != OK}
+        steady = [d for d in found if _family(d.rule) in held]
         if steady:
             best = _shown(max(steady, key=lambda d: d.rank), limit)
             span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None

@@ -475,3 +475,24 @@ def test_idle_cause_on_policy_training_waits_by_design():
     # a config cause still comes first: it slows each round's generation
     assert trainer_idle(h, RunSettings(max_staleness=0, backend="vllm", api_server_count=1,
                                        num_sampler_logprobs=8)).rule == "trainer_idle_api_servers"
+
+
+def test_an_idle_trainer_with_a_fix_outranks_a_mix_of_easy_and_hard_prompts():
+    """Issue #41's job: 75-88% of groups all equal at a mid-range reward ("mix": read the rollouts) hid the idle
+    trainer's measured fix (max_concurrent_rollouts reached, KV cache at 1%) in the plain line."""
+    mixed = {"frac_reward_zero_std": 0.8, "reward_dropped": 0.6, "reward": 0.5}
+    d = diagnose(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2}, **mixed)), VLLM)
+    assert d.rule == "trainer_idle_ceiling" and "fix: staleness.max_concurrent_rollouts=512" in d.text
+    assert diagnose(history_of({**mixed, "perf/rollout_wait_s": 0.0, "perf/step_s": 1.0}), VLLM).rule == "mix"
+
+
+def test_an_idle_trainer_holds_while_its_cause_flickers():
+    """The cause's metrics cross their threshold window by window (KV cache 20% / 70%): the finding is still an
+    idle trainer in each window, so it holds and the newest window's text is shown."""
+    mixed = {"frac_reward_zero_std": 0.8, "reward_dropped": 0.6, "reward": 0.5}
+    ceiling = _idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2}, **mixed)
+    plain = _idle(**mixed)
+    assert diagnose(history_of(plain), VLLM).rule == "generation_bound"
+    d = steady_diagnosis(history_of(ceiling, plain, ceiling), VLLM)
+    assert d.rule == "trainer_idle_ceiling" and d.text.endswith("(held over steps 1-3)")
+    assert steady_diagnosis(history_of(plain, ceiling, plain), VLLM).rule == "generation_bound"
