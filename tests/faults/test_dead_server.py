@@ -93,7 +93,7 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     assert "stopping" not in final or final["stopping"] is None
 
 
-DOWN_TIMEOUT_S = 30.0  # sampler.timeout of the stays-down drill
+DOWN_TIMEOUT_S = 15.0  # sampler.timeout of the stays-down drill (backoff 1, 2, 4, 8 s: four retries in it)
 DOWN_BOUND_S = 60.0  # after it: the step in progress, one save of the tiny model, the teardown (loaded CI)
 
 
