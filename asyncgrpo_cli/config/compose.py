@@ -291,7 +291,12 @@ def _set_lists(cfg: DictConfig, lists: list[str]) -> None:
             value = parser.parse_override(override).value()
             if key == "rewards":
                 items = []
+                hints = typing.get_type_hints(RewardFuncConfig)
                 for i, v in enumerate(value):
+                    for name, given in (v.items() if isinstance(v, dict) else ()):
+                        if hints.get(name) is bool and not isinstance(given, bool):  # OmegaConf reads 2, on as true
+                            raise ConfigError(f"rewards[{i}].{name}: {given!r} is not true or false. Fix: write "
+                                              f"{name}: true or {name}: false", key=f"rewards.{i}.{name}")
                     try:
                         items.append(OmegaConf.merge(OmegaConf.structured(RewardFuncConfig),
                                                      {"func": v} if isinstance(v, str) else v))

@@ -143,8 +143,9 @@ class AsyncGRPOConfig(TrainingArguments):
     token_budget: int | None = field(default=None, metadata={
         "help": "Max forwarded (unique) tokens per row; None = the server's max_model_len (README: Packing and the token budget)."})
     max_groups_per_step: int | None = field(default=None, metadata={
-        "help": "Max prompt groups per optimizer step, split evenly over its gradient_accumulation_steps micro-batches "
-                "(rounded up); None = only token_budget bounds a step (README: Packing and the token budget)."})
+        "help": "Max prompt groups per optimizer step, a multiple of gradient_accumulation_steps (each micro-batch "
+                "holds its share); None = only token_budget bounds a step; at max_staleness=0 it sizes the on-policy "
+                "round, which trains whole and can overshoot it (README: Packing and the token budget)."})
     # Async pipeline.
     max_concurrent_rollouts: int = field(default=512, metadata={"help": "Ceiling on rollouts in flight (README: Staleness and concurrency)."})
     max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (README: Staleness and concurrency)."})

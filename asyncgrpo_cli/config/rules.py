@@ -6,6 +6,8 @@ same check says ``top_p`` to a Python user and ``rollout.top_p`` to a CLI user.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +27,8 @@ def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
 
 
 def _fail(key: str, value: Any, problem: str, fix: str) -> None:
+    if "." not in key:  # the Python API's name (AsyncGRPOConfig): None, not the CLI's YAML null
+        problem, fix = (re.sub(r"\bnull\b", "None", t) for t in (problem, fix))
     raise ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}", key=key)
 
 
@@ -95,6 +99,11 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if mgs is not None and (isinstance(mgs, bool) or not isinstance(mgs, int) or mgs < 1):
         _fail(p("max_groups_per_step"), mgs, "must be >= 1 group, or null for no bound beyond the token budget",
               f"set {p('max_groups_per_step')}=null, or a count of groups such as 64")
+    ga = g("gradient_accumulation_steps", 1)
+    if mgs is not None and isinstance(ga, int) and ga > 1 and mgs % ga:
+        _fail(p("max_groups_per_step"), mgs, f"must be a multiple of {p('gradient_accumulation_steps')} (= {ga}): "
+              f"each of a step's {ga} micro-batches holds {p('max_groups_per_step')} / {ga} groups",
+              f"set {p('max_groups_per_step')}={max(ga, mgs // ga * ga)}")
     if g("max_concurrent_rollouts", 512) < 1:
         _fail(p("max_concurrent_rollouts"), g("max_concurrent_rollouts"), "must be >= 1",
               f"set {p('max_concurrent_rollouts')}=512")

@@ -258,10 +258,11 @@ class PackingConfig:
     token_budget: Optional[int] = None
     """Max forwarded tokens per row (None = the server's max_model_len)."""
     max_groups_per_step: Optional[int] = None
-    """Max prompt groups per optimizer step, split evenly over its gradient_accumulation_steps micro-batches
-    (rounded up); None = only token_budget bounds a step. Late in a run completions shrink and identical ones
-    share their tokens, so a token-bounded step grows to hundreds of groups and waits for thousands of rollouts;
-    this bound keeps a step's size in rollouts steady (README: Packing and the token budget)."""
+    """Max prompt groups per optimizer step, a multiple of gradient_accumulation_steps (each micro-batch holds its
+    share); None = only token_budget bounds a step. Late in a run completions shrink and identical ones share their
+    tokens, so a token-bounded step grows to hundreds of groups and waits for thousands of rollouts; this bound
+    keeps a step's size in rollouts steady. At max_staleness=0 it sizes the on-policy round, which trains whole
+    and can overshoot it (README: Packing and the token budget)."""
     attention: AttentionBackend = AttentionBackend.auto
     """Tree-attention backend."""
 

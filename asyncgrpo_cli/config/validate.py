@@ -82,7 +82,10 @@ def np_bool_types() -> tuple[type, ...]:
     return (np.bool_,)
 
 
-def _suggest_value(value: Any, tp: type) -> str:
+def _suggest_value(value: Any, tp: type, default: Any = None) -> str:
+    """A value of type ``tp`` to suggest for ``value`` (converted, else ``default``), as Python source; "" if none."""
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return repr(int(value))
     if isinstance(value, str):
         try:
             converted = tp(float(value)) if tp is int else tp(value) if tp is float else None
@@ -92,7 +95,9 @@ def _suggest_value(value: Any, tp: type) -> str:
             converted = value.lower() == "true"
         if converted is not None:
             return repr(converted)
-    return f"a {tp.__name__}"
+    if isinstance(default, tp) and not (tp is int and isinstance(default, bool)):
+        return repr(default)
+    return ""
 
 
 def check_types(obj: Any, names: Iterable[str] | None = None,
@@ -126,7 +131,8 @@ def check_types(obj: Any, names: Iterable[str] | None = None,
             tp = accepted[0]
             raise ConfigTypeError(f"{key}={value!r}: must be {'an' if tp is int else 'a'} {tp.__name__}"
                                   f"{' or None' if optional else ''}, got {type(value).__name__}. "
-                                  f"Fix: pass {key}={_suggest_value(value, tp)}", key=key)
+                                  + (f"Fix: pass {key}={v}" if (v := _suggest_value(value, tp, f.default)) else
+                                     f"Fix: pass {key} as {'an int' if tp is int else 'a ' + tp.__name__}"), key=key)
 
 
 # ------------------------------------------------------------------------------------------ TrainingArguments

@@ -1,14 +1,12 @@
-"""Diagnosis rules of the live panels: SPEC §4.4 (which concurrency limit is active), §5.1 (where the
-bottleneck is, and why an idle trainer waits), §5.2 (saturation) and §5.3 (duplicates), as pure functions of
-logged metrics.
+"""Diagnosis rules of the live panels: SPEC §4.4 (which concurrency limit is active), §5.1 (where the bottleneck
+is, and why an idle trainer waits), §5.2 (saturation) and §5.3 (duplicates), as pure functions of logged metrics.
 
-Inputs are metrics windows as logged (one dict per logging step, SPEC §15 names) kept in a small
-`MetricsHistory`, plus a few config values (`RunSettings`). Every function returns a `Diagnosis`
-(a stable ``rule`` id, a short ``text`` and a ``severity``: ok < info < warn < alert) or None when the
-metrics it needs are absent. `diagnose` picks the ONE finding of the newest window; `steady_diagnosis`,
-what the dashboard shows, shows a warning only once the same finding has held over ``Thresholds.hold_windows``
-consecutive windows, and says over which steps it was measured (one noisy window of a short run is not a
-diagnosis).
+Inputs are metrics windows as logged (one dict per logging step, SPEC §15 names) kept in a small `MetricsHistory`,
+plus a few config values (`RunSettings`). Every function returns a `Diagnosis` (a stable ``rule`` id, a short
+``text`` and a ``severity``: ok < info < warn < alert) or None when the metrics it needs are absent. `diagnose`
+picks the ONE finding of the newest window; `steady_diagnosis`, what the dashboard shows, shows a warning only once
+the same finding has held over ``Thresholds.hold_windows`` consecutive windows, and says over which steps it was
+measured (one noisy window of a short run is not a diagnosis).
 
 Thresholds (`Thresholds`; every one can be changed):
 
@@ -59,14 +57,13 @@ Its cause is the first of these that holds, each with the CLI override that fixe
 7. ``trainer_idle_ceiling``: ``rollout/concurrency`` at ``max_concurrent_rollouts`` with the KV cache low. Fix:
    twice ``staleness.max_concurrent_rollouts`` (if environments and tools allow).
 
-Order: the config causes (1, 2) first, named only when the metrics confirm them: the trainer waits and the KV
-cache is not full (at most ``engine_full_kv_frac``, 80%; above it vLLM's memory, not a flag, limits
-generation); their cost is measured and their fix costs nothing. On-policy training (3) follows: it waits by
-design, whatever the metrics. The metric causes follow (4-7): slow
-generation itself keeps rollouts longer in the allowance and makes them go stale, so they are named once
-the config is right. When no cause holds, the finding stays ``generation_bound``; with both waits high cause 4
-holds (unless 1-3 does), so `diagnose` no longer shows ``staleness_too_tight`` (`bottleneck` still returns it).
-"""
+Order: the config causes (1, 2) first, named only when the metrics confirm them: the trainer waits and the KV cache
+is not full (at most ``engine_full_kv_frac``, 80%; above it vLLM's memory, not a flag, limits generation); their
+cost is measured and their fix costs nothing. On-policy training (3) follows: it waits by design, whatever the
+metrics. The metric causes follow (4-7): slow generation itself keeps rollouts longer in the allowance and makes
+them go stale, so they are named once the config is right. When no cause holds, the finding stays
+``generation_bound``; with both waits high cause 4 holds (unless 1-3 does), so `diagnose` no longer shows
+``staleness_too_tight`` (`bottleneck` still returns it). An idle trainer outranks "mix" at equal severity."""
 
 from __future__ import annotations
 
@@ -735,15 +732,9 @@ def _findings(history: MetricsHistory, settings: RunSettings, th: Thresholds) ->
     sat = saturation(history, settings, th)
     mix = sat if sat is not None and sat.rule == "mix" else None  # after an idle trainer (issue #41): see diagnose
     found = [d for d in (duplicates(history, settings, th), None if mix else sat, neck, mix, limit,
-                         length_bias(history, settings, th), tool_use(m, th))
-             if d is not None]
+                         length_bias(history, settings, th), tool_use(m, th)) if d is not None]
     return found, limit
 
-
-def _family(rule: str) -> str:
-    """Findings that hold together in `steady_diagnosis`: an idle trainer is one finding whether a window names
-    its cause (``trainer_idle_*``) or not (``generation_bound``), as a cause's metrics flicker around a threshold."""
-    return "idle" if rule.startswith("trainer_idle") or rule == "generation_bound" else rule
 
 
 def _shown(best: Diagnosis, limit: Diagnosis | None) -> Diagnosis:
@@ -757,9 +748,9 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
              th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The ONE diagnosis line of the dashboard for the newest window of ``history``.
 
-    The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, length bias,
-    in that order; saturation's "mix", whose action is to read the rollouts, comes after the bottleneck: in the
-    one-GPU job it hid an idle trainer's measured fix, issue #41). The bottleneck is `trainer_idle` when the trainer is idle for a cause it names (it
+    The most severe finding wins (ties: duplicates, saturation, bottleneck, concurrency limit, length bias, in that
+    order; saturation's "mix", read the rollouts, after the bottleneck: it hid an idle trainer's fix, issue #41).
+    The bottleneck is `trainer_idle` when the trainer is idle for a cause it names (it
     replaces generation-bound and staleness-too-tight), else `bottleneck`. A generation-bound diagnosis gets
     the active concurrency limit appended (SPEC §4.4 says what holds generation back). When everything is ok
     the line starts with ``healthy:`` and lists the findings.
@@ -779,10 +770,11 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
                      th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The dashboard's line: `diagnose` of the newest window when it is ok; otherwise the most severe warning
     (info and above) found in each of the newest ``th.hold_windows`` windows, each finding counted on its own
-    (a finding that held while a more severe one came and went is shown), its text then ending with the steps
-    it held over (``held over steps 4-6``); an idle trainer holds whether or not each window names its cause
-    (`_family`), and the newest window's text is shown. Until one has held, the line says that no finding has held yet,
-    naming the newest one, with severity ok."""
+    (one that held while a worse one came and went is shown; an idle trainer holds with or without its cause named
+    in each window), its text then ending with the steps it held over (``held over steps 4-6``). Until one has
+    held, the line says that no finding has held yet, naming the newest one, with severity ok."""
+    def _family(rule: str) -> str:  # an idle trainer is one finding whether a window names its cause or not
+        return "idle" if rule.startswith("trainer_idle") or rule == "generation_bound" else rule
     current = diagnose(history, settings, th)
     if current.severity == OK or th.hold_windows <= 1:
         return current
@@ -803,6 +795,5 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
             span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
                     else f"the last {hold} windows")
             return Diagnosis(best.rule, f"{best.text} (held over {span})", best.severity)
-    newest = current.rule.replace("_", " ")
-    return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)",
-                     OK)
+    return Diagnosis("settling", f"no steady finding yet (newest: {current.rule.replace('_', ' ')}; shown once it "
+                     f"holds over {hold} windows)", OK)

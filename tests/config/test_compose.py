@@ -3,7 +3,7 @@
 import pytest
 
 from asyncgrpo_cli.config.compose import compose, list_recipes, to_training_args, to_yaml
-from asyncgrpo_cli.config.rules import ConfigError
+from asyncgrpo_cli.config.rules import ConfigError, ConfigTypeError
 from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
 
 
@@ -273,3 +273,30 @@ def test_a_wrong_field_inside_the_reward_list_is_named(item, message):
     with pytest.raises(ConfigError, match=message) as info:
         compose([f"rewards=[{{func: 'x:y', {item}}}]"], validate=False)
     assert "quote" not in str(info.value)
+
+
+def test_max_groups_per_step_is_a_multiple_of_the_micro_batches_of_a_step():
+    """Fresh-user trial: with gradient_accumulation_steps=2 a bound of 1 put 1 group in each micro-batch, 2 a step."""
+    with pytest.raises(ConfigError, match=r"packing.max_groups_per_step=3: must be a multiple of "
+                                          r"trainer.gradient_accumulation_steps \(= 2\).*Fix: set packing.max_groups_per_step=2"):
+        compose(["+recipe=smoke", "packing.max_groups_per_step=3", "trainer.gradient_accumulation_steps=2"])
+    assert compose(["+recipe=smoke", "packing.max_groups_per_step=4",
+                    "trainer.gradient_accumulation_steps=2"]).packing.max_groups_per_step == 4
+
+
+def test_the_python_api_names_none_and_a_concrete_value_in_its_fixes(tmp_path):
+    """Fresh-user trial: AsyncGRPOConfig's errors said null (the CLI's YAML) and 'pass max_groups_per_step=a int'."""
+    with pytest.raises(ConfigError, match=r"or None for no bound.*Fix: set max_groups_per_step=None, or a count"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_groups_per_step=0)
+    with pytest.raises(ConfigTypeError, match=r"Fix: pass max_groups_per_step=2$"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_groups_per_step=2.0)
+    with pytest.raises(ConfigTypeError, match=r"Fix: pass max_groups_per_step as an int$"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_groups_per_step=1.5)
+    with pytest.raises(ConfigTypeError, match=r"Fix: pass num_generations=8$"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=1.5)
+
+
+@pytest.mark.parametrize("value", ["2", "on", "no"])
+def test_a_true_false_field_inside_the_reward_list_takes_only_true_or_false(value):
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.probe: .* is not true or false"):
+        compose([f"rewards=[{{func: 'x:y', probe: {value}}}]"], validate=False)

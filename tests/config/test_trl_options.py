@@ -43,7 +43,7 @@ def test_bad_bounds_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode.*both null.*clip_max=3.0"):
         _args(tmp_path, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
               vllm_importance_sampling_clip_max=None)
-    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_max=0.0: must be > 0, or null"):
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_max=0.0: must be > 0, or None"):
         _args(tmp_path, vllm_importance_sampling_clip_max=0.0)
     with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min=4.0: needs clip_min <"):
         _args(tmp_path, vllm_importance_sampling_clip_min=4.0, vllm_importance_sampling_clip_max=3.0)

@@ -5,6 +5,7 @@
     python3 scripts/gpu/vllm033/rollouts.py job async     # the job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/rollouts.py job sync      # the same with staleness.max_staleness=0 (on-policy)
     python3 scripts/gpu/vllm033/rollouts.py combine A S [OUT [SCREEN [ENGINE]]]   # here: the pair's JSON (no GPU)
+    python3 scripts/gpu/vllm033/rollouts.py served SCREEN JOB.json...  # here: each job against the served engine
 
 engine
   ``vllm.LLM`` on the recipe's exported model (bf16, ``max_model_len`` 512, processed log-probs, CUDA graphs),
@@ -364,7 +365,7 @@ def job_rows(rows: list[dict]) -> list[dict]:
     if not rows:
         return []
     t1 = rows[0]["time"]
-    keys = ("perf/step_s", "perf/rollout_wait_s", "reward", "rollout/rollouts_per_s", "rollout/groups_per_s",
+    keys = ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s", "perf/optimizer_s", "reward", "rollout/rollouts_per_s", "rollout/groups_per_s",
             "rollout/generated_tokens_per_s", "batch/groups_per_step", "batch/trained_tokens_per_step",
             "frac_reward_zero_std", "completions/mean_length", "completions/duplicate_frac",
             "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac", "perf/weight_sync_s",
@@ -552,19 +553,29 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
     out = {"issue": 41, "steps_compared": [lo, hi],
            "async_over_sync_steps_per_s": ratio(span(pa), span(ps)),
            "async_over_sync_time_to_reward": ratio(fs.get("time_to_reward_040_s"), fa.get("time_to_reward_040_s")),
-           "targets": {"generation_frac_of_engine": ">= 0.70", "late_over_early_step_s": "<= 2.0",
-                       "time_to_reward_045_s": "<= 40", "async_over_sync_steps_per_s": ">= 1.3",
+           "targets": {"generation_frac_of_served_engine": ">= 0.70 (the served engine alone at the step's "
+                                                           "completion length; see engine_offline for why not the "
+                                                           "offline figure)",
+                       "late_over_early_step_s": "<= 2.0", "time_to_reward_045_s": "<= 40",
+                       "async_over_sync_steps_per_s": ">= 1.3",
                        "async_over_sync_time_to_reward": ">= 1.5 (to reward 0.40)"},
+           "measured": {"late_over_early_step_s": fa.get("late_over_early_step_s"),
+                        "time_to_reward_045_s": fa.get("time_to_reward_045_s")},
            "async": a, "sync": s}
     if screen_path:
         screen = json.loads(Path(screen_path).read_text())
         out["generation_frac_of_served_engine"] = {"screen": Path(screen_path).name, "screen_date": screen["versions"].get("date"),
                                                    "async": generation_against_served(a["rows"], screen),
                                                    "sync": generation_against_served(s["rows"], screen)}
+        out["measured"]["generation_frac_of_served_engine"] = out["generation_frac_of_served_engine"]["async"]["all"]
     if engine_path:
         engine = json.loads(Path(engine_path).read_text())
         out["engine_offline"] = {"file": Path(engine_path).name, "runs": engine.get("runs"),
-                                 "start_s": engine.get("start_s"), "workload": engine.get("workload")}
+                                 "start_s": engine.get("start_s"), "workload": engine.get("workload"),
+                                 "note": "vLLM's offline LLM.generate builds every token's top-k log-prob objects in "
+                                         "one process; the job's server spreads that over its API servers, so the "
+                                         "job's figures 'generation_frac_of_engine' (against this) exceed 1 and the "
+                                         "served engine alone is the anchor"}
     Path(out_path).write_text(json.dumps(out, indent=1))
     return out
 
@@ -577,6 +588,15 @@ def main() -> int:
         return phase_screen()
     if phase == "job":
         return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
+    if phase == "served":  # served SCREEN JOB.json...: each job's generation against the served engine, stored in it
+        screen = json.loads(Path(sys.argv[2]).read_text())
+        for path in sys.argv[3:]:
+            job = json.loads(Path(path).read_text())
+            job["generation_frac_of_served_engine"] = {"screen": Path(sys.argv[2]).name,
+                                                       **generation_against_served(job["rows"], screen)}
+            Path(path).write_text(json.dumps(job, indent=1))
+            print(path, json.dumps(job["generation_frac_of_served_engine"]))
+        return 0
     if phase == "combine":
         rest = sys.argv[4:] + [None] * 3
         out = combine(sys.argv[2], sys.argv[3], rest[0] or "rollouts_async_sync.json", rest[1], rest[2])
