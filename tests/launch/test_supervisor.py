@@ -259,9 +259,10 @@ def running_job(tmp_path, mode: str, processes: int, grace_s: float = 60.0):
 
 # The fake "hang" trainer's rollout worker ignores SIGINT and SIGTERM and keeps the stderr pipe that accelerate's
 # single-process launcher (1.16) copies until EOF, so that launcher outlives its rank and the supervisor waits
-# its whole trainer grace before the SIGTERM and the group SIGKILL. The fake rank saves in milliseconds: 20 s is
-# still a generous grace for it on a loaded machine, and the path (grace, SIGTERM, SIGKILL) is the same as at 60 s.
-HANG_GRACE_S = 20.0
+# its whole trainer grace before the SIGTERM and the group SIGKILL. The fake rank's save is a 1 s sleep and a
+# mkdir: 10 s is still a generous grace for it on a loaded machine, and the path (grace, SIGTERM, SIGKILL) is the
+# same as at 60 s.
+HANG_GRACE_S = 10.0
 
 
 @pytest.mark.parametrize("processes", [1, 2])
