@@ -550,15 +550,9 @@ def main() -> None:
         app()
     except SystemExit as exc:
         if "torch" in sys.modules and (exc.code is None or isinstance(exc.code, int)):
-            import atexit
+            from .run.process_exit import exit_now
 
-            atexit._run_exitfuncs()
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(exc.code or 0)
+            exit_now(exc.code or 0)
         raise
 
 

@@ -8,7 +8,6 @@ The YAML is the composed config written by ``asyncgrpo train`` (model path alrea
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -158,20 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     return trainer.exit_code
 
 
-def exit_now(status: int) -> None:
-    """Leave with ``status`` as a normal exit would (the ``atexit`` hooks run: multiprocessing's joins the
-    finished worker, logging flushes; stdout and stderr are flushed) but without the interpreter's teardown of
-    every module, 1 to 3 s with torch loaded after the run's last line, which the supervisor waits for."""
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
-
-
 if __name__ == "__main__":
+    from ..run.process_exit import exit_now
+
     exit_now(main())

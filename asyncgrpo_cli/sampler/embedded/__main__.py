@@ -101,21 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(status: int) -> None:
-    """Leave the process with ``status`` as a normal exit would (the ``atexit`` hooks run, logging and the
-    standard streams are flushed) but without the interpreter's teardown of every module, which takes 1 to 3 s
-    with torch loaded and does nothing for a server that has stopped: every stop of a job waits for this exit."""
-    import atexit
-    import os
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
-
-
 if __name__ == "__main__":
+    from ...run.process_exit import exit_now
+
     exit_now(main())
