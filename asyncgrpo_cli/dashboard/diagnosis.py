@@ -795,5 +795,5 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
             span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
                     else f"the last {hold} windows")
             return Diagnosis(best.rule, f"{best.text} (held over {span})", best.severity)
-    return Diagnosis("settling", f"no steady finding yet (newest: {current.rule.replace('_', ' ')}; shown once it "
-                     f"holds over {hold} windows)", OK)
+    newest = re.split(r"[:(;]", current.text, maxsplit=1)[0].strip() or current.rule  # its words, not its rule id
+    return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)", OK)

@@ -496,3 +496,9 @@ def test_an_idle_trainer_holds_while_its_cause_flickers():
     d = steady_diagnosis(history_of(ceiling, plain, ceiling), VLLM)
     assert d.rule == "trainer_idle_ceiling" and d.text.endswith("(held over steps 1-3)")
     assert steady_diagnosis(history_of(plain, ceiling, plain), VLLM).rule == "generation_bound"
+
+
+def test_the_settling_line_names_the_newest_finding_in_words():
+    """Fresh-user trial: 'no steady finding yet (newest: limit resource; ...)' named a rule id nobody had seen."""
+    d = steady_diagnosis(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2})), VLLM)
+    assert d.rule == "settling" and d.text.startswith("no steady finding yet (newest: trainer idle 67% of the step;")
