@@ -280,3 +280,22 @@ def test_the_realistic_phases_are_in_run_sh():
     for line in ("realistic.py engine", 'realistic.py job "${1#realistic_job_}"', "realistic.py trl colocate",
                  "realistic.py trl server"):
         assert line in text
+
+
+def test_the_rollout_screen_picks_the_ceiling_that_gains_and_the_job_line_composes():
+    def row(inflight, tokens, rate):
+        return {"variant": f"group_{inflight}", "n": 8, "logprobs": 8, "request_seeds": True, "tokens_route": False,
+                "load_processes": 1, "inflight_rollouts": inflight, "max_tokens": tokens, "rollouts_per_s": rate}
+
+    base = [row(512, 64, 450.0), row(512, 12, 1200.0)]
+    choice = vllm033_rollouts.ceiling_choice([*base, row(1024, 64, 700.0), row(1024, 12, 1500.0),
+                                              row(2048, 64, 900.0), row(2048, 12, 1800.0)])
+    assert choice["inflight"] == 2048 and choice["gain"] == round((2.0 * 1.5) ** 0.5, 3)
+    assert choice["overrides"] == ["staleness.max_concurrent_rollouts=2048", "sampler.extra_args=[--max-num-seqs,2048]"]
+    for name in ("async_ceiling", "sync_ceiling"):
+        check(_train_overrides(vllm033_rollouts.job_argv(name, Path("/tmp/x") / name, choice["overrides"])), "train")
+    # A gain under 5% keeps the recipe's ceiling; a value missing one of its two rows is not compared.
+    same = vllm033_rollouts.ceiling_choice([*base, row(1024, 64, 460.0), row(1024, 12, 1230.0), row(2048, 64, 9e9)])
+    assert same["overrides"] == [] and same["inflight"] == 512 and 2048 not in same["gains"]
+    small = vllm033_rollouts.ceiling_choice([*base, row(1024, 64, 600.0), row(1024, 12, 1300.0)])
+    assert small["overrides"] == ["staleness.max_concurrent_rollouts=1024"]
