@@ -299,3 +299,50 @@ def test_the_rollout_screen_picks_the_ceiling_that_gains_and_the_job_line_compos
     assert same["overrides"] == [] and same["inflight"] == 512 and 2048 not in same["gains"]
     small = vllm033_rollouts.ceiling_choice([*base, row(1024, 64, 600.0), row(1024, 12, 1300.0)])
     assert small["overrides"] == ["staleness.max_concurrent_rollouts=1024"]
+
+
+def _faults_module():
+    """scripts/gpu/vllm033/faults.py, loaded by path: ``faults`` is also the name of tests/faults/."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm033_faults", ROOT / "scripts/gpu/vllm033/faults.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fault_drills_of_issue_45_run_the_users_job():
+    """The drills' job is the user's: the recipe, 40 steps, plain log, one window per step, through train's checks;
+    `run.sh faults` runs them."""
+    faults = _faults_module()
+    argv = faults.job_argv(Path("/tmp/x/faults/run"))
+    assert argv[1:4] == ["-m", "asyncgrpo_cli", "train"]
+    overrides = _train_overrides(argv)
+    for o in ("+recipe=arith_vllm_1gpu", "trainer.max_steps=40", "trainer.output_dir=/tmp/x/faults/run",
+              "logging.dashboard=plain", "trainer.logging_steps=1"):
+        assert o in overrides
+    check(overrides, "train")
+    assert "faults) python3 scripts/gpu/vllm033/faults.py" in (ROOT / "scripts/gpu/vllm033/run.sh").read_text()
+    assert faults.drill_names(None) == list(faults.DRILLS) == faults.drill_names(" ")
+    assert faults.drill_names("sigint, server_stop") == ["sigint", "server_stop"]
+    with pytest.raises(ValueError, match="server_kil"):
+        faults.drill_names("server_kil")
+
+
+def test_the_fault_drills_pick_the_top_vllm_server_of_the_job():
+    """vLLM 0.33 with 8 API servers: the supervisor's child ``vllm serve`` (pid 20), not its forked API servers
+    (same command line), the retitled engine core, the supervisor (its recipe name holds "vllm") or the trainer."""
+    faults = _faults_module()
+    serve = ["/usr/bin/python3", "/tmp/vsite/bin/vllm", "serve", "/m", "--api-server-count", "8"]
+    rows = [{"pid": 10, "ppid": 1, "argv": ["python3", "-m", "asyncgrpo_cli", "train", "+recipe=arith_vllm_1gpu"]},
+            {"pid": 20, "ppid": 10, "argv": serve},
+            {"pid": 30, "ppid": 10, "argv": ["python3", "-m", "accelerate.commands.launch", "-m",
+                                             "asyncgrpo_cli.train.main", "--config", "/tmp/vllm/serve.yaml"]},
+            {"pid": 21, "ppid": 20, "argv": ["VLLM::EngineCore"]},
+            *[{"pid": 22 + i, "ppid": 20, "argv": serve} for i in range(8)]]
+    assert faults.pick_server(rows) == 20
+    module_form = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert faults.pick_server([rows[0], {"pid": 40, "ppid": 10, "argv": module_form}]) == 40
+    assert faults.pick_server([rows[0], rows[2], rows[3]]) is None
+    assert faults.SYNC_MARK.search('INFO:     127.0.0.1:45540 - "POST /pause?mode=keep HTTP/1.1" 200 OK')
+    assert not faults.SYNC_MARK.search('Route: /pause, Methods: POST')

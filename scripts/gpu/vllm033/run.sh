@@ -15,6 +15,7 @@
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl_server # issue #42: TRL's GRPOTrainer against `vllm serve` on the GPU
+#   bash scripts/gpu/vllm033/run.sh faults   # issue #45: fault drills with the job's vLLM (FAULTS=server_kill_sync,supervisor_kill,sigint,server_stop: which, in order; faults.py, $OUT/faults_gpu.json)
 # Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
 set -uo pipefail
 VSITE="${VSITE:-/tmp/vsite}"
@@ -39,5 +40,6 @@ case "${1:-train}" in
   realistic_job_*) python3 scripts/gpu/vllm033/realistic.py job "${1#realistic_job_}" ;;
   realistic_trl) python3 scripts/gpu/vllm033/realistic.py trl colocate ;;
   realistic_trl_server) python3 scripts/gpu/vllm033/realistic.py trl server ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server)"; exit 2 ;;
+  faults) python3 scripts/gpu/vllm033/faults.py ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults)"; exit 2 ;;
 esac
