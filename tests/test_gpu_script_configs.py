@@ -301,6 +301,14 @@ def test_the_rollout_screen_picks_the_ceiling_that_gains_and_the_job_line_compos
     assert small["overrides"] == ["staleness.max_concurrent_rollouts=1024"]
 
 
+def test_the_rollout_job_with_the_kept_in_flight_estimate_composes():
+    """The next GPU run of issue #41 passes ``JOB_EXTRA=staleness.in_flight_estimate=kept`` to the async job."""
+    extra = ["staleness.in_flight_estimate=kept"]
+    overrides = _train_overrides(vllm033_rollouts.job_argv("async_kept", Path("/tmp/x") / "k", extra))
+    assert "staleness.in_flight_estimate=kept" in overrides and "staleness.max_staleness=0" not in overrides
+    check(overrides, "train")
+    assert compose(overrides, validate=False).staleness.in_flight_estimate == "kept"
+
 def _faults_module():
     """scripts/gpu/vllm033/faults.py, loaded by path: ``faults`` is also the name of tests/faults/."""
     import importlib.util

@@ -40,7 +40,8 @@ FIELD_PATHS: dict[str, str] = {
         "vllm_importance_sampling_clip_max", "loss_type", "importance_sampling_level",
         "vllm_importance_sampling_mode", "mask_truncated_completions", "beta")},
     **{n: f"staleness.{n}" for n in (
-        "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout")},
+        "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout",
+        "in_flight_estimate")},
     "token_budget": "packing.token_budget",
     "max_groups_per_step": "packing.max_groups_per_step",
     "tree_attention": "packing.attention",

@@ -29,6 +29,8 @@ ASYNC_GRPO_FIELDS = (
     "reward_weights", "beta", "scale_rewards", "multi_objective_aggregation",
     # The worker's requests (issue #41):
     "group_requests", "request_seeds",
+    # The staleness allowance's estimate of a rollout in flight (issue #41; README: Staleness and concurrency):
+    "in_flight_estimate",
 )
 
 
@@ -151,6 +153,13 @@ class AsyncGRPOConfig(TrainingArguments):
     max_staleness: int = field(default=4, metadata={"help": "Max weight updates a sample may lag (README: Staleness and concurrency)."})
     weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
     rollout_worker_timeout: float = field(default=300.0, metadata={"help": "Seconds without a worker heartbeat."})
+    in_flight_estimate: str = field(default="mean", metadata={
+        "help": "What one rollout in flight counts for against the staleness token allowance: mean (the default) "
+                "the running mean of sample tokens per finished rollout; kept (opt-in) the running mean of sample "
+                "tokens finished rollouts put into the rollout queue, groups dropped for zero reward std counting "
+                "zero (between 0.1x and 1x the mean), so a run that drops most groups keeps more in flight; the "
+                "trainer still drops every sample more than max_staleness updates old (README: Staleness and "
+                "concurrency)."})
     # Logging.
     log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})

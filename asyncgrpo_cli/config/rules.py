@@ -14,6 +14,9 @@ from typing import Any
 from .citations import cite_shipped
 from .errors import ConfigError, ConfigErrors, ConfigTypeError  # noqa: F401  (the errors' home; re-exported)
 
+#: ``staleness.in_flight_estimate``'s values (`rollout.allowance.IN_FLIGHT_ESTIMATES`; config imports no rollout code).
+IN_FLIGHT_ESTIMATES = ("mean", "kept")
+
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -113,6 +116,13 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     if g("weight_sync_steps", 1) < 1:
         _fail(p("weight_sync_steps"), g("weight_sync_steps"), "must be >= 1 optimizer step",
               f"set {p('weight_sync_steps')}=1")
+    ife = g("in_flight_estimate", "mean")
+    if ife not in IN_FLIGHT_ESTIMATES:
+        _fail(p("in_flight_estimate"), ife, "must be mean (a rollout in flight counts as the mean sample tokens per "
+              "finished rollout, the default) or kept (as the mean sample tokens finished rollouts put into the "
+              "rollout queue, dropped groups counting zero)",
+              f"set {p('in_flight_estimate')}=mean, or {p('in_flight_estimate')}=kept (README: Staleness and "
+              "concurrency)")
     if g("rollout_worker_timeout", 300.0) <= 0:
         _fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
               f"set {p('rollout_worker_timeout')}=300")

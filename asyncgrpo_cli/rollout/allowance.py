@@ -10,7 +10,9 @@ Two halves live here:
   row assumed full, B.3) and :func:`allowance_after_step` (after every step, B.4/B.6). The trainer
   publishes the result through the shared ``token_allowance`` value;
 - the worker side, :class:`TokenAllowance`: a state machine fed with events from the rollout loop
-  that says whether a new group of rollouts may start under the published allowance.
+  that says whether a new group of rollouts may start under the published allowance. How it counts a
+  rollout still in flight is ``staleness.in_flight_estimate`` (`IN_FLIGHT_ESTIMATES`): ``"mean"`` (B.4,
+  the default) or ``"kept"`` (an opt-in departure from B.4, see :class:`TokenAllowance`).
 
 Nothing here does I/O or reads a clock; the rollout loop times its own waits
 (``rollout/backpressure_s``).
@@ -21,11 +23,20 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "IN_FLIGHT_ESTIMATES",
+    "KEPT_FLOOR_FRACTION",
     "TokenAllowance",
     "allowance_after_step",
     "allowance_steps",
     "initial_allowance",
 ]
+
+
+#: Values of ``staleness.in_flight_estimate`` (the config's check, `config.rules`, holds the same tuple).
+IN_FLIGHT_ESTIMATES = ("mean", "kept")
+
+#: ``"kept"`` never counts an in-flight rollout below this fraction of the plain mean (see `TokenAllowance`).
+KEPT_FLOOR_FRACTION = 0.1
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -112,18 +123,47 @@ class TokenAllowance:
     """Worker-side bookkeeping of the tokens committed against the allowance (SPEC §4.1, B.4).
 
     Tokens committed = tokens of queued samples + real sample tokens of finished rollouts whose group
-    is not yet queued or discarded + an estimate for every rollout still in flight. A rollout in
-    flight counts as the running mean of sample tokens per finished rollout. Before the first group
-    has finished, that mean is unknown and the worker runs **one group at a time**.
+    is not yet queued or discarded + an estimate for every rollout still in flight
+    (:attr:`in_flight_tokens_per_rollout` each). Before the first group has finished, the worker runs
+    **one group at a time** (either estimate).
+
+    The estimate for a rollout in flight, ``in_flight_estimate``:
+
+    - ``"mean"`` (the default, SPEC Appendix B.4): the running mean of sample tokens per finished rollout
+      (:attr:`tokens_per_rollout`).
+    - ``"kept"`` (opt-in; departs from B.4): the running mean of sample tokens that finished rollouts put
+      into the rollout queue, ``queued tokens total / rollouts of decided groups`` (:attr:`kept_tokens_per_rollout`;
+      a group is decided when it is queued or discarded, and the rollouts of a discarded group count zero). It
+      is what a rollout in flight is expected to add to the queue: a group dropped for zero reward std never
+      reaches it, so a run that discards most of its groups keeps proportionally more rollouts in flight for the
+      same allowance. Like the B.4 mean it is cumulative over the run, so it follows a changing keep rate
+      slowly. It is clamped to ``[kept_floor × mean, mean]``:
+
+      * while no group has been decided yet it is the plain mean (start-up is unchanged);
+      * **floor**: never below ``kept_floor`` (default `KEPT_FLOOR_FRACTION` = 0.1) × the plain mean, so a run
+        whose every group so far was discarded (estimate 0) still counts each rollout in flight, and at most
+        ``1 / kept_floor`` = 10× the rollouts ``"mean"`` would admit are in flight (the concurrency cap and
+        ``max_concurrent_rollouts`` bound them too);
+      * never above the plain mean, so ``"kept"`` never admits fewer rollouts than ``"mean"``.
+
+    Neither estimate changes the hard staleness bound: the trainer checks every sample when it pulls it and
+    drops one more than ``max_staleness`` weight updates behind the policy it would train
+    (``train/step_pull.py`` ``_drop_if_stale``; ``sample/dropped_stale_count``,
+    ``sample/dropped_stale_token_frac``), and the worker's `StaleSchedule` re-queues groups that come back stale
+    and `stale_loop` cancels groups that can no longer be trained. What ``"kept"`` risks is generation wasted on
+    such samples, not staler training.
 
     Lifecycle events, in the order the rollout loop sees them::
 
         on_group_started(num_rollouts)        # num_rollouts rollouts go in flight
         on_rollout_finished(sample_tokens)    # x num_rollouts: in flight -> finished (real tokens)
         on_group_finished()                   # the whole group is back (scoring may begin)
-        on_samples_queued(tokens)             # kept group: finished -> queued
-          or on_samples_discarded(tokens)     # dropped group (zero std...): finished -> released
+        on_samples_queued(tokens, rollouts=G)     # kept group: finished -> queued
+          or on_samples_discarded(tokens, rollouts=G)  # dropped group (zero std...): finished -> released
         on_samples_consumed(tokens)           # the trainer pulled them (trained or dropped stale)
+
+    ``rollouts`` is how many rollouts the event decides (the group's, once per group; 0 for an event that only
+    releases part of a group that another event decides, e.g. the untrained completions of a kept group).
 
     ``on_rollout_cancelled()`` takes a rollout out of flight without tokens (e.g. at shutdown);
     ``on_group_cancelled(num_rollouts)`` a whole group none of whose rollouts was reported.
@@ -132,15 +172,32 @@ class TokenAllowance:
     that would do so raises ``ValueError`` naming the event and the amounts, except
     :meth:`on_samples_consumed`, which clamps at zero because consumption is reported by another
     process and may race with the worker's own bookkeeping.
+
+    Args:
+        in_flight_estimate: ``"mean"`` or ``"kept"`` (`IN_FLIGHT_ESTIMATES`).
+        kept_floor: the floor of ``"kept"`` as a fraction of the plain mean, in (0, 1].
+
+    Raises:
+        ValueError: an unknown ``in_flight_estimate`` or a ``kept_floor`` outside (0, 1].
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight_estimate: str = "mean", kept_floor: float = KEPT_FLOOR_FRACTION) -> None:
+        if in_flight_estimate not in IN_FLIGHT_ESTIMATES:
+            raise ValueError(f"in_flight_estimate={in_flight_estimate!r}: must be one of "
+                             f"{', '.join(IN_FLIGHT_ESTIMATES)}")
+        floor = _require_tokens("kept_floor", kept_floor)
+        if not 0 < floor <= 1:
+            raise ValueError(f"kept_floor={kept_floor!r}: must lie in (0, 1] (a fraction of the mean)")
+        self.in_flight_estimate = in_flight_estimate
+        self.kept_floor = floor
         self._groups_in_flight = 0
         self._rollouts_in_flight = 0
         self._finished_tokens = 0.0
         self._queued_tokens = 0.0
         self._finished_rollouts_total = 0
         self._finished_sample_tokens_total = 0.0
+        self._queued_tokens_total = 0.0
+        self._decided_rollouts_total = 0
         self._first_group_finished = False
         self._consumed_total_seen = 0.0
 
@@ -183,10 +240,43 @@ class TokenAllowance:
         return self._finished_sample_tokens_total / self._finished_rollouts_total
 
     @property
+    def decided_rollouts_total(self) -> int:
+        """Rollouts of the groups queued or discarded so far (the ``rollouts`` those events reported)."""
+        return self._decided_rollouts_total
+
+    @property
+    def queued_tokens_total(self) -> float:
+        """Sample tokens put in the rollout queue so far (never decreases; consumption does not change it)."""
+        return self._queued_tokens_total
+
+    @property
+    def kept_tokens_per_rollout(self) -> float | None:
+        """Running mean of sample tokens queued per rollout of a decided group (discarded ones count 0);
+        ``None`` before any group was decided."""
+        if self._decided_rollouts_total == 0:
+            return None
+        return self._queued_tokens_total / self._decided_rollouts_total
+
+    @property
+    def in_flight_tokens_per_rollout(self) -> float | None:
+        """Sample tokens one rollout in flight counts for; ``None`` before any rollout finished.
+
+        ``"mean"``: :attr:`tokens_per_rollout`. ``"kept"``: :attr:`kept_tokens_per_rollout` clamped to
+        ``[kept_floor × mean, mean]``, the plain mean before any group was decided (class docstring).
+        """
+        mean = self.tokens_per_rollout
+        if mean is None or self.in_flight_estimate == "mean":
+            return mean
+        kept = self.kept_tokens_per_rollout
+        if kept is None:
+            return mean
+        return min(mean, max(kept, self.kept_floor * mean))
+
+    @property
     def in_flight_tokens(self) -> float:
         """Estimated sample tokens of the rollouts in flight (0.0 while no rollout has finished)."""
-        mean = self.tokens_per_rollout
-        return 0.0 if mean is None else self._rollouts_in_flight * mean
+        per_rollout = self.in_flight_tokens_per_rollout
+        return 0.0 if per_rollout is None else self._rollouts_in_flight * per_rollout
 
     @property
     def committed_tokens(self) -> float:
@@ -290,22 +380,31 @@ class TokenAllowance:
         self._groups_in_flight -= 1
         self._first_group_finished = True
 
-    def on_samples_queued(self, tokens: float) -> None:
-        """Samples of a kept group, ``tokens`` sample tokens in all, entered the rollout queue.
+    def on_samples_queued(self, tokens: float, rollouts: int = 0) -> None:
+        """Samples of a kept group, ``tokens`` sample tokens in all, entered the rollout queue; the event
+        decides ``rollouts`` rollouts (the group's; 0 when another event decides the group).
 
         Raises:
-            ValueError: ``tokens`` is negative or exceeds the finished tokens not yet resolved.
+            ValueError: ``tokens`` is negative or exceeds the finished tokens not yet resolved, or
+                ``rollouts`` is negative.
         """
+        rollouts = _require_int("rollouts", rollouts, 0)
         tokens = self._take_finished("on_samples_queued", tokens)
         self._queued_tokens += tokens
+        self._queued_tokens_total += tokens
+        self._decided_rollouts_total += rollouts
 
-    def on_samples_discarded(self, tokens: float) -> None:
-        """Finished samples that will never be queued (e.g. a zero-std group) release ``tokens``.
+    def on_samples_discarded(self, tokens: float, rollouts: int = 0) -> None:
+        """Finished samples that will never be queued (e.g. a zero-std group) release ``tokens``; the event
+        decides ``rollouts`` rollouts (a whole dropped group: its rollouts; 0 for part of a kept group).
 
         Raises:
-            ValueError: ``tokens`` is negative or exceeds the finished tokens not yet resolved.
+            ValueError: ``tokens`` is negative or exceeds the finished tokens not yet resolved, or
+                ``rollouts`` is negative.
         """
+        rollouts = _require_int("rollouts", rollouts, 0)
         self._take_finished("on_samples_discarded", tokens)
+        self._decided_rollouts_total += rollouts
 
     def on_samples_consumed(self, tokens: float) -> None:
         """The trainer pulled queued samples worth ``tokens`` sample tokens (trained or dropped stale).
@@ -353,5 +452,7 @@ class TokenAllowance:
             f"TokenAllowance(groups_in_flight={self._groups_in_flight}, "
             f"rollouts_in_flight={self._rollouts_in_flight}, finished_tokens={self._finished_tokens}, "
             f"queued_tokens={self._queued_tokens}, tokens_per_rollout={self.tokens_per_rollout}, "
+            f"in_flight_estimate={self.in_flight_estimate!r}, "
+            f"in_flight_tokens_per_rollout={self.in_flight_tokens_per_rollout}, "
             f"first_group_finished={self._first_group_finished})"
         )

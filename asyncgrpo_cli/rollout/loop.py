@@ -143,7 +143,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         self.client = client
         self._own_client = client is None
         self.server_values = server_values
-        self.allowance = TokenAllowance()
+        self.allowance = TokenAllowance(str(getattr(config, "in_flight_estimate", "mean")))  # mean (B.4) or kept
         self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)))  # issue #28: no prompt left behind
         self.pull_version_value = pull_version_value
         self.capacity_value = capacity_value
@@ -433,7 +433,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                     break  # else the trainer closed its step while this group waited: wait for the next round
             self.allowance.on_group_started(G)
             self.schedule.on_group_started(self._group_counter, int(self.model_version_value.value),
-                                           G * (self.allowance.tokens_per_rollout or 0.0))
+                                           G * (self.allowance.in_flight_tokens_per_rollout or 0.0))
             if self.rounds is not None:
                 self.rounds.on_group_started(self._group_counter, int(self.model_version_value.value), G)
             self._waiting_rollouts += G
@@ -638,7 +638,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         if dropped:
             if scored.size:
                 m.add("reward_dropped", float(scored.mean()))
-            self.allowance.on_samples_discarded(tokens)
+            self.allowance.on_samples_discarded(tokens, rollouts=len(group.completions_sequences))
             self.ship_metrics()
             self._put_outcome(PromptOutcome(position=position, row_index=group.row_index, kind="dropped",
                                                   group_id=group.group_id))
@@ -664,7 +664,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         now = time.monotonic()
         for s in samples:
             s.queued_at = now
-        self.allowance.on_samples_queued(tokens)
+        self.allowance.on_samples_queued(tokens, rollouts=len(group.completions_sequences))
         self.ship_metrics()  # before the samples, so the trainer's window holds their group's metrics
         self._put_outcome(PromptOutcome(position=position, row_index=group.row_index, kind="kept",
                                               samples=samples, group_id=group.group_id))
@@ -725,6 +725,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                     self._last_load = load
             self.metrics.add("rollout/concurrency", self._in_flight)
             self.metrics.add("rollout/concurrency_cap", self.cap.value)
+            if self.allowance.in_flight_tokens_per_rollout is not None:  # staleness.in_flight_estimate's figure
+                self.metrics.add("rollout/in_flight_tokens_per_rollout", self.allowance.in_flight_tokens_per_rollout)
             if self.concurrency_value is not None:
                 self.concurrency_value.value = self._in_flight
             if self.cap_value is not None:

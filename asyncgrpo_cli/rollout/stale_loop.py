@@ -81,7 +81,7 @@ class StaleScheduling:
             return self.rounds.can_start(self.allowance.tokens_per_rollout or 0.0)
         if not self.allowance.can_start_group(allowance):
             return False
-        new = self.config.num_generations * (self.allowance.tokens_per_rollout or 0.0)
+        new = self.config.num_generations * (self.allowance.in_flight_tokens_per_rollout or 0.0)
         per_version = allowance / max(int(getattr(self.config, "max_staleness", 4)), 1)
         return self.schedule.can_admit(self.allowance.committed_tokens, new, per_version)
 
@@ -95,7 +95,8 @@ class StaleScheduling:
                 and self.schedule.requeue(position, (position, row_index, row))):
             self.metrics.add("rollout/requeued_stale_count", 0)  # present (0) in windows without a re-queue
             return False
-        self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in sequences for s in seqs))
+        self.allowance.on_samples_discarded(sum(s.num_tokens for seqs in sequences for s in seqs),
+                                            rollouts=len(sequences))
         for s in (s for seqs in sequences for s in seqs):
             record_stale_verdict(self.metrics, s.num_trained_tokens, self.config.max_completion_length, False)
         self.metrics.add("rollout/requeued_stale_count", 1)

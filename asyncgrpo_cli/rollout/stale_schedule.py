@@ -84,7 +84,8 @@ class StaleSchedule:
         max_staleness: weight updates a sample may lag (>= 0), as the trainer's drop rule uses it.
         max_retries: how often one prompt may be generated again after coming back stale (>= 0).
         headroom_margin: versions' worth of tokens kept in reserve by deadline admission (>= 0), for what its
-            estimates miss (in-flight rollouts count as the mean rollout; the last step stands for the next).
+            estimates miss (each in-flight rollout counts as the allowance's estimate,
+            `TokenAllowance.in_flight_tokens_per_rollout`; the last step stands for the next).
 
     Raises:
         TypeError / ValueError: an argument is not an int or is negative.

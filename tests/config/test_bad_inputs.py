@@ -269,6 +269,8 @@ CLI_CASES = [
     ("data_blank_lines", [R, "data.name={root}/blank.jsonl"], "data.name", "no rows"),
     ("url_not_a_url", [R, "sampler.backend=external", "sampler.url=notaurl"], "sampler.url", "http://HOST:PORT"),
     ("group_requests_not_a_bool", [R, "rollout.group_requests=maybe"], "rollout.group_requests", ""),
+    ("in_flight_estimate_unknown", [R, "staleness.in_flight_estimate=queued"], "staleness.in_flight_estimate",
+     "staleness.in_flight_estimate=kept"),
     ("request_seeds_off_with_engines", [R, "rollout.request_seeds=false", "sampler.data_parallel_size=2"],
      "rollout.request_seeds", "identical text"),
     # issue #45: each reward function is called once before the start (it failed a minute into the run)
@@ -404,6 +406,7 @@ CONFIG_CASES = [
     ("loss_type_unknown", {"loss_type": "ppo"}, ConfigError, "loss_type", "dr_grpo"),
     ("cispo_without_eps_max", {"loss_type": "cispo", "score_centering": False}, ConfigError, "epsilon_high", ""),
     ("reward_weights_nan", {"reward_weights": [1.0, float("nan")]}, ConfigError, "reward_weights", "finite"),
+    ("in_flight_estimate_unknown", {"in_flight_estimate": "Kept"}, ConfigError, "in_flight_estimate", "'Kept'"),
 ]
 
 

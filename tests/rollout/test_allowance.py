@@ -3,6 +3,8 @@
 import pytest
 
 from asyncgrpo_cli.rollout.allowance import (
+    IN_FLIGHT_ESTIMATES,
+    KEPT_FLOOR_FRACTION,
     TokenAllowance,
     allowance_after_step,
     allowance_steps,
@@ -167,3 +169,130 @@ def test_cancelled_rollout_leaves_flight():
     a.on_rollout_cancelled()
     with pytest.raises(ValueError):
         a.on_rollout_cancelled()
+
+
+# ----------------------------------------------------------------------------- staleness.in_flight_estimate
+def _group(a: TokenAllowance, tokens: list[float], kept: bool) -> None:
+    """One whole group through the allowance: started, its rollouts back, then queued (kept) or discarded."""
+    a.on_group_started(len(tokens))
+    for t in tokens:
+        a.on_rollout_finished(t)
+    a.on_group_finished()
+    if kept:
+        a.on_samples_queued(sum(tokens), rollouts=len(tokens))
+    else:
+        a.on_samples_discarded(sum(tokens), rollouts=len(tokens))
+
+
+@pytest.mark.parametrize("estimate", IN_FLIGHT_ESTIMATES)
+def test_both_estimates_start_alike_one_group_at_a_time_then_the_plain_mean(estimate):
+    """Before any rollout finished nothing is estimated; before any group is decided "kept" is the plain mean."""
+    a = TokenAllowance(estimate)
+    assert a.in_flight_estimate == estimate and a.in_flight_tokens_per_rollout is None
+    a.on_group_started(4)
+    assert a.in_flight_tokens == 0.0 and not a.can_start_group(10**9)  # one group at a time
+    for t in (100, 300, 200, 200):
+        a.on_rollout_finished(t)
+    a.on_group_finished()  # back, not yet scored: no group decided
+    assert a.kept_tokens_per_rollout is None and a.decided_rollouts_total == 0
+    a.on_group_started(4)
+    assert a.in_flight_tokens_per_rollout == pytest.approx(200.0)  # the plain mean, either way
+    assert a.committed_tokens == pytest.approx(800 + 4 * 200)
+
+
+def test_mean_and_kept_driven_step_by_step_with_discarded_groups():
+    """Three of four groups dropped (zero reward std): "mean" still counts each rollout in flight at 100 tokens,
+    "kept" at what a rollout put into the queue, 25, and so admits four times the rollouts."""
+    mean, kept = TokenAllowance("mean"), TokenAllowance("kept")
+    for a in (mean, kept):
+        _group(a, [100, 100], kept=True)
+        for _ in range(3):
+            _group(a, [100, 100], kept=False)
+    assert mean.tokens_per_rollout == kept.tokens_per_rollout == pytest.approx(100.0)
+    assert kept.queued_tokens_total == 200 and kept.decided_rollouts_total == 8
+    assert kept.kept_tokens_per_rollout == pytest.approx(25.0)
+    assert mean.in_flight_tokens_per_rollout == pytest.approx(100.0)  # SPEC B.4, unchanged
+    assert kept.in_flight_tokens_per_rollout == pytest.approx(25.0)
+    for a in (mean, kept):
+        a.on_samples_consumed(200)  # the trainer pulled the kept group
+        assert a.committed_tokens == 0
+    admitted = {}
+    for name, a in (("mean", mean), ("kept", kept)):
+        n = 0
+        while a.can_start_group(1000):  # allowance 1,000 sample tokens, groups of 2
+            a.on_group_started(2)
+            n += 2
+        admitted[name] = n
+    assert admitted == {"mean": 10, "kept": 40}
+    assert kept.in_flight_tokens == pytest.approx(40 * 25.0) and mean.in_flight_tokens == pytest.approx(1000.0)
+    # Finished rollouts waiting for their group's verdict count with their real tokens in both.
+    kept.on_rollout_finished(100)
+    assert kept.committed_tokens == pytest.approx(100 + 39 * 25.0)
+
+
+def test_kept_counts_a_partly_discarded_group_once():
+    """A kept group whose cut completions are not trained: part discarded (rollouts=0), the rest queued with the
+    group's rollouts; the group's two rollouts are decided once."""
+    a = TokenAllowance("kept")
+    a.on_group_started(2)
+    a.on_rollout_finished(60)
+    a.on_rollout_finished(40)
+    a.on_group_finished()
+    a.on_samples_discarded(40)  # the untrained part
+    a.on_samples_queued(60, rollouts=2)
+    assert a.decided_rollouts_total == 2 and a.queued_tokens_total == 60
+    assert a.kept_tokens_per_rollout == pytest.approx(30.0) and a.in_flight_tokens_per_rollout == pytest.approx(30.0)
+    a.on_samples_consumed(60)
+    assert a.queued_tokens_total == 60  # a running total of what entered the queue: consumption does not change it
+    with pytest.raises(ValueError, match="rollouts"):
+        a.on_samples_queued(0, rollouts=-1)
+
+
+def test_kept_floor_when_every_group_so_far_was_discarded():
+    """Every group dropped: what rollouts put in the queue is 0, but each rollout in flight still counts
+    KEPT_FLOOR_FRACTION (0.1) of the plain mean, so at most 10x what "mean" admits is in flight."""
+    assert KEPT_FLOOR_FRACTION == 0.1
+    a = TokenAllowance("kept")
+    for _ in range(3):
+        _group(a, [100, 100], kept=False)
+    assert a.kept_tokens_per_rollout == 0.0 and a.committed_tokens == 0
+    assert a.in_flight_tokens_per_rollout == pytest.approx(10.0)
+    n = 0
+    while a.can_start_group(1000):
+        a.on_group_started(2)
+        n += 2
+    assert n == 100 and a.in_flight_tokens == pytest.approx(1000.0)  # "mean" would admit 10
+    # A low keep rate above the floor is used as it is; a custom floor binds instead.
+    b = TokenAllowance("kept", kept_floor=0.5)
+    _group(b, [100, 100], kept=True)
+    for _ in range(3):
+        _group(b, [100, 100], kept=False)
+    assert b.kept_tokens_per_rollout == pytest.approx(25.0) and b.in_flight_tokens_per_rollout == pytest.approx(50.0)
+
+
+def test_kept_never_counts_more_than_the_plain_mean():
+    """Kept groups longer than the rollouts finished since (still waiting for their verdict): "kept" is capped at
+    the plain mean, so it never admits fewer rollouts than "mean"."""
+    a = TokenAllowance("kept")
+    _group(a, [300, 300], kept=True)
+    a.on_group_started(4)
+    for _ in range(4):
+        a.on_rollout_finished(0)  # four empty (failed) rollouts, group not yet scored
+    a.on_group_finished()
+    assert a.kept_tokens_per_rollout == pytest.approx(300.0) and a.tokens_per_rollout == pytest.approx(100.0)
+    assert a.in_flight_tokens_per_rollout == pytest.approx(100.0)
+
+
+def test_the_estimate_and_its_floor_are_checked():
+    with pytest.raises(ValueError, match="in_flight_estimate='queued'"):
+        TokenAllowance("queued")
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="kept_floor"):
+            TokenAllowance("kept", kept_floor=bad)
+    assert "in_flight_estimate='kept'" in repr(TokenAllowance("kept"))
+
+
+def test_the_config_and_the_allowance_know_the_same_estimates():
+    from asyncgrpo_cli.config import rules
+
+    assert rules.IN_FLIGHT_ESTIMATES == IN_FLIGHT_ESTIMATES
