@@ -353,4 +353,8 @@ def test_the_fault_drills_pick_the_top_vllm_server_of_the_job():
     assert faults.pick_server([rows[0], {"pid": 40, "ppid": 10, "argv": module_form}]) == 40
     assert faults.pick_server([rows[0], rows[2], rows[3]]) is None
     assert faults.SYNC_MARK.search('INFO:     127.0.0.1:45540 - "POST /pause?mode=keep HTTP/1.1" 200 OK')
+    # engine_kill_sync's victim: the retitled engine core (the first GPU run's tree: padded with spaces)
+    assert faults.engine_core(rows) == 21
+    assert faults.engine_core([{"pid": 5816, "ppid": 5753, "argv": ["VLLM::EngineCore" + " " * 40]}]) == 5816
+    assert faults.engine_core(rows[:3]) is None
     assert not faults.SYNC_MARK.search('Route: /pause, Methods: POST')

@@ -1,7 +1,7 @@
 """Issue #45 item 3 on one H200 with vLLM 0.33 (staged by `install.py`): the fault drills of docs/FAULTS.md
 against the one-GPU job as users run it (the supervisor starts vLLM itself).
 
-    FAULTS=server_kill_sync,supervisor_kill,sigint,server_stop bash scripts/gpu/vllm033/run.sh faults
+    FAULTS=server_kill_sync,supervisor_kill,sigint,server_stop,engine_kill_sync bash scripts/gpu/vllm033/run.sh faults
 
 Each drill starts ``asyncgrpo train +recipe=arith_vllm_1gpu trainer.max_steps=40 ... logging.dashboard=plain
 trainer.logging_steps=1`` (`job_argv`) in a session of its own, waits for step 1 in ``metrics.jsonl`` (at most
@@ -20,6 +20,11 @@ sigint
 server_stop
   SIGSTOP of the server's group and tree for `STOP_S` s, then SIGCONT: when status.json and the console showed
   the hang and its end, and the next step; then SIGINT (exit times count from it).
+engine_kill_sync
+  kill -9 of vLLM's engine core (``VLLM::EngineCore``, `engine_core`) at the same mark: what the out-of-memory
+  killer takes (it holds the GPU's share). With 8 API servers the top ``vllm serve`` process only manages them,
+  and killing it (server_kill_sync) leaves its children to finish the sync (the first GPU run's
+  ``resume_logged_after_mark``).
 
 Per drill: exit status (None when killed), seconds from the fault to the supervisor's exit and until no process
 of the job is left, checkpoints, status.json, the console's cause lines, the end of ``logs/trainer.log``, the
@@ -56,7 +61,7 @@ OUT = Path(os.environ.get("OUT") or "gpu_out")
 WORK = Path("/tmp/asyncgrpo_faults")
 RECIPE = "arith_vllm_1gpu"
 STEPS = 40
-DRILLS = ("server_kill_sync", "supervisor_kill", "sigint", "server_stop")
+DRILLS = ("server_kill_sync", "supervisor_kill", "sigint", "server_stop", "engine_kill_sync")
 BUDGET_S = float(os.environ.get("FAULTS_BUDGET_S", 520))
 MIN_LEFT_S = 150.0  # a drill needs vLLM's start (~100 s) and a step or two
 RESERVE_S = 20.0  # kept from every wait for the clean-up (kill, nvidia-smi, the JSON)
@@ -208,7 +213,16 @@ def describe(pid: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the faults
-def kill_in_sync(job: Job, run_dir: Path, rec: dict, server: int) -> float:
+def engine_core(rows: list[dict]) -> int | None:
+    """vLLM's engine core among a server's processes (`tree` rows: it is retitled ``VLLM::EngineCore``); it holds
+    the model and the KV cache, so it is what the out-of-memory killer picks. None when there is none."""
+    cores = [r["pid"] for r in rows if any("EngineCore" in a for a in r["argv"])]
+    return cores[0] if cores else None
+
+
+def kill_in_sync(job: Job, run_dir: Path, rec: dict, server: int, victim: int | None = None) -> float:
+    """kill -9 of ``victim`` (default: the server) at the sync's mark (`SYNC_MARK`)."""
+    victim = server if victim is None else victim
     log = run_dir / "logs" / "server.log"
     offset, tail = log.stat().st_size, ""
     deadline = time.monotonic() + max(1.0, min(MARK_S, left_s() - RESERVE_S - EXIT_S))
@@ -219,7 +233,7 @@ def kill_in_sync(job: Job, run_dir: Path, rec: dict, server: int) -> float:
         offset += len(data)
         tail = (tail + data.decode(errors="replace"))[-8192:]  # a line split across two reads is still seen
         if SYNC_MARK.search(tail):
-            os.kill(server, signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             t = time.monotonic()
             rec["marker"] = "vLLM's access-log line 'POST /pause' in logs/server.log (the sync's first route)"
             break
@@ -228,7 +242,7 @@ def kill_in_sync(job: Job, run_dir: Path, rec: dict, server: int) -> float:
     else:
         before = stepped(run_dir)
         wait(lambda: stepped(run_dir) > before, 60, "a new step", job)
-        os.kill(server, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         t = time.monotonic()
         rec["marker"] = ("fallback: no 'POST /pause' line in logs/server.log within 60 s; killed right after a new "
                          "metrics line, whose sync is then over (not during a sync)")
@@ -292,8 +306,16 @@ def stop_server(job: Job, run_dir: Path, rec: dict, server: int) -> float:
     return time.monotonic()
 
 
+def kill_engine_in_sync(job: Job, run_dir: Path, rec: dict, server: int) -> float:
+    core = engine_core(tree(server))
+    if core is None:
+        raise RuntimeError("no VLLM::EngineCore process under the server")
+    rec["engine_core_pid"] = core
+    return kill_in_sync(job, run_dir, rec, server, core)
+
+
 FAULTS = {"server_kill_sync": kill_in_sync, "supervisor_kill": kill_supervisor, "sigint": ctrl_c,
-          "server_stop": stop_server}
+          "server_stop": stop_server, "engine_kill_sync": kill_engine_in_sync}
 
 
 # ---------------------------------------------------------------------------------------------- a drill
@@ -318,7 +340,7 @@ def drill(name: str, rec: dict) -> None:
         rec["server_pid_tree"] = pick_server(rows)
         server = rec["server_pid_tree"] or rec["server_pid_console"]
         rec["server_tree"] = [{**r, "argv": " ".join(r["argv"])[:200]} for r in (tree(server) if server else [])]
-        if server is None and name in ("server_kill_sync", "server_stop"):
+        if server is None and name in ("server_kill_sync", "server_stop", "engine_kill_sync"):
             raise RuntimeError("no vllm serve process in the job's tree and no 'started the server' line")
         rec["step_at_fault"] = stepped(run_dir)
         t_fault = FAULTS[name](job, run_dir, rec, server)
