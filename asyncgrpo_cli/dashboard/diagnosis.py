@@ -44,9 +44,9 @@ Its cause is the first of these that holds, each with the CLI override that fixe
 4. ``trainer_idle_allowance``: the staleness token allowance holds generation back: ``rollout/backpressure_s``
    active (> ``backpressure_active_s``), or ``rollout/concurrency`` below ``inflight_low_frac`` (0.5) of
    ``rollout/concurrency_cap`` while the allowance admits fewer rollouts than the cap (unknown counts as
-   fewer). The allowance admits about ``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step``
-   rollouts (queued included); fix: ``staleness.max_staleness`` or ``packing.token_budget`` scaled by
-   cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
+   fewer). It admits ~``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step`` rollouts (queued
+   included); fix: ``max_staleness`` or (unless the step closed on ``packing.max_groups_per_step``) ``token_budget``
+   scaled by cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
 6. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
@@ -75,8 +75,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..run.metrics_line import busy_share, num  # noqa: F401 - re-exported: the dashboard's readers of a window
-from ..run.metrics_line import breakdown_text, request_breakdown
+from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown  # noqa: F401 - busy_share re-exported
 
 OK, INFO, WARN, ALERT = "ok", "info", "warn", "alert"
 SEVERITY_RANK = {OK: 0, INFO: 1, WARN: 2, ALERT: 3}
@@ -93,8 +92,7 @@ class Diagnosis:
     severity: str = OK
 
     @property
-    def rank(self) -> int:
-        """0 (ok) … 3 (alert)."""
+    def rank(self) -> int:  # 0 (ok) … 3 (alert)
         return SEVERITY_RANK[self.severity]
 
 
@@ -152,6 +150,7 @@ class RunSettings:
         num_sampler_logprobs: ``rollout.num_sampler_logprobs`` (top log-probs per generated token).
         token_budget: ``packing.token_budget`` in tokens, or ``sampler.max_model_len`` when unset; None = unknown.
         max_model_len: ``sampler.max_model_len`` in tokens; None = the server's.
+        max_groups_per_step: ``packing.max_groups_per_step`` (groups a step holds at most); None = unbounded.
     """
 
     max_staleness: int = 4
@@ -167,6 +166,7 @@ class RunSettings:
     num_sampler_logprobs: int = 8
     token_budget: int | None = None
     max_model_len: int | None = None
+    max_groups_per_step: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -185,9 +185,8 @@ class RunSettings:
                    sampler_extra_args=tuple(str(a) for a in cfg.sampler.extra_args),
                    num_sampler_logprobs=int(cfg.rollout.num_sampler_logprobs),
                    token_budget=None if budget is None else int(budget),
-                   max_model_len=None if max_len is None else int(max_len))
-
-
+                   max_model_len=None if max_len is None else int(max_len),
+                   max_groups_per_step=cfg.packing.max_groups_per_step)
 
 
 class MetricsHistory:
@@ -601,13 +600,13 @@ def _allowance_rollouts(m: Mapping[str, Any] | None, s: RunSettings) -> float | 
     return None if not per_step else max(s.max_staleness, 1) * s.weight_sync_steps * per_step
 
 
-def _allowance_fix(admitted: float | None, target: float, s: RunSettings) -> str:
-    """``staleness.max_staleness=N`` or ``packing.token_budget=M`` that let ``target`` rollouts in flight
-    where ``admitted`` are now (at least one more step's worth)."""
+def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_bound: bool = False) -> str:
+    """``staleness.max_staleness=N`` or ``packing.token_budget=M`` (not when ``group_bound``: the step closed on
+    ``packing.max_groups_per_step``) that let ``target`` rollouts in flight where ``admitted`` are now."""
     steps = max(s.max_staleness, 1)
     factor = max(target / admitted if admitted else 2.0, (steps + 1) / steps)
     fix = f"staleness.max_staleness={max(s.max_staleness + 1, math.ceil(steps * factor - 1e-9))}"
-    if s.token_budget:
+    if s.token_budget and not group_bound:
         fix += f" or packing.token_budget={_round_up(s.token_budget * factor, BUDGET_ROUND)}"
     return fix
 
@@ -632,7 +631,8 @@ def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) ->
                      f"{num(m, 'batch/samples_per_step'):.0f} samples")
     why = f"the staleness token allowance holds generation back ({'; '.join(parts)})"
     target = cap if cap is not None else float(s.max_concurrent_rollouts)
-    return "trainer_idle_allowance", why, _allowance_fix(admitted or conc, target, s)
+    group_bound = bool(s.max_groups_per_step) and (num(m, "batch/groups_per_step") or 0) >= s.max_groups_per_step
+    return "trainer_idle_allowance", why, _allowance_fix(admitted or conc, target, s, group_bound)
 
 
 def _cause_stale_drops(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:

@@ -352,6 +352,13 @@ def test_idle_cause_the_staleness_allowance():
     # without a known token budget only max_staleness is suggested
     d = trainer_idle(history_of(held), dataclasses.replace(VLLM, token_budget=None))
     assert d.text.endswith("fix: staleness.max_staleness=4")
+    # a step that closed on packing.max_groups_per_step would not grow with a larger token budget (the one-GPU
+    # job late in its run: 64 groups a step, the plain line said "or packing.token_budget=32768")
+    bounded = dataclasses.replace(VLLM, max_groups_per_step=64)
+    d = trainer_idle(history_of({**held, "batch/groups_per_step": 64}), bounded)
+    assert d.text.endswith("fix: staleness.max_staleness=4")
+    d = trainer_idle(history_of({**held, "batch/groups_per_step": 40}), bounded)  # closed on tokens
+    assert d.text.endswith("fix: staleness.max_staleness=4 or packing.token_budget=8192")
     # both waits high, formerly "max_staleness too tight", now names the allowance with the numbers
     tight = history_of({"perf/rollout_wait_s": 0.4, "rollout/backpressure_s": 0.5, "perf/step_s": 1.0})
     assert diagnose(tight, SETTINGS).rule == "trainer_idle_allowance"
