@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenLogProbs", "chunked_token_logprobs"]
+__all__ = ["TokenLogProbs", "check_token_ids", "chunked_token_logprobs"]
 
 DEFAULT_TOKEN_CHUNK_SIZE = 2048
 DEFAULT_VOCAB_CHUNK_SIZE = 16384
@@ -265,7 +265,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     col, inside = _in_tile(cand_ids[a:b], v0, vc)
                     member = torch.zeros(b - a, vc + 1, dtype=torch.bool, device=dev)
                     member.scatter_(1, torch.where(inside, col, torch.full_like(col, vc)), True)
-                    member[~has_cand[a:b]] = True
+                    member.masked_fill_(~has_cand[a:b, None], True)  # a mask, not a data-dependent index
                     member = member[:, :vc]
                 col, inside = _in_tile(ids[a:b], v0, vc)
                 g_col = torch.where(inside, g_ids[a:b], 0.0)
@@ -288,12 +288,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
-def _check_ids(name: str, ids: torch.Tensor, n: int, vocab: int, allow_pad: bool) -> None:
+def _check_ids(name: str, ids: torch.Tensor, n: int, vocab: int, allow_pad: bool, values: bool = True) -> None:
+    """Dtype and length of an id tensor, and (``values``) its range: two host reads, a device sync each when
+    ``ids`` lives on a GPU."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an int64 tensor of token ids, got dtype {ids.dtype}; use .long()")
     if ids.shape[0] != n:
         raise ValueError(f"{name} has {ids.shape[0]} rows but hidden has {n} tokens; give one row per trained token")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or not values:
         return
     lo, hi = int(ids.min()), int(ids.max())
     low_ok = -1 if allow_pad else 0
@@ -302,6 +304,47 @@ def _check_ids(name: str, ids: torch.Tensor, n: int, vocab: int, allow_pad: bool
         raise ValueError(
             f"{name} holds ids in [{lo}, {hi}] but the lm_head vocabulary has {vocab} rows; "
             f"ids must lie in [{low_ok}, {vocab - 1}]{pad}"
+        )
+
+
+def check_token_ids(target_ids: torch.Tensor, top_ids: torch.Tensor | None, candidate_ids: torch.Tensor | None,
+                    vocab: int) -> None:
+    """The id checks of :func:`chunked_token_logprobs` (shapes, range, unique candidates, each trained token in its
+    own candidate set). They read values back, so the trainer runs them on the packer's CPU tensors before the row
+    moves to the GPU (``check_values=False`` there), not as a host sync per micro-batch.
+
+    Raises:
+        ValueError: as :func:`chunked_token_logprobs`.
+    """
+    if target_ids.dim() != 1:
+        raise ValueError(f"target_ids must be [N], got shape {tuple(target_ids.shape)}")
+    n = target_ids.shape[0]
+    _check_ids("target_ids", target_ids, n, vocab, allow_pad=False)
+    if top_ids is not None:
+        if top_ids.dim() != 2:
+            raise ValueError(f"top_ids must be [N, K], got shape {tuple(top_ids.shape)}")
+        _check_ids("top_ids", top_ids, n, vocab, allow_pad=True)
+    if candidate_ids is None:
+        return
+    if candidate_ids.dim() != 2:
+        raise ValueError(f"candidate_ids must be [N, M], got shape {tuple(candidate_ids.shape)}")
+    _check_ids("candidate_ids", candidate_ids, n, vocab, allow_pad=True)
+    if candidate_ids.shape[1] == 0:
+        return
+    candidate_ids, target_ids = candidate_ids.long(), target_ids.long()
+    has_cand = (candidate_ids >= 0).any(dim=1)
+    sorted_cand = candidate_ids.sort(dim=1).values
+    dup = (sorted_cand[:, 1:] == sorted_cand[:, :-1]) & (sorted_cand[:, 1:] >= 0)
+    if bool(dup.any()):
+        row = int(dup.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"candidate_ids row {row} repeats a token id; each candidate set must list unique ids")
+    pos = torch.searchsorted(sorted_cand, target_ids[:, None]).clamp(max=sorted_cand.shape[1] - 1)
+    missing = has_cand & (sorted_cand.gather(1, pos)[:, 0] != target_ids)
+    if bool(missing.any()):
+        row = int(missing.nonzero()[0, 0])
+        raise ValueError(
+            f"target_ids[{row}]={int(target_ids[row])} is not in its own candidate set (candidate_ids row "
+            f"{row}); the sampler can only draw from that set, so the rollout data is inconsistent"
         )
 
 
@@ -317,6 +360,7 @@ def chunked_token_logprobs(
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     compile_backend: str | None = None,
+    check_values: bool = True,
 ) -> TokenLogProbs:
     """Log-probs of the trained tokens and of the sampler's top ids, plus entropy, without full logits.
 
@@ -335,6 +379,8 @@ def chunked_token_logprobs(
         compile_backend: a ``torch.compile`` backend (``"inductor"``) for the per-tile work after each GEMM
             (casts, online log-sum-exp, gathers; in the backward softmax, scatter and cast), or None to run it
             eagerly. The GEMMs stay cuBLAS calls either way; results agree to reduction order.
+        check_values: run :func:`check_token_ids` here (host reads: device syncs on a GPU); False when the caller
+            checked the same ids on the host already (the trainer's row, `packed_loss.check_row_values`).
 
     Returns:
         :class:`TokenLogProbs`; float dtype is float64 when any float input is float64, else float32.
@@ -372,37 +418,28 @@ def chunked_token_logprobs(
             raise ValueError(f"{name} must be a positive int, got {size!r}")
     if target_ids.dim() != 1:
         raise ValueError(f"target_ids must be [N], got shape {tuple(target_ids.shape)}")
-    _check_ids("target_ids", target_ids, n, vocab, allow_pad=False)
-    target_ids = target_ids.long()
     if top_ids is None:
         top_ids = torch.empty(n, 0, dtype=torch.long, device=hidden.device)
+    # Shapes and dtypes cost nothing to check; the values (host reads) only with check_values.
+    _check_ids("target_ids", target_ids, n, vocab, allow_pad=False, values=False)
     if top_ids.dim() != 2:
         raise ValueError(f"top_ids must be [N, K], got shape {tuple(top_ids.shape)}")
-    _check_ids("top_ids", top_ids, n, vocab, allow_pad=True)
-    top_ids = top_ids.long()
-    has_cand = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    _check_ids("top_ids", top_ids, n, vocab, allow_pad=True, values=False)
     if candidate_ids is not None:
         if candidate_ids.dim() != 2:
             raise ValueError(f"candidate_ids must be [N, M], got shape {tuple(candidate_ids.shape)}")
-        _check_ids("candidate_ids", candidate_ids, n, vocab, allow_pad=True)
+        _check_ids("candidate_ids", candidate_ids, n, vocab, allow_pad=True, values=False)
+    if check_values:
+        check_token_ids(target_ids, top_ids, candidate_ids, vocab)
+    target_ids = target_ids.long()
+    top_ids = top_ids.long()
+    has_cand = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    if candidate_ids is not None:
         candidate_ids = candidate_ids.long()
         if candidate_ids.shape[1] == 0:
             candidate_ids = None
     if candidate_ids is not None:
         has_cand = (candidate_ids >= 0).any(dim=1)
-        sorted_cand = candidate_ids.sort(dim=1).values
-        dup = (sorted_cand[:, 1:] == sorted_cand[:, :-1]) & (sorted_cand[:, 1:] >= 0)
-        if bool(dup.any()):
-            row = int(dup.any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"candidate_ids row {row} repeats a token id; each candidate set must list unique ids")
-        pos = torch.searchsorted(sorted_cand, target_ids[:, None]).clamp(max=sorted_cand.shape[1] - 1)
-        missing = has_cand & (sorted_cand.gather(1, pos)[:, 0] != target_ids)
-        if bool(missing.any()):
-            row = int(missing.nonzero()[0, 0])
-            raise ValueError(
-                f"target_ids[{row}]={int(target_ids[row])} is not in its own candidate set (candidate_ids row "
-                f"{row}); the sampler can only draw from that set, so the rollout data is inconsistent"
-            )
     out = _ChunkedLogProbs.apply(
         hidden, lm_head_weight, lm_head_bias, target_ids, top_ids, candidate_ids, has_cand, float(temperature),
         token_chunk_size, vocab_chunk_size, compile_backend,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ __all__ = [
     "loss_scale",
     "merge_metric_contributions",
     "finalize_metrics",
+    "PendingMetrics",
+    "read_pending",
+    "check_sampler_logprobs",
 ]
 
 MetricValue = tuple[float, float] | float
@@ -492,7 +495,10 @@ def loss_and_metrics(
     candidate_ids: torch.Tensor | None = None,
     global_num_samples: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    check_values: bool = True,
+    num_samples: int | None = None,
+    defer_metrics: bool = False,
+) -> tuple[torch.Tensor, dict[str, MetricValue] | PendingMetrics]:
     """Loss of one micro-batch row on this rank, and its metric contributions (SPEC §3.3, §15.2, B.8–B.10, B.14).
 
     Args:
@@ -513,6 +519,12 @@ def loss_and_metrics(
         global_num_samples: samples of this micro-batch summed over all ranks (``grpo``/``dr_grpo`` only).
         ref_logprobs: ``[N]`` float, the reference policy's processed log-probs of the trained tokens
             (required when ``config.beta`` > 0): ``beta × k3`` is added to each token loss, ``kl`` logged.
+        check_values: check the values of the sampler log-probs and ids here (host reads, a device sync each on a
+            GPU); False when the caller checked them on the host (`packed_loss.check_row_values`).
+        num_samples: an int above every ``sample_index`` value (the row's samples), known on the host: the
+            per-sample clip fractions then need no ``torch.unique`` (a device sync); None = ``unique``.
+        defer_metrics: return the metrics as :class:`PendingMetrics` (device values, read later with every other
+            micro-batch's in one sync, :func:`read_pending`) instead of a dict read here.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a float32 (float64 for float64 inputs) scalar,
@@ -541,12 +553,8 @@ def loss_and_metrics(
             "tokens; pass the micro-batch's trained tokens summed over all ranks"
         )
     scale = loss_scale(global_num_trained_tokens, num_processes)
-    if n and not bool(torch.isfinite(sampler_logprobs).all()):
-        bad = int((~torch.isfinite(sampler_logprobs)).nonzero()[0, 0])
-        raise ValueError(
-            f"sampler_logprobs[{bad}]={float(sampler_logprobs[bad])} is not finite; every trained token needs "
-            "the sampler's log-prob of the token it drew"
-        )
+    if check_values:
+        check_sampler_logprobs(sampler_logprobs)
     if config.score_centering:
         if sampler_top_ids is None or sampler_top_logprobs is None:
             raise ValueError(
@@ -570,6 +578,7 @@ def loss_and_metrics(
         token_chunk_size=config.token_chunk_size,
         vocab_chunk_size=config.vocab_chunk_size,
         compile_backend=config.compile_backend,
+        check_values=check_values,
     )
     terms = token_terms(
         lp.target_logprobs, advantages, sampler_logprobs, config,
@@ -588,14 +597,70 @@ def loss_and_metrics(
         loss = normalised_loss(terms.losses, sample_index, config, global_num_trained_tokens=global_num_trained_tokens,
                                num_processes=num_processes, global_num_samples=global_num_samples)
     metrics = _metrics(lp.target_logprobs.detach(), terms, lp.entropy, sampler_logprobs, sample_index,
-                       sampler_top_ids, sampler_top_logprobs, config)
-    if config.beta > 0:
-        metrics["kl"] = (float(kl.detach().double().sum()), float(n))
-    return loss, metrics
+                       sampler_top_ids, sampler_top_logprobs, config, num_samples,
+                       kl.detach() if config.beta > 0 else None)
+    return loss, (metrics if defer_metrics else metrics.read())
+
+
+def check_sampler_logprobs(sampler_logprobs: torch.Tensor) -> None:
+    """Every trained token's sampler log-prob is finite (a host read: run on the CPU copy in the trainer).
+
+    Raises:
+        ValueError: names the first non-finite entry.
+    """
+    if sampler_logprobs.numel() and not bool(torch.isfinite(sampler_logprobs).all()):
+        bad = int((~torch.isfinite(sampler_logprobs)).nonzero()[0, 0])
+        raise ValueError(
+            f"sampler_logprobs[{bad}]={float(sampler_logprobs[bad])} is not finite; every trained token needs "
+            "the sampler's log-prob of the token it drew"
+        )
+
+
+@dataclass
+class PendingMetrics:
+    """A micro-batch's metric contributions still on the device: ``values`` ``[k]`` float64 for ``names``;
+    ``counts[name]`` is the count of a ``(sum, count)`` name (absent: a min/max float); ``ready`` holds values
+    already on the host. :meth:`read` (one sync) or :func:`read_pending` (one sync for many) gives the dict."""
+
+    names: list[str]
+    values: torch.Tensor
+    counts: dict[str, float]
+    ready: dict[str, MetricValue] = field(default_factory=dict)
+
+    def resolve(self, values: list[float]) -> dict[str, MetricValue]:
+        out: dict[str, MetricValue] = {}
+        for name, value in zip(self.names, values, strict=True):
+            out[name] = (value, self.counts[name]) if name in self.counts else value
+        out.update(self.ready)
+        return out
+
+    def read(self) -> dict[str, MetricValue]:
+        return self.resolve(self.values.tolist())  # one device sync
+
+
+def read_pending(tensors: list[torch.Tensor], metrics: list[Any]) -> tuple[list[float], list[dict[str, MetricValue]]]:
+    """Read the 0-dim ``tensors`` (e.g. the micro-batches' detached losses) and every :class:`PendingMetrics` of
+    ``metrics`` (dicts pass through) in one host-device sync; returns ``(floats, metric dicts)``. A tensor's float
+    is the same as ``float(t)``: every float dtype widens to float64 exactly."""
+    pending = [m for m in metrics if isinstance(m, PendingMetrics)]
+    parts = [t.detach().reshape(1).double() for t in tensors] + [p.values.reshape(-1) for p in pending]
+    if not parts:
+        return [], list(metrics)
+    flat = torch.cat([p.to(parts[0].device) for p in parts]).tolist()  # the one sync
+    floats, at = flat[:len(tensors)], len(tensors)
+    out = []
+    for m in metrics:
+        if isinstance(m, PendingMetrics):
+            out.append(m.resolve(flat[at:at + len(m.names)]))
+            at += len(m.names)
+        else:
+            out.append(m)
+    return floats, out
 
 
 @torch.no_grad()
-def _metrics(target_lp, terms, entropy, sampler_lp, sample_index, top_ids, top_lp, config) -> dict[str, MetricValue]:
+def _metrics(target_lp, terms, entropy, sampler_lp, sample_index, top_ids, top_lp, config, num_samples=None,
+             kl=None) -> PendingMetrics:
     """Metric contributions of one micro-batch (see the module docstring for the format).
 
     ``sampling/masked_mean`` is the fraction of tokens the off-policy correction changed (masked, or
@@ -618,25 +683,32 @@ def _metrics(target_lp, terms, entropy, sampler_lp, sample_index, top_ids, top_l
         valid = (top_ids >= 0) & torch.isfinite(top_lp)
         mass = torch.where(valid, top_lp.to(f64), torch.full((), -math.inf, dtype=f64, device=top_lp.device))
         sums["sampling/sampler_mass"] = mass.exp().sum()
+    if kl is not None:
+        sums["kl"] = kl.double().sum()
     extremes: dict[str, torch.Tensor] = {}
     if n:
-        _, inverse = torch.unique(sample_index, return_inverse=True)
-        per_sample = torch.bincount(inverse).to(f64)
-        low_frac = torch.bincount(inverse, weights=low.to(f64)) / per_sample
-        high_frac = torch.bincount(inverse, weights=high.to(f64)) / per_sample
+        if num_samples is None:  # torch.unique: a device sync (its output size depends on the values)
+            _, inverse = torch.unique(sample_index, return_inverse=True)
+            per_sample = torch.bincount(inverse).to(f64)
+            low_frac = torch.bincount(inverse, weights=low.to(f64)) / per_sample
+            high_frac = torch.bincount(inverse, weights=high.to(f64)) / per_sample
+            low_min, high_max = low_frac.min(), high_frac.max()
+        else:  # sizes known on the host: sums of 0/1 in float64 are exact, so the same fractions; empty samples skipped
+            def per_sample_sum(v):
+                return torch.zeros(num_samples, dtype=f64, device=v.device).index_add_(0, sample_index, v.to(f64))
+            per_sample = per_sample_sum(torch.ones_like(ratio))
+            present = per_sample > 0
+            low_min = torch.where(present, per_sample_sum(low) / per_sample, math.inf).amin()
+            high_max = torch.where(present, per_sample_sum(high) / per_sample, -math.inf).amax()
         extremes = {
             "sampling/sampling_logp_difference/max": logp_diff.max(),
             "sampling/importance_sampling_ratio/min": ratio.min(),
             "sampling/importance_sampling_ratio/max": ratio.max(),
-            "clip_ratio/low_min": low_frac.min(),
-            "clip_ratio/high_max": high_frac.max(),
+            "clip_ratio/low_min": low_min,
+            "clip_ratio/high_max": high_max,
         }
-    names = list(sums) + list(extremes)
-    values = torch.stack([*sums.values(), *extremes.values()]).tolist()  # one device sync
-    out: dict[str, MetricValue] = {}
-    for name, value in zip(names, values, strict=True):
-        out[name] = (value, float(n)) if name in sums else value
-    return out
+    return PendingMetrics(list(sums) + list(extremes), torch.stack([*sums.values(), *extremes.values()]),
+                          {name: float(n) for name in sums})
 
 
 def _kind(name: str) -> str:

@@ -8,6 +8,7 @@ MFU is logged only where the peak is known: a CUDA device named in `PEAK_BF16_FL
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +85,39 @@ def step_flops(model: torch.nn.Module, row: PackedRow | RowStats) -> float:
     dense = 6.0 * trainable_parameter_count(model) * stats.num_tokens
     attention = 12.0 * layers * heads * head_dim * stats.attention_cost
     return dense + attention
+
+
+class SpanClock:
+    """Summed duration of code spans (``perf/fwd_s``: the micro-batches' forwards) without a host sync per span.
+
+    On a CUDA device each span is a pair of CUDA events on the current stream, read by :meth:`seconds` after the
+    step's one sync (`loss.read_pending`): the GPU time from the span's first queued kernel to its last. Elsewhere
+    the device runs in step with the host, and a span is its wall-clock time.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._events: list[tuple] = []
+        self._wall = 0.0
+        self._start: object = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.monotonic()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._wall += time.monotonic() - self._start
+
+    def seconds(self) -> float:
+        """The spans' total; on CUDA call it after a sync that follows the last span (else it waits for it)."""
+        if not self.cuda:
+            return self._wall
+        return sum(a.elapsed_time(b) for a, b in self._events) / 1000.0

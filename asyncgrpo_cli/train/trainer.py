@@ -25,7 +25,7 @@ from ..rollout.on_policy import step_capacity
 from ..rollout.loop import AsyncRolloutLoop
 from ..config.grpo_config import AsyncGRPOConfig
 from ..config.rules import ConfigError
-from .loss import LossConfig, finalize_metrics, merge_metric_contributions
+from .loss import LossConfig, finalize_metrics, merge_metric_contributions, read_pending
 from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy, load_tokenizer, prepare_tokenizer
 from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, micro_batch_sequences, row_loss
@@ -33,7 +33,7 @@ from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .compile import compile_decoder_layers
 from .console_log import use_plain_lines
 from .packing import pack_row
-from .perf import PeakFlops, step_flops
+from .perf import PeakFlops, SpanClock, step_flops
 from ..run.state import LiveFiles, TrainedPosition
 from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
@@ -459,19 +459,26 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 self.worker.set_pull_version(self.model_version + int(syncs))
             micro = len(plan.rows)  # ga, or fewer for a step trained before its rows filled (last step, round done)
             fwd_bwd_start = time.monotonic()
-            contributions, my_rows, loss_sum, fwd_s = [], [], 0.0, 0.0
+            contributions, my_rows, losses = [], [], []
+            forwards = SpanClock(self.accelerator.device)
             for m, rows in enumerate(plan.rows):
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
-                fwd_start = time.monotonic()
+                forwards.start()
                 loss, metrics = row_loss(model, row, self.loss_config, plan.global_trained[m], nproc, self.moe_aux,
-                                         micro_batch_sequences(rows), self.reference)
-                loss_value = float(loss.detach())  # waits for the forward: perf/fwd_s is its time, not launch time
-                fwd_s += time.monotonic() - fwd_start
+                                         micro_batch_sequences(rows), self.reference, defer_metrics=True)
+                forwards.stop()
                 self.accelerator.backward(loss / micro)
-                loss_sum += loss_value / micro
+                losses.append(loss.detach())
                 contributions.append(metrics)
+            # The step's one host sync of the micro-batch loop (NOTES_host_syncs.md): the losses and metrics of every
+            # micro-batch, read after the last backward, so perf/fwd_bwd_s is the GPU's time, not launch time.
+            loss_values, contributions = read_pending(losses, contributions)
+            loss_sum = 0.0
+            for value in loss_values:  # the same sum, in the same order, as a read per micro-batch gave
+                loss_sum += value / micro
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
+            fwd_s = forwards.seconds()
             opt_start = time.monotonic()
             self._in_optimizer_step = True  # a failure in here leaves no step to save
             grad_norm = None

@@ -148,19 +148,31 @@ class TreeAttentionInputs:
     ) -> None:
         self.varlen_fn = varlen_fn
         self.device = torch.device(device)
-        self.position_ids = position_ids.to(self.device, dtype=torch.int64)
-        self.dfs_leave = dfs_leave.to(self.device, dtype=torch.int64)
+        self.position_ids = position_ids.to(self.device, dtype=torch.int64, non_blocking=True)
+        self.dfs_leave = dfs_leave.to(self.device, dtype=torch.int64, non_blocking=True)
         self.num_tokens = int(self.position_ids.numel())
-        self._segments = (segment_start.tolist(), segment_length.tolist(), segment_parent.tolist())
+        self._segment_tensors = (segment_start, segment_length, segment_parent)
+        self._segment_lists: tuple[list[int], list[int], list[int]] | None = None
         self._cache: dict[Any, Any] = {}
+
+    @property
+    def _segments(self) -> tuple[list[int], list[int], list[int]]:
+        """The segment table as Python lists (``flash`` plan, Gated DeltaNet), read on first use only: sdpa and
+        flex never need it, and a device copy read here would be a host sync per micro-batch."""
+        if self._segment_lists is None:
+            self._segment_lists = tuple(t.tolist() for t in self._segment_tensors)
+        return self._segment_lists
 
     @classmethod
     def from_row(
-        cls, row: PackedRow, device: torch.device | str, varlen_fn: Callable[..., torch.Tensor] | None = None
+        cls, row: PackedRow, device: torch.device | str, varlen_fn: Callable[..., torch.Tensor] | None = None,
+        host_row: PackedRow | None = None,
     ) -> TreeAttentionInputs:
-        """Metadata of a packed row, on ``device``."""
+        """Metadata of a packed row, on ``device``. ``host_row``: the same row on the CPU (the packer's), whose
+        segment table is read instead of ``row``'s, so a device row costs no host sync."""
+        table = host_row if host_row is not None else row
         return cls(
-            row.position_ids, row.dfs_leave, row.segment_start, row.segment_length, row.segment_parent, device,
+            row.position_ids, row.dfs_leave, table.segment_start, table.segment_length, table.segment_parent, device,
             varlen_fn=varlen_fn,
         )
 
@@ -206,10 +218,11 @@ class TreeAttentionInputs:
                 max_k = max(max_k, n_k)
             if cu_q[-1] != self.num_tokens:
                 raise ValueError(f"segments cover {cu_q[-1]} tokens but the row has {self.num_tokens}")
+            # Built on the host, copied without a stream sync (a blocking copy would wait for the GPU).
             self._cache["varlen"] = VarlenPlan(
-                cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
-                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
-                kv_index=torch.tensor(kv, dtype=torch.int64, device=self.device),
+                cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(self.device, non_blocking=True),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(self.device, non_blocking=True),
+                kv_index=torch.tensor(kv, dtype=torch.int64).to(self.device, non_blocking=True),
                 max_seqlen_q=max(lengths, default=0),
                 max_seqlen_k=max_k,
             )
@@ -522,7 +535,8 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 def packed_forward_kwargs(
-    row: PackedRow, device: torch.device | str, *, varlen_fn: Callable[..., torch.Tensor] | None = None
+    row: PackedRow, device: torch.device | str, *, varlen_fn: Callable[..., torch.Tensor] | None = None,
+    host_row: PackedRow | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for a model's forward over one packed row (the model switched to tree attention).
 
@@ -530,7 +544,8 @@ def packed_forward_kwargs(
     placeholder ``attention_mask`` (any 4-D mask makes transformers skip building its own), ``use_cache=False``
     and ``tree_attention`` (a :class:`TreeAttentionInputs`), all on ``device``. An empty row (``L = 0``)
     becomes one dummy token (id 0, position 0), so that the forward still reaches every parameter; the
-    caller discards its output.
+    caller discards its output. ``host_row``: ``row``'s CPU original when ``row`` is a device copy (its segment
+    table is read from it: no host sync, `TreeAttentionInputs.from_row`).
     """
     device = torch.device(device)
     if row.num_tokens == 0:
@@ -541,7 +556,7 @@ def packed_forward_kwargs(
         )
         input_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
     else:
-        ctx = TreeAttentionInputs.from_row(row, device, varlen_fn=varlen_fn)
+        ctx = TreeAttentionInputs.from_row(row, device, varlen_fn=varlen_fn, host_row=host_row)
         input_ids = row.input_ids.to(device)[None]
     length = input_ids.shape[1]
     placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(1, 1, length, length)

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncgrpo_cli.rollout.types import TrainingSequence
 from asyncgrpo_cli.train.compile import compile_decoder_layers
-from asyncgrpo_cli.train.loss import LossConfig
+from asyncgrpo_cli.train.loss import LossConfig, read_pending
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
 from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
 from asyncgrpo_cli.train.packing import pack_row
@@ -260,8 +260,9 @@ def packed_step(model, rows, cfg, *, as_trainer: bool = False, autocast: torch.d
     the forward) and ``backward`` per row, gradients dropped at the end. Returns a callable giving the loss sum.
 
     ``as_trainer``: ``rows`` are the step plan's sample lists and the step is what the trainer's loop times as
-    ``perf/fwd_bwd_s`` (``Trainer._loop``): each row is packed (``pack_row``) inside the step and its loss read
-    (a host sync) right after its forward, before the backward. ``autocast``: the forward runs under
+    ``perf/fwd_bwd_s`` (``Trainer._loop``): each row is packed (``pack_row``) inside the step, its metrics deferred,
+    and every row's loss and metrics read once after the last backward (``loss.read_pending``, the step's one host
+    sync; NOTES_host_syncs.md). ``autocast``: the forward runs under
     ``torch.autocast`` of that dtype, as accelerate's mixed precision wraps the forward of a model loaded in
     fp32 (``model.dtype=float32`` with ``trainer.bf16=true``: the one-GPU recipe).
     """
@@ -269,22 +270,26 @@ def packed_step(model, rows, cfg, *, as_trainer: bool = False, autocast: torch.d
 
     def forward(row, total):
         if autocast is None:
-            return row_loss(model, row, cfg, total, 1)
+            return row_loss(model, row, cfg, total, 1, defer_metrics=as_trainer)
         with torch.autocast(device_type, dtype=autocast):
-            return row_loss(model, row, cfg, total, 1)
+            return row_loss(model, row, cfg, total, 1, defer_metrics=as_trainer)
 
     def run():
         total = sum((sum(s.num_trained_tokens for s in r) if as_trainer else r.num_trained_tokens) for r in rows)
-        loss_sum = 0.0
+        loss_sum, losses, metrics = 0.0, [], []
         for row in rows:
             with mark(FORWARD_MARK):
-                loss, _ = forward(pack_row(row) if as_trainer else row, total)
-            if as_trainer:
-                loss_sum += float(loss.detach())
+                loss, row_metrics = forward(pack_row(row) if as_trainer else row, total)
             with mark(BACKWARD_MARK):
                 loss.backward()
-            if not as_trainer:
+            if as_trainer:
+                losses.append(loss.detach())
+                metrics.append(row_metrics)
+            else:
                 loss_sum += float(loss.detach())
+        if as_trainer:
+            for value in read_pending(losses, metrics)[0]:
+                loss_sum += value
         model.zero_grad(set_to_none=True)
         return loss_sum
     return run

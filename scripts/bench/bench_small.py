@@ -23,8 +23,9 @@ prompt) are the same in every group, completions starting with the 4 tokens of `
 - ``late_full``: the same completions without the group bound, 16K tokens of several hundred groups (the step the
   job took before issue #41's bound; many tiny segments).
 
-A step is what the trainer's loop times as ``perf/fwd_bwd_s``: ``pack_row`` of the plan's row, ``row_loss``, the
-loss read (a host sync) and ``backward`` (``bench_packing.packed_step(..., as_trainer=True)``), timed with CUDA
+A step is what the trainer's loop times as ``perf/fwd_bwd_s``: ``pack_row`` of the plan's row, ``row_loss``,
+``backward`` and the one read of the losses and metrics after it (``bench_packing.packed_step(..., as_trainer=True)``;
+NOTES_host_syncs.md), timed with CUDA
 events after warm-up, median of ``--steps``. ``mfu_as_logged`` is ``perf/fwd_bwd_mfu``'s formula
 (``asyncgrpo_cli.train.perf``). Writes ``E1t_<shape>[_bf16][_compiled].json`` and prints a table. ``--profile DIR``
 writes the bucketed torch.profiler tables of the early row (``bench_packing.profile_variant``).
