@@ -85,6 +85,10 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
     uses_sets = r.top_k > 0 or r.top_p < 1 or (r.min_p or 0) > 0
     c.warnings.extend(start_warnings(float(r.repetition_penalty), uses_sets, bool(r.sampling_mask_fallback)))
     c.warnings.extend(loss_warnings(dict(cfg.loss), lambda n: f"loss.{n}"))
+    if command == "train":
+        st = cfg.staleness
+        c.warnings.extend(in_flight_estimate_notes(str(st.in_flight_estimate), int(st.max_staleness),
+                                                   lambda n: f"staleness.{n}"))
     if command != "train":
         c.raise_if_any()
         return c.warnings
@@ -393,7 +397,22 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
                                          fallback_key="sampling_mask_fallback"))
         c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
                                          "importance_sampling_level": args.importance_sampling_level}))
+        c.warnings.extend(in_flight_estimate_notes(str(args.in_flight_estimate), int(args.max_staleness), str))
     return c.warnings
+
+
+def in_flight_estimate_notes(estimate: str, max_staleness: int, key: Callable[[str], str]) -> list[str]:
+    """What to print at start for the opt-in ``in_flight_estimate=kept`` (README: Staleness and concurrency): that
+    it is on (it departs from the design's rule and is not yet measured on a GPU), or that it does nothing at
+    ``max_staleness=0``. ``key`` spells a field's name (``staleness.in_flight_estimate`` or the API's)."""
+    if estimate != "kept":
+        return []
+    if max_staleness == 0:
+        return [f"{key('in_flight_estimate')}=kept has no effect at {key('max_staleness')}=0 (the on-policy round "
+                f"sizes generation there); remove it, or set {key('max_staleness')} >= 1"]
+    return [f"{key('in_flight_estimate')}=kept (opt-in): a rollout in flight counts as the sample tokens it is expected "
+            "to add to the queue, so more rollouts run when many groups are dropped; not yet measured on a GPU: "
+            "watch sample/dropped_stale_count"]
 
 
 def _first_row(dataset: Any) -> dict[str, Any] | None:

@@ -62,3 +62,18 @@ def test_the_loop_reports_decided_groups_and_the_estimate_follows_the_queue(esti
     else:
         assert a.in_flight_tokens_per_rollout == pytest.approx(min(mean, max(a.kept_tokens_per_rollout, 0.1 * mean)))
         assert a.in_flight_tokens_per_rollout < mean  # half the groups dropped
+
+
+def test_the_opt_in_is_shown_at_start_and_a_no_effect_combination_is_named():
+    """Fresh-user trial: nothing on screen said `kept` was on, and `kept` with max_staleness=0 passed silently."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.run_checks import in_flight_estimate_notes, validate_run
+
+    on = validate_run(compose(["+recipe=smoke", "staleness.in_flight_estimate=kept"]), "train")
+    assert any(w.startswith("staleness.in_flight_estimate=kept (opt-in)") for w in on)
+    idle = validate_run(compose(["+recipe=smoke", "staleness.in_flight_estimate=kept", "staleness.max_staleness=0"]),
+                        "train")
+    assert any("has no effect at staleness.max_staleness=0" in w for w in idle)
+    assert not any("in_flight_estimate" in w for w in validate_run(compose(["+recipe=smoke"]), "train"))
+    assert in_flight_estimate_notes("kept", 0, str)[0].startswith("in_flight_estimate=kept has no effect at max_staleness=0")
+    assert in_flight_estimate_notes("mean", 0, str) == []
