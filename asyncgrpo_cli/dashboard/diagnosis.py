@@ -313,14 +313,15 @@ def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
 
     Reads ``rollout/backpressure_s``, ``rollout/concurrency``, ``rollout/concurrency_cap``,
     ``rollout/vllm_kv_cache_usage_frac``, ``perf/rollout_wait_s`` and ``perf/step_s``. None when neither
-    the concurrency nor the backpressure is logged.
+    the concurrency nor the backpressure is logged. Not staleness while the trainer waits much for samples.
     """
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
     cap, kv = num(m, "rollout/concurrency_cap"), num(m, "rollout/vllm_kv_cache_usage_frac")
     ceiling = settings.max_concurrent_rollouts
     if bp is None and conc is None:
         return None
-    if bp is not None and bp > th.backpressure_active_s:
+    wl = _level(num(m, "perf/rollout_wait_s"), num(m, "perf/step_s"), th)  # a trainer that waits much: not ahead
+    if bp is not None and bp > th.backpressure_active_s and wl != "high":
         return Diagnosis("limit_staleness", f"active limit: staleness (generation waits {bp:.2f} s; it is ahead "
                          "of training)", INFO)
     if conc is None:
@@ -329,7 +330,6 @@ def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
         return Diagnosis("limit_server_load", f"active limit: vLLM load cap ({conc:.0f} in flight = cap {cap:.0f} "
                          f"< max_concurrent_rollouts {ceiling})", INFO)
     if conc >= th.at_limit_frac * ceiling:
-        wl = _level(num(m, "perf/rollout_wait_s"), num(m, "perf/step_s"), th)
         if kv is not None and kv < th.low_kv_frac and wl == "high":
             return Diagnosis("limit_resource", f"active limit: max_concurrent_rollouts={ceiling} with the KV cache "
                              f"at {kv:.0%} while the trainer waits: raise staleness.max_concurrent_rollouts if "
@@ -795,5 +795,5 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
             span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
                     else f"the last {hold} windows")
             return Diagnosis(best.rule, f"{best.text} (held over {span})", best.severity)
-    newest = re.split(r"[:(;]", current.text, maxsplit=1)[0].strip() or current.rule  # its words, not its rule id
+    newest = re.split(r"[(;]", current.text, maxsplit=1)[0].strip() or current.rule  # its words, not its rule id
     return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)", OK)

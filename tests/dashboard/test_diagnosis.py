@@ -509,3 +509,17 @@ def test_the_settling_line_names_the_newest_finding_in_words():
     """Fresh-user trial: 'no steady finding yet (newest: limit resource; ...)' named a rule id nobody had seen."""
     d = steady_diagnosis(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2})), VLLM)
     assert d.rule == "settling" and d.text.startswith("no steady finding yet (newest: trainer idle 67% of the step;")
+    # the words before the colon alone said "newest: active limit" without the limit (fresh-user trial, again)
+    ahead = {"rollout/backpressure_s": 0.5, "perf/rollout_wait_s": 0.0, "perf/step_s": 2.0}
+    d = steady_diagnosis(history_of(ahead), VLLM)
+    assert d.rule == "settling" and d.text.startswith("no steady finding yet (newest: trainer-bound: generation waits")
+
+
+def test_a_trainer_that_waits_for_samples_is_not_behind_a_staleness_limit():
+    """Fresh-user trial (smoke, CPU): 'busy 15%' beside 'active limit: staleness (generation waits 0.02 s; it is
+    ahead of training)': 20 ms of backpressure in a 30 s step whose trainer waited 85% of it."""
+    from asyncgrpo_cli.dashboard.diagnosis import active_limit
+
+    m = {"rollout/backpressure_s": 0.02, "perf/rollout_wait_s": 25.5, "perf/step_s": 30.0, "rollout/concurrency": 8}
+    assert active_limit(m, VLLM).rule != "limit_staleness"
+    assert active_limit({**m, "perf/rollout_wait_s": 0.5}, VLLM).rule == "limit_staleness"
