@@ -29,6 +29,12 @@ def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={shown!r}: {problem}. Fix: {fix}", key=key)
 
 
+def _word(value: str, p: Any) -> str:
+    """A string value as the user writes it: ``kept`` on the command line, ``"kept"`` in Python (the API's keys
+    have no dot)."""
+    return value if "." in p("x") else f'"{value}"'
+
+
 def _fail(key: str, value: Any, problem: str, fix: str) -> None:
     if "." not in key:  # the Python API's name (AsyncGRPOConfig): None, not the CLI's YAML null
         problem, fix = (re.sub(r"\bnull\b", "None", t) for t in (problem, fix))
@@ -121,8 +127,8 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
         _fail(p("in_flight_estimate"), ife, "must be mean (a rollout in flight counts as the mean sample tokens per "
               "finished rollout, the default) or kept (as the mean sample tokens finished rollouts put into the "
               "rollout queue, dropped groups counting zero)",
-              f"set {p('in_flight_estimate')}=mean, or {p('in_flight_estimate')}=kept (README: Staleness and "
-              "concurrency)")
+              f"set {p('in_flight_estimate')}={_word('mean', p)}, or {p('in_flight_estimate')}={_word('kept', p)} "
+              "(README: Staleness and concurrency)")
     if g("rollout_worker_timeout", 300.0) <= 0:
         _fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
               f"set {p('rollout_worker_timeout')}=300")

@@ -77,3 +77,13 @@ def test_the_opt_in_is_shown_at_start_and_a_no_effect_combination_is_named():
     assert not any("in_flight_estimate" in w for w in validate_run(compose(["+recipe=smoke"]), "train"))
     assert in_flight_estimate_notes("kept", 0, str)[0].startswith("in_flight_estimate=kept has no effect at max_staleness=0")
     assert in_flight_estimate_notes("mean", 0, str) == []
+
+
+def test_the_api_error_spells_the_fix_in_python():
+    import pytest
+
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.rules import ConfigError
+
+    with pytest.raises(ConfigError, match='Fix: set in_flight_estimate="mean", or in_flight_estimate="kept"'):
+        AsyncGRPOConfig(output_dir="/tmp/unused_api_check", in_flight_estimate="queued")
