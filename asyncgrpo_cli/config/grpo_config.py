@@ -157,9 +157,9 @@ class AsyncGRPOConfig(TrainingArguments):
         "help": "What one rollout in flight counts for against the staleness token allowance: mean (the default) "
                 "the running mean of sample tokens per finished rollout; kept (opt-in) the running mean of sample "
                 "tokens finished rollouts put into the rollout queue, groups dropped for zero reward std counting "
-                "zero (between 0.1x and 1x the mean), so a run that drops most groups keeps more in flight; the "
-                "trainer still drops every sample more than max_staleness updates old (README: Staleness and "
-                "concurrency)."})
+                "zero (between 0.1x and 1x the mean; the mean until 64 rollouts are decided), so a run that drops "
+                "most groups keeps more in flight; the trainer still drops every sample more than max_staleness "
+                "updates old (README: Staleness and concurrency)."})
     # Logging.
     log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})

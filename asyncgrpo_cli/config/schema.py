@@ -253,8 +253,9 @@ class StalenessConfig:
     """What one rollout in flight counts for against the staleness token allowance. ``mean`` (the default, SPEC B.4):
     the running mean of sample tokens per finished rollout. ``kept`` (opt-in, not the specified rule): the running
     mean of sample tokens finished rollouts put into the rollout queue, groups dropped for zero reward std counting
-    zero (kept between 0.1x and 1x the mean), so a run that drops most groups keeps more in flight. The trainer
-    still drops every sample more than max_staleness updates old (README: Staleness and concurrency)."""
+    zero (kept between 0.1x and 1x the mean; the mean until 64 rollouts are decided), so a run that drops most
+    groups keeps more in flight. The trainer still drops every sample more than max_staleness updates old (README:
+    Staleness and concurrency)."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 MODES = ("auto", "rich", "plain", "off")
 SERVER_STATUS_EVERY_S = 10.0  # plain mode: a lasting server_status line is printed again this often
+WAITING_EVERY_S = 30.0  # plain mode: before the first logged step, a line on generation this often
 
 
 class JsonlTail:
@@ -148,6 +149,8 @@ class Dashboard:
         self.eval: dict[str, Any] | None = None  # the newest eval round record
         self._outage_kind: str | None = None  # the server_status line printed last, digits masked
         self._outage_printed_at = 0.0
+        self._waiting_since: float | None = None  # first status seen before any logged step (monotonic)
+        self._waiting_printed_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -204,6 +207,7 @@ class Dashboard:
         if status is not None:
             self.status = status
             self._print_server_status(status)
+            self._print_waiting(status)
         new = []
         for row in self._metrics.read_new():
             if "event" in row:  # a marker such as {"event": "resume", "step": N, "from": ...}, not a window
@@ -246,6 +250,28 @@ class Dashboard:
                 ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
             self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
         self._outage_kind = kind
+
+    def _print_waiting(self, status: dict[str, Any]) -> None:
+        """Plain mode, before the first logged step of this run: every `WAITING_EVERY_S` s of the trainer's
+        running state, what generation has done so far (rollouts in flight, finished, queue), so a slow first
+        step (a cold server, a stalled worker) is not a silent minute."""
+        if self.mode != "plain" or self.rows or status.get("state") != "running":
+            return
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = self._waiting_printed_at = now
+            return
+        if now - self._waiting_printed_at < WAITING_EVERY_S:
+            return
+        self._waiting_printed_at = now
+        parts = [f"{int(status.get('concurrency') or 0)} rollouts in flight"]
+        if status.get("rollouts_finished") is not None:
+            parts.append(f"{int(status['rollouts_finished'])} finished")
+        if status.get("queue_size") is not None:
+            parts.append(f"queue {int(status['queue_size'])}")
+        step = int(status.get("step") or 0) + 1
+        self.console.print(f"waiting for step {step} ({now - self._waiting_since:.0f} s since the trainer "
+                           f"started): {', '.join(parts)}", markup=False, highlight=False, soft_wrap=True)
 
     def _print_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "eval":  # one eval round (README "Evaluation"): the rewards panel shows it

@@ -25,6 +25,7 @@ import math
 __all__ = [
     "IN_FLIGHT_ESTIMATES",
     "KEPT_FLOOR_FRACTION",
+    "KEPT_MIN_DECIDED_ROLLOUTS",
     "TokenAllowance",
     "allowance_after_step",
     "allowance_steps",
@@ -37,6 +38,11 @@ IN_FLIGHT_ESTIMATES = ("mean", "kept")
 
 #: ``"kept"`` never counts an in-flight rollout below this fraction of the plain mean (see `TokenAllowance`).
 KEPT_FLOOR_FRACTION = 0.1
+
+#: ``"kept"`` is the plain mean until the groups kept or dropped so far hold this many rollouts (see `TokenAllowance`):
+#: one group's verdict is no keep rate (the one-GPU job's first group was dropped, the estimate fell to its floor
+#: and 936 rollouts went in flight at once; ``"mean"`` averaged 159 over the same job's first step).
+KEPT_MIN_DECIDED_ROLLOUTS = 64
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -139,7 +145,8 @@ class TokenAllowance:
       same allowance. Like the B.4 mean it is cumulative over the run, so it follows a changing keep rate
       slowly. It is clamped to ``[kept_floor × mean, mean]``:
 
-      * while no group has been decided yet it is the plain mean (start-up is unchanged);
+      * until the decided groups hold ``kept_min_decided`` rollouts (default `KEPT_MIN_DECIDED_ROLLOUTS` = 64,
+        8 groups of 8) it is the plain mean: start-up is unchanged, and one group's verdict is not a keep rate;
       * **floor**: never below ``kept_floor`` (default `KEPT_FLOOR_FRACTION` = 0.1) × the plain mean, so a run
         whose every group so far was discarded (estimate 0) still counts each rollout in flight, and at most
         ``1 / kept_floor`` = 10× the rollouts ``"mean"`` would admit are in flight (the concurrency cap and
@@ -176,12 +183,15 @@ class TokenAllowance:
     Args:
         in_flight_estimate: ``"mean"`` or ``"kept"`` (`IN_FLIGHT_ESTIMATES`).
         kept_floor: the floor of ``"kept"`` as a fraction of the plain mean, in (0, 1].
+        kept_min_decided: rollouts of decided groups before ``"kept"`` departs from the plain mean (>= 1).
 
     Raises:
-        ValueError: an unknown ``in_flight_estimate`` or a ``kept_floor`` outside (0, 1].
+        ValueError: an unknown ``in_flight_estimate``, a ``kept_floor`` outside (0, 1] or a ``kept_min_decided``
+            below 1.
     """
 
-    def __init__(self, in_flight_estimate: str = "mean", kept_floor: float = KEPT_FLOOR_FRACTION) -> None:
+    def __init__(self, in_flight_estimate: str = "mean", kept_floor: float = KEPT_FLOOR_FRACTION,
+                 kept_min_decided: int = KEPT_MIN_DECIDED_ROLLOUTS) -> None:
         if in_flight_estimate not in IN_FLIGHT_ESTIMATES:
             raise ValueError(f"in_flight_estimate={in_flight_estimate!r}: must be one of "
                              f"{', '.join(IN_FLIGHT_ESTIMATES)}")
@@ -190,6 +200,7 @@ class TokenAllowance:
             raise ValueError(f"kept_floor={kept_floor!r}: must lie in (0, 1] (a fraction of the mean)")
         self.in_flight_estimate = in_flight_estimate
         self.kept_floor = floor
+        self.kept_min_decided = _require_int("kept_min_decided", kept_min_decided, 1)
         self._groups_in_flight = 0
         self._rollouts_in_flight = 0
         self._finished_tokens = 0.0
@@ -233,6 +244,11 @@ class TokenAllowance:
         return self._consumed_total_seen
 
     @property
+    def finished_rollouts_total(self) -> int:
+        """Rollouts finished since the start (never decreases)."""
+        return self._finished_rollouts_total
+
+    @property
     def tokens_per_rollout(self) -> float | None:
         """Running mean of sample tokens per finished rollout; ``None`` before any rollout finished."""
         if self._finished_rollouts_total == 0:
@@ -262,13 +278,14 @@ class TokenAllowance:
         """Sample tokens one rollout in flight counts for; ``None`` before any rollout finished.
 
         ``"mean"``: :attr:`tokens_per_rollout`. ``"kept"``: :attr:`kept_tokens_per_rollout` clamped to
-        ``[kept_floor × mean, mean]``, the plain mean before any group was decided (class docstring).
+        ``[kept_floor × mean, mean]``, the plain mean until the decided groups hold ``kept_min_decided``
+        rollouts (class docstring).
         """
         mean = self.tokens_per_rollout
         if mean is None or self.in_flight_estimate == "mean":
             return mean
         kept = self.kept_tokens_per_rollout
-        if kept is None:
+        if kept is None or self._decided_rollouts_total < self.kept_min_decided:
             return mean
         return min(mean, max(kept, self.kept_floor * mean))
 

@@ -729,6 +729,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                 self.metrics.add("rollout/in_flight_tokens_per_rollout", self.allowance.in_flight_tokens_per_rollout)
             if self.concurrency_value is not None:
                 self.concurrency_value.value = self._in_flight
+            if getattr(self, "rollouts_done_value", None) is not None:  # set by the worker process (status.json)
+                self.rollouts_done_value.value = self.allowance.finished_rollouts_total
             if self.cap_value is not None:
                 self.cap_value.value = self.cap.value
             if self.server_values is not None:

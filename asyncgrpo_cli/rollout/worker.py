@@ -195,7 +195,7 @@ def _drop_boot_signals() -> None:
 
 
 def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, parent_pid: int | None = None,
-                 death_signal: bool = True, no_signal_value=None, stopping=None) -> None:
+                 death_signal: bool = True, no_signal_value=None, stopping=None, rollouts_done_value=None) -> None:
     """Entry point of the spawned process: bind its lifetime to the trainer's (`bind_to_parent`), build
     the loop and run it until stopped or failed; the processes it started are reaped on the way out. An
     error while building the loop reaches the trainer through ``failed_event`` like a run-time one.
@@ -204,13 +204,13 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, paren
         bind_to_parent(parent_pid, death_signal)
     _drop_boot_signals()
     try:
-        _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value, stopping)
+        _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value, stopping, rollouts_done_value)
     finally:
         _reap_children()
 
 
 def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signal_value=None,
-              stopping=None) -> None:
+              stopping=None, rollouts_done_value=None) -> None:
     try:
         loop = loop_cls(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
@@ -218,6 +218,7 @@ def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signa
         raise SystemExit(1) from None
     loop.ready_event = ready_event
     loop.no_signal_value = no_signal_value
+    loop.rollouts_done_value = rollouts_done_value
 
     def watch_stop() -> None:
         # A polled flag, not an mp.Event: setting an Event whose waiter died can block the setter forever.
@@ -297,6 +298,7 @@ class RolloutWorker:
         self.concurrency_value = ctx.Value("q", 0)
         self.cap_value = ctx.Value("q", 0)
         self.no_signal_value = ctx.Value("q", 0)  # consecutive groups without learning signal (rollout/no_signal.py)
+        self.rollouts_done_value = ctx.Value("q", 0)  # rollouts finished since the start (status.json, plain line)
         self.failed_event = ctx.Event()
         self.ready_event = ctx.Event()
         self.stop_flag = ctx.Value("b", 0)
@@ -353,7 +355,8 @@ class RolloutWorker:
         death_signal = threading.current_thread() is threading.main_thread()
         self.process = self._ctx.Process(target=_worker_main, args=(self._loop_cls, self._kwargs, self.ready_event,
                                                                     self.stop_flag, os.getpid(), death_signal,
-                                                                    self.no_signal_value, self.stopping_value),
+                                                                    self.no_signal_value, self.stopping_value,
+                                                                    self.rollouts_done_value),
                                          name="asyncgrpo-rollout-worker", daemon=False)
         # A stop signal sent to the trainer's process group (the CLI's SIGINT/SIGTERM) must not reach the worker
         # while it boots, still in that group: it would die half-started (or hang the start). Blocked here, the

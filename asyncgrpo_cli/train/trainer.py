@@ -657,6 +657,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.live.update(force=force, step=self.state.global_step, epoch=self.state.epoch,
                          model_version=self.model_version, queue_size=self._queue_size(),
                          concurrency=int(self.worker.concurrency_value.value),
+                         rollouts_finished=int(getattr(self.worker, "rollouts_done_value", None).value)
+                         if hasattr(self.worker, "rollouts_done_value") else None,
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,

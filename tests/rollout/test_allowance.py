@@ -5,6 +5,7 @@ import pytest
 from asyncgrpo_cli.rollout.allowance import (
     IN_FLIGHT_ESTIMATES,
     KEPT_FLOOR_FRACTION,
+    KEPT_MIN_DECIDED_ROLLOUTS,
     TokenAllowance,
     allowance_after_step,
     allowance_steps,
@@ -203,7 +204,7 @@ def test_both_estimates_start_alike_one_group_at_a_time_then_the_plain_mean(esti
 def test_mean_and_kept_driven_step_by_step_with_discarded_groups():
     """Three of four groups dropped (zero reward std): "mean" still counts each rollout in flight at 100 tokens,
     "kept" at what a rollout put into the queue, 25, and so admits four times the rollouts."""
-    mean, kept = TokenAllowance("mean"), TokenAllowance("kept")
+    mean, kept = TokenAllowance("mean"), TokenAllowance("kept", kept_min_decided=1)
     for a in (mean, kept):
         _group(a, [100, 100], kept=True)
         for _ in range(3):
@@ -233,7 +234,7 @@ def test_mean_and_kept_driven_step_by_step_with_discarded_groups():
 def test_kept_counts_a_partly_discarded_group_once():
     """A kept group whose cut completions are not trained: part discarded (rollouts=0), the rest queued with the
     group's rollouts; the group's two rollouts are decided once."""
-    a = TokenAllowance("kept")
+    a = TokenAllowance("kept", kept_min_decided=1)
     a.on_group_started(2)
     a.on_rollout_finished(60)
     a.on_rollout_finished(40)
@@ -252,7 +253,7 @@ def test_kept_floor_when_every_group_so_far_was_discarded():
     """Every group dropped: what rollouts put in the queue is 0, but each rollout in flight still counts
     KEPT_FLOOR_FRACTION (0.1) of the plain mean, so at most 10x what "mean" admits is in flight."""
     assert KEPT_FLOOR_FRACTION == 0.1
-    a = TokenAllowance("kept")
+    a = TokenAllowance("kept", kept_min_decided=1)
     for _ in range(3):
         _group(a, [100, 100], kept=False)
     assert a.kept_tokens_per_rollout == 0.0 and a.committed_tokens == 0
@@ -263,17 +264,33 @@ def test_kept_floor_when_every_group_so_far_was_discarded():
         n += 2
     assert n == 100 and a.in_flight_tokens == pytest.approx(1000.0)  # "mean" would admit 10
     # A low keep rate above the floor is used as it is; a custom floor binds instead.
-    b = TokenAllowance("kept", kept_floor=0.5)
+    b = TokenAllowance("kept", kept_floor=0.5, kept_min_decided=1)
     _group(b, [100, 100], kept=True)
     for _ in range(3):
         _group(b, [100, 100], kept=False)
     assert b.kept_tokens_per_rollout == pytest.approx(25.0) and b.in_flight_tokens_per_rollout == pytest.approx(50.0)
 
 
+def test_kept_is_the_plain_mean_until_64_rollouts_are_decided():
+    """One group's verdict is no keep rate: the one-GPU job's first group was dropped, "kept" fell to its floor and
+    936 rollouts went in flight at once. Until the decided groups hold KEPT_MIN_DECIDED_ROLLOUTS (64) rollouts the
+    estimate is the plain mean; from then on what rollouts put in the queue."""
+    assert KEPT_MIN_DECIDED_ROLLOUTS == 64
+    a = TokenAllowance("kept")
+    for i in range(7):  # 7 groups of 8: 56 rollouts decided, one group kept
+        _group(a, [100] * 8, kept=i == 0)
+        assert a.in_flight_tokens_per_rollout == pytest.approx(100.0), i
+    _group(a, [100] * 8, kept=False)  # the 8th group: 64 rollouts decided, 800 of 6,400 tokens queued
+    assert a.decided_rollouts_total == 64 and a.in_flight_tokens_per_rollout == pytest.approx(12.5)
+    b = TokenAllowance("kept", kept_min_decided=8)
+    _group(b, [100] * 8, kept=False)
+    assert b.in_flight_tokens_per_rollout == pytest.approx(10.0)  # the floor, 0.1 x the mean
+
+
 def test_kept_never_counts_more_than_the_plain_mean():
     """Kept groups longer than the rollouts finished since (still waiting for their verdict): "kept" is capped at
     the plain mean, so it never admits fewer rollouts than "mean"."""
-    a = TokenAllowance("kept")
+    a = TokenAllowance("kept", kept_min_decided=1)
     _group(a, [300, 300], kept=True)
     a.on_group_started(4)
     for _ in range(4):
@@ -289,6 +306,8 @@ def test_the_estimate_and_its_floor_are_checked():
     for bad in (0, 1.5, -0.1):
         with pytest.raises(ValueError, match="kept_floor"):
             TokenAllowance("kept", kept_floor=bad)
+    with pytest.raises(ValueError, match="kept_min_decided"):
+        TokenAllowance("kept", kept_min_decided=0)
     assert "in_flight_estimate='kept'" in repr(TokenAllowance("kept"))
 
 

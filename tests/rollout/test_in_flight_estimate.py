@@ -31,6 +31,7 @@ def test_the_loop_reports_decided_groups_and_the_estimate_follows_the_queue(esti
                  _Value(0), _Value(10.0**9), _Value(0.0), threading.Event(), errors, metrics,
                  consumed_tokens_value=_Value(0.0))
     assert loop.allowance.in_flight_estimate == estimate
+    loop.allowance.kept_min_decided = 1  # six groups of 4 here; the 64-rollout warm-up is test_allowance's
     thread = threading.Thread(target=lambda: asyncio.run(loop.run_async()), daemon=True)
     thread.start()
     outcomes, names = [], set()

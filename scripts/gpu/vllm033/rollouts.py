@@ -29,6 +29,9 @@ job NAME
   ``$OUT/rollouts_job_NAME.json``: one row per step (time since step 1, step time, reward, rollouts/s, groups/s,
   request breakdown, ...) and the issue's figures (`job_figures`). ``JOB_MPS=1``: under CUDA MPS (`start_mps`);
   ``JOB_EXTRA``: more overrides; ``JOB_CEILING=1``: the rollout ceiling the screen chose (`ceiling_choice`).
+  `JOB_DEADLINE_S` counts from the job's start, vLLM's included: the first vLLM start on a fresh machine took
+  181 s (85 s once its compile caches were warm), so a job that starts vLLM first on the machine needs 480 s or
+  more for 40 steps (2026-12-03: 300 s cut such a run before its first step).
 
 Every command line here is composed and checked on CPU in CI (``tests/test_gpu_script_configs.py``).
 """
