@@ -108,11 +108,27 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def host_cpu() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): P1's tree rows are mostly
+    host time, so a figure from another host is not comparable without it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def run_meta(shape: str) -> dict:
-    """Device, versions and date recorded in every result JSON."""
+    """Device, host CPU (model, cores, load), versions and date recorded in every result JSON."""
+    import os
+
     import transformers
 
     return {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
+            "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "python": platform.python_version(), "shape": shape, "date": datetime.date.today().isoformat()}
 
