@@ -54,14 +54,28 @@ def stop_grace(configured: float | None, output_dir: str | Path, fallback_s: flo
     return float(fallback_s)
 
 
+def _add_resume_command(output_dir: str | Path, status: dict) -> bool:
+    """A trainer that stopped or was killed before its first save of this attempt (a resumed run) wrote no
+    ``resume_command``: the newest complete checkpoint of the folder is what the console's ``resume with:`` names
+    too. Sets ``resume_command`` (and ``last_checkpoint`` if unset) in ``status``; True when it did."""
+    newest = newest_checkpoint(output_dir)
+    if not newest or status.get("resume_command"):
+        return False
+    from ..run.folder import resume_command
+
+    status.update(resume_command=resume_command(newest), last_checkpoint=status.get("last_checkpoint") or newest)
+    return True
+
+
 def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> None:
     """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
     ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept, except
     a trainer's ``stopped`` when the job failed (rc 1: it was stopped because its server
     died): the job's ``failed: <failure>`` then, the trainer's state in ``trainer_state``, so that the
     file, the console and the exit status agree. A run that did not finish and has a complete checkpoint gets
-    ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none. An absent file stays absent
-    (nothing ran)."""
+    ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none, its own final state kept or not
+    (a resumed run stopped before it saved anything: the console's ``resume with:`` names the checkpoint it
+    resumed from). An absent file stays absent (nothing ran)."""
     from ..run.state import write_json_atomic
 
     status = read_status(output_dir)
@@ -70,6 +84,11 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     state = str(status.get("state", ""))
     if state.startswith("failed") or state == "finished" or (state == "stopped" and (rc in (0, 130, 143)
                                                                                      or not failure)):
+        if state != "finished" and rc != 0 and _add_resume_command(output_dir, status):
+            try:
+                write_json_atomic(Path(output_dir) / "status.json", status)
+            except OSError:
+                pass
         return
     if state == "stopped":  # the trainer stopped as asked, but the job failed (e.g. its server died)
         status["trainer_state"] = state
@@ -84,13 +103,8 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
         status["note"] = (f"the trainer was stopped while {state or 'starting'}; "
                           + (f"newest complete checkpoint: {kept}" if kept else "no complete checkpoint"))
     status.pop("stopping", None)  # the stop is over: its "saving ... and stopping" no longer holds
-    newest = newest_checkpoint(output_dir) if rc != 0 else None
-    if newest and not status.get("resume_command"):
-        # a trainer killed before its first save of this attempt (a resumed run) wrote none: the newest
-        # complete checkpoint of the folder is what the console's "resume with:" names too
-        from ..run.folder import resume_command
-
-        status.update(resume_command=resume_command(newest), last_checkpoint=status.get("last_checkpoint") or newest)
+    if rc != 0:
+        _add_resume_command(output_dir, status)
     status.update(state=final, updated_at=time.time())
     try:
         write_json_atomic(Path(output_dir) / "status.json", status)

@@ -71,3 +71,26 @@ def test_a_failed_run_without_a_save_of_its_own_gets_the_resume_command(tmp_path
     write(tmp_path, state="running", step=3)
     finalize_status(tmp_path, 0, None)  # finished: nothing to resume
     assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())
+
+
+def test_a_resumed_run_stopped_before_its_first_save_keeps_its_state_and_gets_the_resume_command(tmp_path,
+                                                                                               monkeypatch):
+    """Fresh-user trial (issue #45): SIGINT while a resumed run was starting; the console said 'no new checkpoint
+    was needed: .../checkpoint-2 holds the last completed step (2)' and 'resume with: ...', status.json had
+    last_checkpoint and resume_command null (the trainer's own 'stopped' was kept as it was)."""
+    from asyncgrpo_cli.launch import job_files
+
+    ckpt = str(tmp_path / "checkpoint-2")
+    monkeypatch.setattr(job_files, "newest_checkpoint", lambda out: ckpt)
+    write(tmp_path, state="stopped", step=2, note="stopped by SIGINT", last_checkpoint=None, resume_command=None)
+    finalize_status(tmp_path, 130, None)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "stopped" and status["note"] == "stopped by SIGINT"
+    assert status["resume_command"].endswith(f"trainer.resume_from_checkpoint={ckpt}")
+    assert status["last_checkpoint"] == ckpt
+    write(tmp_path, state="failed: ServerHungError", step=2)  # a trainer's failure too
+    finalize_status(tmp_path, 1, "x")
+    assert json.loads((tmp_path / "status.json").read_text())["last_checkpoint"] == ckpt
+    write(tmp_path, state="finished", step=2)  # finished: nothing to resume
+    finalize_status(tmp_path, 0, None)
+    assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())
