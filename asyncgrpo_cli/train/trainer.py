@@ -657,8 +657,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.live.update(force=force, step=self.state.global_step, epoch=self.state.epoch,
                          model_version=self.model_version, queue_size=self._queue_size(),
                          concurrency=int(self.worker.concurrency_value.value),
-                         rollouts_finished=int(getattr(self.worker, "rollouts_done_value", None).value)
-                         if hasattr(self.worker, "rollouts_done_value") else None,
+                         rollouts_finished=_shared_value(self.worker, "rollouts_done_value"),
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
@@ -721,3 +720,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                              resume_command=resume_command_from_env(self._last_checkpoint),
                              last_save_s=round(time.monotonic() - start, 2))
         return self._last_checkpoint
+
+
+def _shared_value(worker: Any, name: str) -> int | None:
+    """The worker's shared counter ``name`` as an int, None for a worker without it (a custom or test worker)."""
+    value = getattr(worker, name, None)
+    return None if value is None else int(value.value)

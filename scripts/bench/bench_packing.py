@@ -36,6 +36,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import platform
 import random
 import re
@@ -122,8 +123,6 @@ def host_cpu() -> str:
 
 def run_meta(shape: str) -> dict:
     """Device, host CPU (model, cores, load), versions and date recorded in every result JSON."""
-    import os
-
     import transformers
 
     return {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
