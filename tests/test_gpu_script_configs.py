@@ -9,6 +9,7 @@ switched off here with ``trainer.bf16=false`` (on the GPU the recipes keep bf16)
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -107,6 +108,20 @@ def test_the_rollout_job_figures_of_issue_41():
     assert f["generation_frac_of_engine"] == 0.5 and f["steps_per_s_2_20"] == 0.5
     per_step = vllm033_rollouts.job_rows(rows)
     assert per_step[0]["t_since_step1_s"] == 0.0 and per_step[-1]["step"] == 40
+
+
+def test_the_async_sync_pair_compares_steps_and_trained_groups(tmp_path):
+    """Issue #41's pair: steps/s over the same range, and trained groups/s, since on-policy steps can be smaller."""
+    def run(step_s: float, groups: int) -> dict:
+        rows = [{"step": s, "t_since_step1_s": step_s * (s - 1), "batch/groups_per_step": groups}
+                for s in range(1, 41)]
+        return {"rows": rows, "figures": {"last_step": 40, "time_to_reward_040_s": 10.0 * step_s}}
+    (tmp_path / "a.json").write_text(json.dumps(run(2.0, 64)))
+    (tmp_path / "s.json").write_text(json.dumps(run(1.5, 40)))
+    out = vllm033_rollouts.combine(str(tmp_path / "a.json"), str(tmp_path / "s.json"), str(tmp_path / "o.json"))
+    assert out["steps_compared"] == [2, 40] and out["async_over_sync_steps_per_s"] == 0.75
+    assert out["trained_groups_per_s"] == {"async": 32.0, "sync": 26.67}
+    assert out["async_over_sync_groups_per_s"] == 1.2 and out["async_over_sync_time_to_reward"] == 0.75
 
 
 def test_generation_against_the_served_engine_at_the_steps_length():

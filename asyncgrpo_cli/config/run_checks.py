@@ -411,8 +411,8 @@ def in_flight_estimate_notes(estimate: str, max_staleness: int, key: Callable[[s
         return [f"{key('in_flight_estimate')}=kept has no effect at {key('max_staleness')}=0 (the on-policy round "
                 f"sizes generation there); remove it, or set {key('max_staleness')} >= 1"]
     return [f"{key('in_flight_estimate')}=kept (opt-in): a rollout in flight counts as the sample tokens it is expected "
-            "to add to the queue, so more rollouts run when many groups are dropped; not yet measured on a GPU: "
-            "watch sample/dropped_stale_count"]
+            "to add to the queue, so more rollouts run when many groups are dropped; on the one-GPU recipe it was no "
+            "faster to a reward than mean (README: One GPU): watch sample/dropped_stale_count"]
 
 
 def _first_row(dataset: Any) -> dict[str, Any] | None:

@@ -605,8 +605,16 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
     pa = {r["step"]: r["t_since_step1_s"] for r in a["rows"]}
     ps = {r["step"]: r["t_since_step1_s"] for r in s["rows"]}
     span = (lambda p: (hi - lo) / (p[hi] - p[lo]) if lo in p and hi in p and p[hi] > p[lo] else None)
+    # Steps of the two modes differ in size: an on-policy round ends once its wave is back with half its target
+    # (`rollout.on_policy.MIN_FILL`), so late on-policy steps held 37-43 groups against the asynchronous 64.
+    # Trained groups per second over the same step range compares the work done.
+    trained = (lambda run, p: sum(r.get("batch/groups_per_step") or 0 for r in run["rows"] if lo < r["step"] <= hi)
+               / (p[hi] - p[lo]) if lo in p and hi in p and p[hi] > p[lo] else None)
+    ga, gs = trained(a, pa), trained(s, ps)
     out = {"issue": 41, "steps_compared": [lo, hi],
            "async_over_sync_steps_per_s": ratio(span(pa), span(ps)),
+           "async_over_sync_groups_per_s": ratio(ga, gs),
+           "trained_groups_per_s": {"async": round(ga, 2) if ga else None, "sync": round(gs, 2) if gs else None},
            "async_over_sync_time_to_reward": ratio(fs.get("time_to_reward_040_s"), fa.get("time_to_reward_040_s")),
            "targets": {"generation_frac_of_served_engine": ">= 0.70 (the served engine alone at the step's "
                                                            "completion length; see engine_offline for why not the "
