@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import one_gpu  # noqa: E402
 import rollouts as vllm033_rollouts  # noqa: E402
+import rollouts_two as vllm033_rollouts_two  # noqa: E402
 import runs as vllm033_runs  # noqa: E402
 import speed as vllm033_speed  # noqa: E402
 
@@ -96,6 +97,21 @@ def test_the_rollout_jobs_of_issue_41_pass_the_train_checks(name, winner):
 def test_the_rollout_screen_server_passes_the_serve_checks():
     argv = vllm033_rollouts.serve_argv()
     check(argv[argv.index("serve") + 1:], "serve")
+
+
+@pytest.mark.parametrize("port", vllm033_rollouts_two.PORTS)
+def test_the_two_engine_servers_pass_the_serve_checks(port):
+    argv = vllm033_rollouts_two.serve_argv(port)
+    assert f"sampler.port={port}" in argv
+    check(argv[argv.index("serve") + 1:], "serve")
+
+
+def test_two_engines_are_compared_with_one_at_the_same_total_in_flight():
+    runs = [{"variant": "one_1024", "rollouts_per_s": 400.0}, {"variant": "two_1024", "rollouts_per_s": 600.0},
+            {"variant": "two_2048", "rollouts_per_s": 900.0}, {"variant": "one_2048_short", "error": "x"},
+            {"variant": "two_2048_short", "rollouts_per_s": 1.0}]
+    assert vllm033_rollouts_two.two_over_one(runs) == {"1024": 1.5}
+    assert all(v[0] in (1, 2) and v[1] % v[0] == 0 for v in vllm033_rollouts_two.VARIANTS.values())
 
 
 def test_the_rollout_job_figures_of_issue_41():

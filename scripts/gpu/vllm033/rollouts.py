@@ -213,12 +213,12 @@ def phase_engine() -> int:
 
 # ---------------------------------------------------------------------------------------------- screen
 async def _load(n: int, seeds: bool, logprobs: int, max_tokens: int, inflight: int, seconds: float,
-                prompts: list[list[int]], model: str, tokens_route: bool = False) -> dict:
-    """Keep ``inflight`` rollouts in flight for ``seconds`` (after `WARMUP_S`), as the worker does."""
+                prompts: list[list[int]], model: str, tokens_route: bool = False, url: str = URL) -> dict:
+    """Keep ``inflight`` rollouts in flight at ``url`` for ``seconds`` (after `WARMUP_S`), as the worker does."""
     from asyncgrpo_cli.sampler.client import SamplerClient, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=logprobs)
-    client = SamplerClient(URL, max_concurrency=max(1, inflight // n) + 4, timeout_s=300, request_seeds=seeds,
+    client = SamplerClient(url, max_concurrency=max(1, inflight // n) + 4, timeout_s=300, request_seeds=seeds,
                            tokens_route=tokens_route)
     stats = {"rollouts": 0, "tokens": 0, "request_s": [], "parse_s": []}
     measuring = False

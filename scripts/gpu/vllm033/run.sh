@@ -11,6 +11,7 @@
 #   bash scripts/gpu/vllm033/run.sh rollouts_engine     # issue #41: the engine's offline rollouts/s (rollouts.py)
 #   bash scripts/gpu/vllm033/run.sh rollouts_screen     # issue #41: the request levers against one served recipe
 #   bash scripts/gpu/vllm033/run.sh rollouts_job_async  # issue #41: the job as users run it (rollouts_job_sync: on-policy)
+#   bash scripts/gpu/vllm033/run.sh rollouts_two        # issue #41: two vLLM servers on the one GPU against one (rollouts_two.py)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
@@ -35,11 +36,12 @@ case "${1:-train}" in
   masks|p9) python3 scripts/gpu/vllm033/runs.py "$1" ;;
   speed_new|speed_old|speed_stop) python3 scripts/gpu/vllm033/speed.py "${1#speed_}" ;;
   rollouts_engine|rollouts_screen) python3 scripts/gpu/vllm033/rollouts.py "${1#rollouts_}" ;;
+  rollouts_two) python3 scripts/gpu/vllm033/rollouts_two.py ;;
   rollouts_job_*) python3 scripts/gpu/vllm033/rollouts.py job "${1#rollouts_job_}" ;;
   realistic_engine) python3 scripts/gpu/vllm033/realistic.py engine ;;
   realistic_job_*) python3 scripts/gpu/vllm033/realistic.py job "${1#realistic_job_}" ;;
   realistic_trl) python3 scripts/gpu/vllm033/realistic.py trl colocate ;;
   realistic_trl_server) python3 scripts/gpu/vllm033/realistic.py trl server ;;
   faults) python3 scripts/gpu/vllm033/faults.py ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults)"; exit 2 ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults)"; exit 2 ;;
 esac
