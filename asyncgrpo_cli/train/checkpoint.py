@@ -280,6 +280,36 @@ def load_checkpoint_weights(trainer: Any, folder: Path) -> None:
         trainer._load_from_checkpoint(str(folder))
 
 
+def without_tied_missing_keys(model: torch.nn.Module, load_result: Any) -> Any:
+    """``load_result`` (``nn.Module.load_state_dict``'s ``missing_keys`` and ``unexpected_keys``) without the
+    missing keys of tied parameters whose tie partner was loaded: those are restored by that load.
+
+    A model with tied input and output embeddings (SmolLM2, ``tie_word_embeddings``) saves the shared tensor once
+    (``model.embed_tokens.weight``); loading the checkpoint then lists ``lm_head.weight`` as missing although
+    it is the same `Parameter` object as ``embed_tokens.weight``, which the load filled. transformers (5.24)
+    warns ``There were missing keys in the checkpoint model loaded: ['lm_head.weight']`` for it, which reads as
+    a broken checkpoint. Only a key whose parameter (or buffer) is the very object of a key that was loaded is
+    removed; any other missing key is kept and still reported.
+
+    Returns:
+        an object of ``load_result``'s type (a ``(missing_keys, unexpected_keys)`` named tuple), or
+        ``load_result`` itself when no key was removed.
+    """
+    missing = list(load_result.missing_keys)
+    if not missing:
+        return load_result
+    names_of: dict[int, list[str]] = {}
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        names_of.setdefault(id(tensor), []).append(name)
+    lost = set(missing)
+    restored = {name for names in names_of.values() if any(n not in lost for n in names) for name in names}
+    kept = [key for key in missing if key not in restored]
+    if len(kept) == len(missing):
+        return load_result
+    return type(load_result)(kept, list(load_result.unexpected_keys))
+
+
 def check_restored(trainer: Any, folder: Path) -> str:
     """After loading: compare the model's checksum with the checkpoint's (every rank; a collective).
 

@@ -694,6 +694,14 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             log_completions(self.worker.take_completions(), self.state.global_step, self.args.num_completions_to_print,
                             self.live, self.callback_handler.callbacks)
 
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """transformers' warnings of missing and unexpected keys after a checkpoint's weights are loaded, without
+        the tied parameters the load restored (`checkpoint.without_tied_missing_keys`: a resume of a model with
+        tied embeddings read ``missing keys ['lm_head.weight']``); a key that is really missing is still reported."""
+        from .checkpoint import without_tied_missing_keys
+
+        super()._issue_warnings_after_load(without_tied_missing_keys(self.model, load_result))
+
     def _save_checkpoint(self, model, trial) -> None:
         """`transformers.Trainer._save_checkpoint`, made atomic and carrying the rollout position
         (`checkpoint.save_checkpoint`)."""
