@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 METRICS_POLL_S = 5.0       # SPEC §4.2: /metrics every 5 seconds
 HEARTBEAT_S = 1.0          # heartbeat and consumption-counter period, seconds
 METRICS_SHIP_S = 1.0       # how often a metrics snapshot goes to the trainer, seconds
+#: The generation rates of a window (`AsyncRolloutLoop.ship_metrics`): amounts of finished rollouts over the
+#: seconds the worker generated; a window that a stop cut short leaves them out (`AsyncGRPOTrainer._log_window`).
+GENERATION_RATES = ("rollout/generated_tokens_per_s", "rollout/rollouts_per_s", "rollout/groups_per_s")
 SCORERS = 4                # scoring batches at once: slow rewards (math-verify) left generation blocked otherwise
 
 

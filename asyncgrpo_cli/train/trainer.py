@@ -673,6 +673,13 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             return None
 
     def _log_window(self) -> None:
+        """Log the window since the last log (``metrics.jsonl``, trackers, the plain line). In the window a stop
+        signal ended, generation ended at the signal (`RolloutWorker.begin_stop`) while the step went on, so
+        its generation rates would cover a span cut short: seconds, with no group finished in them (``gen 0
+        tok/s 0 rollouts/s`` in a fault trial, SIGINT one second into a step) or the one that did; they are left
+        out (the line shows ``gen — tok/s``)."""
+        from ..rollout.loop import GENERATION_RATES
+
         if self.worker is not None:
             for snapshot in self.worker.drain_metrics():
                 self.window.merge(snapshot)
@@ -680,7 +687,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             if qs is not None:
                 self.window.add("rollout/queue_size", qs)
         self.window.add("sample/dropped_stale_count", 0)  # present (0) in windows without drops
-        logs = {k: v for k, v in self.window.flush().items() if v is not None}
+        logs = {k: v for k, v in self.window.flush().items()
+                if v is not None and not (self._stop_requested and k in GENERATION_RATES)}
         if not self.is_world_process_zero():
             return
         logs["num_tokens"] = self._num_tokens  # a running total (resumed from rollout_state.json), not a window mean
