@@ -322,11 +322,14 @@ class Supervisor:
         import json
 
         from ..run.folder import TRAIN_ARGV_ENV
-        from ..run.state import LOCK_OWNER_ENV
+        from ..run.state import LOCK_OWNER_ENV, SERVER_PID_ENV
 
         self.trainer = Child("trainer", self._argv("trainer", plan.trainer_argv),
                              {**plan.trainer_env, LOCK_OWNER_ENV: str(os.getpid()),
-                              TRAIN_ARGV_ENV: json.dumps(sys.argv)},
+                              TRAIN_ARGV_ENV: json.dumps(sys.argv),
+                              # the server's pid for the trainer's "not answering" line; "" for an external server
+                              # (it replaces a value this process may have inherited)
+                              SERVER_PID_ENV: str(self.server.pid) if self.server is not None else ""},
                              plan.logs_dir / "trainer.log", death_signal=False).start()
         self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
                            markup=False, highlight=False, soft_wrap=True)

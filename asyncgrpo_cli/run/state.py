@@ -228,6 +228,9 @@ class LiveFiles:
 LOCK_NAME = ".asyncgrpo.lock"
 #: Environment variable a supervisor sets for the trainer it starts: the pid whose lock the trainer may share.
 LOCK_OWNER_ENV = "ASYNCGRPO_RUN_LOCK_OWNER"
+#: Environment variable a supervisor sets for the trainer it starts: the pid of the sampler server it started
+#: ("" for an external server); the trainer names it when the server stops answering (`ServerWatch`).
+SERVER_PID_ENV = "ASYNCGRPO_SERVER_PID"
 
 
 class RunLockedError(RuntimeError):

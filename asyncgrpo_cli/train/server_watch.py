@@ -17,19 +17,35 @@ waits its whole timeout, and nothing else shows it. `ServerWatch` probes ``GET /
 
 Any HTTP answer, whatever its status, ends the silence; a refused connection is not a hang (the server is
 gone: the outage clock of B.17 handles it), so it ends the silence too.
+
+When `asyncgrpo train` started the server, its supervisor gives the trainer the server's pid
+(`run.state.SERVER_PID_ENV`, read by `server_pid_from_env`) and both lines name it, with the command that
+continues a stopped server (its process group: vLLM's API servers and engine core are in it); an external
+server (``sampler.backend=external``) has no pid here, and the lines do not name one.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 PROBE_EVERY_S = 5.0
 PROBE_TIMEOUT_S = 5.0
 REPORT_AFTER_S = 15.0
 
 ANSWERED, REFUSED, SILENT = "answered", "refused", "silent"
+
+
+def server_pid_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The pid of the server the supervisor started (`run.state.SERVER_PID_ENV` in ``environ``, default
+    ``os.environ``); None for an external server, the Python API, or a value that is not a pid."""
+    import os
+
+    from ..run.state import SERVER_PID_ENV
+
+    raw = (os.environ if environ is None else environ).get(SERVER_PID_ENV, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
 class ServerHungError(RuntimeError):
@@ -59,6 +75,8 @@ class ServerWatch:
         probe: ``(url, timeout_s) -> (outcome, why)`` (default `probe_health`; tests pass their own).
         on_problem: called once with `problem` when it is set (the trainer abandons its client's waits).
         clock: monotonic clock, seconds.
+        server_pid: the pid of the server when this job started it (`server_pid_from_env`): the lines name it;
+            None for an external server.
         every_s / probe_timeout_s / report_after_s: the probe period, one probe's timeout, and the silence
             before `status` reports it.
     """
@@ -66,8 +84,9 @@ class ServerWatch:
     def __init__(self, url: str, timeout_s: float, *, probe: Callable[[str, float], tuple[str, str]] | None = None,
                  clock: Callable[[], float] = time.monotonic, every_s: float = PROBE_EVERY_S,
                  probe_timeout_s: float = PROBE_TIMEOUT_S, report_after_s: float = REPORT_AFTER_S,
-                 on_problem: Callable[[str], None] | None = None) -> None:
+                 on_problem: Callable[[str], None] | None = None, server_pid: int | None = None) -> None:
         self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
+        self.server_pid = server_pid
         self.on_problem = on_problem
         self.probe = probe or probe_health
         self.clock = clock
@@ -134,9 +153,11 @@ class ServerWatch:
         if silent is None or silent < self.report_after_s:
             return None
         left = max(0.0, self.timeout_s - silent)
-        return (f"server not answering: no answer to GET /health for {silent:.0f} s (hung or stopped? a busy "
-                f"server still answers it); the run stops with a checkpoint at sampler.timeout={self.timeout_s:g} s "
-                f"({left:.0f} s left)")
+        pid = self.server_pid
+        return (f"server not answering: no answer to GET /health{f' from the server (pid {pid})' if pid else ''} "
+                f"for {silent:.0f} s (hung or stopped? a busy server still answers it"
+                f"{f'; if stopped, kill -CONT -- -{pid} continues its process group' if pid else ''}); the run "
+                f"stops with a checkpoint at sampler.timeout={self.timeout_s:g} s ({left:.0f} s left)")
 
     def hung_message(self, silent_s: float, gave_up: bool = True) -> str:
         """The failure: the URL, how long, what it means and the fix (``gave_up``: the silence reached the
@@ -144,8 +165,10 @@ class ServerWatch:
         limit = (f"gave up after vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout)" if gave_up else
                  f"the run stops before vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout) because a "
                  "request to it failed")
-        return (f"the sampler server at {self.url} has not answered for {silent_s:.0f} s: it accepts connections "
-                f"but GET /health times out ({self.last_failure or 'no answer'}), so it is hung (stopped with "
-                f"SIGSTOP or Ctrl-Z, deadlocked, or swapping), not dead; {limit}. Fix: look at the server (its log; "
-                "`kill -CONT PID` if it was stopped), restart it if needed, and resume from the last checkpoint; "
-                "raise sampler.timeout to wait longer")
+        pid = self.server_pid
+        cont = f"`kill -CONT -- -{pid}` continues its process group" if pid else "`kill -CONT PID`"
+        return (f"the sampler server at {self.url}{f' (pid {pid})' if pid else ''} has not answered for "
+                f"{silent_s:.0f} s: it accepts connections but GET /health times out "
+                f"({self.last_failure or 'no answer'}), so it is hung (stopped with SIGSTOP or Ctrl-Z, deadlocked, "
+                f"or swapping), not dead; {limit}. Fix: look at the server (its log; {cont} if it was stopped), "
+                "restart it if needed, and resume from the last checkpoint; raise sampler.timeout to wait longer")

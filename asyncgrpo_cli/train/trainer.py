@@ -282,7 +282,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         from ..rollout.worker import RolloutWorker
         from ..sampler.client import SyncSamplerClient
         from .liveness import WorkerWatch
-        from .server_watch import ServerWatch
+        from .server_watch import ServerWatch, server_pid_from_env
 
         args = self.args
         self.position = None
@@ -292,7 +292,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
             self.server_watch = ServerWatch(args.vllm_server_base_url, args.vllm_server_timeout,
-                                            on_problem=self.sampler.outage.abandon).start()
+                                            on_problem=self.sampler.outage.abandon,
+                                            server_pid=server_pid_from_env()).start()
             self.sampler.silence_budget = self.server_watch.budget  # a hung server costs the timeout once
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs if self._prompts_have_length else None,

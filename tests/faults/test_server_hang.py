@@ -13,7 +13,8 @@ import time
 
 from asyncgrpo_cli.sampler.retry import ServerOutage
 from asyncgrpo_cli.train.liveness import WorkerWatch
-from asyncgrpo_cli.train.server_watch import ANSWERED, REFUSED, SILENT, ServerWatch
+from asyncgrpo_cli.run.state import SERVER_PID_ENV
+from asyncgrpo_cli.train.server_watch import ANSWERED, REFUSED, SILENT, ServerWatch, server_pid_from_env
 
 from .conftest import cli_argv, metrics_steps, status, wait_for
 
@@ -57,6 +58,34 @@ def test_a_silent_server_is_reported_after_15_s_and_fails_the_run_at_the_timeout
     assert "hung (stopped with SIGSTOP or Ctrl-Z" in problem and "vllm_server_timeout=60 s (CLI: sampler.timeout)" \
         in problem and "Fix:" in problem and "kill -CONT" in problem
     assert calls[0] == ("http://127.0.0.1:8000", 5.0)  # each probe waits at most 5 s
+
+
+def test_the_lines_name_the_server_this_job_started():
+    """Issue #45's fault trial: the line of a silent server named no process. With the pid of the server the
+    supervisor started, the live line and the failure name it and how to continue its process group; without one
+    (an external server) they stay as they were."""
+    clock = Clock()
+    probe, _ = scripted([ANSWERED, SILENT])
+    watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock, server_pid=4242)
+    watch.check()
+    clock.now += 16
+    watch.check()
+    line = watch.status()
+    assert line == ("server not answering: no answer to GET /health from the server (pid 4242) for 16 s (hung or "
+                    "stopped? a busy server still answers it; if stopped, kill -CONT -- -4242 continues its process "
+                    "group); the run stops with a checkpoint at sampler.timeout=60 s (44 s left)"), line
+    clock.now += 44
+    problem = watch.check()
+    assert problem.startswith("the sampler server at http://h:1 (pid 4242) has not answered for 60 s"), problem
+    assert "`kill -CONT -- -4242` continues its process group if it was stopped" in problem, problem
+    external = ServerWatch("http://h:1", 60.0, probe=scripted([SILENT])[0], clock=clock)
+    external.check()
+    clock.now += 16
+    assert "pid" not in external.status() and "pid" not in external.hung_message(60.0)
+    assert server_pid_from_env({SERVER_PID_ENV: "4242"}) == 4242
+    for raw in ("", " ", "0", "-1", "12ab"):  # external (""), or nothing a pid can be
+        assert server_pid_from_env({SERVER_PID_ENV: raw}) is None
+    assert server_pid_from_env({}) is None  # the Python API: no supervisor
 
 
 def test_an_answer_or_a_refusal_ends_the_silence():
@@ -139,7 +168,9 @@ def test_a_server_stopped_with_sigstop_is_shown_then_ends_the_run_with_a_checkpo
                     status(out)["server_status"], SHOWN_BOUND_S, "status.json to show the silent server", job)
     shown = time.monotonic() - stopped
     assert f"sampler.timeout={HANG_TIMEOUT_S:g} s" in line, line
-    wait_for(lambda: "server not answering: no answer to GET /health" in job.output(), 10, "the plain log line", job)
+    assert f"from the server (pid {server_pid})" in line and f"kill -CONT -- -{server_pid}" in line, line
+    wait_for(lambda: f"server not answering: no answer to GET /health from the server (pid {server_pid})" in
+             job.output(), 10, "the plain log line", job)
     rc = job.wait(HANG_TIMEOUT_S + END_BOUND_S)
     ended = time.monotonic() - stopped
     text = job.output()

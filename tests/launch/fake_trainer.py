@@ -12,6 +12,8 @@ reads the supervisor's composed config (``--config``, as the real trainer does),
   so only a group SIGKILL can end it.
 - slowsave: as hang, but a complete ``checkpoint-1`` is there from the start and step 2 is trained; on SIGINT it
   creates ``.checkpoint-2.partial/`` and takes 60 s to save it (a second signal cuts the save).
+- silent: as ok, but first reports a sampler server that does not answer: ``server_status`` is the line of the
+  real `asyncgrpo_cli.train.server_watch.ServerWatch`, given the server pid the supervisor passed (if any), for 1 s.
 - orphan: as hang, but like the real trainer: it follows the supervisor's pid
   (`asyncgrpo_cli.train.main._follow_supervisor`), SIGTERM stops it as SIGINT does, and its "rollout worker"
   is bound to it (`asyncgrpo_cli.rollout.worker.bind_to_parent`) instead of ignoring signals.
@@ -114,7 +116,18 @@ def main():
     write_status(out, state="starting", max_steps=args.fake_steps)
     if args.fake_mode == "slowsave":
         write_checkpoint(out, 1)  # there before the status says running
-    steps = args.fake_steps if args.fake_mode == "ok" else 1
+    if args.fake_mode == "silent":
+        from asyncgrpo_cli.train.server_watch import SILENT, ServerWatch, server_pid_from_env
+
+        now = [0.0]
+        watch = ServerWatch(f"http://127.0.0.1:{cfg.sampler.port}", 60.0, probe=lambda url, t: (SILENT, "ReadTimeout"),
+                            clock=lambda: now[0], server_pid=server_pid_from_env())
+        now[0] = 16.0
+        watch.check()
+        print(f"fake trainer: server_status {watch.status()}", flush=True)
+        write_status(out, state="running", max_steps=args.fake_steps, server_status=watch.status())
+        time.sleep(1.0)  # several polls of the supervisor
+    steps = args.fake_steps if args.fake_mode in ("ok", "silent") else 1
     for step in range(1, steps + 1):
         append(os.path.join(out, "metrics.jsonl"), metrics_line(step, 0.25 * step))
         append(os.path.join(out, "completions.jsonl"),

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from asyncgrpo_cli.cli import app
 from asyncgrpo_cli.launch.supervisor import Timeouts, run_train, tail_lines
 
-from .conftest import HERE, alive, free_port, hook
+from .conftest import FAKE_SERVER, HERE, alive, free_port, hook
 
 FAST = Timeouts(trainer_grace_s=30.0, trainer_term_s=5.0, server_term_s=5.0, group_term_s=1.0, poll_s=0.1)
 
@@ -542,6 +542,57 @@ def test_an_external_server_that_refuses_connections_fails_fast_with_how_to_star
     assert time.monotonic() - start < 60
     text = console.export_text()
     assert f"connection refused at http://127.0.0.1:{port}" in text and "asyncgrpo serve" in text, text
+
+
+def _silent_server_line(text: str) -> str:
+    return next((ln for ln in text.splitlines() if ln.startswith("server not answering")), "")
+
+
+def test_a_silent_server_is_named_by_the_pid_the_job_started_it_with(make_cfg, tmp_path, monkeypatch):
+    """Issue #45's fault trial: the plain line of a server that stopped answering (SIGSTOP) named no process. The
+    supervisor gives the trainer the pid of the server it started (`run.state.SERVER_PID_ENV`; a value the
+    supervisor's own environment holds is replaced), and the trainer's line in status.json, which the console
+    prints, names it with the command that continues it."""
+    from asyncgrpo_cli.run.state import SERVER_PID_ENV
+
+    monkeypatch.setenv(SERVER_PID_ENV, "999999")  # e.g. exported in the shell: never what the trainer names
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "silent", pids))
+    text = console.export_text()
+    assert rc == 0, text
+    server_pid = read_pid(pids / "server.pid")
+    assert f"started the server (pid {server_pid})" in text, text
+    line = _silent_server_line(text)
+    assert line.startswith("server not answering: no answer to GET /health from the server "
+                           f"(pid {server_pid}) for 16 s"), text
+    assert f"kill -CONT -- -{server_pid}" in line and "999999" not in line, line
+    assert any(ln == f"fake trainer: server_status {line}" for ln in tail_lines(out / "logs/trainer.log", 50))
+
+
+def test_an_external_servers_silence_names_no_pid(make_cfg, tmp_path, monkeypatch):
+    """sampler.backend=external: this job started no server, so the line stays as it was (no pid)."""
+    from asyncgrpo_cli.run.state import SERVER_PID_ENV
+
+    monkeypatch.setenv(SERVER_PID_ENV, "999999")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, FAKE_SERVER, "--port", str(port), "--model", "fake-org/tiny-model",
+                               "--max-model-len", "256", "--max-logprobs", "4"], stdout=subprocess.DEVNULL)
+    try:
+        cfg, out = make_cfg("sampler.backend=external", f"sampler.url=http://127.0.0.1:{port}")
+        console = record_console()
+        rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "silent"))
+    finally:
+        server.kill()
+        server.wait()
+    text = console.export_text()
+    assert rc == 0, text
+    line = _silent_server_line(text)
+    assert line.startswith("server not answering: no answer to GET /health for 16 s (hung or stopped? a busy "
+                           "server still answers it); the run stops"), text
+    assert "pid" not in line, line
 
 
 def test_the_trainer_records_the_resume_command_of_the_supervisors_command_line():
