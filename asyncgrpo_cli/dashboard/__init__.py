@@ -151,6 +151,7 @@ class Dashboard:
         self._outage_printed_at = 0.0
         self._waiting_since: float | None = None  # first status seen before any logged step (monotonic)
         self._waiting_printed_at = 0.0
+        self._waiting_from_step = 0  # status.json's step when the waiting began (a resumed run's start step)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -254,14 +255,18 @@ class Dashboard:
     def _print_waiting(self, status: dict[str, Any]) -> None:
         """Plain mode, before the first logged step of this run: every `WAITING_EVERY_S` s of the trainer's
         running state, what generation has done so far (rollouts in flight, finished, queue), so a slow first
-        step (a cold server, a stalled worker) is not a silent minute."""
+        step (a cold server, a stalled worker) is not a silent minute. The seconds count from the first
+        ``running`` status seen (training, not the trainer's start-up); once status.json's step has moved past
+        the one it waited from, that step's line is on its way (``metrics.jsonl`` may trail status.json by a
+        poll) and nothing more is printed."""
         if self.mode != "plain" or self.rows or status.get("state") != "running":
             return
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = self._waiting_printed_at = now
+            self._waiting_from_step = int(status.get("step") or 0)
             return
-        if now - self._waiting_printed_at < WAITING_EVERY_S:
+        if int(status.get("step") or 0) > self._waiting_from_step or now - self._waiting_printed_at < WAITING_EVERY_S:
             return
         self._waiting_printed_at = now
         parts = [f"{int(status.get('concurrency') or 0)} rollouts in flight"]
@@ -269,9 +274,9 @@ class Dashboard:
             parts.append(f"{int(status['rollouts_finished'])} finished")
         if status.get("queue_size") is not None:
             parts.append(f"queue {int(status['queue_size'])}")
-        step = int(status.get("step") or 0) + 1
-        self.console.print(f"waiting for step {step} ({now - self._waiting_since:.0f} s since the trainer "
-                           f"started): {', '.join(parts)}", markup=False, highlight=False, soft_wrap=True)
+        self.console.print(f"waiting for step {self._waiting_from_step + 1} ({now - self._waiting_since:.0f} s "
+                           f"since training started): {', '.join(parts)}", markup=False, highlight=False,
+                           soft_wrap=True)
 
     def _print_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "eval":  # one eval round (README "Evaluation"): the rewards panel shows it

@@ -469,7 +469,7 @@ class Supervisor:
             stopped = self.server.stopped()
             table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
                                      f"{self.plan.url}  log: logs/server.log" + (
-                                         f"  (SIGSTOP or Ctrl-Z: kill -CONT {self.server.pid} continues it)"
+                                         f"  (SIGSTOP or Ctrl-Z: kill -CONT -- -{self.server.pid} continues its process group)"
                                          if stopped else ""), stopped=stopped))
         else:
             table.append(ProcessInfo("server", None, None, self.plan.url))

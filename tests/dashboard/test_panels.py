@@ -420,8 +420,8 @@ def test_a_silent_server_and_a_stopped_server_process_show_in_the_panels():
     h.push(window(1))
     view = DashboardView(status={**STATUS, "server_status": line}, history=h, diagnosis=diagnose(h), now=T0 + 30,
                          started_at=T0, processes=[ProcessInfo("server", 7, True, "http://127.0.0.1:8000  log: "
-                                                               "logs/server.log  (SIGSTOP or Ctrl-Z: kill -CONT 7 "
-                                                               "continues it)", stopped=True)])
+                                                               "logs/server.log  (SIGSTOP or Ctrl-Z: kill -CONT -- -7 "
+                                                               "continues its process group)", stopped=True)])
     for width, height in ((200, 60), (80, 24)):
         console = record_console(width)
         console.print(render_dashboard(view, width=width, height=height))

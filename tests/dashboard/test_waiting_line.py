@@ -38,8 +38,8 @@ def test_a_line_every_30_s_until_the_first_step_then_none(tmp_path, monkeypatch)
         _status(out, concurrency=936, rollouts_finished=done, queue_size=0)
         dash.poll()
     assert _printed(console) == [
-        "waiting for step 1 (30 s since the trainer started): 936 rollouts in flight, 162 finished, queue 0",
-        "waiting for step 1 (60 s since the trainer started): 936 rollouts in flight, 400 finished, queue 0"]
+        "waiting for step 1 (30 s since training started): 936 rollouts in flight, 162 finished, queue 0",
+        "waiting for step 1 (60 s since training started): 936 rollouts in flight, 400 finished, queue 0"]
     row = {"step": 1, "reward": 0.1}
     (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     dash.poll()
@@ -55,7 +55,18 @@ def test_a_resumed_run_waits_for_its_next_step_and_old_status_fields_still_print
         now["t"] = 100.0 + t
         _status(out, step=8, concurrency=64)  # no rollouts_finished or queue_size (an older trainer)
         dash.poll()
-    assert _printed(console) == ["waiting for step 9 (31 s since the trainer started): 64 rollouts in flight"]
+    assert _printed(console) == ["waiting for step 9 (31 s since training started): 64 rollouts in flight"]
+
+
+def test_no_waiting_line_once_status_json_is_past_the_step_it_waited_from(tmp_path, monkeypatch):
+    """status.json reached step 1 a poll before metrics.jsonl had its line (a fresh-user trial printed 'waiting
+    for step 2' just before 'step 1/30'): nothing is printed then."""
+    out, now, console, dash = _dash(tmp_path, monkeypatch)
+    for t, step in ((0, 0), (20, 0), (31, 1), (62, 1)):
+        now["t"] = 100.0 + t
+        _status(out, step=step, concurrency=8)
+        dash.poll()
+    assert _printed(console) == []
 
 
 def test_no_line_outside_plain_mode_or_while_not_running(tmp_path, monkeypatch):
