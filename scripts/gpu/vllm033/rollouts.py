@@ -604,12 +604,13 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
     lo, hi = 2, min(fa.get("last_step") or 0, fs.get("last_step") or 0, STEPS)
     pa = {r["step"]: r["t_since_step1_s"] for r in a["rows"]}
     ps = {r["step"]: r["t_since_step1_s"] for r in s["rows"]}
-    span = (lambda p: (hi - lo) / (p[hi] - p[lo]) if lo in p and hi in p and p[hi] > p[lo] else None)
+    seconds = (lambda p: p[hi] - p[lo] if lo in p and hi in p and p[hi] > p[lo] else None)
+    span = (lambda p: (hi - lo) / seconds(p) if seconds(p) else None)
     # Steps of the two modes differ in size: an on-policy round ends once its wave is back with half its target
     # (`rollout.on_policy.MIN_FILL`), so late on-policy steps held 37-43 groups against the asynchronous 64.
     # Trained groups per second over the same step range compares the work done.
     trained = (lambda run, p: sum(r.get("batch/groups_per_step") or 0 for r in run["rows"] if lo < r["step"] <= hi)
-               / (p[hi] - p[lo]) if lo in p and hi in p and p[hi] > p[lo] else None)
+               / seconds(p) if seconds(p) else None)
     ga, gs = trained(a, pa), trained(s, ps)
     out = {"issue": 41, "steps_compared": [lo, hi],
            "async_over_sync_steps_per_s": ratio(span(pa), span(ps)),
