@@ -114,6 +114,28 @@ def test_two_engines_are_compared_with_one_at_the_same_total_in_flight():
     assert all(v[0] in (1, 2) and v[1] % v[0] == 0 for v in vllm033_rollouts_two.VARIANTS.values())
 
 
+def test_the_two_engine_screen_reads_a_server_trees_cpu_seconds():
+    """The server CPU gauge of the two-engine screen: a child that burns CPU shows in its parent's tree."""
+    import subprocess
+
+    burn = "import time,sys\nt=time.process_time()\nwhile time.process_time()-t<0.4: pass\nprint(1,flush=True)\nsys.stdin.read()"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess,sys; c=subprocess.Popen([sys.executable,'-c',{burn!r}],"
+                               "stdin=sys.stdin); c.wait()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        before = vllm033_rollouts_two.cpu_seconds(parent)
+        assert parent.stdout.readline().strip() == b"1"
+        after = vllm033_rollouts_two.cpu_seconds(parent)
+        assert len(after) == 2 and max(sec for _, sec in after.values()) >= 0.35
+        use = vllm033_rollouts_two.cpu_use({pid: (n, 0.0) for pid, (n, _) in after.items()}, after, 1.0)
+        assert use["busiest"][0][1] >= 0.35 and use["cores_all"] >= use["busiest"][0][1]
+        assert vllm033_rollouts_two.cpu_use(before, after, 1.0)["cores_all"] >= 0.0
+        assert vllm033_rollouts_two.cpu_seconds(None) == {}
+    finally:
+        parent.stdin.close()
+        parent.wait(30)
+
+
 def test_the_rollout_job_figures_of_issue_41():
     """The figures the GPU runs report, from synthetic metrics rows (one per step, 2 s apart, reward rising)."""
     rows = [{"step": s, "time": 100.0 + 2.0 * s, "perf/step_s": 1.0 if s <= 10 else 3.0, "reward": 0.02 * s,

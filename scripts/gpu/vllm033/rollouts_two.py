@@ -81,9 +81,51 @@ def gauges(url: str) -> dict:
                                  "kv": round(m.kv_cache_usage_frac or 0.0, 4)}
 
 
-def variant(name: str, urls: list[str], prompts: list[list[int]], model: str) -> dict:
-    """One variant: a load process per server used, each with its share of the rollouts in flight."""
+def cpu_seconds(server: subprocess.Popen | None) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of ``server`` and every process under it: pid -> (name, seconds).
+    vLLM names its processes (``VLLM::EngineCore``, ``ApiServer_N``), so the engine core's share shows."""
+    import psutil
+
+    if server is None:
+        return {}
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        top = psutil.Process(server.pid)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (p.name(), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_use(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float) -> dict:
+    """Cores each process used over ``wall`` seconds: the busiest three by name, and the sum over the tree."""
+    used = sorted(((after[pid][0], (after[pid][1] - before[pid][1]) / wall) for pid in after if pid in before),
+                  key=lambda x: -x[1])
+    return {"busiest": [[n, round(c, 2)] for n, c in used[:3]], "cores_all": round(sum(c for _, c in used), 2)}
+
+
+def gpu_util() -> int | None:
+    """``nvidia-smi``'s GPU utilisation now, in percent (None when unreadable)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def variant(name: str, urls: list[str], prompts: list[list[int]], model: str,
+            procs_of: list[subprocess.Popen] | None = None) -> dict:
+    """One variant: a load process per server used, each with its share of the rollouts in flight. With the
+    servers' processes (``procs_of``), it also reports each server's CPU use (cores) and the GPU's utilisation."""
     servers, inflight, max_tokens = VARIANTS[name]
+    tops = list(procs_of or [])[:servers]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=r._load_process,
@@ -91,6 +133,12 @@ def variant(name: str, urls: list[str], prompts: list[list[int]], model: str) ->
                                queue)) for url in urls[:servers]]
     for p in procs:
         p.start()
+    started = time.monotonic()
+    # The CPU window opens once the servers run requests and the load's warm-up has passed (or, with no gauge
+    # showing running requests, 5 s after the warm-up), and closes at the first load process's result (the end
+    # of its measured seconds).
+    cpu0: list | None = None
+    t0, busy_since, util, cpu = 0.0, None, [], []
     parts, seen = [], {url: [] for url in urls[:servers]}
     deadline = time.monotonic() + r.SCREEN_S + 240
     while len(parts) < servers and time.monotonic() < deadline:
@@ -101,6 +149,17 @@ def variant(name: str, urls: list[str], prompts: list[list[int]], model: str) ->
                 g = gauges(url)
                 if g:
                     seen[url].append(g)
+                    if busy_since is None and g.get("running"):
+                        busy_since = time.monotonic()
+            now = time.monotonic()
+            if cpu0 is None and ((busy_since is not None and now - busy_since >= r.WARMUP_S)
+                                 or now - started >= r.WARMUP_S + 5):
+                cpu0, t0 = [cpu_seconds(t) for t in tops], time.monotonic()
+            u = gpu_util() if tops and cpu0 is not None else None
+            if u is not None:
+                util.append(u)
+        if parts and cpu0 is not None and not cpu:
+            cpu = [cpu_use(b, cpu_seconds(t), max(1e-3, time.monotonic() - t0)) for b, t in zip(cpu0, tops)]
     for p in procs:
         p.join(30)
     if len(parts) < servers:
@@ -113,7 +172,9 @@ def variant(name: str, urls: list[str], prompts: list[list[int]], model: str) ->
             "completion_tokens_mean": round(tokens / max(1, rollouts), 2),
             "per_server_rollouts_per_s": [round(p["rollouts"] / p["wall_s"], 1) for p in parts],
             "vllm_running_max": {u: max((g["running"] for g in v), default=None) for u, v in seen.items()},
-            "kv_max": {u: max((g["kv"] for g in v), default=None) for u, v in seen.items()}}
+            "kv_max": {u: max((g["kv"] for g in v), default=None) for u, v in seen.items()},
+            "server_cpu_cores": cpu, "gpu_util_pct_mean": round(sum(util) / len(util), 1) if util else None,
+            "gpu_util_samples": len(util)}
 
 
 def two_over_one(runs: list[dict]) -> dict:
@@ -153,7 +214,7 @@ def main() -> int:
         served = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]
         for name in (os.environ.get("TWO", "").split(",") if os.environ.get("TWO") else VARIANTS):
             try:
-                row = variant(name, urls, prompts, served)
+                row = variant(name, urls, prompts, served, servers)
             except Exception as exc:  # noqa: BLE001 - one failed variant must not lose the others
                 row = {"variant": name, "error": f"{type(exc).__name__}: {exc}"}
             result["runs"].append(row)
