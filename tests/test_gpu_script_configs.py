@@ -354,6 +354,13 @@ def test_the_rollout_screen_picks_the_ceiling_that_gains_and_the_job_line_compos
     assert small["overrides"] == ["staleness.max_concurrent_rollouts=1024"]
 
 
+@pytest.mark.parametrize("name", ["async_engines2", "sync_engines2"])
+def test_the_rollout_job_with_two_servers_on_the_gpu_composes(name):
+    argv = vllm033_rollouts.job_argv(name, Path("/tmp/x") / name)
+    assert "sampler.engines=2" in argv and ("staleness.max_staleness=0" in argv) == name.startswith("sync")
+    check(_train_overrides(argv), "train")
+
+
 def test_the_rollout_job_with_the_kept_in_flight_estimate_composes():
     """The next GPU run of issue #41 passes ``JOB_EXTRA=staleness.in_flight_estimate=kept`` to the async job."""
     extra = ["staleness.in_flight_estimate=kept"]

@@ -634,6 +634,12 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"sampler.max_logprobs={cfg.sampler.max_logprobs}: below rollout.num_sampler_logprobs="
                           f"{cfg.rollout.num_sampler_logprobs}, the server would refuse every request. Fix: set "
                           f"sampler.max_logprobs={cfg.rollout.num_sampler_logprobs} (or leave it null)")
+    if cfg.sampler.engines < 1:
+        raise ConfigError(f"sampler.engines={cfg.sampler.engines}: must be >= 1 server. Fix: set sampler.engines=1")
+    if not cfg.rollout.request_seeds and cfg.sampler.engines > 1:
+        raise ConfigError(f"rollout.request_seeds=false with sampler.engines={cfg.sampler.engines}: the servers would "
+                          "draw their seeds from the same --seed and could decode identical text for the same prompt "
+                          "(README: Requests to the sampler). Fix: rollout.request_seeds=true (the default)")
     if not cfg.rollout.request_seeds and cfg.sampler.data_parallel_size > 1:
         raise ConfigError(f"rollout.request_seeds=false with sampler.data_parallel_size={cfg.sampler.data_parallel_size}: "
                           "the engines would draw their seeds from the same --seed and could decode identical text "

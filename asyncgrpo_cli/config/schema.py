@@ -297,6 +297,11 @@ class SamplerConfig:
     data_parallel_size: int = 1
     """``--data-parallel-size``: vLLM engines (one GPU each without tensor parallelism) behind the one URL;
     with ``launch.server_gpus`` unset the server takes the first that many GPUs (README: Several machines)."""
+    engines: int = 1
+    """Inference servers the job starts on the server's GPU, behind one local router at ``port`` (they listen on
+    the ports after it; `asyncgrpo_cli.server.router`). A small model's vLLM engine core is CPU-bound: on one H200 a
+    second engine nearly doubled the rollouts per second of SmolLM2-135M. Each gets 1/engines of the memory share.
+    Colocated vLLM (CUDA-IPC weight sync) or the embedded sampler; not with LoRA or ``data_parallel_size`` > 1."""
     weight_transfer_address: Optional[str] = None
     """Address of this trainer's rank-0 process that the server's workers connect to for the NCCL weight
     transfer (vLLM's ``master_address``; ``weight_transfer_address``); None = this host's address as the

@@ -116,6 +116,13 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
     if port_in_use(host, port):
         raise ConfigError(f"sampler.port={port}: another process already listens on {host}:{port}. Fix: use a free "
                           f"port, e.g. sampler.port={free_port()}, or stop that process")
+    engines = int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1))
+    for engine_port in range(port + 1, port + 1 + engines) if engines > 1 else ():
+        if port_in_use(host, engine_port):
+            raise ConfigError(f"sampler.port={port}: with sampler.engines={engines} the servers listen on ports "
+                              f"{port + 1}-{port + engines}, and another process already listens on "
+                              f"{host}:{engine_port}. Fix: use a port with {engines} free ports after it, e.g. "
+                              f"sampler.port={free_port()}, or stop that process")
 
 
 def early_refusal(cfg: DictConfig) -> str | None:

@@ -38,10 +38,8 @@ that cannot run here, a server the doctor refuses), 130 / 143 after SIGINT / SIG
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -69,7 +67,7 @@ from .child import Child  # noqa: F401 - re-exported
 from .log_tail import failure_cause, killed_by, tail_lines, without_tracebacks
 from .preflight import (_check_run_lock, check_server_port, free_port, health_refused, port_in_use,  # noqa: F401
                         probe_health)
-from ..server.command import ServerCommand
+from ..server.command import ServerCommand, resolve_vllm_program
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
@@ -107,19 +105,18 @@ class Timeouts:
 
 # ------------------------------------------------------------------------------------------- helpers
 def server_exec_argv(command: ServerCommand) -> list[str]:
-    """The argv to start: ``vllm`` becomes ``python -m vllm.entrypoints.cli.main`` when the ``vllm``
-    script is not on PATH but the package is importable.
+    """The argv to start (`server.command.resolve_vllm_program`: ``vllm`` becomes ``python -m
+    vllm.entrypoints.cli.main`` when the script is not on PATH; the router resolves its engines' the same way).
 
     Raises:
         ConfigError: vLLM is needed and not installed (the message says how to install it or avoid it).
     """
-    argv = list(command.argv)
-    if argv and argv[0] == "vllm" and shutil.which("vllm") is None:
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("sampler.backend=vllm: vLLM is not installed. Fix: pip install 'asyncgrpo[vllm]' on a "
-                              "CUDA machine, or use sampler.backend=embedded (CPU or one GPU)")
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
-    return argv
+    if command.argv[:1] == ["vllm"]:
+        return resolve_vllm_program(command.argv)
+    if "asyncgrpo_cli.server.router" in command.argv[:3] and "--" in command.argv:
+        cut = command.argv.index("--") + 1
+        resolve_vllm_program(command.argv[cut:])  # refuse here, before the router starts, when vLLM is missing
+    return list(command.argv)
 
 
 # ------------------------------------------------------------------------------------------ printing

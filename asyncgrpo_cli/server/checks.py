@@ -176,9 +176,27 @@ def evaluate(facts: ServerFacts, colocated: bool | None = None, gpu_count: int |
                   f"staleness.max_concurrent_rollouts={staleness.max_concurrent_rollouts}", ""))
     else:
         add(Check("/metrics", PASS, "KV-cache usage and queue depth readable"))
+    _engine_checks(facts, sampler, add)
     checks.extend(_version_checks(facts))
     checks.extend(_local_checks(gpu_count, launch=launch, sampler=sampler))
     return checks
+
+
+def _engine_checks(facts: ServerFacts, sampler: SamplerConfig, add) -> None:
+    """``sampler.engines``: the servers behind the router (`server.router`'s ``/router``) against the config."""
+    router = facts.extra.get("router")
+    want = int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1))
+    have = int(router.get("engines", 0)) if isinstance(router, dict) and "engines" in router else None
+    if have is None and want <= 1:
+        return
+    if have is None:
+        add(Check("engines", WARN, f"sampler.engines={want}, but {facts.url} is one server (no /router)",
+                  f"restart it with `asyncgrpo serve` and sampler.engines={want}, or set sampler.engines=1"))
+    elif have != want:
+        add(Check("engines", WARN, f"{have} servers behind the router at {facts.url}, sampler.engines={want}",
+                  f"restart it with `asyncgrpo serve` and sampler.engines={want}, or set sampler.engines={have}"))
+    else:
+        add(Check("engines", PASS, f"{have} servers behind the router (ports {router.get('ports')})"))
 
 
 def _server_info_checks(facts: ServerFacts, info: dict[str, Any], add, colocated: bool | None = None, *,
@@ -422,6 +440,7 @@ def read_facts(url: str, timeout: float) -> ServerFacts:
             facts.server_env = answer.get("vllm_env") if isinstance(answer, dict) else None
             metrics = http.get("/metrics")
             facts.metrics_ok = metrics.status_code == 200 and parse_server_load(metrics.text) is not None
+            facts.extra["router"] = get_json("/router")  # sampler.engines > 1: the router in front of them
             if not facts.embedded:
                 facts.extra["scale_out"] = scale_out_answer(http.post("/inference/v1/generate", json={}).status_code)
     except httpx.HTTPError as exc:

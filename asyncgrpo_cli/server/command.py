@@ -93,6 +93,74 @@ def data_parallel_size(sampler: Any) -> int:
     return int(sampler.get("data_parallel_size", 1))
 
 
+def engine_count(sampler: Any) -> int:
+    """``sampler.engines``: servers started behind one router (1 = a plain server, no router)."""
+    return int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1))
+
+
+def engines_problems(sampler: Any, peft: Any, *, colocated: bool, vllm: bool) -> list[str]:
+    """Why ``sampler.engines`` > 1 cannot run with this config (empty when it can, or when it is 1): the weight
+    sync must reach every server the same way, which the CUDA-IPC (colocated vLLM) and embedded syncs do, and
+    NCCL's one rendezvous per server, LoRA adapter sync and vLLM's own data parallelism are not fanned out."""
+    n = engine_count(sampler)
+    if n <= 1:
+        return []
+    fix = "Fix: sampler.engines=1"
+    problems = []
+    if peft.enabled:
+        problems.append(f"sampler.engines={n} with peft.enabled=true: LoRA adapter sync to several servers is not "
+                        f"supported. {fix}")
+    if vllm and not colocated:
+        problems.append(f"sampler.engines={n} without the colocated layout: the NCCL weight transfer joins one "
+                        f"server. {fix}, or run vLLM on the trainer's GPU (launch.colocate=true, CUDA-IPC sync)")
+    if vllm and data_parallel_size(sampler) > 1:
+        problems.append(f"sampler.engines={n} with sampler.data_parallel_size={data_parallel_size(sampler)}: "
+                        f"choose one. {fix}, or sampler.data_parallel_size=1")
+    return problems
+
+
+def behind_router(command: ServerCommand, sampler: Any, memory_share: float | None) -> ServerCommand:
+    """``command`` as is for ``sampler.engines`` = 1; else the router's command (`server.router`) at
+    ``sampler.host:sampler.port`` starting that many copies of it on the next ports (each one's ``--port``
+    is rewritten by the router), with a note saying so."""
+    n = engine_count(sampler)
+    if n <= 1:
+        return command
+    port = int(sampler.port)
+    inner = list(command.argv)
+    if "--port" in inner:
+        inner[inner.index("--port") + 1] = str(port + 1)
+    share = f", each with --gpu-memory-utilization {float(memory_share) / n:.4g} (1/{n} of {float(memory_share):g})" \
+        if memory_share is not None else ""
+    note = (f"sampler.engines={n}: {n} servers on ports {port + 1}-{port + n}{share}, started one after another "
+            f"behind one router at {sampler.host}:{port} (generation to the least busy, weight syncs to all)")
+    argv = [sys.executable, "-m", "asyncgrpo_cli.server.router", "--host", str(sampler.host), "--port", str(port),
+            "--engines", str(n), "--", *inner]
+    return ServerCommand(argv, dict(command.env), [*command.notes, note], list(command.problems))
+
+
+def resolve_vllm_program(argv: list[str]) -> list[str]:
+    """``argv`` with a leading ``vllm`` made ``python -m vllm.entrypoints.cli.main`` when the ``vllm`` script is
+    not on PATH but the package is importable (a venv used without activating it).
+
+    Raises:
+        ConfigError: the ``vllm`` program is needed and vLLM is not installed (the message says how to install it
+            or avoid it).
+    """
+    import importlib.util
+    import shutil
+
+    from ..config.rules import ConfigError
+
+    argv = list(argv)
+    if argv and argv[0] == "vllm" and shutil.which("vllm") is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("sampler.backend=vllm: vLLM is not installed. Fix: pip install 'asyncgrpo[vllm]' on a "
+                              "CUDA machine, or use sampler.backend=embedded (CPU or one GPU)")
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
+    return argv
+
+
 def server_gpus(launch: Any, sampler: Any) -> list[int]:
     """GPUs of the server: ``launch.server_gpus``, else the first ``sampler.data_parallel_size`` GPUs
     (the first GPU by default)."""
@@ -183,7 +251,7 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
     argv += ["--max-logprobs", str(max_logprobs(sampler, rollout)),
              "--dtype", compute_dtype(trainer, model)]
     if memory_share is not None:
-        argv += ["--gpu-memory-utilization", f"{float(memory_share):g}"]
+        argv += ["--gpu-memory-utilization", f"{float(memory_share) / engine_count(sampler):.4g}"]
     if model.trust_remote_code:
         argv += ["--trust-remote-code"]
     if uses_candidate_sets(rollout):
@@ -202,7 +270,8 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
             notes.append("runtime LoRA updating needs --api-server-count 1 (vLLM refuses more)")
     env.update({str(k): str(v) for k, v in sampler.env.items()})
     argv += [str(a) for a in sampler.extra_args]
-    return ServerCommand(argv, env, notes, problems)
+    problems.extend(engines_problems(sampler, peft, colocated=layout.colocated, vllm=True))
+    return behind_router(ServerCommand(argv, env, notes, problems), sampler, memory_share)
 
 
 def server_command_here(cfg: Any, vllm_version: str | None = None, backend: str | None = None) -> ServerCommand:
@@ -304,4 +373,5 @@ def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: Lau
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
     env.update({str(k): str(v) for k, v in sampler.env.items()})
     argv += [str(a) for a in sampler.extra_args]
-    return ServerCommand(argv, env, [])
+    problems = engines_problems(sampler, peft, colocated=True, vllm=False)
+    return behind_router(ServerCommand(argv, env, [], problems), sampler, None)

@@ -106,6 +106,8 @@ def job_argv(name: str, run_dir: Path, extra: list[str] | None = None) -> list[s
     import bench_e2e
 
     overrides = ["staleness.max_staleness=0"] if name.startswith("sync") else []
+    if "_engines" in name:  # e.g. async_engines2: sampler.engines=2 (several servers on the GPU, issue #41)
+        overrides.append(f"sampler.engines={int(name.rsplit('_engines', 1)[1])}")
     return bench_e2e.train_argv(RECIPE, [], [*overrides, *(extra or [])], STEPS, run_dir)
 
 

@@ -12,6 +12,7 @@
 #   bash scripts/gpu/vllm033/run.sh rollouts_screen     # issue #41: the request levers against one served recipe
 #   bash scripts/gpu/vllm033/run.sh rollouts_job_async  # issue #41: the job as users run it (rollouts_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh rollouts_two        # issue #41: two vLLM servers on the one GPU against one (rollouts_two.py)
+#   bash scripts/gpu/vllm033/run.sh rollouts_job_async_engines2  # issue #41: the job with sampler.engines=2 (sync_engines2: on-policy)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
