@@ -14,6 +14,7 @@
 #   bash scripts/gpu/run_benches.sh e1t     E1t: the one-GPU recipe's step (SmolLM2-135M, its 16K-token early row, late
 #                                           rows), eager, compiled and with bf16 weights (bench_small.py)
 #   bash scripts/gpu/run_benches.sh e1tprof profiles of E1t's early row, eager and compiled (its JSON in $OUT/prof)
+#   bash scripts/gpu/run_benches.sh router  the sampler.engines router's CPU per request (bench_router.py; no GPU used)
 # Compiled results are written beside the eager ones as <id>_<shape>_compiled.json. The rollout worker's ingest
 # benchmark (P6) needs no GPU: python scripts/bench/bench_worker_ingest.py.
 set -uo pipefail
@@ -42,5 +43,6 @@ case "${1:-}" in
   e1tprof) timeout 200 python3 scripts/bench/bench_small.py --rows early --steps 4 --out "$OUT/prof" \
           --profile "$OUT/prof"; timeout 300 python3 scripts/bench/bench_small.py --rows early --compile --steps 4 \
           --out "$OUT/prof" --profile "$OUT/prof" ;;
-  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc|host|e1t|e1tprof" >&2; exit 2 ;;
+  router) timeout 120 python3 scripts/bench/bench_router.py --out "$OUT/results" ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p0.6c|p1.7c|profc|host|e1t|e1tprof|router" >&2; exit 2 ;;
 esac
