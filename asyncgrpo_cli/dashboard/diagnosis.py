@@ -49,18 +49,21 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    scaled by cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
-6. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
+6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
+   (``server/engine_core_cpu``, issue #41): its host loop bounds generation (two servers on one H200 generated
+   2.0-2.3x). Fix: one more server, ``sampler.engines``.
+7. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
    ``max_concurrent_rollouts``, ``rollout/concurrency`` at it and the KV cache "low" (< 50%). With requests
    waiting in vLLM (mean ``rollout/vllm_queued_requests`` > 0; the cap grows only when none waits) the fix is
    ``--max-num-seqs max_concurrent_rollouts`` in ``sampler.extra_args``; with none waiting, a higher
    starting cap (KV-cache tokens / ``sampler.max_model_len``).
-7. ``trainer_idle_ceiling``: ``rollout/concurrency`` at ``max_concurrent_rollouts`` with the KV cache low. Fix:
+8. ``trainer_idle_ceiling``: ``rollout/concurrency`` at ``max_concurrent_rollouts`` with the KV cache low. Fix:
    twice ``staleness.max_concurrent_rollouts`` (if environments and tools allow).
 
 Order: the config causes (1, 2) first, named only when the metrics confirm them: the trainer waits and the KV cache
 is not full (at most ``engine_full_kv_frac``, 80%; above it vLLM's memory, not a flag, limits generation); their
 cost is measured and their fix costs nothing. On-policy training (3) follows: it waits by design, whatever the
-metrics. The metric causes follow (4-7): slow generation itself keeps rollouts longer in the allowance and makes
+metrics. The metric causes follow (4-8): slow generation itself keeps rollouts longer in the allowance and makes
 them go stale, so they are named once the config is right. When no cause holds, the finding stays
 ``generation_bound``; with both waits high cause 4 holds (unless 1-3 does), so `diagnose` no longer shows
 ``staleness_too_tight`` (`bottleneck` still returns it). An idle trainer outranks "mix" at equal severity."""
@@ -69,13 +72,13 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown  # noqa: F401 - busy_share re-exported
+from .overrides import _bare_ok, _drop_flag, _hydra_str, _list_override  # noqa: F401 - _bare_ok, _hydra_str: re-exported
 
 OK, INFO, WARN, ALERT = "ok", "info", "warn", "alert"
 SEVERITY_RANK = {OK: 0, INFO: 1, WARN: 2, ALERT: 3}
@@ -127,6 +130,7 @@ class Thresholds:
     engine_full_kv_frac: float = 0.8
     inflight_low_frac: float = 0.5
     cap_windows: int = 3
+    engine_core_busy: float = 0.9
 
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -151,6 +155,7 @@ class RunSettings:
         token_budget: ``packing.token_budget`` in tokens, or ``sampler.max_model_len`` when unset; None = unknown.
         max_model_len: ``sampler.max_model_len`` in tokens; None = the server's.
         max_groups_per_step: ``packing.max_groups_per_step`` (groups a step holds at most); None = unbounded.
+        engines: ``sampler.engines`` (servers behind the router).
     """
 
     max_staleness: int = 4
@@ -167,6 +172,7 @@ class RunSettings:
     token_budget: int | None = None
     max_model_len: int | None = None
     max_groups_per_step: int | None = None
+    engines: int = 1
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -186,7 +192,8 @@ class RunSettings:
                    num_sampler_logprobs=int(cfg.rollout.num_sampler_logprobs),
                    token_budget=None if budget is None else int(budget),
                    max_model_len=None if max_len is None else int(max_len),
-                   max_groups_per_step=cfg.packing.max_groups_per_step)
+                   max_groups_per_step=cfg.packing.max_groups_per_step,
+                   engines=int(cfg.sampler.get("engines", 1)))
 
 
 class MetricsHistory:
@@ -497,47 +504,6 @@ BUDGET_ROUND = 256
 
 
 
-def _bare_ok(value: str) -> bool:
-    """Whether Hydra reads ``value`` unquoted as this very string (not a bool, null, float, or another int)."""
-    if not re.fullmatch(r"[A-Za-z0-9_\-+./:%@]+", value) or value.lower() in ("true", "false", "null"):
-        return False
-    try:
-        float(value)
-    except ValueError:
-        return True
-    return re.fullmatch(r"-?[1-9][0-9]*|0", value) is not None
-
-
-def _hydra_str(value: str) -> str:
-    """``value`` as a Hydra list element: bare when `_bare_ok` (``--seed``, ``512``), else double-quoted
-    (``"--kv-cache-dtype=fp8"``, ``"0.90"``)."""
-    if _bare_ok(value):
-        return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _list_override(key: str, values: Iterable[str]) -> str:
-    """``key=[a,b]`` as typed on the command line (Hydra list syntax, `_hydra_str` elements); in single
-    quotes for the shell when an element is quoted."""
-    text = f"{key}=[{','.join(_hydra_str(v) for v in values)}]"
-    return shlex.quote(text) if '"' in text else text
-
-
-def _drop_flag(args: Iterable[str], flags: tuple[str, ...], takes_value: bool) -> list[str]:
-    """``args`` without ``flags`` (``--flag``, ``--flag=v``, and with ``takes_value`` the value after it)."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in flags:
-            skip = takes_value and "=" not in a
-            continue
-        out.append(a)
-    return out
-
-
 def _is_eager(args: Iterable[str]) -> bool:
     """Whether ``--enforce-eager`` is on in vLLM's extra args (``--enforce-eager=false`` is not)."""
     for a in args:
@@ -697,9 +663,23 @@ def _cause_ceiling(history: MetricsHistory, s: RunSettings, th: Thresholds) -> t
             f"staleness.max_concurrent_rollouts={2 * ceiling} (if environments and tools allow)")
 
 
+def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 6: vLLM's engine core busy on its CPU core (``server/engine_core_cpu`` of ``th.engine_core_busy``
+    cores or more): its host loop, not the GPU, bounds generation, and more requests in flight buy little
+    (issue #41: on an H200 two servers generated 2.0-2.3x the rollouts/s of one; `train.engine_cpu`)."""
+    m = history.latest
+    cores = num(m, "server/engine_core_cpu")
+    if s.backend != "vllm" or cores is None or cores < th.engine_core_busy or _engine_full(m, th):
+        return None
+    return ("trainer_idle_engine_core",
+            f"vLLM's engine core uses {cores:.2f} of a CPU core: its host loop bounds generation, not the GPU "
+            "(measured on an H200 with a 135M model: two servers, two engine cores, 2.0-2.3x the rollouts/s of one)",
+            f"sampler.engines={s.engines + 1} (one more server on the GPU; README: Several servers on one GPU)")
+
+
 #: The causes of an idle trainer, in the order they are tried (see the module docstring).
-IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops, _cause_cap,
-               _cause_ceiling)
+IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
+               _cause_engine_core, _cause_cap, _cause_ceiling)
 
 
 def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),

@@ -98,6 +98,14 @@ class ServerWatch:
         self.problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        from .engine_cpu import EngineCoreLoad
+
+        self.engine_load = EngineCoreLoad()  # the server's engine core on its CPU core (`read_cpu` per probe)
+        self.read_cpu = None
+        if server_pid is not None:
+            from .engine_cpu import read_tree_cpu
+
+            self.read_cpu = lambda: read_tree_cpu(server_pid)
 
     def start(self) -> ServerWatch:
         """Start the daemon thread."""
@@ -115,6 +123,8 @@ class ServerWatch:
             try:
                 if self.check() is not None:
                     return
+                if self.read_cpu is not None:
+                    self.engine_load.observe(self.read_cpu(), self.clock())
             except Exception:  # noqa: BLE001 - the watch must never break training
                 pass
             self._stop.wait(self.every_s)

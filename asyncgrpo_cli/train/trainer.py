@@ -608,6 +608,10 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             self._sample_finished(s)
         w.add("perf/step_s", step_s)
         self._last_step_s = step_s
+        watch = getattr(self, "server_watch", None)
+        engine_cpu = watch.engine_load.cores() if watch is not None else None
+        if engine_cpu is not None:  # issue #41: vLLM's engine core on its CPU core (train/engine_cpu.py)
+            w.add("server/engine_core_cpu", engine_cpu)
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/fwd_s", fwd_s)
         w.add("perf/optimizer_s", optimizer_s)
