@@ -130,7 +130,7 @@ def behind_router(command: ServerCommand, sampler: Any, memory_share: float | No
     inner = list(command.argv)
     if "--port" in inner:
         inner[inner.index("--port") + 1] = str(port + 1)
-    share = f", each with --gpu-memory-utilization {float(memory_share) / n:.4g} (1/{n} of {float(memory_share):g})" \
+    share = f", each with --gpu-memory-utilization {float(memory_share) / n:g} (1/{n} of {float(memory_share):g})" \
         if memory_share is not None else ""
     note = (f"sampler.engines={n}: {n} servers on ports {port + 1}-{port + n}{share}, started one after another "
             f"behind one router at {sampler.host}:{port} (generation to the least busy, weight syncs to all)")
@@ -251,7 +251,7 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
     argv += ["--max-logprobs", str(max_logprobs(sampler, rollout)),
              "--dtype", compute_dtype(trainer, model)]
     if memory_share is not None:
-        argv += ["--gpu-memory-utilization", f"{float(memory_share) / engine_count(sampler):.4g}"]
+        argv += ["--gpu-memory-utilization", f"{float(memory_share) / engine_count(sampler):g}"]
     if model.trust_remote_code:
         argv += ["--trust-remote-code"]
     if uses_candidate_sets(rollout):

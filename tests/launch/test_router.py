@@ -261,3 +261,27 @@ def test_doctor_compares_the_router_with_sampler_engines(router_answer, engines,
         ([status] if status else [])
     if status == "warn":
         assert "sampler.engines" in found[0].fix
+
+
+def test_two_colocated_vllm_engines_share_the_memory_split_and_keep_the_ipc_transfer():
+    from asyncgrpo_cli.server.colocate import Layout, MemorySplit
+    from asyncgrpo_cli.server.command import build_server_command
+
+    cfg = compose(["+recipe=arith_vllm_1gpu", "sampler.engines=2", "sampler.port=8200"])
+    split = MemorySplit(total_bytes=100, gpu_memory_utilization=0.24, vllm_bytes=24, trainer_bytes=70,
+                        trainer_need_bytes=None, vllm_need_bytes=None, kv_tokens=None, source="estimate", reason="r")
+    layout = Layout(colocated=True, reason="one GPU", gpu=0, memory=split)
+    command = build_server_command("0.33.0", layout=layout, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
+                                   rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness,
+                                   use_installed=False)
+    inner = command.argv[command.argv.index("--") + 1:]
+    assert inner[:2] == ["vllm", "serve"] and inner[inner.index("--port") + 1] == "8201"
+    assert inner[inner.index("--gpu-memory-utilization") + 1] == "0.12"
+    assert inner[inner.index("--weight-transfer-config") + 1] == '{"backend": "ipc"}'
+    assert command.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and not command.problems
+    assert any("each with --gpu-memory-utilization 0.12 (1/2 of 0.24)" in n for n in command.notes)
+    apart = Layout(colocated=False, reason="two GPUs")
+    refused = build_server_command("0.33.0", layout=apart, model=cfg.model, sampler=cfg.sampler, launch=cfg.launch,
+                                   rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness,
+                                   use_installed=False)
+    assert any("without the colocated layout" in p for p in refused.problems)
