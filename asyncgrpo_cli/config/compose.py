@@ -636,6 +636,13 @@ def validate_config(cfg: DictConfig) -> None:
                           f"sampler.max_logprobs={cfg.rollout.num_sampler_logprobs} (or leave it null)")
     if cfg.sampler.engines < 1:
         raise ConfigError(f"sampler.engines={cfg.sampler.engines}: must be >= 1 server. Fix: set sampler.engines=1")
+    if cfg.sampler.engines > 1 and cfg.peft.enabled:
+        raise ConfigError(f"sampler.engines={cfg.sampler.engines} with peft.enabled=true: LoRA adapter sync to several "
+                          "servers is not supported. Fix: sampler.engines=1")
+    if cfg.sampler.engines > 1 and cfg.sampler.data_parallel_size > 1:
+        raise ConfigError(f"sampler.engines={cfg.sampler.engines} with sampler.data_parallel_size="
+                          f"{cfg.sampler.data_parallel_size}: choose one. Fix: sampler.engines=1, or "
+                          "sampler.data_parallel_size=1")
     if not cfg.rollout.request_seeds and cfg.sampler.engines > 1:
         raise ConfigError(f"rollout.request_seeds=false with sampler.engines={cfg.sampler.engines}: the servers would "
                           "draw their seeds from the same --seed and could decode identical text for the same prompt "

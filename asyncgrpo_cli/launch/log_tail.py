@@ -25,7 +25,7 @@ _DIED_WITH = re.compile(r"died with <Signals\.(SIG\w+): \d+>")
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 # At a line's start, or glued to a progress bar that the error interrupted (tqdm ends its bar with "]" and no
 # newline: "\r 12%|█▎ | 1/8 [00:37<04:24, 37.76s/it]error: ...").
-_OWN_ERROR = re.compile(r"(?:^|[\r\]])\s*(?:asyncgrpo trainer: )?(?:config )?error: (.+)$")
+_OWN_ERROR = re.compile(r"(?:^|[\r\]])\s*(?:asyncgrpo (?:trainer|router): )?(?:config )?error: (.+)$")
 _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
 _RULE = re.compile(r"^=+\s*$")
 _CAUSE_TRAILER = "The above exception was the direct cause of the following exception:"

@@ -377,7 +377,8 @@ def cpu_thread_split(gpus: GpuPlan, server: Any, cores: int | None = None, *, sa
         cores = usable_cores()
     sampler_threads = max(1, cores // 2)
     trainer_threads = max(1, (cores - sampler_threads) // max(1, gpus.processes_per_machine))
-    return sampler_threads, trainer_threads, cores
+    engines = max(1, int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1)))
+    return max(1, sampler_threads // engines), trainer_threads, cores
 
 
 def output_dir_of(trainer: TrainerConfig) -> Path:
@@ -473,9 +474,13 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         sampler_threads, trainer_threads, cores = split
         server.env["OMP_NUM_THREADS"] = str(sampler_threads)
         env["OMP_NUM_THREADS"] = str(trainer_threads)
-        gpus.notes.append(f"CPU threads: sampler {sampler_threads}, trainer {trainer_threads} per process, of "
+        engines = int(cfg.sampler.get("engines", 1))
+        each = f" per server ({engines} servers)" if engines > 1 else ""
+        over = (f"; {engines} servers and the trainer share {cores} cores, so they contend"
+                if engines * sampler_threads + trainer_threads > cores else "")
+        gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
                           f"{cores} cores (OMP_NUM_THREADS; both run at once, so they split the cores instead of "
-                          "contending for all of them; export OMP_NUM_THREADS to choose yourself)")
+                          f"contending for all of them{over}; export OMP_NUM_THREADS to choose yourself)")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
                                                    trainer=cfg.trainer, model=cfg.model),

@@ -98,25 +98,16 @@ def engine_count(sampler: Any) -> int:
     return int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1))
 
 
-def engines_problems(sampler: Any, peft: Any, *, colocated: bool, vllm: bool) -> list[str]:
-    """Why ``sampler.engines`` > 1 cannot run with this config (empty when it can, or when it is 1): the weight
+def engines_problems(sampler: Any, *, colocated: bool, vllm: bool) -> list[str]:
+    """Why ``sampler.engines`` > 1 cannot run with this layout (empty when it can, or when it is 1): the weight
     sync must reach every server the same way, which the CUDA-IPC (colocated vLLM) and embedded syncs do, and
-    NCCL's one rendezvous per server, LoRA adapter sync and vLLM's own data parallelism are not fanned out."""
+    NCCL's one rendezvous per server does not. (LoRA and data parallelism with several engines are config
+    refusals: `config.compose.validate_config`.)"""
     n = engine_count(sampler)
-    if n <= 1:
+    if n <= 1 or not vllm or colocated:
         return []
-    fix = "Fix: sampler.engines=1"
-    problems = []
-    if peft.enabled:
-        problems.append(f"sampler.engines={n} with peft.enabled=true: LoRA adapter sync to several servers is not "
-                        f"supported. {fix}")
-    if vllm and not colocated:
-        problems.append(f"sampler.engines={n} without the colocated layout: the NCCL weight transfer joins one "
-                        f"server. {fix}, or run vLLM on the trainer's GPU (launch.colocate=true, CUDA-IPC sync)")
-    if vllm and data_parallel_size(sampler) > 1:
-        problems.append(f"sampler.engines={n} with sampler.data_parallel_size={data_parallel_size(sampler)}: "
-                        f"choose one. {fix}, or sampler.data_parallel_size=1")
-    return problems
+    return [f"sampler.engines={n} without the colocated layout: the NCCL weight transfer joins one server. Fix: "
+            "sampler.engines=1, or run vLLM on the trainer's GPU (launch.colocate=true, CUDA-IPC sync)"]
 
 
 def behind_router(command: ServerCommand, sampler: Any, memory_share: float | None) -> ServerCommand:
@@ -270,7 +261,7 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
             notes.append("runtime LoRA updating needs --api-server-count 1 (vLLM refuses more)")
     env.update({str(k): str(v) for k, v in sampler.env.items()})
     argv += [str(a) for a in sampler.extra_args]
-    problems.extend(engines_problems(sampler, peft, colocated=layout.colocated, vllm=True))
+    problems.extend(engines_problems(sampler, colocated=layout.colocated, vllm=True))
     return behind_router(ServerCommand(argv, env, notes, problems), sampler, memory_share)
 
 
@@ -373,5 +364,5 @@ def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: Lau
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
     env.update({str(k): str(v) for k, v in sampler.env.items()})
     argv += [str(a) for a in sampler.extra_args]
-    problems = engines_problems(sampler, peft, colocated=True, vllm=False)
+    problems = engines_problems(sampler, colocated=True, vllm=False)
     return behind_router(ServerCommand(argv, env, [], problems), sampler, None)

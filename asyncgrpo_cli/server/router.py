@@ -21,8 +21,9 @@ at its own port as if it were one server:
 - ``/router`` says how many engines there are, their ports, pids and requests in flight;
 - every other route is the first engine's (``/version``, ``/v1/models``, ``/server_info``, ...).
 
-If an engine exits, the router stops the others and exits as it did (the same code, or the same signal), so
-the supervisor reports it as a dead server, with the engine's own last lines in the shared log. On SIGTERM or
+If an engine exits, the router stops the others and exits with its code (1 when a signal killed it, after an
+``error:`` line naming the engine and the signal, which the supervisor shows as the cause), so the supervisor
+reports a dead server, with the engine's own last lines in the shared log. On SIGTERM or
 SIGINT it stops the engines first. Each engine gets SIGTERM if the router dies (``PR_SET_PDEATHSIG``).
 
     python -m asyncgrpo_cli.server.router --host 127.0.0.1 --port 8000 --engines 2 -- vllm serve MODEL --port 8001 ...
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -189,10 +189,16 @@ class Router:
             for i, p in enumerate(self.procs):
                 code = p.poll() if p is not None else None
                 if code is not None:
-                    how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    print(f"asyncgrpo router: engine {i} (pid {p.pid}, port {self.ports[i]}) {how}: stopping the "
-                          "other engines", flush=True)
-                    self.exit_code = code
+                    what = f"engine {i} of {len(self.procs)} (pid {p.pid}, port {self.ports[i]})"
+                    if code < 0:  # a signal leaves no error in the engine's log: this line is the job's cause
+                        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+                        oom = " (the out-of-memory killer: see `dmesg`, or a `kill`)" if -code == signal.SIGKILL else ""
+                        print(f"asyncgrpo router: error: {what} was killed by {name} from outside this job{oom}; "
+                              "the router stops the other engines and exits 1", flush=True)
+                    else:  # the engine's own last lines above say why
+                        print(f"asyncgrpo router: {what} exited with code {code}: stopping the other engines",
+                              flush=True)
+                    self.exit_code = code if code > 0 else 1
                     self.stop()
                     return
             await asyncio.sleep(0.25)
@@ -349,14 +355,7 @@ def main(args: Sequence[str] | None = None) -> int:
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("no engine command after --")
-    code = asyncio.run(Router(command, ns.engines, ns.host, ns.port).run())
-    if code < 0:  # an engine was killed by a signal: die the same way, so the cause reads the same
-        if -code not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(-code, signal.SIG_DFL)
-        sys.stdout.flush()
-        os.kill(os.getpid(), -code)
-        return 128 - code  # a signal the process ignores
-    return code
+    return asyncio.run(Router(command, ns.engines, ns.host, ns.port).run())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pytest
 
 from asyncgrpo_cli.config.compose import compose
@@ -192,3 +193,17 @@ def test_earlier_checkpoints_are_announced_unless_resuming(tmp_path):
     resumed = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}",
                        f"trainer.resume_from_checkpoint={tmp_path / 'checkpoint-8'}"])
     assert earlier_checkpoints_note(resumed.trainer) is None
+
+
+def test_several_embedded_servers_split_the_sampler_threads_and_the_note_says_so(monkeypatch):
+    from asyncgrpo_cli.launch.plan import cpu_thread_split
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = cfg_of("sampler.backend=embedded", "sampler.device=cpu", "trainer.bf16=false", "sampler.engines=2")
+    plan = build_launch_plan(cfg, gpu_count=0, main_process_port=29601)
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler, cores=16)[:2] == (4, 8)
+    assert cpu_thread_split(plan.gpus, plan.server, sampler=cfg.sampler, cores=2)[:2] == (1, 1)
+    note = next(n for n in plan.gpus.notes if "CPU threads" in n)
+    assert "per server (2 servers)" in note
+    used = 2 * int(plan.server.env["OMP_NUM_THREADS"]) + int(plan.trainer_env["OMP_NUM_THREADS"])
+    assert ("servers and the trainer share" in note) == (used > len(os.sched_getaffinity(0)))

@@ -159,14 +159,31 @@ def test_a_failing_engine_is_named_in_the_answer(router):
     assert "/pause 0" in (record / f"{ports[0]}.log").read_text()  # the other engine still got it
 
 
-def test_a_killed_engine_ends_the_router_the_same_way_and_the_other_engine_with_it(router):
+def test_a_killed_engine_ends_the_router_with_an_error_line_naming_it_and_the_other_engine_with_it(router):
+    from asyncgrpo_cli.launch.log_tail import failure_cause
+
     url, proc, record, ports = router
     first, second = _engine_pids(record, ports)
     os.kill(second, signal.SIGKILL)
-    assert proc.wait(DEADLINE_S) == -signal.SIGKILL
+    assert proc.wait(DEADLINE_S) == 1
     out = proc.stdout.read()
-    assert f"engine 1 (pid {second}, port {ports[1]}) killed by signal 9: stopping the other engines" in out
+    line = (f"engine 1 of 2 (pid {second}, port {ports[1]}) was killed by SIGKILL from outside this job (the "
+            "out-of-memory killer: see `dmesg`, or a `kill`); the router stops the other engines and exits 1")
+    assert failure_cause(out.splitlines()) == line  # the supervisor's cause line names the engine, not the router
     _wait(lambda: not _alive(first), "the other engine to end")
+
+
+def test_an_engine_that_exits_leaves_its_own_error_as_the_cause(tmp_path):
+    from asyncgrpo_cli.launch.log_tail import failure_cause
+
+    port = _ports(1)
+    dying = [sys.executable, "-c", "import sys; print('RuntimeError: Engine core process EngineCore died unexpectedly.',"
+             " flush=True); sys.exit(3)", "--port", "0"]
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli.server.router", "--port", str(port), "--engines", "1",
+                           "--", *dying], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 3
+    assert "engine 0 of 1" in proc.stdout and "exited with code 3: stopping the other engines" in proc.stdout
+    assert failure_cause(proc.stdout.splitlines()) == "RuntimeError: Engine core process EngineCore died unexpectedly."
 
 
 def test_sigterm_stops_both_engines_and_the_router(router):
@@ -209,20 +226,18 @@ def test_engines_are_refused_where_the_weight_sync_cannot_reach_them_all():
     class S(dict):
         __getattr__ = dict.get
 
-    sampler, no_peft, peft = S(engines=2, data_parallel_size=1), S(enabled=False), S(enabled=True)
-    assert engines_problems(sampler, no_peft, colocated=True, vllm=True) == []
-    assert engines_problems(S(engines=1, data_parallel_size=4), peft, colocated=False, vllm=True) == []
-    (nccl,) = engines_problems(sampler, no_peft, colocated=False, vllm=True)
+    assert engines_problems(S(engines=2), colocated=True, vllm=True) == []
+    assert engines_problems(S(engines=2), colocated=False, vllm=False) == []  # the embedded sync reaches them all
+    assert engines_problems(S(engines=1), colocated=False, vllm=True) == []
+    (nccl,) = engines_problems(S(engines=2), colocated=False, vllm=True)
     assert "sampler.engines=2 without the colocated layout" in nccl and "Fix: sampler.engines=1" in nccl
-    (lora,) = engines_problems(sampler, peft, colocated=True, vllm=False)
-    assert "peft.enabled=true" in lora
-    (dp,) = engines_problems(S(engines=2, data_parallel_size=2), no_peft, colocated=True, vllm=True)
-    assert "sampler.data_parallel_size=2" in dp
 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["sampler.engines=0"], "sampler.engines=0: must be >= 1"),
     (["sampler.engines=2", "rollout.request_seeds=false"], "rollout.request_seeds=false with sampler.engines=2"),
+    (["sampler.engines=2", "peft.enabled=true"], "sampler.engines=2 with peft.enabled=true"),
+    (["sampler.engines=2", "sampler.data_parallel_size=2"], "sampler.engines=2 with sampler.data_parallel_size=2"),
 ])
 def test_bad_engine_settings_are_refused_with_the_fix(overrides, needle):
     from asyncgrpo_cli.config.compose import validate_config
