@@ -102,11 +102,17 @@ def check_offline_hub_dataset(name: str, subset: Any = None, key: str = "data.na
 
 
 def check_generator_keys(data: Any) -> None:
-    """A generator (``data.generator``) makes its own ``prompt`` column: ``data.prompt_column`` is not read.
+    """A generator (``data.generator``) makes its own prompts: ``data.name`` and ``data.prompt_column`` are not read.
 
     Raises:
-        ConfigError: ``data.prompt_column`` is set with a generator.
+        ConfigError: ``data.name`` or ``data.prompt_column`` is set with a generator (a recipe's generator would
+            otherwise silently win over a dataset named on the command line).
     """
+    if data.generator and data.name:
+        raise _err("data.name", str(data.name), f"data.generator={data.generator} makes the prompts itself (task "
+                   f"{data.get('task')}), so this dataset would be ignored",
+                   f"train on the dataset with data.generator=null data.name={data.name} (and its columns: "
+                   "data.prompt_column), or remove data.name to keep the generator")
     if data.generator and str(data.prompt_column) != "prompt":
         raise _err("data.prompt_column", str(data.prompt_column), f"data.generator={data.generator} makes the "
                    "prompts itself (its rows have a 'prompt' column), so this key would be ignored",

@@ -222,6 +222,15 @@ def test_a_prompt_column_with_a_generator(world, tripwire):
     assert "would be ignored" in result.output and "Fix: remove data.prompt_column" in result.output
 
 
+def test_a_dataset_named_with_a_recipes_generator(world, tripwire):
+    """A recipe's generator silently won over data.name (fresh-user trial, 2026-12-04): trained on arithmetic."""
+    refused_everywhere(world, tripwire, ["data.generator=reasoning_gym", "data.task=basic_arithmetic"], "data.name",
+                       "data.generator=reasoning_gym makes the prompts itself (task basic_arithmetic), so this "
+                       "dataset would be ignored", "Fix: train on the dataset with data.generator=null data.name=")
+    result = runner.invoke(app, ["config", "+recipe=smoke", "data.name=openai/gsm8k"])
+    assert result.exit_code == 2 and "data.generator=null data.name=openai/gsm8k" in result.output
+
+
 def test_lora_targets_the_model_does_not_have(world, tripwire):
     lora = ["peft.enabled=true", "peft.r=8"]
     refused_everywhere(world, tripwire, [*lora, "peft.target_modules=[nosuch_proj]"], "peft.target_modules",
