@@ -38,6 +38,8 @@ def busy_share(m: Mapping[str, Any] | None) -> float | None:
     return min(1.0, max(0.0, 1.0 - wait / step_s))
 
 
+SYNC_SHOWN_FRAC = 0.25  # the weight sync's share of a step from which the plain line shows it
+
 #: The stages of one generation request, as `request_breakdown` names them, with the metric each is read from.
 REQUEST_STAGES = (("queue", "rollout/vllm_queue_s"), ("prefill", "rollout/vllm_prefill_s"),
                   ("decode", "rollout/vllm_decode_s"))
@@ -106,17 +108,22 @@ def fmt_rate(value: float | None) -> str:
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
     """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
-    step time, the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale
+    step time, the weight sync's time when it took 1 s and a quarter of the step or more (a slow or hung server;
+    the busy share counts it), the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale
     (only when some were, with their share of the generated tokens) and ``diagnosis`` (if any)."""
     step = num(metrics, "step")
     busy = busy_share(metrics)
+    step_s, sync_s = num(metrics, "perf/step_s"), num(metrics, "perf/weight_sync_s")
+    # A weight sync that took a good part of the step (a slow or hung server: it counts as busy) is shown.
+    long_sync = sync_s is not None and step_s and sync_s >= max(1.0, SYNC_SHOWN_FRAC * step_s)
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
              f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
              "reward — (no group scored since the last log)",
              f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s"
              + (f" {fmt_rate(r)} rollouts/s" if (r := num(metrics, "rollout/rollouts_per_s")) is not None else ""),
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
-             f"step {fmt(num(metrics, 'perf/step_s'), '.2f')} s",
+             f"step {fmt(step_s, '.2f')} s",
+             *([f"weight sync {sync_s:.2f} s"] if long_sync else []),
              *([f"busy {fmt_pct(busy)}"] if busy is not None else []),
              f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",
              f"stale {fmt(num(metrics, 'sample/staleness_mean'), '.2f')}"]

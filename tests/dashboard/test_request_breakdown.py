@@ -65,3 +65,14 @@ def test_generation_bound_line_panels_and_plain_line_show_it():
     assert rows["request"].startswith("0.50 s (queue 4% prefill 2% decode 60% server+http 34% parse 0%)")
     assert request_rows({"reward": 1.0}) == []
     assert "gen — tok/s 700 rollouts/s" in metrics_line(WINDOW)
+
+
+def test_the_plain_line_shows_a_weight_sync_that_took_a_good_part_of_the_step():
+    """Fresh-user trial (2026-12-04): a sync stalled on a stopped server made 'step 47.49 s | busy 100%' with no
+    word of the 41.7 s it waited."""
+    hung = {"step": 2, "perf/step_s": 47.49, "perf/weight_sync_s": 41.7, "perf/rollout_wait_s": 0.0}
+    assert "step 47.49 s | weight sync 41.70 s | busy 100%" in metrics_line(hung)
+    usual = {"step": 2, "perf/step_s": 2.3, "perf/weight_sync_s": 0.22, "perf/rollout_wait_s": 1.6}
+    assert "weight sync" not in metrics_line(usual)
+    short_step = {"step": 2, "perf/step_s": 0.9, "perf/weight_sync_s": 0.5}  # under 1 s: not shown
+    assert "weight sync" not in metrics_line(short_step)
