@@ -12,7 +12,7 @@ at its own port as if it were one server:
   with the fewest requests in flight, body and answer passed through unread;
 - the weight-sync and cache routes (``/pause``, ``/resume``, ``/reset_prefix_cache``, the four weight-update
   routes, LoRA loads) go to every engine at once and answer once all have: the first failure (naming its
-  engine) or the first engine's answer. CUDA-IPC handles are opened by each engine in turn, while the trainer
+  engine), else an engine's ``{"success": false}`` (a cache reset to retry), else the first engine's answer. CUDA-IPC handles are opened by each engine in turn, while the trainer
   holds its tensors (its sender waits for the answer);
 - ``/health`` answers 200 once every engine does (503 while one starts or answers otherwise; a hung engine
   makes it hang too, as a hung server would);
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -118,6 +119,17 @@ def _relabel(line: str, index: int) -> str:
         return _ENGINE_LABEL.sub(lambda m: f'engine="{index}.{m.group(1)}"', line, count=1)
     head, tail = line[:brace + 1], line[brace + 1:]
     return f'{head}engine="{index}"{"" if tail.startswith("}") else ","}{tail}'
+
+
+def _says_failed(body: object) -> bool:
+    """Whether an answer's body is a JSON object with ``"success": false``."""
+    if not isinstance(body, bytes) or b'"success"' not in body:
+        return False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("success", True) is False
 
 
 def _die_with_parent() -> None:
@@ -265,7 +277,9 @@ class Router:
                 return web.Response(status=answer.status,
                                     text=f"router: engine {i} (port {self.ports[i]}) answered {request.path} with "
                                          f"{answer.status}: {text}")
-        return answers[0]
+        # An engine that answered ``{"success": false}`` (``/reset_prefix_cache`` while requests run) is the answer:
+        # the caller retries until every engine has done it.
+        return next((a for a in answers if _says_failed(a.body)), answers[0])
 
     async def health(self, request: web.Request) -> web.Response:
         if not all(self.ready):

@@ -3,7 +3,8 @@
 Run as ``python fake_engine.py --record DIR --port P``: answers ``/health``, ``/metrics`` (one running request
 per engine, KV usage 0.1 x its index on the port), ``/v1/completions`` (the port that answered), ``/version``
 (the port) and every POST route, appending ``<route> <body length>`` to ``DIR/<port>.log`` so a test sees which
-engine got what. ``POST /pause`` answers 500 on port ``--fail-port``.
+engine got what. ``POST /pause`` answers 500 on port ``--fail-port``; ``POST /reset_prefix_cache`` answers
+``{"success": false}`` on port ``--unreset-port``.
 """
 
 import argparse
@@ -17,6 +18,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--record", required=True)
     p.add_argument("--fail-port", type=int, default=-1)
+    p.add_argument("--unreset-port", type=int, default=-1)
     args = p.parse_args()
     log = os.path.join(args.record, f"{args.port}.log")
     with open(os.path.join(args.record, f"{args.port}.pid"), "w") as fh:
@@ -51,6 +53,8 @@ def main() -> None:
                 fh.write(f"{path} {len(body)}\n")
             if path == "/pause" and args.port == args.fail_port:
                 self._send(500, "engine failed on purpose")
+            elif path == "/reset_prefix_cache" and args.port == args.unreset_port:
+                self._send(200, json.dumps({"success": False, "port": args.port}))
             else:
                 self._send(200, json.dumps({"port": args.port, "path": path, "query": self.path.partition("?")[2]}))
 

@@ -159,6 +159,22 @@ def test_a_failing_engine_is_named_in_the_answer(router):
     assert "/pause 0" in (record / f"{ports[0]}.log").read_text()  # the other engine still got it
 
 
+def test_an_engine_that_could_not_reset_its_cache_is_the_answer(tmp_path):
+    port = _ports(2)
+    argv = [sys.executable, "-m", "asyncgrpo_cli.server.router", "--port", str(port), "--engines", "2", "--",
+            sys.executable, str(FAKE), "--record", str(tmp_path), "--port", "0", "--unreset-port", str(port + 2)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: proc.poll() is not None or _healthy(url), "the router and both engines")
+        answer = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=10).json()
+        assert answer == {"success": False, "port": port + 2}  # the client retries until every engine has reset
+        assert httpx.post(f"{url}/resume", timeout=10).json()["port"] == port + 1
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def test_a_killed_engine_ends_the_router_with_an_error_line_naming_it_and_the_other_engine_with_it(router):
     from asyncgrpo_cli.launch.log_tail import failure_cause
 
