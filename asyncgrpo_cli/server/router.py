@@ -187,7 +187,13 @@ class Router:
         for i in range(len(self.ports)):
             if self._stopping:
                 return
-            self._start(i)
+            try:
+                self._start(i)
+            except Exception as exc:  # noqa: BLE001 - vLLM missing, a command that does not run: the job's cause
+                print(f"asyncgrpo router: error: engine {i} of {len(self.ports)} could not start: {exc}", flush=True)
+                self.exit_code = 1
+                self.stop()
+                return
             t0 = time.monotonic()
             while not self._stopping and not await self._engine_answers(i):
                 await asyncio.sleep(0.5)
@@ -203,7 +209,10 @@ class Router:
                 if code is not None:
                     what = f"engine {i} of {len(self.procs)} (pid {p.pid}, port {self.ports[i]})"
                     if code < 0:  # a signal leaves no error in the engine's log: this line is the job's cause
-                        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+                        try:
+                            name = signal.Signals(-code).name
+                        except ValueError:
+                            name = f"signal {-code}"
                         oom = " (the out-of-memory killer: see `dmesg`, or a `kill`)" if -code == signal.SIGKILL else ""
                         print(f"asyncgrpo router: error: {what} was killed by {name} from outside this job{oom}; "
                               "the router stops the other engines and exits 1", flush=True)

@@ -316,3 +316,15 @@ def test_two_colocated_vllm_engines_share_the_memory_split_and_keep_the_ipc_tran
                                    rollout=cfg.rollout, trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness,
                                    use_installed=False)
     assert any("without the colocated layout" in p for p in refused.problems)
+
+
+def test_an_engine_command_that_cannot_start_ends_the_router_with_the_reason():
+    from asyncgrpo_cli.launch.log_tail import failure_cause
+
+    port = _ports(1)
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo_cli.server.router", "--port", str(port), "--engines", "2",
+                           "--", "/nonexistent/engine-program", "--port", "0"], capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert proc.returncode == 1
+    assert failure_cause(proc.stdout.splitlines()).startswith("engine 0 of 2 could not start: [Errno 2]")
+
