@@ -190,7 +190,8 @@ class RolloutConfig:
     request_seeds: bool = True
     """Send a unique ``seed`` with every request, so data-parallel engines sharing a sampler seed never decode
     identical text (completion ``i`` of a group request gets ``seed + i``; README: Requests to the sampler).
-    False sends none and the server draws one per request; refused with ``sampler.data_parallel_size`` > 1."""
+    False sends none and the server draws one per request; refused with ``sampler.data_parallel_size`` > 1 or
+    ``sampler.engines`` > 1."""
 
 
 @dataclass
