@@ -25,6 +25,8 @@ from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.sampler.prometheus import parse_server_load
 from asyncgrpo_cli.server.router import engine_argv, merge_metrics, pick_engine
 
+from .conftest import alive
+
 FAKE = Path(__file__).with_name("fake_engine.py")
 DEADLINE_S = 60.0
 
@@ -64,18 +66,6 @@ def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of the (ended) router counts as gone
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
         return False
 
 
@@ -186,7 +176,7 @@ def test_a_killed_engine_ends_the_router_with_an_error_line_naming_it_and_the_ot
     line = (f"engine 1 of 2 (pid {second}, port {ports[1]}) was killed by SIGKILL from outside this job (the "
             "out-of-memory killer: see `dmesg`, or a `kill`); the router stops the other engines and exits 1")
     assert failure_cause(out.splitlines()) == line  # the supervisor's cause line names the engine, not the router
-    _wait(lambda: not _alive(first), "the other engine to end")
+    _wait(lambda: not alive(first), "the other engine to end")
 
 
 def test_an_engine_that_exits_leaves_its_own_error_as_the_cause(tmp_path):
@@ -207,7 +197,7 @@ def test_sigterm_stops_both_engines_and_the_router(router):
     pids = _engine_pids(record, ports)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(DEADLINE_S) == 0
-    _wait(lambda: not any(_alive(p) for p in pids), "both engines to end")
+    _wait(lambda: not any(alive(p) for p in pids), "both engines to end")
 
 
 def test_a_killed_router_takes_its_engines_with_it(router):
@@ -215,7 +205,7 @@ def test_a_killed_router_takes_its_engines_with_it(router):
     pids = _engine_pids(record, ports)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(DEADLINE_S)
-    _wait(lambda: not any(_alive(p) for p in pids), "the engines to end after the router (PR_SET_PDEATHSIG)")
+    _wait(lambda: not any(alive(p) for p in pids), "the engines to end after the router (PR_SET_PDEATHSIG)")
 
 
 def _cfg(*overrides: str):

@@ -82,25 +82,12 @@ def gauges(url: str) -> dict:
 
 
 def cpu_seconds(server: subprocess.Popen | None) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) so far of ``server`` and every process under it: pid -> (name, seconds).
-    vLLM names its processes (``VLLM::EngineCore``, ``ApiServer_N``), so the engine core's share shows."""
-    import psutil
+    """CPU seconds (user + system) so far of ``server`` and every process under it: pid -> (name, seconds)
+    (`asyncgrpo_cli.train.engine_cpu.read_tree_cpu`). vLLM names its processes (``VLLM::EngineCore``,
+    ``ApiServer_N``), so the engine core's share shows."""
+    from asyncgrpo_cli.train.engine_cpu import read_tree_cpu
 
-    if server is None:
-        return {}
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        top = psutil.Process(server.pid)
-        procs = [top, *top.children(recursive=True)]
-    except psutil.Error:
-        return {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = (p.name(), t.user + t.system)
-        except psutil.Error:
-            continue
-    return out
+    return {} if server is None else read_tree_cpu(server.pid)
 
 
 def cpu_use(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float) -> dict:
