@@ -1,0 +1,260 @@
+"""Why an idle trainer waits (SPEC §5.1, issue #33): `trainer_idle` and its causes, as pure functions of logged
+metrics (`asyncgrpo_cli.dashboard.findings`); `asyncgrpo_cli.dashboard.diagnosis` ranks it with the other
+findings.
+
+The trainer's busy share (`busy_share`) is ``1 - perf/rollout_wait_s / perf/step_s`` clamped to [0, 1]. The
+trainer is idle (`trainer_idle`, issue #33) when its wait is "high" as above (the premise of generation-bound).
+Its cause is the first of these that holds, each with the CLI override that fixes it:
+
+1. ``trainer_idle_api_servers``: ``sampler.backend=vllm`` with one API server (``sampler.api_server_count=1``,
+   or LoRA, which forces 1) and ``rollout.num_sampler_logprobs`` > 0: the one API server serialises the
+   top log-probs (measured with a 0.6B model on one H200: top-8 cost 80% of generation throughput with 1
+   server, 37% with 8). Fix ``sampler.api_server_count=8``.
+2. ``trainer_idle_eager``: vllm with ``--enforce-eager`` in ``sampler.extra_args`` (no CUDA graphs; measured
+   0.54 vs 0.73 steps/s, SmolLM2-135M on one H200). Fix: the extra args without it.
+3. ``trainer_idle_on_policy``: ``staleness.max_staleness=0``: on-policy rounds (issue #33) generate each step's
+   samples after the last weight sync, so training and generation take turns by design. Fix: ``max_staleness=1``.
+4. ``trainer_idle_allowance``: the staleness token allowance holds generation back: ``rollout/backpressure_s``
+   active (> ``backpressure_active_s``), or ``rollout/concurrency`` below ``inflight_low_frac`` (0.5) of
+   ``rollout/concurrency_cap`` while the allowance admits fewer rollouts than the cap (unknown counts as
+   fewer). It admits ~``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step`` rollouts (queued
+   included); fix: ``max_staleness`` or (unless the step closed on ``packing.max_groups_per_step``) ``token_budget``
+   scaled by cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
+5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
+   the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
+6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
+   (``server/engine_core_cpu``, issue #41): its host loop bounds generation (two servers on one H200 generated
+   2.0-2.3x). Fix: one more server, ``sampler.engines``.
+7. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
+   ``max_concurrent_rollouts``, ``rollout/concurrency`` at it and the KV cache "low" (< 50%). With requests
+   waiting in vLLM (mean ``rollout/vllm_queued_requests`` > 0; the cap grows only when none waits) the fix is
+   ``--max-num-seqs max_concurrent_rollouts`` in ``sampler.extra_args``; with none waiting, a higher
+   starting cap (KV-cache tokens / ``sampler.max_model_len``).
+8. ``trainer_idle_ceiling``: ``rollout/concurrency`` at ``max_concurrent_rollouts`` with the KV cache low. Fix:
+   twice ``staleness.max_concurrent_rollouts`` (if environments and tools allow).
+
+Order: the config causes (1, 2) first, named only when the metrics confirm them: the trainer waits and the KV cache
+is not full (at most ``engine_full_kv_frac``, 80%; above it vLLM's memory, not a flag, limits generation); their
+cost is measured and their fix costs nothing. On-policy training (3) follows: it waits by design, whatever the
+metrics. The metric causes follow (4-8): slow generation itself keeps rollouts longer in the allowance and makes
+them go stale, so they are named once the config is right. When no cause holds, the finding stays
+``generation_bound``; with both waits high cause 4 holds (unless 1-3 does), so `diagnose` no longer shows
+``staleness_too_tight`` (`bottleneck` still returns it). An idle trainer outranks "mix" at equal severity."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown
+from .findings import DEFAULT_THRESHOLDS, WARN, Diagnosis, MetricsHistory, RunSettings, Thresholds, _level
+from .overrides import _drop_flag, _list_override
+
+
+EAGER_FLAGS = ("--enforce-eager", "--enforce_eager")
+NUM_SEQS_FLAGS = ("--max-num-seqs", "--max_num_seqs")
+#: Rounding of a suggested ``packing.token_budget`` (tokens).
+BUDGET_ROUND = 256
+
+
+
+
+def _is_eager(args: Iterable[str]) -> bool:
+    """Whether ``--enforce-eager`` is on in vLLM's extra args (``--enforce-eager=false`` is not)."""
+    for a in args:
+        name, _, value = a.partition("=")
+        if name in EAGER_FLAGS and value.lower() not in ("false", "0", "no"):
+            return True
+    return False
+
+
+def _round_up(value: float, step: int) -> int:
+    return int(math.ceil(value / step) * step)
+
+
+def _engine_full(m: Mapping[str, Any] | None, th: Thresholds) -> bool:
+    """vLLM's KV cache above ``th.engine_full_kv_frac``: its memory, not a flag, limits generation."""
+    kv = num(m, "rollout/vllm_kv_cache_usage_frac")
+    return kv is not None and kv > th.engine_full_kv_frac
+
+
+def _cause_api_servers(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 1: one vLLM API server serialising the sampler's top log-probs."""
+    m = history.latest
+    if s.backend != "vllm" or s.api_server_count != 1 or s.num_sampler_logprobs <= 0 or _engine_full(m, th):
+        return None
+    conc, running = num(m, "rollout/concurrency"), num(m, "rollout/vllm_running_requests")
+    seen = ""
+    if conc and running is not None:  # in flight but neither running nor waiting in the engine: in transit
+        transit = max(0.0, conc - running - (num(m, "rollout/vllm_queued_requests") or 0.0))
+        seen = f"; now {transit:.0f} of {conc:.0f} rollouts in flight are outside the engine"
+    why = (f"one vLLM API server serialises the top-{s.num_sampler_logprobs} sampler log-probs (measured: 80% of "
+           f"generation throughput lost with 1 server, 37% with 8{seen})")
+    fix = ("sampler.api_server_count=8" if not s.lora else "LoRA forces one API server: peft.enabled=false, or "
+           "loss.score_centering=false rollout.num_sampler_logprobs=0")
+    return "trainer_idle_api_servers", why, fix
+
+
+def _cause_eager(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 2: vLLM without CUDA graphs (``--enforce-eager`` in ``sampler.extra_args``)."""
+    if s.backend != "vllm" or not _is_eager(s.sampler_extra_args) or _engine_full(history.latest, th):
+        return None
+    rest = _drop_flag(s.sampler_extra_args, EAGER_FLAGS, takes_value=False)
+    return ("trainer_idle_eager", "vLLM runs without CUDA graphs (--enforce-eager in sampler.extra_args; "
+            "measured 1.35x slower steps)", _list_override("sampler.extra_args", rest))
+
+
+def _cause_on_policy(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 3: ``max_staleness=0`` (on-policy rounds, issue #33): each step's samples are generated after the
+    previous step's weight sync, so the trainer waits for every round by design (and generation for every step)."""
+    if s.max_staleness != 0:
+        return None
+    return ("trainer_idle_on_policy", "on-policy training (staleness.max_staleness=0) generates each step's samples "
+            "after the last weight sync, so training and generation take turns by design",
+            "staleness.max_staleness=1 to overlap them (one version of lag; the importance ratio corrects for it)")
+
+
+def _allowance_rollouts(m: Mapping[str, Any] | None, s: RunSettings) -> float | None:
+    """Rollouts the staleness token allowance admits (queued included): ``max(max_staleness, 1) x
+    weight_sync_steps`` steps of ``batch/samples_per_step`` samples; None when that is not logged."""
+    per_step = num(m, "batch/samples_per_step")
+    return None if not per_step else max(s.max_staleness, 1) * s.weight_sync_steps * per_step
+
+
+def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_bound: bool = False) -> str:
+    """``staleness.max_staleness=N`` or ``packing.token_budget=M`` (not when ``group_bound``: the step closed on
+    ``packing.max_groups_per_step``) that let ``target`` rollouts in flight where ``admitted`` are now."""
+    steps = max(s.max_staleness, 1)
+    factor = max(target / admitted if admitted else 2.0, (steps + 1) / steps)
+    fix = f"staleness.max_staleness={max(s.max_staleness + 1, math.ceil(steps * factor - 1e-9))}"
+    if s.token_budget and not group_bound:
+        fix += f" or packing.token_budget={_round_up(s.token_budget * factor, BUDGET_ROUND)}"
+    return fix
+
+
+def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 3: the staleness token allowance bounds the rollouts in flight."""
+    m = history.latest
+    bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
+    cap, admitted = num(m, "rollout/concurrency_cap"), _allowance_rollouts(m, s)
+    held = bp is not None and bp > th.backpressure_active_s
+    low = conc is not None and cap is not None and conc < th.inflight_low_frac * cap \
+        and (admitted is None or admitted < cap)
+    if not (held or low):
+        return None
+    parts = []
+    if held:
+        parts.append(f"generation waits {bp:.2f} s")
+    if conc is not None:
+        parts.append(f"{conc:.0f} rollouts in flight" + (f", cap {cap:.0f}" if cap is not None else ""))
+    if admitted is not None:
+        parts.append(f"it admits ~{admitted:.0f}: {max(s.max_staleness, 1) * s.weight_sync_steps} steps of "
+                     f"{num(m, 'batch/samples_per_step'):.0f} samples")
+    why = f"the staleness token allowance holds generation back ({'; '.join(parts)})"
+    target = cap if cap is not None else float(s.max_concurrent_rollouts)
+    group_bound = bool(s.max_groups_per_step) and (num(m, "batch/groups_per_step") or 0) >= s.max_groups_per_step
+    return "trainer_idle_allowance", why, _allowance_fix(admitted or conc, target, s, group_bound)
+
+
+def _cause_stale_drops(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 4: generated tokens dropped stale (mean over the newest ``th.stale_windows`` windows)."""
+    vals = history.values("sample/dropped_stale_token_frac")[-th.stale_windows:]
+    waste = sum(vals) / len(vals) if vals else None
+    if waste is None or waste <= th.stale_waste_frac:
+        return None
+    return ("trainer_idle_stale_drops", f"{waste:.0%} of generated tokens were dropped stale (generation the "
+            "trainer never gets)", f"staleness.max_staleness={2 * max(s.max_staleness, 1)}")
+
+
+def _flat_cap(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[float, float] | None:
+    """(cap, mean KV usage) when over the newest ``th.cap_windows`` windows the cap stayed at one value below
+    ``max_concurrent_rollouts`` with the rollouts in flight at it and the KV cache low; else None."""
+    rows = history.rows[-th.cap_windows:]
+    if len(rows) < th.cap_windows:
+        return None
+    caps = [num(r, "rollout/concurrency_cap") for r in rows]
+    kvs = [num(r, "rollout/vllm_kv_cache_usage_frac") for r in rows]
+    concs = [num(r, "rollout/concurrency") for r in rows]
+    if any(v is None for v in (*caps, *kvs, *concs)) or len(set(caps)) != 1:
+        return None
+    cap = caps[0]
+    if cap >= s.max_concurrent_rollouts or any(c < th.at_limit_frac * cap for c in concs) \
+            or any(kv >= th.low_kv_frac for kv in kvs):
+        return None
+    return cap, sum(kvs) / len(kvs)
+
+
+def _cause_cap(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 5: the adaptive concurrency cap never grows although the KV cache is low."""
+    flat = _flat_cap(history, s, th)
+    if flat is None:
+        return None
+    cap, kv = flat
+    waits = history.values("rollout/vllm_queued_requests")[-th.cap_windows:]
+    waiting = sum(waits) / len(waits) if waits else 0.0
+    why = (f"the adaptive concurrency cap stays at {cap:.0f} (< max_concurrent_rollouts {s.max_concurrent_rollouts}) "
+           f"over {th.cap_windows} windows with the KV cache at {kv:.0%}")
+    if waiting > 0:  # the cap grows only when none waits: vLLM's batch limit holds them
+        if s.backend != "vllm":
+            return None
+        args = _drop_flag(s.sampler_extra_args, NUM_SEQS_FLAGS, takes_value=True)
+        return ("trainer_idle_cap", f"{why} and {waiting:.3g} requests waiting in vLLM on average (the cap grows "
+                "only when none waits; vLLM's --max-num-seqs likely binds)",
+                _list_override("sampler.extra_args", [*args, "--max-num-seqs", str(s.max_concurrent_rollouts)]))
+    now = f" (now {s.max_model_len})" if s.max_model_len else ""
+    return ("trainer_idle_cap", f"{why} and nothing waiting (it grows 25% at a 5 s poll only after `cap` rollouts "
+            "completed; it starts at the KV cache's tokens / sampler.max_model_len)",
+            f"a lower sampler.max_model_len{now} or a higher sampler.gpu_memory_utilization starts it higher")
+
+
+def _cause_ceiling(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 6: the rollouts in flight at ``max_concurrent_rollouts`` with the KV cache low."""
+    m = history.latest
+    conc, kv = num(m, "rollout/concurrency"), num(m, "rollout/vllm_kv_cache_usage_frac")
+    ceiling = s.max_concurrent_rollouts
+    if conc is None or kv is None or conc < th.at_limit_frac * ceiling or kv >= th.low_kv_frac:
+        return None
+    return ("trainer_idle_ceiling", f"max_concurrent_rollouts={ceiling} reached with the KV cache at {kv:.0%}",
+            f"staleness.max_concurrent_rollouts={2 * ceiling} (if environments and tools allow)")
+
+
+def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 6: vLLM's engine core busy on its CPU core (``server/engine_core_cpu`` of ``th.engine_core_busy``
+    cores or more): its host loop, not the GPU, bounds generation, and more requests in flight buy little
+    (issue #41: on an H200 two servers generated 2.0-2.3x the rollouts/s of one; `train.engine_cpu`)."""
+    m = history.latest
+    cores = num(m, "server/engine_core_cpu")
+    if s.backend != "vllm" or cores is None or cores < th.engine_core_busy or _engine_full(m, th):
+        return None
+    return ("trainer_idle_engine_core",
+            f"vLLM's engine core uses {cores:.2f} of a CPU core: its host loop bounds generation, not the GPU "
+            "(measured on an H200 with a 135M model: two servers, two engine cores, 2.0-2.3x the rollouts/s of one)",
+            f"sampler.engines={s.engines + 1} (one more server on the GPU; README: Several servers on one GPU)")
+
+
+#: The causes of an idle trainer, in the order they are tried (see the module docstring).
+IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
+               _cause_engine_core, _cause_cap, _cause_ceiling)
+
+
+def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
+                 th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """Issue #33: the trainer waits for samples a "high" share of the step (``perf/rollout_wait_s`` against
+    ``perf/step_s``), with its most likely cause and the CLI override that fixes it (the causes and their
+    order: the module docstring). None when the trainer is not idle or no cause holds (generation-bound
+    then says what to check)."""
+    m = history.latest
+    wait, step_s = num(m, "perf/rollout_wait_s"), num(m, "perf/step_s")
+    if _level(wait, step_s, th) != "high":
+        return None
+    busy = busy_share(m)
+    rate = breakdown_text(request_breakdown(m))  # issue #41: generation's rate and its request's binding stage
+    head = (f"trainer idle {1 - busy:.0%} of the step" if busy is not None else "trainer idle") \
+        + f" (waits {wait:.2f} s for samples{f'; generation {rate}' if rate else ''})"
+    for cause in IDLE_CAUSES:
+        found = cause(history, settings, th)
+        if found is not None:
+            rule, why, fix = found
+            return Diagnosis(rule, f"{head}: {why}; fix: {fix}", WARN)
+    return None
