@@ -5,6 +5,7 @@ windows they read (`MetricsHistory`) and how a wait is judged against the step (
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class RunSettings:
         max_model_len: ``sampler.max_model_len`` in tokens; None = the server's.
         max_groups_per_step: ``packing.max_groups_per_step`` (groups a step holds at most); None = unbounded.
         engines: ``sampler.engines`` (servers behind the router).
+        in_flight_estimate: ``staleness.in_flight_estimate`` (``mean`` or ``kept``).
     """
 
     max_staleness: int = 4
@@ -105,6 +107,7 @@ class RunSettings:
     max_model_len: int | None = None
     max_groups_per_step: int | None = None
     engines: int = 1
+    in_flight_estimate: str = "mean"
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -125,7 +128,8 @@ class RunSettings:
                    token_budget=None if budget is None else int(budget),
                    max_model_len=None if max_len is None else int(max_len),
                    max_groups_per_step=cfg.packing.max_groups_per_step,
-                   engines=int(cfg.sampler.get("engines", 1)))
+                   engines=int(cfg.sampler.get("engines", 1)),
+                   in_flight_estimate=str(cfg.staleness.get("in_flight_estimate", "mean")))
 
 
 class MetricsHistory:
@@ -200,3 +204,18 @@ def _wait_text(wait: float | None, step_s: float | None) -> str:
     if step_s:
         return f"{wait:.2f} s ({wait / step_s:.0%} of the step)"
     return f"{wait:.2f} s"
+
+
+_HELD = re.compile(r"rollout/held_([a-z]+)_frac")
+
+
+def held_shares(m: Mapping[str, Any] | None) -> list[tuple[str, float]]:
+    """What held the rollout producer over the window (`asyncgrpo_cli.rollout.holds`): ``(gate, share of wall
+    time)`` for every ``rollout/held_{gate}_frac`` logged, largest first; [] when none is."""
+    found = []
+    for name in m or {}:
+        match = _HELD.fullmatch(name)
+        value = num(m, name) if match else None
+        if value is not None:
+            found.append((match.group(1), value))
+    return sorted(found, key=lambda kv: -kv[1])

@@ -20,6 +20,10 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    fewer). It admits ~``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step`` rollouts (queued
    included); fix: ``max_staleness`` or (unless the step closed on ``packing.max_groups_per_step``) ``token_budget``
    scaled by cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
+   ``trainer_idle_deadline`` instead when deadline admission held the rollout producer (`rollout.holds`):
+   ``rollout/held_deadline_frac`` at least ``high_wait_frac`` (20%) and above ``rollout/held_allowance_frac``.
+   Fix: ``max_staleness`` one higher, or with ``in_flight_estimate=mean`` and ``frac_reward_zero_std`` from
+   ``zero_std_high`` (0.5), ``staleness.in_flight_estimate=kept``.
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
 6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
@@ -48,7 +52,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown
-from .findings import DEFAULT_THRESHOLDS, WARN, Diagnosis, MetricsHistory, RunSettings, Thresholds, _level
+from .findings import (DEFAULT_THRESHOLDS, WARN, Diagnosis, MetricsHistory, RunSettings, Thresholds, _level,
+                       held_shares)
 from .overrides import _drop_flag, _list_override
 
 
@@ -133,9 +138,33 @@ def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_
     return fix
 
 
+def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 4 when deadline admission, not the allowance, held the producer (``rollout/held_deadline_frac`` at
+    least ``th.high_wait_frac`` and above ``rollout/held_allowance_frac``; `asyncgrpo_cli.rollout.holds`)."""
+    shares = dict(held_shares(m))
+    deadline = shares.get("deadline", 0.0)
+    if deadline < th.high_wait_frac or deadline <= shares.get("allowance", 0.0):
+        return None
+    conc, cap = num(m, "rollout/concurrency"), num(m, "rollout/concurrency_cap")
+    flight = f"; {conc:.0f} rollouts in flight" + (f", cap {cap:.0f}" if cap is not None else "") if conc is not None else ""
+    why = (f"deadline admission holds generation back {deadline:.0%} of the time{flight} (on since a sample was "
+           "dropped stale: a group starts only if every group in flight can still be trained after all that is "
+           "committed, every rollout in flight counted)")
+    fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
+    zero = num(m, "frac_reward_zero_std")
+    if s.in_flight_estimate == "mean" and zero is not None and zero >= th.zero_std_high:
+        fix += (f" or staleness.in_flight_estimate=kept ({zero:.0%} of groups are discarded, never trained, yet "
+                "each of their rollouts counts in full)")
+    return "trainer_idle_deadline", why, fix
+
+
 def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
-    """Cause 3: the staleness token allowance bounds the rollouts in flight."""
+    """Cause 4: the staleness token allowance (or deadline admission, `_deadline_held`) bounds the rollouts in
+    flight."""
     m = history.latest
+    held_by_deadline = _deadline_held(m, s, th)
+    if held_by_deadline is not None:
+        return held_by_deadline
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
     cap, admitted = num(m, "rollout/concurrency_cap"), _allowance_rollouts(m, s)
     held = bp is not None and bp > th.backpressure_active_s

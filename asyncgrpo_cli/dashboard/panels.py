@@ -28,6 +28,7 @@ from ..run.metrics_line import DASH, fmt, fmt_pct, fmt_rate, metrics_line  # noq
 from ..run.metrics_line import request_breakdown
 from ..run.state import final_model_step
 from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSettings, busy_share, num
+from .findings import held_shares
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
 
@@ -220,6 +221,7 @@ def queue_panel(view: DashboardView) -> Panel:
         ("queue (samples)", fmt(view.live("queue_size", "rollout/queue_size"), ".0f")),
         ("trainer waits", fmt_s(num(m, "perf/rollout_wait_s"))),
         ("generation waits", fmt_s(num(m, "rollout/backpressure_s"))),
+        ("generation held by", held_text(m)),
         ("in flight / cap / max", f"{fmt(conc, '.0f')} / {fmt(cap, '.0f')} / {ceiling:.0f}"),
         ("KV cache", Text(fmt_pct(kv), style=kv_style if kv is not None else "")),
         ("engine running / waiting", f"{fmt(running, '.0f')} / {fmt(waiting, '.0f')}"),
@@ -227,6 +229,16 @@ def queue_panel(view: DashboardView) -> Panel:
         ("score queue", fmt(num(m, "rollout/score_queue_size"), ".0f")),
     ]
     return Panel(_kv_table(rows), title="rollout queue & concurrency", border_style="blue")
+
+
+def held_text(metrics: Mapping[str, Any] | None) -> str:
+    """What held the rollout producer over the window, the gates at 5% of the time or more, largest first
+    (``deadline 62% · cap 11%``; `asyncgrpo_cli.rollout.holds`), ``nothing`` when none did, ``—`` when not logged."""
+    shares = held_shares(metrics)
+    if not shares:
+        return "—"
+    shown = [f"{gate} {share:.0%}" for gate, share in shares if share >= 0.05]
+    return " · ".join(shown) if shown else "nothing"
 
 
 def _elsewhere_label(metrics: Mapping[str, Any] | None) -> str:

@@ -36,6 +36,7 @@ from ..config.multimodal import check_text_only
 from .advantages import group_advantages, group_reward_std, should_drop_group, total_rewards, weighted_rewards
 from .allowance import TokenAllowance
 from .concurrency import ConcurrencyCap
+from .holds import HoldClock, held_metric
 from .completions import ship_group_records
 from .evaluation import EvalRounds
 from .environments import (ENVIRONMENT_COLUMN, EnvironmentHookError, EnvironmentPool, compose_prompt,
@@ -147,6 +148,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         self._own_client = client is None
         self.server_values = server_values
         self.allowance = TokenAllowance(str(getattr(config, "in_flight_estimate", "mean")))  # mean (B.4) or kept
+        self.holds = HoldClock()  # what holds the producer, per gate (rollout/held_{gate}_frac)
         self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)))  # issue #28: no prompt left behind
         self.pull_version_value = pull_version_value
         self.capacity_value = capacity_value
@@ -413,7 +415,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                 waited = None
                 while not self._stop:
                     self._sync_consumed()
-                    if self._may_start_group(float(self.token_allowance.value)):
+                    gate = self._admission_gate(float(self.token_allowance.value))
+                    self.holds.hold(gate)  # rollout/held_{gate}_frac (rollout/holds.py)
+                    if gate is None:
                         break
                     waited = waited if waited is not None else time.monotonic()
                     await asyncio.sleep(0.02)
@@ -421,14 +425,17 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                     self.metrics.add("rollout/backpressure_s", time.monotonic() - waited)
                 if score_queue.full():  # SPEC §16.5 score_queue_maxsize: scoring is behind, generation holds
                     blocked = time.monotonic()
+                    self.holds.hold("score")
                     while score_queue.full() and not self._stop:
                         await asyncio.sleep(0.01)
                     self.metrics.add("rollout/score_block_s", time.monotonic() - blocked)
                 # A group starts only when its first rollout can: no rollout of an earlier group still waits for a
                 # slot under the concurrency cap (otherwise groups would pile up with stale version stamps).
                 async with self._slot_changed:
+                    self.holds.hold("cap")
                     await self._slot_changed.wait_for(
                         lambda: self._stop or (self._waiting_rollouts == 0 and self._in_flight < self.cap.value))
+                self.holds.hold(None)
                 if self._stop:
                     return
                 self._sync_consumed()
@@ -728,6 +735,10 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                     self._last_load = load
             self.metrics.add("rollout/concurrency", self._in_flight)
             self.metrics.add("rollout/concurrency_cap", self.cap.value)
+            held, elapsed = self.holds.take()
+            for gate, seconds in held.items():
+                self.metrics.add_rate(held_metric(gate), seconds, elapsed)
+            self.metrics.add("rollout/deadline_admission", 1.0 if self.schedule.deadline_admission else 0.0)
             if self.allowance.in_flight_tokens_per_rollout is not None:  # staleness.in_flight_estimate's figure
                 self.metrics.add("rollout/in_flight_tokens_per_rollout", self.allowance.in_flight_tokens_per_rollout)
             if self.concurrency_value is not None:

@@ -69,21 +69,22 @@ class StaleScheduling:
         while True:
             yield self.schedule.next_retry() or next(stream)
 
-    def _may_start_group(self, allowance: float) -> bool:
-        """The allowance (SPEC §4.1) and the deadline of the groups in flight (`StaleSchedule.can_admit`) agree;
-        at ``max_staleness=0`` the on-policy round decides instead (`OnPolicyRounds.can_start`; its first group
-        still runs alone, SPEC §4.1)."""
+    def _admission_gate(self, allowance: float) -> str | None:
+        """None when a new group may start: the allowance (SPEC §4.1) and the deadline of the groups in flight
+        (`StaleSchedule.can_admit`) agree; at ``max_staleness=0`` the on-policy round decides instead
+        (`OnPolicyRounds.can_start`; its first group still runs alone, SPEC §4.1). Else the gate that holds it
+        (`asyncgrpo_cli.rollout.holds.HOLD_GATES`): ``round``, ``allowance`` or ``deadline``."""
         if self.rounds is not None:
             if self.rounds.closed:
-                return False
+                return "round"
             if not self.allowance.first_group_finished:
-                return self.allowance.can_start_group(allowance)
-            return self.rounds.can_start(self.allowance.tokens_per_rollout or 0.0)
+                return None if self.allowance.can_start_group(allowance) else "allowance"
+            return None if self.rounds.can_start(self.allowance.tokens_per_rollout or 0.0) else "round"
         if not self.allowance.can_start_group(allowance):
-            return False
+            return "allowance"
         new = self.config.num_generations * (self.allowance.in_flight_tokens_per_rollout or 0.0)
         per_version = allowance / max(int(getattr(self.config, "max_staleness", 4)), 1)
-        return self.schedule.can_admit(self.allowance.committed_tokens, new, per_version)
+        return None if self.schedule.can_admit(self.allowance.committed_tokens, new, per_version) else "deadline"
 
     def _retry_if_stale(self, group_id: int, stamp: int, position: int, row_index: int, row: dict[str, Any],
                         sequences: list[list[TrainingSequence]]) -> bool:

@@ -418,7 +418,7 @@ def test_a_done_round_is_published_with_the_outcomes_put_and_can_be_reopened(tmp
     loop.rounds.on_group_generated(0, 600.0)
     loop._group_resolved(0, 600.0)  # 600 of a 1000-token target, nothing in flight: done (min_fill 0.5)
     assert list(loop.round_done_value) == [0, 2, -1]
-    assert not loop._may_start_group(1e9)  # nothing more starts at version 0
+    assert loop._admission_gate(1e9) == "round"  # nothing more starts at version 0
     loop.round_done_value[2] = 0  # the trainer found nothing it could train (`RolloutWorker.reopen_round`)
     loop._sync_consumed()
     assert loop.round_done_value[2] == -1 and not loop.rounds.closed

@@ -155,6 +155,18 @@ def test_every_spec_metric_is_logged(run):
     assert not unexpected, f"logged although their condition does not hold here: {unexpected}"
 
 
+def test_what_held_the_rollout_producer_is_logged_as_shares_of_the_window(run):
+    # issue #41: rollout/held_{gate}_frac for every gate (rollout/holds.py), each a share of wall time, at most 1
+    # in all; rollout/deadline_admission says whether the staleness schedule's deadline rule is on.
+    from asyncgrpo_cli.rollout.holds import HOLD_GATES, held_metric
+
+    for w in windows(run["out"]):
+        shares = [w[held_metric(g)] for g in HOLD_GATES]
+        assert all(0.0 <= s <= 1.0 for s in shares), (w["step"], shares)
+        assert sum(shares) <= 1.0 + 1e-6, (w["step"], shares)
+        assert 0.0 <= w["rollout/deadline_admission"] <= 1.0
+
+
 def test_num_tokens_is_the_running_total_across_windows(run):
     lines = windows(run["out"])
     # batch/forwarded_tokens_per_step is the mean over the window's 2 steps: 2 x it, summed, is every token so far.
