@@ -76,9 +76,10 @@ def _print_error(exc: BaseException, label: str = "config error") -> None:
 
 
 def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
-    from .config.compose import compose
+    from .config.compose import compose, refuse_repeated_keys
 
     try:
+        refuse_repeated_keys(list(overrides or []))
         return compose(overrides or [], extra_recipe_dirs=recipes_dirs)
     except ConfigError as exc:
         _print_error(exc)

@@ -35,6 +35,12 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atten
 CPU_ONLY = ["trainer.bf16=false"]
 
 
+def on_cpu(overrides: list[str]) -> list[str]:
+    """``overrides`` with `CPU_ONLY` in place of their own values of the same keys (a key given twice is refused)."""
+    keys = {o.split("=", 1)[0] for o in CPU_ONLY}
+    return [*(o for o in overrides if o.lstrip("+").split("=", 1)[0] not in keys), *CPU_ONLY]
+
+
 @pytest.fixture(scope="module")
 def shaped_model(tmp_path_factory) -> Path:
     """The bench scripts' random model (same tokenizer, chat template and vocabulary), at a tiny width."""
@@ -42,7 +48,7 @@ def shaped_model(tmp_path_factory) -> Path:
 
 
 def check(overrides: list[str], command: str) -> None:
-    cfg = compose([*overrides, *CPU_ONLY])
+    cfg = compose(on_cpu(overrides))
     validate_run(cfg, command)  # raises ConfigError naming the refused field
 
 
@@ -278,7 +284,7 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
 
     overrides = realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic", name)
     check(overrides, "train")
-    cfg = compose([*overrides, *CPU_ONLY])
+    cfg = compose(on_cpu(overrides))
     assert cfg.rollout.num_generations == 8 and cfg.rollout.max_completion_length == 512
     assert (cfg.staleness.max_staleness == 0) == (name == "sync")
     assert cfg.trainer.activation_checkpointing and cfg.launch.colocate and cfg.sampler.backend.value == "vllm"

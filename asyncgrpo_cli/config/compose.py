@@ -219,6 +219,26 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     return cfg
 
 
+def refuse_repeated_keys(overrides: list[str]) -> None:
+    """A key set twice on the command line with different values (``trainer.max_steps=5 ... trainer.max_steps=7``):
+    Hydra would silently keep the last one, which is rarely what a long command line meant. The CLI calls it on
+    what the user typed; `compose` itself keeps Hydra's rule (code that adds overrides to a list relies on it).
+
+    Raises:
+        ConfigError: naming the key, both values and the fix (give it once).
+    """
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        key = key.lstrip("+")
+        if not sep or not key or key.startswith("~") or key.startswith("hydra."):
+            continue
+        if key in seen and seen[key] != value:
+            raise ConfigError(f"{key} is set twice on the command line ({key}={seen[key]}, then {key}={value}); "
+                              f"Hydra would silently keep the last. Fix: give it once, e.g. {key}={value}", key=key)
+        seen[key] = value
+
+
 def _refuse_loose_bools(overrides: list[str]) -> None:
     """A true/false field set on the command line takes ``true`` or ``false`` (``null`` where None is allowed):
     OmegaConf would read ``2``, ``yes`` or ``on`` as true, so ``rollout.group_requests=2`` passed unnoticed.

@@ -176,6 +176,10 @@ _ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "
               "IntervalStrategy": "eval_strategy", "HubStrategy": "hub_strategy", "FSDPOption": "fsdp"}
 
 
+#: How many of the values a transformers refusal lists are shown (the closest to the value given).
+LISTED_SHOWN = 8
+
+
 def _listed_values(text: str) -> list[str]:
     """The values a transformers refusal lists (``... please select one of ['a', 'b']``)."""
     found = re.search(r"select one of \[([^\]]*)\]", text)
@@ -211,8 +215,12 @@ def check_training_args_build(cfg: Any) -> None:
                if name == "bf16" or "bf16" in text else f"{key}={close[0]}" if close
                else "see transformers.TrainingArguments for the field")
         listed = _listed_values(text) if name else []
+        more = ""
+        if len(listed) > LISTED_SHOWN:  # transformers lists 41 optimizers: the closest few, and how many in all
+            more = f" (the {LISTED_SHOWN} closest of {len(listed)})"
+            listed = difflib.get_close_matches(str(value), listed, n=LISTED_SHOWN, cutoff=0.0)
         text = text.rstrip().rstrip(".")  # the error's own full stop: ours follows
-        reason = (f"transformers accepts one of {', '.join(listed)}" if listed else
+        reason = (f"transformers accepts one of {', '.join(listed)}{more}" if listed else
                   f"transformers refuses it: {text if len(text) <= 400 else text[:400].rsplit(' ', 1)[0] + ' ...'}")
         raise _err(key, value, reason, fix) from None
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK

@@ -7,6 +7,7 @@ command line that continues a stopped run. No process is started here.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -23,6 +24,24 @@ TRAIN_ARGV_ENV = "ASYNCGRPO_TRAIN_ARGV"
 """The supervisor's command line (a JSON list), in the trainer's environment: the trainer records the command that
 resumes from each checkpoint it saves in ``status.json`` (``resume_command``), so a run whose supervisor died
 still says how to continue."""
+
+
+USER_ENV = ("ASYNCGRPO_CACHE", "ASYNCGRPO_MATH_VERIFY_WORKERS", "ASYNCGRPO_GDN_KERNEL")
+"""The environment settings of ours that change where a run finds its files or how it computes (the model export
+cache, the math-verify worker count, the Gated DeltaNet kernel): a printed command that continues or restarts a run
+sets those this process had, so it runs as this one did (not secrets: nothing else of the environment is printed)."""
+
+
+def _env_words(environ: dict[str, str] | None = None) -> list[str]:
+    """``NAME=value`` (value shell-quoted) for every `USER_ENV` setting in ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return [f"{name}={shlex.quote(env[name])}" for name in USER_ENV if env.get(name)]
+
+
+def _command(words: list[str], environ: dict[str, str] | None = None) -> str:
+    """``words`` as one shell line, after the `USER_ENV` settings of ``environ`` (``NAME=value`` stays an
+    assignment: only its value is quoted)."""
+    return " ".join([*_env_words(environ), shlex.join(words)])
 
 
 NOT_REPEATED = ("--dry-run",)
@@ -42,23 +61,26 @@ def _launcher(argv: list[str]) -> list[str] | None:
     return None
 
 
-def train_command(overrides: list[str], argv: list[str] | None = None) -> str | None:
+def train_command(overrides: list[str], argv: list[str] | None = None,
+                  environ: dict[str, str] | None = None) -> str | None:
     """This ``asyncgrpo train`` command line (``argv``, default ``sys.argv``) with ``overrides`` (``key=value``)
-    in place of its own overrides of the same keys; None when the process is not ``asyncgrpo train`` (the
-    Python API) or is a sweep (``-m``)."""
+    in place of its own overrides of the same keys, after this run's `USER_ENV` settings (``environ``, default
+    ``os.environ``); None when the process is not ``asyncgrpo train`` (the Python API) or is a sweep (``-m``)."""
     argv = list(sys.argv if argv is None else argv)
     launcher = _launcher(argv)
     if launcher is None:
         return None
     keys = {o.split("=", 1)[0] for o in overrides}
     kept = [a for a in argv[2:] if a.lstrip("+~").split("=", 1)[0] not in keys and a not in NOT_REPEATED]
-    return shlex.join([*launcher, "train", *kept, *overrides])
+    return _command([*launcher, "train", *kept, *overrides], environ)
 
 
-def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str:
+def resume_command(checkpoint: str | Path, argv: list[str] | None = None,
+                   environ: dict[str, str] | None = None) -> str:
     """The command that resumes this run from ``checkpoint``: this ``asyncgrpo train`` command line (``argv``,
-    default ``sys.argv``) with its overrides, its own ``trainer.resume_from_checkpoint`` replaced; only the
-    override itself when the process is not ``asyncgrpo train`` (the Python API) or is a sweep (``-m``)."""
+    default ``sys.argv``) with its overrides, its own ``trainer.resume_from_checkpoint`` replaced, after this
+    run's `USER_ENV` settings (``environ``, default ``os.environ``); only the override itself when the process is
+    not ``asyncgrpo train`` (the Python API) or is a sweep (``-m``)."""
     argv = list(sys.argv if argv is None else argv)
     override = f"trainer.resume_from_checkpoint={checkpoint}"
     launcher = _launcher(argv)
@@ -66,7 +88,7 @@ def resume_command(checkpoint: str | Path, argv: list[str] | None = None) -> str
         return override
     kept = [a for a in argv[2:] if not a.lstrip("+~").startswith("trainer.resume_from_checkpoint=")
             and a not in NOT_REPEATED]
-    return shlex.join([*launcher, "train", *kept, override])
+    return _command([*launcher, "train", *kept, override], environ)
 
 
 def resume_command_from_env(checkpoint: str | Path, environ: dict[str, str] | None = None) -> str:
@@ -82,7 +104,7 @@ def resume_command_from_env(checkpoint: str | Path, environ: dict[str, str] | No
         argv = None
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         argv = ["python"]  # not `asyncgrpo train`: the override alone
-    return resume_command(checkpoint, argv)
+    return resume_command(checkpoint, argv, environ)
 
 
 def earlier_run(output_dir: Path) -> tuple[Path | None, bool]:

@@ -495,8 +495,11 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
     assert not out.exists()
 
 
-def test_the_resume_line_repeats_the_command_with_its_overrides():
-    from asyncgrpo_cli.run.folder import resume_command
+def test_the_resume_line_repeats_the_command_with_its_overrides(monkeypatch):
+    from asyncgrpo_cli.run.folder import USER_ENV, resume_command
+
+    for name in USER_ENV:
+        monkeypatch.delenv(name, raising=False)
 
     argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.output_dir=/tmp/a b", "trainer.max_steps=20",
             "trainer.resume_from_checkpoint=/tmp/a b/checkpoint-2"]
@@ -515,6 +518,34 @@ def test_the_resume_line_repeats_the_command_with_its_overrides():
     assert train_command(["trainer.max_steps=16"], ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "--dry-run",
                                                     "trainer.max_steps=8"]) == \
         "asyncgrpo train +recipe=smoke trainer.max_steps=16"
+
+
+def test_printed_commands_set_the_environment_settings_the_run_had(monkeypatch):
+    # A run started with ASYNCGRPO_CACHE=... finds its exported model there: the command that resumes it (console,
+    # status.json) sets it too; values are quoted, names stay assignments; nothing else of the environment shows.
+    from asyncgrpo_cli.run.folder import resume_command, resume_command_from_env, train_command
+
+    monkeypatch.setenv("ASYNCGRPO_CACHE", "/data/my cache")
+    monkeypatch.setenv("ASYNCGRPO_MATH_VERIFY_WORKERS", "2")
+    monkeypatch.delenv("ASYNCGRPO_GDN_KERNEL", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    argv = ["/venv/bin/asyncgrpo", "train", "+recipe=smoke"]
+    line = resume_command("/c/checkpoint-5", argv)
+    assert line == ("ASYNCGRPO_CACHE='/data/my cache' ASYNCGRPO_MATH_VERIFY_WORKERS=2 asyncgrpo train +recipe=smoke "
+                    "trainer.resume_from_checkpoint=/c/checkpoint-5")
+    assert train_command(["trainer.max_steps=16"], argv).startswith("ASYNCGRPO_CACHE='/data/my cache' ")
+    env = {"ASYNCGRPO_TRAIN_ARGV": '["/venv/bin/asyncgrpo", "train", "+recipe=smoke"]', "ASYNCGRPO_CACHE": "/x"}
+    assert resume_command_from_env("/c/checkpoint-5", env) == \
+        "ASYNCGRPO_CACHE=/x asyncgrpo train +recipe=smoke trainer.resume_from_checkpoint=/c/checkpoint-5"
+    assert "hf_secret" not in line
+    assert resume_command("/c/checkpoint-5", ["pytest"]) == "trainer.resume_from_checkpoint=/c/checkpoint-5"
+    import shlex
+    import subprocess
+
+    shown = subprocess.run(["bash", "-c", line.replace("asyncgrpo train", "printenv ASYNCGRPO_CACHE #", 1)],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert shown == "/data/my cache\n", shown  # a shell reads the prefix as an assignment for the command
+    assert shlex.split(line)[0] == "ASYNCGRPO_CACHE=/data/my cache"
 
 
 def test_a_plan_that_cannot_run_here_is_a_configuration_refusal(make_cfg):
