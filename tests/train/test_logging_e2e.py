@@ -160,7 +160,11 @@ def test_what_held_the_rollout_producer_is_logged_as_shares_of_the_window(run):
     # in all; rollout/deadline_admission says whether the staleness schedule's deadline rule is on.
     from asyncgrpo_cli.rollout.holds import HOLD_GATES, held_metric
 
-    for w in windows(run["out"]):
+    # A window may hold no snapshot of the worker's (the last one, once generation stopped, on a loaded machine),
+    # as for rollout/concurrency: every window that has them is checked, and one at least must.
+    logged = [w for w in windows(run["out"]) if held_metric("allowance") in w]
+    assert logged, "rollout/held_*_frac never logged"
+    for w in logged:
         shares = [w[held_metric(g)] for g in HOLD_GATES]
         assert all(0.0 <= s <= 1.0 for s in shares), (w["step"], shares)
         assert sum(shares) <= 1.0 + 1e-6, (w["step"], shares)
