@@ -34,7 +34,8 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Numbers behind the words of SPEC's tables (see the module docstring)."""
+    """Numbers behind the words of SPEC's tables (`asyncgrpo_cli.dashboard.diagnosis`'s docstring says what each
+    means)."""
 
     high_wait_frac: float = 0.20
     zero_wait_frac: float = 0.05

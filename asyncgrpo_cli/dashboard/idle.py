@@ -63,8 +63,6 @@ NUM_SEQS_FLAGS = ("--max-num-seqs", "--max_num_seqs")
 BUDGET_ROUND = 256
 
 
-
-
 def _is_eager(args: Iterable[str]) -> bool:
     """Whether ``--enforce-eager`` is on in vLLM's extra args (``--enforce-eager=false`` is not)."""
     for a in args:
