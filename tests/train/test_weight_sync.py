@@ -436,6 +436,40 @@ def test_embedded_failure_resumes_names_route_and_drains(model_dir, tmp_path, fa
     assert not (tmp_path / ".weights").exists()
 
 
+def test_two_trainers_syncing_to_one_server_keep_their_own_files(model_dir, tmp_path):
+    """Two runs on one embedded server write into its one weights folder at the same model version: the
+    second's whole sync runs while the server reads the first's bucket, and neither overwrites nor deletes
+    the other's file (CI once failed on a shared ``v0-00000.safetensors``)."""
+    folder = tmp_path / ".weights"
+    seen: list[tuple[str, bool, list[str]]] = []
+
+    class Reader(FakeClient):
+        def __init__(self, name: str, inner=None) -> None:
+            super().__init__()
+            self.broadcast_started.set()
+            self.name, self.inner = name, inner
+
+        def update_weights(self, info: dict) -> None:
+            if self.inner is not None and not seen:
+                self.inner()  # the other trainer's sync, start to end, between our write and the server's read
+            path, keys = Path(info["path"]), []
+            if path.is_file():
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = sorted(f.keys())
+            seen.append((self.name, path.is_file(), keys))
+            assert path.resolve().is_relative_to(folder.resolve())
+
+    first = FullWeightSource(load(model_dir), bucket_bytes=16_384)
+    second = EmbeddedPathSync(Reader("second"), folder)
+    backend = EmbeddedPathSync(Reader("first", inner=lambda: second.sync(FullWeightSource(load(model_dir), bucket_bytes=10**9), 0)),
+                               folder)
+    backend.sync(first, 0)
+    assert seen[0][0] == "second" and seen[1][0] == "first"
+    assert all(is_file for _, is_file, _ in seen), seen
+    assert seen[1][2] == sorted(name for name, _ in next(iter(FullWeightSource(load(model_dir), bucket_bytes=16_384).buckets())))
+    assert not folder.exists()  # both private folders and the shared one are gone
+
+
 def test_embedded_resume_failure_does_not_hide_first_error(model_dir, tmp_path):
     class TwoFailures(FakeClient):
         def resume(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +39,33 @@ def _remove_if_empty(folder: Path) -> None:
         pass
 
 
+def _private_folder(parent: Path, version: int) -> tuple[Path, bool]:
+    """A new folder of this sync's own inside ``parent`` (``v{version}-XXXXXXXX``), and whether ``parent``
+    had to be created. Two trainers may publish to one server (one folder): with private folders neither
+    overwrites nor deletes the other's bucket files. ``parent`` removed by another writer between our
+    ``mkdir`` and ``mkdtemp`` is made again (a few tries)."""
+    created = False
+    for _ in range(5):
+        created = created or not parent.exists()
+        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"v{version}-", dir=parent)), created
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"{parent} keeps disappearing while a weight sync makes its folder in it")
+
+
 class EmbeddedPathSync(WeightSyncBackend):
     """Merged/full-weight sync to the embedded sampler (``"server": "asyncgrpo-embedded"``).
 
     Per sync: ``/server_info`` (the folder the server reads from, `embedded_weights_dir`) →
     ``/pause?mode=keep`` → ``/start_weight_update`` → for each bucket, write
-    ``<weights_dir>/v{version}-{i}.safetensors`` and ``POST /update_weights`` with
+    ``<weights_dir>/v{version}-XXXXXXXX/{i:05d}.safetensors`` (a folder private to this sync, so two
+    trainers sharing one server never touch each other's files) and ``POST /update_weights`` with
     ``{"names", "dtype_names", "shapes", "path"}``, deleting the file once the server has
     copied it → ``/finish_weight_update`` (``weight_version = str(version)``) →
-    ``/reset_prefix_cache`` → ``/resume``. Disk use is one bucket at a time.
+    ``/reset_prefix_cache`` → ``/resume``. Disk use is one bucket at a time; the private folder is
+    removed after the sync.
 
     Args:
         client: `SyncSamplerClient` of the embedded server.
@@ -82,15 +101,14 @@ class EmbeddedPathSync(WeightSyncBackend):
         timings = SyncTimings()
         start = now()
         self._follow_server(version)
-        created = not self.weights_dir.exists()
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        folder, created = _private_folder(self.weights_dir, version)
         buckets = source.buckets()
         try:
             with self.paused(version, timings):
                 t0 = now()
                 self.call("/start_weight_update", version, self.client.start_weight_update)
                 for index, bucket in enumerate(buckets):
-                    path = self.weights_dir / f"v{version}-{index:05d}.safetensors"
+                    path = folder / f"{index:05d}.safetensors"
                     tensors = {name: _owned_cpu(t) for name, t in bucket}
                     try:
                         save_file(tensors, str(path))
@@ -110,6 +128,7 @@ class EmbeddedPathSync(WeightSyncBackend):
             drain_quietly(buckets)
             raise
         finally:
+            _remove_if_empty(folder)
             if created:
                 _remove_if_empty(self.weights_dir)
         timings.total_s = now() - start
