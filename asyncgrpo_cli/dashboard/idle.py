@@ -22,8 +22,10 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    scaled by cap / admitted (at least one more step's worth), the budget rounded up to 256 tokens.
    ``trainer_idle_deadline`` instead when deadline admission held the rollout producer (`rollout.holds`):
    ``rollout/held_deadline_frac`` at least ``high_wait_frac`` (20%) and above ``rollout/held_allowance_frac``.
-   Fix: ``max_staleness`` one higher, or with ``in_flight_estimate=mean`` and ``frac_reward_zero_std`` from
-   ``zero_std_high`` (0.5), ``staleness.in_flight_estimate=kept``.
+   Fix: ``max_staleness`` one higher (deadline admission already counts a rollout in flight at what it is
+   expected to queue, so ``in_flight_estimate`` does not loosen it), and with ``in_flight_estimate=mean`` and
+   ``frac_reward_zero_std`` from ``zero_std_high`` (0.5), ``staleness.in_flight_estimate=kept`` for the allowance
+   that binds next.
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
 6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
@@ -147,12 +149,12 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) 
     flight = f"; {conc:.0f} rollouts in flight" + (f", cap {cap:.0f}" if cap is not None else "") if conc is not None else ""
     why = (f"deadline admission holds generation back {deadline:.0%} of the time{flight} (on since a sample was "
            "dropped stale: a group starts only if every group in flight can still be trained after all that is "
-           "committed, every rollout in flight counted)")
+           "committed, each rollout in flight counted at what it is expected to queue)")
     fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
     zero = num(m, "frac_reward_zero_std")
     if s.in_flight_estimate == "mean" and zero is not None and zero >= th.zero_std_high:
-        fix += (f" or staleness.in_flight_estimate=kept ({zero:.0%} of groups are discarded, never trained, yet "
-                "each of their rollouts counts in full)")
+        fix += (f", with staleness.in_flight_estimate=kept ({zero:.0%} of groups are discarded, never trained, yet "
+                "each of their rollouts counts in full against the allowance, which binds next)")
     return "trainer_idle_deadline", why, fix
 
 

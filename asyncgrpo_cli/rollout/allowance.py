@@ -281,11 +281,20 @@ class TokenAllowance:
         ``[kept_floor × mean, mean]``, the plain mean until the decided groups hold ``kept_min_decided``
         rollouts (class docstring).
         """
+        if self.in_flight_estimate == "mean":
+            return self.tokens_per_rollout
+        return self.expected_kept_tokens_per_rollout
+
+    @property
+    def expected_kept_tokens_per_rollout(self) -> float | None:
+        """Sample tokens one rollout in flight is expected to put in the rollout queue, whatever
+        ``in_flight_estimate`` is: :attr:`kept_tokens_per_rollout` clamped to ``[kept_floor × mean, mean]``, the
+        plain mean until the decided groups hold ``kept_min_decided`` rollouts (class docstring); ``None`` before
+        any rollout finished. ``"kept"`` counts rollouts in flight against the allowance at this figure; deadline
+        admission (`StaleSchedule.can_admit`) always does, since it compares with tokens the trainer pulls."""
         mean = self.tokens_per_rollout
-        if mean is None or self.in_flight_estimate == "mean":
-            return mean
         kept = self.kept_tokens_per_rollout
-        if kept is None or self._decided_rollouts_total < self.kept_min_decided:
+        if mean is None or kept is None or self._decided_rollouts_total < self.kept_min_decided:
             return mean
         return min(mean, max(kept, self.kept_floor * mean))
 
@@ -299,6 +308,16 @@ class TokenAllowance:
     def committed_tokens(self) -> float:
         """Queued + finished + estimated in-flight sample tokens: what counts against the allowance."""
         return self._queued_tokens + self._finished_tokens + self.in_flight_tokens
+
+    @property
+    def expected_queue_tokens(self) -> float:
+        """Queued + finished + in-flight rollouts × :attr:`expected_kept_tokens_per_rollout`: the sample tokens the
+        trainer is expected to pull from what is committed now (a finished rollout of a group not yet decided
+        counts in full). What deadline admission counts (`StaleSchedule.can_admit`); equal to
+        :attr:`committed_tokens` with ``in_flight_estimate="kept"``."""
+        per_rollout = self.expected_kept_tokens_per_rollout
+        in_flight = 0.0 if per_rollout is None else self._rollouts_in_flight * per_rollout
+        return self._queued_tokens + self._finished_tokens + in_flight
 
     # ------------------------------------------------------------------ decision
     def can_start_group(self, allowance: float) -> bool:

@@ -443,7 +443,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                     break  # else the trainer closed its step while this group waited: wait for the next round
             self.allowance.on_group_started(G)
             self.schedule.on_group_started(self._group_counter, int(self.model_version_value.value),
-                                           G * (self.allowance.in_flight_tokens_per_rollout or 0.0))
+                                           G * (self.allowance.expected_kept_tokens_per_rollout or 0.0))
             if self.rounds is not None:
                 self.rounds.on_group_started(self._group_counter, int(self.model_version_value.value), G)
             self._waiting_rollouts += G

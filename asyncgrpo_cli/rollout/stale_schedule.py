@@ -16,7 +16,8 @@ flight (a group starts only when both agree):
   starts only if (a) for every group in flight, the tokens committed ahead of it (everything committed but its
   own estimate, counted pessimistically as pulled first) plus the new group's estimate fit its headroom, and (b)
   the new group itself, pulled after everything committed, fits its own headroom (stamped at the current
-  version). ``tokens_per_version`` is the smallest of the last `RECENT_STEPS` distinct estimates, since steps
+  version). Tokens committed are counted as the trainer will pull them: a rollout in flight at what it is expected
+  to put in the queue (groups dropped for zero reward std are never pulled). ``tokens_per_version`` is the smallest of the last `RECENT_STEPS` distinct estimates, since steps
   differ (a row of long samples holds fewer of them). When a long group nears its deadline, generation stops
   adding short work that would overtake it, the queue drains, and the trainer's version waits for the long group
   instead of leaving it behind. While nothing is in flight a group always starts, so admission cannot stall.
@@ -84,8 +85,8 @@ class StaleSchedule:
         max_staleness: weight updates a sample may lag (>= 0), as the trainer's drop rule uses it.
         max_retries: how often one prompt may be generated again after coming back stale (>= 0).
         headroom_margin: versions' worth of tokens kept in reserve by deadline admission (>= 0), for what its
-            estimates miss (each in-flight rollout counts as the allowance's estimate,
-            `TokenAllowance.in_flight_tokens_per_rollout`; the last step stands for the next).
+            estimates miss (each in-flight rollout counts as what it is expected to put in the queue,
+            `TokenAllowance.expected_kept_tokens_per_rollout`; the last step stands for the next).
 
     Raises:
         TypeError / ValueError: an argument is not an int or is negative.
@@ -195,7 +196,9 @@ class StaleSchedule:
         """Whether a new group may start without pushing a group in flight past its deadline.
 
         Args:
-            committed_tokens: the allowance's queued + finished + estimated in-flight sample tokens.
+            committed_tokens: the sample tokens the trainer is expected to pull from what is queued, finished
+                or in flight (`TokenAllowance.expected_queue_tokens`: a rollout in flight counts as what it is
+                expected to put in the queue, since groups dropped for zero reward std are never pulled).
             new_group_tokens: the new group's estimated sample tokens (0 while no rollout has finished).
             tokens_per_version: sample tokens the trainer consumes per weight update (the published allowance
                 divided by ``max(max_staleness, 1)``: ``weight_sync_steps`` steps of the last step's tokens).

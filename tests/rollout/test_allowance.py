@@ -315,3 +315,26 @@ def test_the_config_and_the_allowance_know_the_same_estimates():
     from asyncgrpo_cli.config import rules
 
     assert rules.IN_FLIGHT_ESTIMATES == IN_FLIGHT_ESTIMATES
+
+
+def test_expected_queue_tokens_counts_rollouts_in_flight_at_the_keep_rate_whatever_the_estimate():
+    """Deadline admission compares with tokens the trainer pulls, so it counts a rollout in flight at what it is
+    expected to queue (25 here: three of four groups dropped) even when the allowance keeps B.4's mean (100)."""
+    mean, kept = TokenAllowance("mean", kept_min_decided=1), TokenAllowance("kept", kept_min_decided=1)
+    for a in (mean, kept):
+        _group(a, [100, 100], kept=True)
+        for _ in range(3):
+            _group(a, [100, 100], kept=False)
+        a.on_samples_consumed(200)
+        a.on_group_started(8)
+        a.on_rollout_finished(40)  # one back, its group not yet decided: counts in full
+        assert a.expected_kept_tokens_per_rollout == pytest.approx(25.0)
+        assert a.expected_queue_tokens == pytest.approx(40 + 7 * 25.0)
+    assert mean.committed_tokens == pytest.approx(40 + 7 * mean.tokens_per_rollout)  # the allowance: B.4, unchanged
+    assert kept.committed_tokens == pytest.approx(kept.expected_queue_tokens)
+    fresh = TokenAllowance("mean")
+    assert fresh.expected_kept_tokens_per_rollout is None and fresh.expected_queue_tokens == 0
+    fresh.on_group_started(2)
+    fresh.on_rollout_finished(30)
+    assert fresh.expected_kept_tokens_per_rollout == pytest.approx(30.0)  # the plain mean until 64 are decided
+    assert fresh.expected_queue_tokens == pytest.approx(30 + 30.0)

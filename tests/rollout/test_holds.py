@@ -131,7 +131,7 @@ def test_an_idle_trainer_held_by_deadline_admission_names_it_with_its_fixes():
     assert d.rule == "trainer_idle_deadline"
     assert "deadline admission holds generation back 70% of the time; 150 rollouts in flight, cap 1024" in d.text
     assert "fix: staleness.max_staleness=3" in d.text
-    assert "or staleness.in_flight_estimate=kept (72% of groups are discarded" in d.text
+    assert ", with staleness.in_flight_estimate=kept (72% of groups are discarded" in d.text
     kept = trainer_idle(h, RunSettings(max_staleness=2, max_concurrent_rollouts=1024, in_flight_estimate="kept"))
     assert kept.rule == "trainer_idle_deadline" and "in_flight_estimate" not in kept.text
 

@@ -350,6 +350,54 @@ def test_a_sample_the_trainer_drops_turns_deadline_admission_on(tmp_path):
     assert loop.schedule.deadline_admission
 
 
+def test_deadline_admission_counts_dropped_groups_as_never_pulled(tmp_path):
+    """The one-GPU job on the H200: deadline admission on since step 9, 65-75% of groups dropped for zero reward
+    std, and 100-220 rollouts in flight of 1,024 allowed, because every rollout in flight counted at the plain mean.
+    The gate counts them at what they are expected to queue; the allowance (SPEC B.4) keeps the mean."""
+    import queue
+    import threading
+
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+    from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop
+
+    class _Value:
+        def __init__(self, value):
+            self.value = value
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=8, max_completion_length=64, max_staleness=2,
+                          vllm_server_base_url="http://127.0.0.1:1", max_concurrent_rollouts=1024, report_to="none")
+    loop = AsyncRolloutLoop(cfg, "m", [], [], None, [0], queue.Queue(), _Value(0), _Value(1e9), _Value(0.0),
+                            threading.Event(), queue.Queue(), queue.Queue(), consumed_tokens_value=_Value(0.0))
+    a, s = loop.allowance, loop.schedule
+    assert a.in_flight_estimate == "mean"
+    for i in range(8):  # 64 rollouts decided, 100 sample tokens each; one group in four kept
+        a.on_group_started(8)
+        for _ in range(8):
+            a.on_rollout_finished(100)
+        a.on_group_finished()
+        (a.on_samples_queued if i % 4 == 0 else a.on_samples_discarded)(800, rollouts=8)
+    a.on_samples_consumed(1600)
+    s.observe(2, 1600.0)  # the trainer at version 2: groups stamped 0 have 0.75 versions of headroom left
+    s.on_dropped_stale()  # deadline admission on
+    allowance = 40_000.0  # 2 versions of 20,000 sample tokens: 400 rollouts at the mean of 100
+    started = 0
+    while (gate := loop._admission_gate(allowance)) is None:
+        a.on_group_started(8)
+        s.on_group_started(started, 0, 8 * a.expected_kept_tokens_per_rollout)
+        started += 8
+    assert a.expected_kept_tokens_per_rollout == pytest.approx(25.0)
+    # Counted at the mean, groups stamped 0 would hold generation at 152 rollouts (0.75 x 20,000 / 100); counted at
+    # what they queue (25 each) the deadline allows 600, and the allowance (B.4, at the mean) binds first.
+    assert (gate, started) == ("allowance", 400)
+    assert a.expected_queue_tokens == pytest.approx(400 * 25.0) and a.committed_tokens == pytest.approx(40_000.0)
+    a.in_flight_estimate = "kept"  # the opt-in lifts the allowance too: now the deadline binds, at 608
+    while (gate := loop._admission_gate(allowance)) is None:
+        a.on_group_started(8)
+        s.on_group_started(started, 0, 8 * a.expected_kept_tokens_per_rollout)
+        started += 8
+    assert (gate, started) == ("deadline", 608)
+
+
 def test_a_step_whose_every_sample_went_stale_is_not_trained():
     # An optimizer step on no sample would still move the weights (AdamW's momentum) and age what is in flight.
     from types import SimpleNamespace
