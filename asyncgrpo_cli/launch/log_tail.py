@@ -22,6 +22,9 @@ _TRACEBACK = "Traceback (most recent call last):"
 _CALLED_PROCESS = re.compile(r"^subprocess\.CalledProcessError: Command .* "
                              r"(returned non-zero exit status|died with <Signals)")
 _DIED_WITH = re.compile(r"died with <Signals\.(SIG\w+): \d+>")
+_EXIT_STATUS = re.compile(r"^subprocess\.CalledProcessError: Command .* returned non-zero exit status (\d+)\.?$")
+#: Exit statuses of a trainer that stopped as asked (SIGINT / SIGTERM: checkpoint, then stop; `train.main`).
+STOPPED_STATUSES = (130, 143)
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 # At a line's start, or glued to a progress bar that the error interrupted (tqdm ends its bar with "]" and no
 # newline: "\r 12%|█▎ | 1/8 [00:37<04:24, 37.76s/it]error: ...").
@@ -159,6 +162,31 @@ def killed_by(path: str | Path) -> str | None:
         if found:
             return found.group(1)
     return None
+
+
+def launcher_reported_status(path: str | Path) -> int | None:
+    """The trainer's own exit status as its single-process launcher reported it last in the log (accelerate's
+    ``CalledProcessError ... returned non-zero exit status 130``: the launcher itself then exits with 1); None
+    when the log holds no such report."""
+    for line in reversed(tail_lines(path, 200)):
+        found = _EXIT_STATUS.match(line.strip())
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def note_requested_stop(path: str | Path) -> bool:
+    """After the supervisor asked the trainer to stop: when the launcher's report ends the log with the trainer's
+    exit status 130 or 143 (`STOPPED_STATUSES`), add a line saying so, since a bare ``CalledProcessError``
+    traceback reads as a crash (fresh-user trial). Returns whether the line was added; the log is otherwise left
+    as it is."""
+    status = launcher_reported_status(path)
+    if status not in STOPPED_STATUSES:
+        return False
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"asyncgrpo: the trainer stopped as asked (exit status {status}); the launcher's traceback above "
+                  "reports only that status, not a crash\n")
+    return True
 
 
 def failure_cause(lines: list[str]) -> str | None:

@@ -64,7 +64,8 @@ from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_ru
                    output_dir_of, resolved_config)
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
 from .child import Child  # noqa: F401 - re-exported
-from .log_tail import failure_cause, killed_by, tail_lines, without_tracebacks
+from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
+                       without_tracebacks)
 from .preflight import (_check_run_lock, check_server_port, free_port, health_refused, port_in_use,  # noqa: F401
                         probe_health)
 from ..server.command import ServerCommand, resolve_vllm_program
@@ -474,8 +475,10 @@ class Supervisor:
             n = self.plan.accelerate.get("num_processes", 1)
             rc = self.trainer.poll()
             paused = self.trainer.stopped_pid() if rc is None else None
+            own = launcher_reported_status(self.trainer.log_path) if rc else None  # accelerate exits 1 for any
             table.append(ProcessInfo("trainer", self.trainer.pid, rc is None,
                                      f"{n} process(es)" + (f", exit code {rc}" if rc is not None else "")
+                                     + (f" (the trainer's {own})" if own is not None else "")
                                      + "  log: logs/trainer.log" + (
                                          f"  (pid {paused} stopped by SIGSTOP or Ctrl-Z: kill -CONT {paused} "
                                          "continues it)" if paused is not None else ""), stopped=paused is not None))
@@ -611,6 +614,8 @@ class Supervisor:
                         child.popen.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
+            if child is self.trainer and child.poll() is not None:
+                note_requested_stop(child.log_path)
         # The leader and the ranks are gone: give the rest of the group a moment, then kill it.
         if child.group_alive():
             child.signal_group(signal.SIGTERM)

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from asyncgrpo_cli.launch.log_tail import (failure_cause, failure_tail, killed_by, launcher_report_removed,
-                                           without_tracebacks)
+                                           launcher_reported_status, note_requested_stop, without_tracebacks)
 
 TORCHRUN_REPORT = """\
 Traceback (most recent call last):
@@ -160,3 +160,28 @@ def test_a_trainer_killed_under_accelerate_116_with_stdout_glued_to_its_bars(tmp
     assert failure_cause(lines) is None, lines  # nothing but the kill: the supervisor's "killed by SIGKILL" says it
     assert not any(ln.startswith("RuntimeError") or ln.startswith("The above") or "%|" in ln for ln in lines), lines
     assert any(ln.startswith("step 2/40 |") for ln in lines), lines
+
+
+def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tmp_path):
+    """Fresh-user trial: after Ctrl-C, accelerate's ``CalledProcessError ... exit status 130`` ended trainer.log
+    and read like a crash. The supervisor adds one line saying the trainer stopped as asked; other ends get none."""
+    script = tmp_path / "stop.py"
+    script.write_text("import sys\nprint('checkpoint saved')\nsys.exit(130)\n")
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert rc == 1 and "CalledProcessError" in log.read_text()  # accelerate's own exit and report
+    assert launcher_reported_status(log) == 130
+    assert note_requested_stop(log)
+    assert log.read_text().splitlines()[-1] == ("asyncgrpo: the trainer stopped as asked (exit status 130); the "
+                                                "launcher's traceback above reports only that status, not a crash")
+    crashed = tmp_path / "crashed.log"
+    crashed.write_text("\n".join(["RuntimeError: boom", "subprocess.CalledProcessError: Command '['python', "
+                                  "'-m', 'x']' returned non-zero exit status 1."]) + "\n")
+    assert launcher_reported_status(crashed) == 1 and not note_requested_stop(crashed)
+    assert crashed.read_text().endswith("exit status 1.\n")
+    plain = tmp_path / "plain.log"
+    plain.write_text("step 1\n")
+    assert launcher_reported_status(plain) is None and not note_requested_stop(plain)
