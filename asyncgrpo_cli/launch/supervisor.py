@@ -295,7 +295,8 @@ class Supervisor:
         plan.config_path.write_text(to_yaml(cfg))
         plan.accelerate_config_path.write_text(accelerate_config_yaml(plan.accelerate))
         self._make_dashboard()
-
+        self.console.print(f"this job: pid {os.getpid()} (Ctrl-C or `kill -INT {os.getpid()}` saves a checkpoint and "
+                           "stops; a second signal stops at once)", markup=False, highlight=False, soft_wrap=True)
         if plan.server is not None:
             try:
                 argv = self._argv("server", server_exec_argv(plan.server))

@@ -596,6 +596,8 @@ def test_a_silent_server_is_named_by_the_pid_the_job_started_it_with(make_cfg, t
     assert rc == 0, text
     server_pid = read_pid(pids / "server.pid")
     assert f"started the server (pid {server_pid})" in text, text
+    # the job's own pid too, with how to stop it (fresh-user trial: only the children's pids were printed)
+    assert f"this job: pid {os.getpid()} (Ctrl-C or `kill -INT {os.getpid()}` saves a checkpoint" in text, text
     line = _silent_server_line(text)
     assert line.startswith("server not answering: no answer to GET /health from the server "
                            f"(pid {server_pid}) for 16 s"), text
