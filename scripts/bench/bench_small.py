@@ -3,6 +3,7 @@
     python scripts/bench/bench_small.py --out scripts/bench/results              # SmolLM2-135M shape, the job's rows
     python scripts/bench/bench_small.py --compile --out scripts/bench/results    # trainer.torch_compile=true
     python scripts/bench/bench_small.py --device cpu --shape tiny --out /tmp/benchout   # checks the script only
+    python scripts/bench/bench_small.py --pack-only --device cpu --label NAME --out DIR   # pack_row alone, host
 
 The model: ``recipes/arith_vllm_1gpu.yaml`` trains SmolLM2-135M-Instruct (``bench_packing.SHAPES["smollm2-135m"]``,
 a Llama: hidden 576, 30 layers, 9 query / 3 KV heads of 64, intermediate 1536, vocabulary 49,152, tied embeddings,
@@ -29,6 +30,9 @@ NOTES_host_syncs.md), timed with CUDA
 events after warm-up, median of ``--steps``. ``mfu_as_logged`` is ``perf/fwd_bwd_mfu``'s formula
 (``asyncgrpo_cli.train.perf``). Writes ``E1t_<shape>[_bf16][_compiled].json`` and prints a table. ``--profile DIR``
 writes the bucketed torch.profiler tables of the early row (``bench_packing.profile_variant``).
+
+``--pack-only`` times the host half alone: ``pack_row`` of each row, median of ``--steps`` calls, no model and no
+GPU; it writes ``E1t_pack_<shape>[_<label>].json`` (run one code tree, then another, on one machine to compare).
 
 Imports: torch, transformers, ``asyncgrpo_cli.train`` and ``bench_packing`` only (no hydra/omegaconf/datasets).
 """
@@ -118,6 +122,35 @@ def pack_seconds(samples: list, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def pack_only(ns: argparse.Namespace, size: str, kinds: list[str]) -> int:
+    """``--pack-only``: ``pack_row`` seconds per row kind (median of ``ns.steps`` calls) to
+    ``E1t_pack_<shape>[_<label>].json``; the git commit of the tree that ran is in the file."""
+    import subprocess
+
+    figures = {}
+    for kind in kinds:
+        samples = job_row(kind, size)
+        pack_row(samples)  # warm-up
+        figures[kind] = dict(**row_stats(samples), pack_row_s=pack_seconds(samples, max(ns.steps, 3)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bp.ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "asyncgrpo_cli"], cwd=bp.ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    result = dict(bp.run_meta(ns.shape), target_id="E1t_pack", label=ns.label or None, commit=commit,
+                  uncommitted_changes=dirty, steps=max(ns.steps, 3), timing="perf_counter, median",
+                  command=" ".join(sys.argv), figures=figures,
+                  pack_row_s={k: v["pack_row_s"] for k, v in figures.items()})
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"E1t_pack_{ns.shape}{'_' + ns.label if ns.label else ''}.json"
+    path.write_text(json.dumps(result, indent=1))
+    for kind, f in figures.items():
+        print(f"{kind:10} {f['groups']:6} groups {f['forwarded_tokens']:7} fwd tokens {f['segments']:5} segments "
+              f"pack_row {f['pack_row_s'] * 1e3:7.1f} ms")
+    print(f"-> {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(bp.SHAPES))
@@ -129,11 +162,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(bp.ROOT / "scripts" / "bench" / "results"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script")
+    ap.add_argument("--pack-only", action="store_true", help="time pack_row of each row alone (host; no model)")
+    ap.add_argument("--label", default="", help="--pack-only: a name for the code tree, in the file name")
     bp.add_profile_args(ap)
     ns = ap.parse_args()
     bp.configure(ns.device, ns.shape)
     size = "tiny" if ns.shape == "tiny" else "full"
     kinds = [k for k in ns.rows.split(",") if k]
+    if ns.pack_only:
+        return pack_only(ns, size, kinds)
     if "early" not in kinds:
         sys.exit(f"--rows {ns.rows}: the early row is E1t's figure; keep it")
     # --precision on a CPU: fp32 weights either way (as the other benches), bf16 autocast only with "autocast"

@@ -193,6 +193,13 @@ def test_bad_samples_are_rejected_with_the_field_named():
     bad.sampler_top_ids = [[], [1]]
     with pytest.raises(ValueError, match="sampler_top_ids"):
         pack_row([bad])
+    # top ids and log-probs of one trained token that do not pair up: the sample and token are named
+    ok = seq([1, 2, 3], tops=[[], [2, 5], [3, 6]])
+    unpaired = seq([1, 4, 5, 6], tops=[[], [4, 7], [5, 8], [6, 9]])
+    unpaired.sampler_top_logprobs[2] = [-1.0]
+    with pytest.raises(ValueError, match=r"samples\[1\] token 2: sampler_top_ids has 2 ids but "
+                                         r"sampler_top_logprobs 1 values; they must pair up"):
+        pack_row([ok, unpaired])
 
 
 def test_empty_row():
