@@ -49,6 +49,7 @@ FIELD_PATHS: dict[str, str] = {
     "vllm_server_timeout": "sampler.timeout",
     "weight_transfer_address": "sampler.weight_transfer_address",
     "weight_transfer_port": "sampler.weight_transfer_port",
+    "check_weight_sync": "sampler.check_weight_sync",
     "log_completions": "logging.log_completions",
     "num_completions_to_print": "logging.num_completions_to_print",
 }

@@ -31,6 +31,8 @@ ASYNC_GRPO_FIELDS = (
     "group_requests", "request_seeds",
     # The staleness allowance's estimate of a rollout in flight (issue #41; README: Staleness and concurrency):
     "in_flight_estimate",
+    # The start-up check that a weight sync takes effect on the server (issue #44; README: GPUs, weight sync and LoRA):
+    "check_weight_sync",
 )
 
 
@@ -179,6 +181,10 @@ class AsyncGRPOConfig(TrainingArguments):
                 "sampling filters or overridden generate_one / generate_one_turn); False: one request per rollout."})
     request_seeds: bool = field(default=True, metadata={
         "help": "A unique seed with every request (SPEC §3.1); False lets the server draw them (one engine only)."})
+    check_weight_sync: bool = field(default=False, metadata={
+        "help": "At start, check that a weight sync takes effect on the server (perturb the weights, sync, compare "
+                "the server's log-probs of a probe with the trainer's, restore, sync) and stop with the figures if "
+                "not; then log weight_sync/probe_gap after every sync. Full-weight sync only (README: GPUs, weight sync and LoRA)."})
 
     def __post_init__(self) -> None:
         import torch

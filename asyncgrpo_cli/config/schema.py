@@ -311,6 +311,13 @@ class SamplerConfig:
     weight_transfer_port: Optional[int] = None
     """Port of that NCCL rendezvous (vLLM's ``master_port``; ``weight_transfer_port``), e.g. one a firewall
     lets through; None = a free port picked at start."""
+    check_weight_sync: bool = False
+    """At start, after the first weight sync: perturb the trainer's weights, sync, and check with a probe (a short
+    completion at temperature 1) that the server's log-probs follow the trainer's; restore the weights exactly,
+    sync, check again; stop with the four figures when a sync did not take effect (a model class the server maps
+    differently, a weight it skips). Then ``weight_sync/probe_gap`` after every sync. Costs three syncs at start, a
+    short request per sync and host memory for one copy of the weights; full-weight sync only (README: GPUs,
+    weight sync and LoRA)."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""

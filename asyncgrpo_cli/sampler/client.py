@@ -708,3 +708,16 @@ class SyncSamplerClient:
     def unload_lora_adapter(self, name: str) -> None:
         """``POST /v1/unload_lora_adapter``."""
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def complete(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None = None) -> TurnResult:
+        """One completion of ``prompt_ids`` on ``/v1/completions``, blocking, with ``sampling.seed`` as its seed
+        (none when None): the trainer's weight-sync check (`asyncgrpo_cli.train.sync_check`), not the rollouts.
+
+        Raises:
+            SamplerRequestError / SamplerRetryError / SamplerUnavailableError / SamplerProtocolError: as
+            `AsyncSamplerClient.generate_turn`.
+        """
+        body = completion_body(prompt_ids, sampling, model, sampling.seed, 1)
+        response = self._send("POST", COMPLETIONS_ROUTE, body=body)
+        return parse_turns(COMPLETIONS_ROUTE, _json_body(COMPLETIONS_ROUTE, response), prompt_ids, sampling,
+                           sampling.seed, 1)[0]

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_progress_bars_without_terminal()  # logs/trainer.log: no raw 'Loading weights' / 'Writing model shards' bars
     from ..rollout.worker import RolloutWorkerError
     from .server_watch import ServerHungError
+    from .sync_check import WeightSyncCheckError
 
     _follow_supervisor(ns.config)
     try:
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     except ServerHungError as exc:  # the sampler server stopped answering: the message is the information
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except WeightSyncCheckError as exc:  # sampler.check_weight_sync: the four probe gaps are the information
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     return trainer.exit_code

@@ -310,6 +310,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             # Before the first request, fresh run or resume: the server may hold another run's weights (an
             # external server, a restarted job) or the base model; push the trainer's own as this version.
             self.weight_sync.sync(self.model_version)
+        self._check_weight_sync()
         if not self.is_world_process_zero():
             return
         per_micro_batch = (None if args.max_groups_per_step is None
@@ -361,6 +362,27 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         sync.init()
         return sync
 
+    def _check_weight_sync(self) -> None:
+        """``sampler.check_weight_sync``: `sync_check.SyncCheck.check_at_start` on every rank (full-weight sync
+        only); raises `sync_check.WeightSyncCheckError` when a sync did not take effect."""
+        from .sync_check import SyncCheck, probe_prompt, server_sample
+
+        self.sync_check = None
+        if not getattr(self.args, "check_weight_sync", False):
+            return
+        if self.weight_sync.mode == "adapter":
+            print("asyncgrpo: sampler.check_weight_sync checks full-weight sync only; adapter (LoRA) sync is not "
+                  "checked", flush=True)
+            return
+        sampler = getattr(self, "sampler", None) if self.is_world_process_zero() else None
+        check = SyncCheck(self.model, self.weight_sync.sync, server_sample(sampler, self.model_id), self._broadcast,
+                          probe_prompt(self.processing_class), self.accelerator.autocast)
+        result = check.check_at_start(self.model_version)
+        print(f"asyncgrpo: {result.message}", flush=True)
+        for name, value in result.metrics().items():
+            self.window.add(name, value)
+        self.sync_check = check
+
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
         """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
         that came back from an outage, `WeightSync.push_current`); then release the worker's generation
@@ -379,6 +401,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         start = time.monotonic()
         try:
             sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
+            if getattr(self, "sync_check", None) is not None:
+                sync = {**sync, "weight_sync/probe_gap": self.sync_check.probe()}  # sampler.check_weight_sync
         finally:
             self._repush_status = None
         if self.worker is not None:

@@ -178,12 +178,13 @@ def number_reward(completions, **kwargs) -> list[float]:
 def deepmath_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | str, steps: int = 12,
                        learning_rate: float = 0.0) -> list[str]:
     """``+recipe=deepmath`` on one GPU with what points at the offline model and data, what one GPU and the run's
-    length need (colocated vLLM, 12 steps, learning rate 0: the importance ratio must stay about 1), and
-    `number_reward` next to the recipe's `accuracy_reward` (a random model scores 0 on every problem)."""
+    length need (colocated vLLM, 12 steps, learning rate 0: the importance ratio must stay about 1),
+    `number_reward` next to the recipe's `accuracy_reward` (a random model scores 0 on every problem), and the
+    weight-sync check (``sampler.check_weight_sync``: a perturbed sync at start, a probe after every sync)."""
     return ["+recipe=deepmath", f"model.name={model_dir}", f"data.name={data_file}", "launch.colocate=true",
             "rewards=[{func:asyncgrpo_cli.rewards:accuracy_reward},{func:offline:number_reward}]",
             f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.learning_rate={learning_rate}",
-            "logging.dashboard=plain", "trainer.save_steps=1000"]
+            "logging.dashboard=plain", "trainer.save_steps=1000", "sampler.check_weight_sync=true"]
 
 
 def lora_overrides(run_dir: Path | str, steps: int = 16, learning_rate: float | None = None) -> list[str]:
@@ -196,11 +197,11 @@ def lora_overrides(run_dir: Path | str, steps: int = 16, learning_rate: float | 
 
 def moe_overrides(model_dir: Path | str, run_dir: Path | str, steps: int = 6) -> list[str]:
     """The small Qwen3-MoE on the one-GPU arith recipe: a sync every step (max_staleness 0 syncs before each
-    generation round), the router's aux loss in the loss."""
+    generation round), the router's aux loss in the loss, the weight-sync check (its probe after every sync)."""
     return ["+recipe=arith_vllm_1gpu", f"model.name={model_dir}", "model.gguf_file=null", "model.dtype=bfloat16",
             f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", "staleness.max_staleness=0",
             "model.router_aux_loss_coef=0.01",
-            "logging.dashboard=plain"]
+            "logging.dashboard=plain", "sampler.check_weight_sync=true"]
 
 
 def main(argv: list[str] | None = None) -> int:

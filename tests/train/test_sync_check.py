@@ -1,0 +1,135 @@
+"""``sampler.check_weight_sync`` (issue #44): a probe of the server's log-probs against the trainer's tells a weight
+sync that took effect from one the server accepted and did not apply; the trainer's weights come back exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo_cli.sampler.client import SyncSamplerClient
+from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
+from asyncgrpo_cli.testing import make_tiny_model
+from asyncgrpo_cli.train.sync_check import (SyncCheck, WeightSyncCheckError, judge, perturbed, probe_prompt,
+                                            server_sample)
+from asyncgrpo_cli.train.weight_sync import WeightSync, make_weight_sync
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_sync_check"))
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    handle = ServerThread(ServerConfig(model=str(tiny), port=0, device="cpu", dtype="float32", max_model_len=128,
+                                       max_logprobs=4)).start()
+    yield handle
+    handle.stop()
+
+
+def load(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_check(model, sync, client, tiny) -> SyncCheck:
+    return SyncCheck(model, sync, server_sample(client, str(tiny)), lambda obj: obj,
+                     probe_prompt(AutoTokenizer.from_pretrained(tiny)))
+
+
+def alternating_reward(completion_ids, **kwargs):
+    """Spread inside every group (picklable: the rollout worker is spawned)."""
+    return [float(i % 2) for i in range(len(completion_ids))]
+
+
+def test_judge_passes_fails_and_says_when_it_cannot_tell():
+    assert judge(0.001, 0.9, 0.001, 0.001).status == "pass"
+    failed = judge(0.001, 0.9, 0.9, 0.001)  # the server kept its weights through the perturbed sync
+    assert failed.status == "fail" and "did not take the perturbed weights" in failed.message
+    assert "sampler.check_weight_sync=false" in failed.message and "0.9000" in failed.message
+    assert judge(0.001, 0.9, 0.001, 0.9).status == "fail"  # ... or through the restoring one
+    assert "restored weights" in judge(0.001, 0.9, 0.001, 0.9).message
+    assert judge(0.7, 3.0, 0.7, 0.7).status == "fail"  # apart even right after a sync: not the same model
+    unclear = judge(0.03, 0.05, 0.03, 0.03)
+    assert unclear.status == "inconclusive" and "cannot tell" in unclear.message
+    assert judge(0.03, 0.9, 0.05, 0.04).status == "pass"  # bf16 noise of a few hundredths stays a pass
+    with pytest.raises(ValueError, match="apart"):
+        judge(0.0, float("nan"), 0.0, 0.0)
+
+
+def test_perturbed_weights_come_back_exactly(tiny):
+    model = load(tiny)
+    before = snapshot(model)
+    with perturbed(model):
+        assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(RuntimeError, match="boom"):
+        with perturbed(model, seed=3):
+            raise RuntimeError("boom")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # restored on an error too
+
+
+def test_a_sync_that_takes_effect_passes_and_the_server_ends_on_the_trainers_weights(tiny, served, tmp_path):
+    client = SyncSamplerClient(served.url, timeout_s=60)
+    model = load(tiny)
+    before = snapshot(model)
+    sync = WeightSync(model, make_weight_sync(client, output_dir=tmp_path))
+    sync.init()
+    sync.sync(0)
+    check = make_check(model, sync.sync, client, tiny)
+    result = check.check_at_start(0)
+    assert result.status == "pass", result.message
+    assert result.synced < 1e-3 and result.follow < 1e-3 and result.back < 1e-3  # float32 on both sides
+    assert result.apart > 100 * max(result.synced, 1e-5), result
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert check.probe() < 1e-3  # the server serves the restored weights
+    assert set(result.metrics()) == {f"weight_sync/check_{k}_gap" for k in ("synced", "apart", "follow", "back")} | \
+        {"weight_sync/check_passed"}
+
+
+def test_a_sync_the_server_accepts_but_does_not_apply_stops_the_run_with_the_figures(tiny, served, tmp_path):
+    client = SyncSamplerClient(served.url, timeout_s=60)
+    model = load(tiny)
+    before = snapshot(model)
+    calls = []
+    check = make_check(model, calls.append, client, tiny)  # "syncs" that never reach the server
+    with pytest.raises(WeightSyncCheckError, match="did not take the perturbed weights") as info:
+        check.check_at_start(4)
+    assert calls == [4, 4] and "perturbed before a sync" in str(info.value)  # the perturbed sync, the restoring one
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_trainer_checks_at_start_and_probes_every_sync(tiny, served, tmp_path, capsys):
+    import datasets
+
+    from asyncgrpo_cli import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    out = tmp_path / "run"
+    args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, num_generations=2, max_completion_length=4,
+                           num_sampler_logprobs=3, vllm_server_base_url=served.url, learning_rate=1e-2,
+                           save_strategy="no", logging_steps=1, report_to="none", vllm_server_timeout=60.0,
+                           rollout_worker_timeout=120.0, seed=0, optim="sgd", max_grad_norm=0.0,
+                           check_weight_sync=True)
+    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"q {i}"}]} for i in range(8)])
+    trainer = AsyncGRPOTrainer(model=str(tiny), reward_funcs=[alternating_reward], args=args, train_dataset=data)
+    trainer.train()
+    assert "asyncgrpo: weight sync check passed: every sync took effect" in capsys.readouterr().out
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "step" in r and "loss" in r]
+    assert steps[0]["weight_sync/check_passed"] == 1.0 and steps[0]["weight_sync/check_apart_gap"] > 0.01
+    assert all(r["weight_sync/probe_gap"] < 1e-3 for r in steps), steps  # every step's sync took effect
+
+
+def test_the_option_composes_from_the_command_line():
+    from asyncgrpo_cli.config.compose import compose, to_training_args
+
+    cfg = compose(["+recipe=smoke", "sampler.check_weight_sync=true"])
+    assert cfg.sampler.check_weight_sync is True
+    assert to_training_args(cfg).check_weight_sync is True
+    assert compose(["+recipe=smoke"]).sampler.check_weight_sync is False
