@@ -45,8 +45,10 @@ PROBE_TOKENS = 16
 PROBE_SEED = 1234
 #: The floor below which two sides count as equal whatever ``synced`` measured (nats per token).
 FLOOR_MIN = 0.02
-#: A probe gap right after a sync above this says the two sides do not run the same model at all.
-SYNCED_MAX = 0.5
+#: A probe gap right after a sync above this says the two sides do not run the same model at all (a bf16 vLLM
+#: against an fp32 trainer measured 0.20 on a random Qwen3-0.6B shape, `scripts/gpu/vllm033/README.md`; a
+#: perturbed one 30.5).
+SYNCED_MAX = 1.0
 #: ``apart`` must exceed this many floors for the check to tell anything.
 APART_FACTOR = 4.0
 PROBE_TEXT = "What is 12 plus 30? Answer with one number."
