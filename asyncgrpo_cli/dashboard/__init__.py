@@ -290,6 +290,9 @@ class Dashboard:
         if event.get("event") == "resume" and self.mode != "off":
             self.console.print(f"resumed at step {event.get('step')} from {event.get('from')}", markup=False,
                                highlight=False, soft_wrap=True)
+        if event.get("event") == "weight_sync_check" and self.mode != "off":  # sampler.check_weight_sync
+            self.console.print(str(event.get("message")), markup=False, highlight=False, soft_wrap=True,
+                               style="green" if event.get("status") == "pass" else "yellow")
 
     def _print_completions(self, records: list[dict[str, Any]]) -> None:
         by_step: dict[Any, list[dict[str, Any]]] = defaultdict(list)

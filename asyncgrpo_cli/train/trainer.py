@@ -378,9 +378,12 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         check = SyncCheck(self.model, self.weight_sync.sync, server_sample(sampler, self.model_id), self._broadcast,
                           probe_prompt(self.processing_class), self.accelerator.autocast)
         result = check.check_at_start(self.model_version)
-        print(f"asyncgrpo: {result.message}", flush=True)
-        for name, value in result.metrics().items():
-            self.window.add(name, value)
+        if self.is_world_process_zero():  # the log's line, the console's (`dashboard`), and step 1's window
+            print(f"asyncgrpo: {result.message}", flush=True)
+            self.live.append_metrics({"event": "weight_sync_check", "step": self.state.global_step,
+                                      "time": time.time(), "status": result.status, "message": result.message})
+            for name, value in result.metrics().items():
+                self.window.add(name, value)
         self.sync_check = check
 
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:

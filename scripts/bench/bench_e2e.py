@@ -73,8 +73,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's ``metrics.jsonl`` rows."""
-    return read_jsonl(run_dir / "metrics.jsonl")
+    """The run's ``metrics.jsonl`` windows (event markers such as ``{"event": "weight_sync_check", ...}`` left out)."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r]
 
 
 def _mean(values: list[float]) -> float | None:

@@ -108,9 +108,13 @@ def test_dashboard_skips_event_records(tmp_path):
     with (tmp_path / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps({"event": "resume", "step": 4, "from": "checkpoint-4"}) + "\n")
         fh.write(json.dumps(window(5)) + "\n")
+        fh.write(json.dumps({"event": "weight_sync_check", "step": 4, "status": "pass",
+                             "message": "weight sync check passed: every sync took effect (...)"}) + "\n")
     new = dash.poll()
     assert [r["step"] for r in new] == [5] and [r["step"] for r in dash.history.rows] == [5]
-    assert "resumed at step 4 from checkpoint-4" in console.export_text()
+    text = console.export_text()
+    assert "resumed at step 4 from checkpoint-4" in text
+    assert "weight sync check passed: every sync took effect" in text  # sampler.check_weight_sync
 
 
 def test_curve_panels_put_each_metric_where_it_belongs_and_name_the_kv_source():

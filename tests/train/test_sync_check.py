@@ -122,6 +122,8 @@ def test_the_trainer_checks_at_start_and_probes_every_sync(tiny, served, tmp_pat
     trainer.train()
     assert "asyncgrpo: weight sync check passed: every sync took effect" in capsys.readouterr().out
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in lines if r.get("event") == "weight_sync_check"]  # the console prints its message
+    assert [e["status"] for e in events] == ["pass"] and events[0]["message"].startswith("weight sync check passed")
     steps = [r for r in lines if "step" in r and "loss" in r]
     assert steps[0]["weight_sync/check_passed"] == 1.0 and steps[0]["weight_sync/check_apart_gap"] > 0.01
     assert all(r["weight_sync/probe_gap"] < 1e-3 for r in steps), steps  # every step's sync took effect
