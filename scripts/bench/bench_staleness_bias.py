@@ -1,7 +1,7 @@
 """Staleness bias: does the trained mix follow the data when rollouts differ in length (issue #28)?
 
     python scripts/bench/bench_staleness_bias.py --out DIR [--steps 40] [--label NAME] [--seed 0]
-        [--mixes two_class,three_class] [--staleness 1,4]
+        [--mixes two_class,three_class] [--staleness 1,4] [--drop-frac 0.7]
 
 (writes ``DIR/staleness_bias_NAME.json``; the committed figures, `scripts/bench/results/staleness_bias.json`,
 were run with ``--steps 80``, one code tree after another per seed: see its ``command`` and NOTES.md.)
@@ -14,6 +14,10 @@ data. Two mixes, each at ``max_staleness`` 1 and 4:
 
 - ``two_class``: half the prompts generate 40 tokens, half 4 (the issue's workload);
 - ``three_class``: a third each at 4, 16 and 40 tokens.
+
+``--drop-frac F`` gives a share F of the prompts one reward for their whole group (dropped for zero std, never
+trained: `some_groups_flat_reward`), as most of the one-GPU job's late groups are; deadline admission then counts
+what rollouts in flight are expected to queue, not their tokens (issue #41). Default 0: every group has spread.
 
 ``num_generations=2``, ``max_concurrent_rollouts=16``, ``token_budget=256`` (one row of about 5 long or 15
 short samples per step), SGD. The trainer subclass records every trained sample (length class, completion
@@ -61,6 +65,22 @@ def length_of(prompt) -> int:
 def alternating_reward(completions, **kwargs):
     """Reward with spread inside every group (no group is dropped for zero std)."""
     return [float(i % 2) for i in range(len(completions))]
+
+
+#: ``--drop-frac``: the share of prompts whose group gets no reward spread (dropped for zero std, never trained).
+DROP_FRAC_ENV = "BENCH_STALENESS_DROP_FRAC"
+
+
+def some_groups_flat_reward(completions, prompts=None, **kwargs):
+    """`alternating_reward`, except for a share of prompts (``--drop-frac``, read from `DROP_FRAC_ENV`: the spawned
+    worker inherits it) whose group gets one reward for all: dropped for zero std, as 65-75% of the one-GPU job's
+    groups are late in its run. Which prompts: ``item × golden ratio mod 1 < share``, independent of the length
+    class (item ``i`` asks for ``lengths[i % len(lengths)]`` tokens)."""
+    share = float(os.environ.get(DROP_FRAC_ENV, "0"))
+    item = int(prompts[0][-1]["content"].split()[3])
+    if (item * 0.6180339887498949) % 1.0 < share:
+        return [0.0 for _ in completions]
+    return alternating_reward(completions)
 
 
 def _loop_cls():
@@ -141,7 +161,7 @@ def run_one(model_dir: Path, url: str, lengths: tuple[int, ...], max_staleness: 
                            vllm_server_timeout=60.0, rollout_worker_timeout=120.0, seed=seed, optim="sgd",
                            max_grad_norm=0.0, max_concurrent_rollouts=16, token_budget=256,
                            activation_checkpointing=False, max_groups_without_signal=0)
-    trainer = Trainer(model=str(model_dir), reward_funcs=[alternating_reward], args=args, train_dataset=dataset)
+    trainer = Trainer(model=str(model_dir), reward_funcs=[some_groups_flat_reward], args=args, train_dataset=dataset)
     trainer.train()
     longest = max(lengths)
     n_trained = len(trained)
@@ -177,7 +197,10 @@ def main() -> int:
     parser.add_argument("--mixes", default="two_class,three_class")
     parser.add_argument("--staleness", default="1,4")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drop-frac", type=float, default=0.0,
+                        help="share of prompts whose group has no reward spread (dropped for zero std); default 0")
     ns = parser.parse_args()
+    os.environ[DROP_FRAC_ENV] = str(ns.drop_frac)
 
     from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
     from asyncgrpo_cli.testing import make_tiny_model
@@ -208,7 +231,8 @@ def main() -> int:
            "workload": {"model": "tiny qwen3 (hidden 64, 2 layers), float32, CPU", "sampler": "embedded, in-process",
                         "mixes": {m: list(MIXES[m]) for m in ns.mixes.split(",")}, "num_generations": 2,
                         "max_concurrent_rollouts": 16, "token_budget": 256, "max_steps": ns.steps,
-                        "optimizer": "sgd lr 1e-3", "cpus": os.cpu_count()},
+                        "optimizer": "sgd lr 1e-3", "cpus": os.cpu_count(),
+                        "groups_without_spread_frac": ns.drop_frac},
            "targets": {"long_share_abs_diff_max": 0.05, "dropped_generated_token_frac_max_at_staleness_1": 0.05},
            "runs": results}
     out = Path(ns.out)
