@@ -247,9 +247,22 @@ class SyncCheck:
                                        ignore_eos=True)
 
     def probe(self) -> float:
-        """One probe against the weights the server serves now (every rank calls it; module docstring)."""
-        drawn = self.sample(self.prompt_ids, self.sampling) if self.sample is not None else None
-        tokens, server = self.broadcast(drawn)
+        """One probe against the weights the server serves now (every rank calls it; module docstring).
+
+        Raises:
+            WeightSyncCheckError: on every rank, when rank 0's request failed (its error named; the ranks learn
+                it through the broadcast, so none waits for the others).
+        """
+        drawn, error = None, None
+        if self.sample is not None:
+            try:
+                drawn = self.sample(self.prompt_ids, self.sampling)
+            except Exception as exc:  # noqa: BLE001 - any failure of the request: every rank must hear of it
+                error = f"{type(exc).__name__}: {exc}"
+        drawn, error = self.broadcast((drawn, error))
+        if error is not None:
+            raise WeightSyncCheckError(f"the weight-sync probe could not sample from the server: {error}")
+        tokens, server = drawn
         return probe_gap(list(server), trainer_logprobs(self.model, self.prompt_ids, list(tokens), self.autocast))
 
     def check_at_start(self, version: int) -> SyncCheckResult:

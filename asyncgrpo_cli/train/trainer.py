@@ -386,6 +386,17 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 self.window.add(name, value)
         self.sync_check = check
 
+    def _probe_after_sync(self, version: int) -> dict[str, float]:
+        """``weight_sync/probe_gap`` of the sync of ``version``; a failed probe request is said and not logged."""
+        from .sync_check import WeightSyncCheckError
+
+        try:
+            return {"weight_sync/probe_gap": self.sync_check.probe()}
+        except WeightSyncCheckError as exc:
+            if self.is_world_process_zero():
+                print(f"asyncgrpo: no weight_sync/probe_gap for model version {version}: {exc}", flush=True)
+            return {}
+
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
         """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
         that came back from an outage, `WeightSync.push_current`); then release the worker's generation
@@ -404,8 +415,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         start = time.monotonic()
         try:
             sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
-            if getattr(self, "sync_check", None) is not None:
-                sync = {**sync, "weight_sync/probe_gap": self.sync_check.probe()}  # sampler.check_weight_sync
+            if getattr(self, "sync_check", None) is not None:  # sampler.check_weight_sync
+                sync = {**sync, **self._probe_after_sync(version)}
         finally:
             self._repush_status = None
         if self.worker is not None:

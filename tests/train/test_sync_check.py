@@ -136,3 +136,28 @@ def test_the_option_composes_from_the_command_line():
     assert cfg.sampler.check_weight_sync is True
     assert to_training_args(cfg).check_weight_sync is True
     assert compose(["+recipe=smoke"]).sampler.check_weight_sync is False
+
+
+def test_a_probe_request_that_fails_is_named_on_every_rank_and_a_step_goes_on_without_its_gap(tiny, capsys):
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train.trainer import AsyncGRPOTrainer
+
+    def refuse(prompt_ids, sampling):
+        raise ConnectionError("connection refused")
+
+    shared = []  # what rank 0 broadcasts: a rank without a sampler gets it as well, and raises too
+
+    def broadcast(obj):
+        shared.append(obj)
+        return obj
+
+    check = SyncCheck(load(tiny), lambda version: None, refuse, broadcast, [1, 2, 3])
+    with pytest.raises(WeightSyncCheckError, match="could not sample from the server: ConnectionError: connection"):
+        check.probe()
+    other_rank = SyncCheck(check.model, lambda version: None, None, lambda obj: shared[-1], [1, 2, 3])
+    with pytest.raises(WeightSyncCheckError, match="connection refused"):
+        other_rank.probe()
+    trainer = SimpleNamespace(sync_check=check, is_world_process_zero=lambda: True)
+    assert AsyncGRPOTrainer._probe_after_sync(trainer, 7) == {}
+    assert "no weight_sync/probe_gap for model version 7" in capsys.readouterr().out
