@@ -89,6 +89,8 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
         st = cfg.staleness
         c.warnings.extend(in_flight_estimate_notes(str(st.in_flight_estimate), int(st.max_staleness),
                                                    lambda n: f"staleness.{n}"))
+        c.warnings.extend(check_weight_sync_notes(bool(cfg.sampler.check_weight_sync), bool(cfg.peft.enabled),
+                                                  lambda n: f"sampler.{n}"))
     if command != "train":
         c.raise_if_any()
         return c.warnings
@@ -406,7 +408,22 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
                                          "importance_sampling_level": args.importance_sampling_level}))
         c.warnings.extend(in_flight_estimate_notes(str(args.in_flight_estimate), int(args.max_staleness), str))
+        # (a LoRA model of the API is seen by the trainer, which says at start that adapter sync is not checked)
+        c.warnings.extend(check_weight_sync_notes(bool(args.check_weight_sync), False, str))
     return c.warnings
+
+
+def check_weight_sync_notes(on: bool, lora: bool, key: Callable[[str], str]) -> list[str]:
+    """What to print at start for ``check_weight_sync`` (README: GPUs, weight sync and LoRA): what it does and
+    costs, or, with LoRA, that adapter sync is not checked."""
+    if not on:
+        return []
+    if lora:
+        return [f"{key('check_weight_sync')}=true checks full-weight sync only: with LoRA (adapter sync) nothing is "
+                "checked"]
+    return [f"{key('check_weight_sync')}=true: at start the trainer perturbs its weights, syncs and probes the server "
+            "(three more syncs, host memory for a copy of the weights) and stops if a sync did not take effect; then "
+            "one short probe request after every sync (weight_sync/probe_gap)"]
 
 
 def in_flight_estimate_notes(estimate: str, max_staleness: int, key: Callable[[str], str]) -> list[str]:

@@ -519,9 +519,9 @@ class Supervisor:
                     sig = signal.Signals(self._signals[0]).name if self._signals else "signal"
                     write_stop_reason(self.plan.output_dir, f"asyncgrpo train got {sig}")
                     grace = self._stop_grace()
-                    dash.print(Text(f"{sig}: asking the trainer to save a checkpoint of its last completed step "
-                                    f"and stop (up to {grace:.0f} s, launch.stop_timeout; send it again to stop "
-                                    "now, without saving)", style="yellow"))
+                    dash.print(Text(f"{sig}: asking the trainer to save a checkpoint and stop, after the step in "
+                                    f"progress if one is (up to {grace:.0f} s, launch.stop_timeout; send it again to "
+                                    "stop now, without saving)", style="yellow"))
                     before = self._newest_checkpoint()  # "saved" below means saved by this stop
                     self._stop_child(trainer, signal.SIGINT, grace)
                     dash.print(Text(self._checkpoint_report(before), style="yellow"))

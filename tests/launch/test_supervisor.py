@@ -275,7 +275,7 @@ def test_sigint_leaves_no_child_alive(tmp_path, processes):
         output, _ = driver.communicate(timeout=120)
         text = output.decode()
         assert driver.returncode == 130, text
-        assert "SIGINT: asking the trainer to save a checkpoint" in text
+        assert "SIGINT: asking the trainer to save a checkpoint and stop, after the step in progress" in text
         assert "stopped" in text and "checkpoint-1" in text
         # The fake trainer exits while "saving": the supervisor closes status.json with a final state.
         assert json.loads((out / "status.json").read_text())["state"] == "stopped"

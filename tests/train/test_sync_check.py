@@ -161,3 +161,15 @@ def test_a_probe_request_that_fails_is_named_on_every_rank_and_a_step_goes_on_wi
     trainer = SimpleNamespace(sync_check=check, is_world_process_zero=lambda: True)
     assert AsyncGRPOTrainer._probe_after_sync(trainer, 7) == {}
     assert "no weight_sync/probe_gap for model version 7" in capsys.readouterr().out
+
+
+def test_the_start_names_the_check_and_its_cost_and_that_lora_is_not_checked():
+    """Fresh-user trial: neither the launch plan nor --dry-run said the check was on or what it costs."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.run_checks import check_weight_sync_notes, validate_run
+
+    on = validate_run(compose(["+recipe=smoke", "sampler.check_weight_sync=true"]), "train")
+    assert any(w.startswith("sampler.check_weight_sync=true: at start the trainer perturbs its weights") for w in on)
+    assert not any("check_weight_sync" in w for w in validate_run(compose(["+recipe=smoke"]), "train"))
+    assert "with LoRA (adapter sync) nothing is checked" in check_weight_sync_notes(True, True, str)[0]
+    assert check_weight_sync_notes(False, True, str) == []
