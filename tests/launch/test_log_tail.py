@@ -26,6 +26,15 @@ Root Cause (first observed failure):
 ============================================================""".splitlines()
 
 
+def accelerate_launch(script: Path, log: Path) -> int:
+    """Run ``script`` under accelerate's single-process launcher with its output in ``log``; the launcher's exit
+    code."""
+    with log.open("wb") as fh:
+        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                               str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+
+
 def test_a_real_accelerate_launch_report_is_removed_and_the_error_kept(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent("""\
@@ -34,10 +43,7 @@ def test_a_real_accelerate_launch_report_is_removed_and_the_error_kept(tmp_path)
         sys.exit(1)
         """))
     log = tmp_path / "trainer.log"
-    with log.open("wb") as fh:
-        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    rc = accelerate_launch(script, log)
     assert rc == 1
     raw = log.read_text()
     assert "CalledProcessError" in raw  # what accelerate prints: the test would mean nothing without it
@@ -67,10 +73,7 @@ def test_a_trainer_killed_by_sigkill_under_accelerate_is_named_and_its_report_re
     script = tmp_path / "victim.py"
     script.write_text("import os, signal\nprint('training step 1', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     log = tmp_path / "trainer.log"
-    with log.open("wb") as fh:
-        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    rc = accelerate_launch(script, log)
     assert rc == 1 and "died with <Signals.SIGKILL: 9>" in log.read_text()
     assert killed_by(log) == "SIGKILL"
     lines = failure_tail(log)
@@ -136,10 +139,7 @@ def test_a_real_accelerate_launch_of_a_failing_trainer_gives_its_error_as_the_ca
     script.write_text("import sys\nprint('step 1 done', flush=True)\nprint('some warning', file=sys.stderr)\n"
                       "raise ValueError('the trainer failed here')\n")
     log = tmp_path / "trainer.log"
-    with log.open("wb") as fh:
-        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    rc = accelerate_launch(script, log)
     assert rc == 1 and "CalledProcessError" in log.read_text()
     lines = failure_tail(log)
     assert failure_cause(lines) == "ValueError: the trainer failed here", lines
@@ -168,10 +168,7 @@ def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tm
     script = tmp_path / "stop.py"
     script.write_text("import sys\nprint('checkpoint saved')\nsys.exit(130)\n")
     log = tmp_path / "trainer.log"
-    with log.open("wb") as fh:
-        rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                             str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode
+    rc = accelerate_launch(script, log)
     assert rc == 1 and "CalledProcessError" in log.read_text()  # accelerate's own exit and report
     assert launcher_reported_status(log) == 130
     assert note_requested_stop(log)
