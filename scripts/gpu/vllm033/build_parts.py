@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Build the pieces that `install.py` stages on a lent H200 (no network there): vLLM 0.33.0, torch 2.14.0 and the
-project's own missing wheels and model, cut into parts of at most 58 MiB (one part per device call, 64 MiB a call).
+project's own missing wheels and model, cut into parts of at most 50 MiB (one part per device call; a call carries 64 MiB with the working tree).
 
     python3 scripts/gpu/vllm033/build_parts.py [--wheels DIR]      # from the repository root, where PyPI is reachable
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent.parent
-PIECE = 58 * 1024 * 1024
+PIECE = 50 * 1024 * 1024  # a call carries 64 MiB with the working tree (~7 MB tracked): keep the headroom
 GROUP_ORDER = ["project", "core", "nccl", "nvshmem", "cusparselt", "cudnn", "trl"]  # trl last: optional
 
 

@@ -16,7 +16,7 @@ wheels into ``/tmp/asyncgrpo_site`` (``pip --target``, no index), puts the SmolL
 A conditional group (nccl, nvshmem, cusparselt, cudnn) is needed only when the image's copy is older than the
 one torch 2.14.0 pins; its parts are then listed as needed, else skipped.
 
-An optional group (`OPTIONAL`: ``trl``, issue #42's TRL wheel, part p45) is never waited for: once its pieces are
+An optional group (`OPTIONAL`: ``trl``, issue #42's TRL wheel, part p54) is never waited for: once its pieces are
 staged (carried in any call, before or after the install), its wheels go into ``/tmp/asyncgrpo_site`` without
 dependencies, and the requirements of their ``METADATA`` are checked against what the image and both sites hold
 (`unmet_requirements`: printed, the install goes on; the ``vllm`` extra's pins too, for the record).
