@@ -149,9 +149,23 @@ def test_the_rollout_job_figures_of_issue_41():
     f = vllm033_rollouts.job_figures(rows, engine_rollouts_per_s=1000.0)
     assert f["step_s_median_2_10"] == 1.0 and f["step_s_median_31_40"] == 3.0 and f["late_over_early_step_s"] == 3.0
     assert f["time_to_reward_040_s"] == 38.0 and f["time_to_reward_045_s"] == 44.0  # steps 20 and 23
+    assert f["time_to_reward_040_mean3_s"] == 40.0 and f["time_to_reward_045_mean3_s"] == 46.0  # steps 21 and 24
     assert f["generation_frac_of_engine"] == 0.5 and f["steps_per_s_2_20"] == 0.5
     per_step = vllm033_rollouts.job_rows(rows)
     assert per_step[0]["t_since_step1_s"] == 0.0 and per_step[-1]["step"] == 40
+
+
+def test_one_window_of_few_groups_does_not_make_the_time_to_a_reward():
+    """A step whose window scored a group or two can read far above the run (0.500 at step 2 of a run at 0.11-0.13,
+    GPU 2026-12-04): the first crossing says 2 s, the sustained figure waits for three steps at the level."""
+    rewards = [0.11, 0.50, 0.12, 0.13, 0.20, 0.38, 0.44, 0.46, 0.47, 0.50]
+    rows = [{"step": s, "t_since_step1_s": 2.0 * (s - 1), "reward": r} for s, r in enumerate(rewards, start=1)]
+    rows.insert(3, {"step": None, "t_since_step1_s": 5.0})  # a row without a reward is not a step of the mean
+    assert vllm033_rollouts.time_to_reward_mean(rows, 0.45) == 16.0  # steps 7-9: (0.44 + 0.46 + 0.47) / 3
+    assert vllm033_rollouts.time_to_reward_mean(rows, 0.40) == 14.0  # steps 6-8
+    assert vllm033_rollouts.time_to_reward_mean(rows, 0.49) is None
+    raw = [{"time": 50.0 + 2.0 * (s - 1), "reward": r} for s, r in enumerate(rewards, start=1)]
+    assert vllm033_rollouts.time_to_reward_mean(raw, 0.45) == 16.0 and vllm033_rollouts.time_to_reward_mean([], 0.4) is None
 
 
 def test_the_async_sync_pair_compares_steps_and_trained_groups(tmp_path):

@@ -412,6 +412,29 @@ def _first_at(rows: list[dict], threshold: float, t1: float) -> float | None:
     return None
 
 
+#: Steps the sustained time to a reward averages (`time_to_reward_mean`).
+REWARD_WINDOW = 3
+
+
+def time_to_reward_mean(rows: list[dict], threshold: float, window: int = REWARD_WINDOW) -> float | None:
+    """Seconds from step 1 to the first step whose mean ``reward`` over it and the ``window - 1`` steps before it
+    (steps that logged one) reaches ``threshold``; ``None`` if none does.
+
+    A step's ``reward`` is the mean of the rollouts scored in its window: a window with few scored groups can
+    read far from the run's level (2026-12-04 fifth session: 0.500 at step 2 of a run at 0.11-0.13, one or two
+    groups scored while the allowance held generation), and the first-crossing figure then reads 1.8 s. Rows
+    are a job's (``t_since_step1_s``) or metrics.jsonl's (``time``, counted from the first row)."""
+    scored = [r for r in rows if r.get("reward") is not None]
+    if not rows:
+        return None
+    t1 = rows[0].get("time")
+    for i in range(window - 1, len(scored)):
+        if statistics.fmean(r["reward"] for r in scored[i - window + 1:i + 1]) >= threshold - 1e-9:  # float sums
+            r = scored[i]
+            return round(r["t_since_step1_s"] if "t_since_step1_s" in r else r["time"] - t1, 2)
+    return None
+
+
 def job_rows(rows: list[dict]) -> list[dict]:
     """One row per logged step with the figures the issue reads (time from step 1's log line)."""
     from asyncgrpo_cli.run.metrics_line import request_breakdown
@@ -440,8 +463,9 @@ def job_rows(rows: list[dict]) -> list[dict]:
 
 def job_figures(rows: list[dict], engine_rollouts_per_s: float | None = None) -> dict:
     """The issue's figures of one run: median step time of steps 2-10 and 31-40 (and their ratio), steps/s over
-    steps 2-20 and 2-40, seconds from step 1 to reward 0.40 and 0.45, generation while training against the
-    engine's offline rollouts/s."""
+    steps 2-20 and 2-40, seconds from step 1 to reward 0.40 and 0.45 (first step at it, and the sustained
+    `time_to_reward_mean` over `REWARD_WINDOW` steps), generation while training against the engine's offline
+    rollouts/s."""
     by_step = {r["step"]: r for r in rows if r.get("step") is not None}
 
     def med(lo: int, hi: int) -> float | None:
@@ -464,6 +488,8 @@ def job_figures(rows: list[dict], engine_rollouts_per_s: float | None = None) ->
         "steps_per_s_2_20": steps_per_s(2, 20), "steps_per_s_2_40": steps_per_s(2, 40),
         "time_to_reward_040_s": _first_at(rows, 0.40, t1) if t1 is not None else None,
         "time_to_reward_045_s": _first_at(rows, 0.45, t1) if t1 is not None else None,
+        "time_to_reward_040_mean3_s": time_to_reward_mean(rows, 0.40),
+        "time_to_reward_045_mean3_s": time_to_reward_mean(rows, 0.45),
         "generation_rollouts_per_s": gen,
         "generation_frac_of_engine": round(gen / engine_rollouts_per_s, 3) if gen and engine_rollouts_per_s else None,
     }
@@ -619,6 +645,11 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
            "async_over_sync_groups_per_s": ratio(ga, gs),
            "trained_groups_per_s": {"async": round(ga, 2) if ga else None, "sync": round(gs, 2) if gs else None},
            "async_over_sync_time_to_reward": ratio(fs.get("time_to_reward_040_s"), fa.get("time_to_reward_040_s")),
+           # the same from the rows, sustained over REWARD_WINDOW steps (older files lack the figure)
+           "time_to_reward_mean3_s": {f"{x:.2f}": {"async": time_to_reward_mean(a["rows"], x),
+                                                   "sync": time_to_reward_mean(s["rows"], x)} for x in (0.40, 0.45)},
+           "async_over_sync_time_to_reward_mean3": ratio(time_to_reward_mean(s["rows"], 0.40),
+                                                         time_to_reward_mean(a["rows"], 0.40)),
            "targets": {"generation_frac_of_served_engine": ">= 0.70 (the served engine alone at the step's "
                                                            "completion length; see engine_offline for why not the "
                                                            "offline figure)",
@@ -626,7 +657,8 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
                        "async_over_sync_steps_per_s": ">= 1.3",
                        "async_over_sync_time_to_reward": ">= 1.5 (to reward 0.40)"},
            "measured": {"late_over_early_step_s": fa.get("late_over_early_step_s"),
-                        "time_to_reward_045_s": fa.get("time_to_reward_045_s")},
+                        "time_to_reward_045_s": fa.get("time_to_reward_045_s"),
+                        "time_to_reward_045_mean3_s": time_to_reward_mean(a["rows"], 0.45)},
            "async": a, "sync": s}
     if screen_path:
         screen = json.loads(Path(screen_path).read_text())
