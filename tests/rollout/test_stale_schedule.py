@@ -110,7 +110,9 @@ def test_trained_mix_follows_the_data_and_every_trained_sample_is_within_max_sta
     assert abs(long_share(trained) - 1 / len(lengths)) <= 0.05
     _, dropped_before, kept_before, ticks_before = simulate(lengths, max_staleness, scheduled=False)
     waste, waste_before = dropped / (dropped + kept), dropped_before / (dropped_before + kept_before)
-    assert waste <= 0.05  # issue #28's target at max_staleness=1 (measured here: 0.015)
+    # issue #28's target at max_staleness=1. The trainer here is instant, so drops recur whenever deadline admission
+    # is released (the worst case of releasing it): measured 0.038-0.042 (0.015 when it was never released).
+    assert waste <= 0.05
     assert waste <= 0.4 * waste_before or waste_before == 0
     # Generated tokens trained per decode step. The trainer here is instant, so every decode step deadline
     # admission holds back is lost: this is the worst case of its cost (measured 0.86-0.92 of the allowance
@@ -187,8 +189,8 @@ def test_a_group_always_starts_while_nothing_is_in_flight():
     # Liveness: the trainer may be waiting for this very group (a version's room already pulled, a full queue
     # committed); refusing it would stall the run, since only finishing groups change the answer.
     s = StaleSchedule(max_staleness=1)
-    s.deadline_admission = True
     s.observe(5, 10_000)
+    s.on_dropped_stale()
     s.observe(5, 10_500)  # 500 tokens of version 5 pulled: a new group's own room is 1.75 x 100 - 500 < 0
     assert s.headroom_tokens(5, 100) < 0
     assert s.can_admit(committed_tokens=1_000, new_group_tokens=50, tokens_per_version=100)
@@ -430,3 +432,37 @@ def test_a_stub_without_trained_tokens_has_no_stale_verdict():
     record_stale_verdict(w, 0, 40, trained=False)
     record_stale_verdict(w, 0, 40, trained=True)
     assert w.flush() == {}
+
+
+def test_deadline_admission_turns_off_after_clean_versions_and_stays_on_longer_each_time():
+    # GPU 2026-12-04: one drop at step 9 (the trainer the bound early) kept admission on to step 40, holding
+    # 69-95% of the producer's time with no drop after it. It now turns off after RELEASE_AFTER_VERSIONS weight
+    # updates without a drop; each time a drop turns it on again, the count doubles.
+    from asyncgrpo_cli.rollout.stale_schedule import RELEASE_AFTER_VERSIONS as R
+    s = StaleSchedule(max_staleness=1)
+    assert not s.deadline_admission and s.release_after == R
+    s.observe(3, 0)
+    s.on_dropped_stale()
+    assert s.deadline_admission and s.admission_turned_on == 1
+    for v in range(4, 3 + R):
+        s.observe(v, 0)
+        assert s.deadline_admission
+    s.on_group_started(0, version=3 + R - 1, est_tokens=10)
+    s.observe(3 + R - 1, 50)  # the same version: no update counted
+    assert s.deadline_admission
+    s.observe(3 + R, 60)
+    assert not s.deadline_admission and s.can_admit(10_000, 50, 100)  # off: everything is admitted again
+    # A group back stale turns it on again, now for twice as many updates; a drop while on restarts the count.
+    s.observe(3 + R + 2, 60)
+    assert s.on_group_finished(0) is True and s.deadline_admission and s.release_after == 2 * R
+    s.observe(3 + 2 * R + 2, 60)
+    assert s.deadline_admission
+    s.on_dropped_stale()  # while on: counted again from here, not turned on a third time
+    assert s.admission_turned_on == 2
+    s.observe(3 + 4 * R + 1, 60)
+    assert s.deadline_admission
+    s.observe(3 + 4 * R + 2, 60)
+    assert not s.deadline_admission
+    with pytest.raises(ValueError):
+        StaleSchedule(1, release_after_versions=0)
+
