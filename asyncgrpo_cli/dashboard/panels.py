@@ -603,7 +603,8 @@ class RunSummary:
         elapsed_s: wall time of the run (seconds).
         final_reward: the mean ``reward`` of the last `FINAL_REWARD_WINDOWS` windows that scored a group (a
             window that trained only on samples already queued has none); one step of a short run says little.
-        final_reward_windows: how many windows that mean is over.
+        final_reward_windows: how many windows that mean is over; final_reward_steps: the first and last step of
+            them (a step without a reward in between is skipped, and the summary says so).
         final_model: the ``from_pretrained`` line that loads the saved final model (or LoRA adapter), None when
             ``output_dir`` holds none; final_model_step: the step it holds (`run.state.final_model_step`).
         mean_generated_tokens_per_s: ``rollout/generated_tokens_per_s`` over the windows, each weighted by its
@@ -627,6 +628,7 @@ class RunSummary:
     checkpoints: list[str] = field(default_factory=list)
     plot_path: str | None = None
     final_reward_windows: int = 0
+    final_reward_steps: tuple[int, int] | None = None
     final_model: str | None = None
     final_model_step: int | None = None  # the step it holds (``final_model.json``), None when not recorded
     final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
@@ -697,16 +699,31 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     eval round record."""
     last = rows[-1] if rows else {}
     step = num(last, "step")
-    rewards = [v for v in (num(r, "reward") for r in rows) if v is not None][-FINAL_REWARD_WINDOWS:]
+    scored = [(num(r, "step"), v) for r, v in ((r, num(r, "reward")) for r in rows) if v is not None]
+    scored = scored[-FINAL_REWARD_WINDOWS:]
+    rewards = [v for _, v in scored]
+    span = (int(scored[0][0]), int(scored[-1][0])) if scored and None not in (scored[0][0], scored[-1][0]) else None
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
                       final_reward=sum(rewards) / len(rewards) if rewards else None,
-                      final_reward_windows=len(rewards), final_model=final_model_line(output_dir),
+                      final_reward_windows=len(rewards), final_reward_steps=span,
+                      final_model=final_model_line(output_dir),
                       final_model_step=final_model_step(output_dir),
                       mean_generated_tokens_per_s=_time_weighted(rows, "rollout/generated_tokens_per_s"),
                       mean_trained_tokens_per_s=_time_weighted(rows, "perf/wall_clock_trained_tokens_per_s"),
                       mean_step_s=_mean(rows, "perf/step_s"), output_dir=str(output_dir),
                       checkpoints=list_checkpoints(output_dir), plot_path=str(plot_path) if plot_path else None,
                       final_eval=final_eval)
+
+
+def _reward_span(summary: RunSummary) -> str:
+    """`` (mean of the last 5 steps)``, or with a step between them that scored no group, `` (mean of the 5 steps
+    with a reward among steps 35-40)``; empty for one window."""
+    n, span = summary.final_reward_windows, summary.final_reward_steps
+    if n <= 1:
+        return ""
+    if span is None or span[1] - span[0] + 1 == n:
+        return f" (mean of the last {n} steps)"
+    return f" (mean of the {n} steps with a reward among steps {span[0]}-{span[1]})"
 
 
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
@@ -717,8 +734,7 @@ def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, 
         ("outcome", Text(summary.outcome, style=style)),
         ("steps", DASH if summary.steps is None else str(summary.steps)),
         ("time", fmt_duration(summary.elapsed_s)),
-        ("final reward", fmt(summary.final_reward, ".4g") + (f" (mean of the last {summary.final_reward_windows} "
-                                                             "steps)" if summary.final_reward_windows > 1 else "")),
+        ("final reward", fmt(summary.final_reward, ".4g") + _reward_span(summary)),
         *[("final " + label, value) for label, value in eval_rows(summary.final_eval)],
         ("generated tok/s", fmt_rate(summary.mean_generated_tokens_per_s)),
         ("trained tok/s", fmt_rate(summary.mean_trained_tokens_per_s)),

@@ -249,6 +249,9 @@ def test_summary_and_checkpoints(tmp_path):
     text = console.export_text()
     assert "finished" in text and "2m05s" in text and "checkpoint-10" in text and "training_curves.png" in text
     unscored = {k: v for k, v in window(4).items() if k != "reward"}  # trained only on queued samples
+    gap = summarize([*rows, unscored, window(5)], 1.0, tmp_path, "finished")
+    assert gap.final_reward_windows == 4 and gap.final_reward_steps == (1, 5)
+    assert "(mean of the 4 steps with a reward among steps 1-5)" in "\n".join(summary_lines(gap))
     assert summarize([*rows, unscored], 1.0, tmp_path, "finished").final_reward == pytest.approx(0.2)
     assert "final reward          0.2 (mean of the last 3 steps)" in "\n".join(summary_lines(s))
     many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
