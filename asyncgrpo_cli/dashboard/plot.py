@@ -114,6 +114,17 @@ def _series(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[list[float], 
     return xs, ys
 
 
+def isolated_points(series: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
+    """The points of ``series`` with no value on either side (NaN or the end): a line with gaps does not draw
+    them, so the figure marks them (``sample/trained_frac_long`` logs only in windows where a long sample had
+    its verdict)."""
+    xs, ys = series
+    finite = [not math.isnan(y) for y in ys]
+    keep = [i for i, ok in enumerate(finite)
+            if ok and (i == 0 or not finite[i - 1]) and (i == len(ys) - 1 or not finite[i + 1])]
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
 def _has(series: tuple[list[float], list[float]]) -> bool:
     return any(not math.isnan(y) for y in series[1])
 
@@ -222,7 +233,9 @@ def training_curves_figure(rows: Sequence[Mapping[str, Any]], resumes: Sequence[
     marker = "o" if len(rows) < 30 else None
     for ax, (title, ylabel, curves) in zip(axes, panels):
         for label, (xs, ys) in curves:
-            ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+            (line,) = ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+            if marker is None and (lone := isolated_points((xs, ys)))[0]:
+                ax.plot(*lone, linestyle="none", marker="o", markersize=3, color=line.get_color())
         handles, labels = ax.get_legend_handles_labels()
         if title.startswith("KV") and concurrency:
             twin = ax.twinx()

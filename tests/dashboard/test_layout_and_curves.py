@@ -12,6 +12,7 @@ from asyncgrpo_cli.dashboard import LIVE_MARGIN, Dashboard
 from asyncgrpo_cli.dashboard.panels import render_dashboard, summarize, summary_lines
 from asyncgrpo_cli.dashboard.plot import (
     _series,
+    isolated_points,
     curve_panels,
     plot_run,
     plot_training_curves,
@@ -86,6 +87,12 @@ def test_a_step_without_a_value_is_a_gap():
     rows = [{"step": 1, "reward_kept": 0.5}, {"step": 2}, {"step": 3, "reward_kept": 0.7}]
     xs, ys = _series(rows, "reward_kept")
     assert xs == [1, 2, 3] and ys[0] == 0.5 and math.isnan(ys[1]) and ys[2] == 0.7
+    # A point alone between gaps draws no line segment: the figure marks it (with 30 windows or more, lines
+    # carry no markers).
+    assert isolated_points((xs, ys)) == ([1, 3], [0.5, 0.7])
+    nan = math.nan
+    assert isolated_points(([1, 2, 3, 4, 5], [0.1, 0.2, nan, 0.4, nan])) == ([4], [0.4])
+    assert isolated_points(([1, 2], [nan, nan])) == ([], [])
 
 
 def test_resume_keeps_the_whole_run_and_marks_it(tmp_path):
