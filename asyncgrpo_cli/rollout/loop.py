@@ -82,8 +82,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
             re-pushed its weights (``repushed`` reaches the count) for at most ``vllm_server_timeout``.
         eval_dataset / eval_request_value: eval prompts and the shared step counter the trainer raises to ask
             for an eval round (`rollout.evaluation.EvalRounds`; never trained, outside the allowance).
-        stale_dropped_value: shared count of samples the trainer dropped as too old; from the first, deadline
-            admission is on (`StaleSchedule.on_dropped_stale`, issue #28).
+        stale_dropped_value: shared running count of samples the trainer dropped as too old; each new drop turns
+            deadline admission on or restarts its release count (`StaleSchedule.on_dropped_stale`, issue #28).
         scorers: scoring batches in flight at once (default `SCORERS`). Each scorer takes every group
             waiting when it wakes (one batch: cheap rewards cost one thread hop per batch); several let a
             slow reward (math-verify, a judge) work on more than one batch. Synchronous reward functions
@@ -142,6 +142,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         self.dataset_start_index = dataset_start_index
         self.consumed_tokens_value = consumed_tokens_value
         self.stale_dropped_value = stale_dropped_value
+        self._stale_drops_seen = 0
         self.concurrency_value = concurrency_value
         self.cap_value = cap_value
         self.client = client
@@ -702,7 +703,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         if self.consumed_tokens_value is not None:
             self.allowance.sync_consumed_total(float(self.consumed_tokens_value.value))
         self.schedule.observe(int(self.model_version_value.value), self.allowance.consumed_total_seen)
-        if self.stale_dropped_value is not None and self.stale_dropped_value.value > 0:
+        if self.stale_dropped_value is not None and self.stale_dropped_value.value > self._stale_drops_seen:
+            self._stale_drops_seen = int(self.stale_dropped_value.value)  # a running count: act on new drops only
             self.schedule.on_dropped_stale()
         self._observe_rounds()  # rollout/stale_loop.py
         self._cancel_doomed()

@@ -350,6 +350,17 @@ def test_a_sample_the_trainer_drops_turns_deadline_admission_on(tmp_path):
     loop.stale_dropped_value.value = worker.stale_dropped_value.value
     loop._sync_consumed()
     assert loop.schedule.deadline_admission
+    # The count is a running total: ticks that see no new drop let the release count run (a fresh-user trial
+    # found admission never released: every tick with the total above 0 counted as a new drop).
+    from asyncgrpo_cli.rollout.stale_schedule import RELEASE_AFTER_VERSIONS as R
+    for version in range(4, 4 + R):
+        loop.model_version_value.value = version
+        loop._sync_consumed()
+        loop._sync_consumed()
+    assert not loop.schedule.deadline_admission and loop.schedule.admission_turned_on == 1
+    loop.stale_dropped_value.value += 1  # a new drop: on again, for twice as many updates
+    loop._sync_consumed()
+    assert loop.schedule.deadline_admission and loop.schedule.release_after == 2 * R
 
 
 def test_deadline_admission_counts_dropped_groups_as_never_pulled(tmp_path):
