@@ -148,7 +148,8 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) 
     conc, cap = num(m, "rollout/concurrency"), num(m, "rollout/concurrency_cap")
     flight = f"; {conc:.0f} rollouts in flight" + (f", cap {cap:.0f}" if cap is not None else "") if conc is not None else ""
     why = (f"deadline admission holds generation back {deadline:.0%} of the time{flight} (on since a sample was "
-           "dropped stale, until a few weight updates pass without another: a group starts only if every group in flight can still be trained after all that is "
+           "dropped stale, until 4 weight updates pass without another, twice as many after each new drop: a "
+           "group starts only if every group in flight can still be trained after all that is "
            "committed, each rollout in flight counted at what it is expected to queue)")
     fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
     zero = num(m, "frac_reward_zero_std")
