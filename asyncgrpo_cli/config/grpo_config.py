@@ -31,6 +31,8 @@ ASYNC_GRPO_FIELDS = (
     "group_requests", "request_seeds",
     # The staleness allowance's estimate of a rollout in flight (issue #41; README: Staleness and concurrency):
     "in_flight_estimate",
+    # Deadline admission released after weight updates without a stale drop (issue #41, opt-in):
+    "deadline_release_versions",
     # The start-up check that a weight sync takes effect on the server (issue #44; README: GPUs, weight sync and LoRA):
     "check_weight_sync",
 )
@@ -162,6 +164,12 @@ class AsyncGRPOConfig(TrainingArguments):
                 "zero (between 0.1x and 1x the mean; the mean until 64 rollouts are decided), so a run that drops "
                 "most groups keeps more in flight; the trainer still drops every sample more than max_staleness "
                 "updates old (README: Staleness and concurrency)."})
+    deadline_release_versions: int | None = field(default=None, metadata={
+        "help": "None (the default): deadline admission, on from the first stale drop, stays on. N >= 1 (opt-in): it "
+                "turns off again after N weight updates without a stale drop, 2N, 4N, ... each time a drop turns it "
+                "on again; more generation in flight, more samples dropped stale where short groups overtake long "
+                "ones; the trainer still drops every sample more than max_staleness updates old (README: Staleness "
+                "and concurrency)."})
     # Logging.
     log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})

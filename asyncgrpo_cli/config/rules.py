@@ -129,6 +129,11 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
               "rollout queue, dropped groups counting zero)",
               f"set {p('in_flight_estimate')}={_word('mean', p)}, or {p('in_flight_estimate')}={_word('kept', p)} "
               "(README: Staleness and concurrency)")
+    release = g("deadline_release_versions", None)
+    if release is not None and (isinstance(release, bool) or not isinstance(release, int) or release < 1):
+        _fail(p("deadline_release_versions"), release, "must be null (deadline admission stays on from the first "
+              "stale drop) or a whole number of weight updates >= 1",
+              f"set {p('deadline_release_versions')}=4 to try it, or null (README: Staleness and concurrency)")
     if g("rollout_worker_timeout", 300.0) <= 0:
         _fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
               f"set {p('rollout_worker_timeout')}=300")

@@ -257,6 +257,11 @@ class StalenessConfig:
     zero (kept between 0.1x and 1x the mean; the mean until 64 rollouts are decided), so a run that drops most
     groups keeps more in flight. The trainer still drops every sample more than max_staleness updates old (README:
     Staleness and concurrency)."""
+    deadline_release_versions: int | None = None
+    """``null`` (the default): deadline admission (a group starts only if every group in flight can still be
+    trained), on from the first stale drop, stays on. N >= 1 (opt-in, issue #41): it turns off again after N weight
+    updates without a stale drop, 2N, 4N, ... each time a drop turns it on again. More generation in flight, more
+    samples dropped stale where short groups overtake long ones (README: Staleness and concurrency)."""
 
 
 @dataclass

@@ -91,6 +91,7 @@ class RunSettings:
         max_groups_per_step: ``packing.max_groups_per_step`` (groups a step holds at most); None = unbounded.
         engines: ``sampler.engines`` (servers behind the router).
         in_flight_estimate: ``staleness.in_flight_estimate`` (``mean`` or ``kept``).
+        deadline_release_versions: ``staleness.deadline_release_versions`` (None: deadline admission stays on).
     """
 
     max_staleness: int = 4
@@ -109,6 +110,7 @@ class RunSettings:
     max_groups_per_step: int | None = None
     engines: int = 1
     in_flight_estimate: str = "mean"
+    deadline_release_versions: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -130,7 +132,8 @@ class RunSettings:
                    max_model_len=None if max_len is None else int(max_len),
                    max_groups_per_step=cfg.packing.max_groups_per_step,
                    engines=int(cfg.sampler.get("engines", 1)),
-                   in_flight_estimate=str(cfg.staleness.get("in_flight_estimate", "mean")))
+                   in_flight_estimate=str(cfg.staleness.get("in_flight_estimate", "mean")),
+                   deadline_release_versions=cfg.staleness.get("deadline_release_versions", None))
 
 
 class MetricsHistory:

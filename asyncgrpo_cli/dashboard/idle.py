@@ -25,7 +25,7 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    Fix: ``max_staleness`` one higher (deadline admission already counts a rollout in flight at what it is
    expected to queue, so ``in_flight_estimate`` does not loosen it), and with ``in_flight_estimate=mean`` and
    ``frac_reward_zero_std`` from ``zero_std_high`` (0.5), ``staleness.in_flight_estimate=kept`` for the allowance
-   that binds next.
+   that binds next; or, while it is unset, ``staleness.deadline_release_versions=4`` (opt-in release).
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
 6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
@@ -147,11 +147,16 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) 
         return None
     conc, cap = num(m, "rollout/concurrency"), num(m, "rollout/concurrency_cap")
     flight = f"; {conc:.0f} rollouts in flight" + (f", cap {cap:.0f}" if cap is not None else "") if conc is not None else ""
+    release = s.deadline_release_versions
+    until = (f", until {release} weight updates pass without another (twice as many after each new drop)"
+             if release else "")
     why = (f"deadline admission holds generation back {deadline:.0%} of the time{flight} (on since a sample was "
-           "dropped stale, until 4 weight updates pass without another, twice as many after each new drop: a "
-           "group starts only if every group in flight can still be trained after all that is "
-           "committed, each rollout in flight counted at what it is expected to queue)")
+           f"dropped stale{until}: a group starts only if every group in flight can still be trained after all "
+           "that is committed, each rollout in flight counted at what it is expected to queue)")
     fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
+    if not release:
+        fix += (", or staleness.deadline_release_versions=4 (opt-in: it turns off again after 4 weight updates "
+                "without a stale drop; watch sample/dropped_stale_count)")
     zero = num(m, "frac_reward_zero_std")
     if s.in_flight_estimate == "mean" and zero is not None and zero >= th.zero_std_high:
         fix += (f", with staleness.in_flight_estimate=kept ({zero:.0%} of groups are discarded, never trained, yet "

@@ -150,7 +150,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         self.server_values = server_values
         self.allowance = TokenAllowance(str(getattr(config, "in_flight_estimate", "mean")))  # mean (B.4) or kept
         self.holds = HoldClock()  # what holds the producer, per gate (rollout/held_{gate}_frac)
-        self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)))  # issue #28: no prompt left behind
+        self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)),  # issue #28: no prompt left behind
+                                      release_after_versions=getattr(config, "deadline_release_versions", None))
         self.pull_version_value = pull_version_value
         self.capacity_value = capacity_value
         self.round_done_value = round_done_value

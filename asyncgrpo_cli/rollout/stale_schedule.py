@@ -9,12 +9,15 @@ less often than the data holds (`scripts/bench/bench_staleness_bias.py`).
 :class:`StaleSchedule` adds two rules on top of the allowance, which stays the contract for what may be in
 flight (a group starts only when both agree):
 
-- **Deadline admission**, from a stale drop on (a group that comes back stale, or a sample the trainer
-  dropped: until then nothing was lost, and the rule would only cost throughput) until `RELEASE_AFTER_VERSIONS`
-  weight updates pass without another. The drop that turns it on is often a phase that passed (the trainer the
-  bound early in a run, its queue grown), and the rule is pessimistic (every token committed counts as pulled
-  first): left on for good it held a two-server job at 100-850 rollouts in flight of 1,024 and 69-95% of the
-  producer's time late in the run (GPU 2026-12-04, fifth session), with no stale drop after step 9. A group stamped ``v`` can be trained while the trainer's version is at most
+- **Deadline admission**, from the first stale drop on (a group that comes back stale, or a sample the trainer
+  dropped: until then nothing was lost, and the rule would only cost throughput). With ``release_after_versions``
+  (``staleness.deadline_release_versions``, opt-in) it turns off again once that many weight updates pass without
+  another drop, twice as many each time a drop turns it on again. The drop that turns it on can be a phase that
+  passed (the trainer the bound early in a run, its queue grown), and the rule is pessimistic (every token
+  committed counts as pulled first): left on, it held a two-server job at 100-850 rollouts in flight of 1,024 and
+  69-95% of the producer's time late in the run (GPU 2026-12-04, fifth session), with no stale drop after step 9.
+  Released, drops recur where overtaking is the rule (the CPU bench: 6-10% of generated tokens against 3-5%), so
+  it stays opt-in until the GPU job shows the trade. A group stamped ``v`` can be trained while the trainer's version is at most
   ``v + max_staleness``: the trainer may still pull about ``(v + max_staleness − V + 1 − headroom_margin) ×
   tokens_per_version − consumed_this_version`` sample tokens before it is lost (its *headroom*). A new group
   starts only if (a) for every group in flight, the tokens committed ahead of it (everything committed but its
@@ -47,8 +50,8 @@ __all__ = ["LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verd
 #: How many of the latest distinct ``tokens_per_version`` values deadline admission takes the minimum of.
 RECENT_STEPS = 64
 
-#: Weight updates without a stale drop after which deadline admission first turns off again (a new drop turns it
-#: on; each time it turns on again the count doubles: `StaleSchedule.release_after`).
+#: A value to try for ``staleness.deadline_release_versions`` (weight updates without a stale drop after which deadline
+#: admission first turns off again; each time a drop turns it on again the count doubles: `StaleSchedule.release_after`).
 RELEASE_AFTER_VERSIONS = 4
 
 #: Completion-length classes of ``sample/trained_frac_{class}``: thirds of ``max_completion_length``.
@@ -96,7 +99,7 @@ class StaleSchedule:
             estimates miss (each in-flight rollout counts as what it is expected to put in the queue,
             `TokenAllowance.expected_kept_tokens_per_rollout`; the last step stands for the next).
         release_after_versions: weight updates without a stale drop after which deadline admission turns off
-            (>= 1; `RELEASE_AFTER_VERSIONS`).
+            (>= 1), doubled each time it turns on again; ``None`` (the default): it stays on from the first drop.
 
     Raises:
         TypeError / ValueError: an argument is not an int or is negative.
@@ -110,11 +113,12 @@ class StaleSchedule:
     """
 
     def __init__(self, max_staleness: int, max_retries: int = 3, headroom_margin: float = 0.25,
-                 release_after_versions: int = RELEASE_AFTER_VERSIONS) -> None:
+                 release_after_versions: int | None = None) -> None:
         self.max_staleness = _require_int("max_staleness", max_staleness, 0)
         self.max_retries = _require_int("max_retries", max_retries, 0)
         self.headroom_margin = _require_tokens("headroom_margin", headroom_margin)
-        self.release_after_versions = _require_int("release_after_versions", release_after_versions, 1)
+        self.release_after_versions = (None if release_after_versions is None
+                                       else _require_int("release_after_versions", release_after_versions, 1))
         self.deadline_admission = False  # on at a stale drop (a group back stale, or the trainer's), off after
         self._clean_versions = 0  # weight updates since deadline admission last turned on or saw a drop
         self.admission_turned_on = 0  # how often deadline admission turned on (a drop while off)
@@ -153,7 +157,7 @@ class StaleSchedule:
             # The trainer pulls a step's samples, trains, then publishes the version: what it pulled before
             # this read belongs to the step that made the version, so the new version starts here.
             self._consumed_at_version = consumed
-            if self.deadline_admission:
+            if self.deadline_admission and self.release_after_versions is not None:
                 self._clean_versions += version - self._version
                 if self._clean_versions >= self.release_after:
                     self.deadline_admission = False
@@ -205,10 +209,12 @@ class StaleSchedule:
         return stale
 
     @property
-    def release_after(self) -> int:
+    def release_after(self) -> int | None:
         """Weight updates without a stale drop after which deadline admission turns off now:
         ``release_after_versions`` the first time it is on, doubled each time a drop turns it on again (drops that
-        recur keep it on longer and longer; a passing phase releases it soon)."""
+        recur keep it on longer and longer; a passing phase releases it soon). ``None``: never released."""
+        if self.release_after_versions is None:
+            return None
         return self.release_after_versions * 2 ** max(0, min(self.admission_turned_on - 1, 30))
 
     def _stale_event(self) -> None:
@@ -236,8 +242,8 @@ class StaleSchedule:
                 divided by ``max(max_staleness, 1)``: ``weight_sync_steps`` steps of the last step's tokens).
 
         Returns:
-            ``True`` while deadline admission is off (no stale drop yet, by either side, or none in the last
-            ``release_after_versions`` weight updates), when no group is in
+            ``True`` while deadline admission is off (no stale drop yet, by either side, or, when released, none
+            in the last `release_after` weight updates), when no group is in
             flight, or when ``committed_tokens + new_group_tokens <= headroom_tokens(version)`` (the new group's
             own deadline) and, for every group in flight that can still be trained, ``committed_tokens − its own
             estimate + new_group_tokens <= its headroom``. Groups already stale are left out (they are

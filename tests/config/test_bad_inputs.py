@@ -275,6 +275,8 @@ CLI_CASES = [
     ("group_requests_not_a_bool", [R, "rollout.group_requests=maybe"], "rollout.group_requests", ""),
     ("in_flight_estimate_unknown", [R, "staleness.in_flight_estimate=queued"], "staleness.in_flight_estimate",
      "staleness.in_flight_estimate=kept"),
+    ("deadline_release_zero", [R, "staleness.deadline_release_versions=0"], "staleness.deadline_release_versions",
+     "staleness.deadline_release_versions=4"),
     ("request_seeds_off_with_engines", [R, "rollout.request_seeds=false", "sampler.data_parallel_size=2"],
      "rollout.request_seeds", "identical text"),
     # issue #45: each reward function is called once before the start (it failed a minute into the run)
@@ -411,6 +413,8 @@ CONFIG_CASES = [
     ("cispo_without_eps_max", {"loss_type": "cispo", "score_centering": False}, ConfigError, "epsilon_high", ""),
     ("reward_weights_nan", {"reward_weights": [1.0, float("nan")]}, ConfigError, "reward_weights", "finite"),
     ("in_flight_estimate_unknown", {"in_flight_estimate": "Kept"}, ConfigError, "in_flight_estimate", "'Kept'"),
+    ("deadline_release_zero", {"deadline_release_versions": 0}, ConfigError, "deadline_release_versions",
+     "deadline_release_versions=4"),
 ]
 
 

@@ -134,6 +134,10 @@ def test_an_idle_trainer_held_by_deadline_admission_names_it_with_its_fixes():
     assert ", with staleness.in_flight_estimate=kept (72% of groups are discarded" in d.text
     kept = trainer_idle(h, RunSettings(max_staleness=2, max_concurrent_rollouts=1024, in_flight_estimate="kept"))
     assert kept.rule == "trainer_idle_deadline" and "in_flight_estimate" not in kept.text
+    assert "or staleness.deadline_release_versions=4 (opt-in" in d.text
+    released = trainer_idle(h, RunSettings(max_staleness=2, deadline_release_versions=8))
+    assert "until 8 weight updates pass without another" in released.text
+    assert "deadline_release_versions=4" not in released.text
 
 
 def test_the_allowance_cause_stays_when_the_allowance_holds_more_than_deadline_admission():
