@@ -53,6 +53,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..rollout.stale_schedule import RELEASE_AFTER_VERSIONS
 from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown
 from .findings import (DEFAULT_THRESHOLDS, WARN, Diagnosis, MetricsHistory, RunSettings, Thresholds, _level,
                        held_shares)
@@ -155,7 +156,8 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) 
            "that is committed, each rollout in flight counted at what it is expected to queue)")
     fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
     if not release:
-        fix += (", or staleness.deadline_release_versions=4 (opt-in: it turns off again after 4 weight updates "
+        n = RELEASE_AFTER_VERSIONS
+        fix += (f", or staleness.deadline_release_versions={n} (opt-in: it turns off again after {n} weight updates "
                 "without a stale drop; watch sample/dropped_stale_count)")
     zero = num(m, "frac_reward_zero_std")
     if s.in_flight_estimate == "mean" and zero is not None and zero >= th.zero_std_high:

@@ -119,7 +119,8 @@ class StaleSchedule:
         self.headroom_margin = _require_tokens("headroom_margin", headroom_margin)
         self.release_after_versions = (None if release_after_versions is None
                                        else _require_int("release_after_versions", release_after_versions, 1))
-        self.deadline_admission = False  # on at a stale drop (a group back stale, or the trainer's), off after
+        self.deadline_admission = False  # on at a stale drop (a group back stale, or the trainer's); released,
+        # off again after `release_after` weight updates without one
         self._clean_versions = 0  # weight updates since deadline admission last turned on or saw a drop
         self.admission_turned_on = 0  # how often deadline admission turned on (a drop while off)
         self._groups: dict[int, tuple[int, float]] = {}  # group id -> (stamp version, estimated tokens)
