@@ -13,8 +13,9 @@ Backends (``packing.attention`` in the config; ``auto`` = ``flex`` on CUDA, ``sd
   metadata). Compiled on CUDA; on CPU torch 2.13 runs its forward eagerly but has no backward.
 - ``flash``: a flash-attention varlen call where each segment is one "sequence" whose keys/values are
   gathered along its trie path (ancestors' segments, then its own); causal alignment is bottom-right,
-  so the gathered key index equals the position id. Needs ``flash_attn`` or the ``kernels`` package able
-  to load ``kernels-community/flash-attn2`` (hub access); otherwise :class:`TreeAttentionUnavailable`.
+  so the gathered key index equals the position id. The kernel comes from ``flash-attn-4`` (PyPI, Hopper and
+  newer), ``flash_attn`` or a Hub kernel (``asyncgrpo_cli.train.flash_varlen``); without one,
+  :class:`TreeAttentionUnavailable`.
 
 How the row reaches the attention function: :func:`forward_packed` passes a
 :class:`TreeAttentionInputs` as the ``tree_attention`` keyword of the model's forward; transformers
@@ -34,8 +35,6 @@ are refused.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo_cli.train.flash_varlen import TreeAttentionUnavailable, call_varlen, load_flash_varlen
 from asyncgrpo_cli.train.packing import PackedRow
 
 __all__ = [
@@ -70,11 +70,6 @@ IMPLEMENTATION_NAMES = {
     "flash": "asyncgrpo_tree_varlen",
 }
 _BACKEND_OF = {v: k for k, v in IMPLEMENTATION_NAMES.items()}
-FLASH_KERNEL_REPO = "kernels-community/flash-attn2"
-
-
-class TreeAttentionUnavailable(RuntimeError):
-    """The requested tree-attention backend cannot run here (missing kernel or device)."""
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
@@ -277,58 +272,6 @@ def varlen_attention_reference(
     return out
 
 
-@functools.cache
-def load_flash_varlen() -> Callable[..., torch.Tensor]:
-    """``flash_attn_varlen_func`` from the ``flash_attn`` package, else from the hub kernel
-    ``kernels-community/flash-attn2`` through the ``kernels`` package.
-
-    Raises:
-        TreeAttentionUnavailable: neither is importable/loadable (no package, no CUDA, no hub access).
-    """
-    errors = []
-    if importlib.util.find_spec("flash_attn") is not None:
-        try:
-            from flash_attn import flash_attn_varlen_func
-
-            return flash_attn_varlen_func
-        except Exception as exc:  # noqa: BLE001 - report every reason together below
-            errors.append(f"flash_attn: {exc}")
-    else:
-        errors.append("flash_attn: not installed")
-    if importlib.util.find_spec("kernels") is not None:
-        try:
-            from kernels import get_kernel
-
-            version = None
-            try:
-                from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_VERSIONS
-
-                version = FLASH_ATTN_KERNEL_VERSIONS.get(FLASH_KERNEL_REPO)
-            except ImportError:
-                pass
-            try:
-                if version is None:
-                    kernel = get_kernel(FLASH_KERNEL_REPO)
-                else:
-                    kernel = get_kernel(FLASH_KERNEL_REPO, version=version)
-            except TypeError:
-                kernel = get_kernel(FLASH_KERNEL_REPO)
-            fn = getattr(kernel, "flash_attn_varlen_func", None)
-            if fn is None:
-                raise AttributeError(f"{FLASH_KERNEL_REPO} has no flash_attn_varlen_func")
-            return fn
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"kernels ({FLASH_KERNEL_REPO}): {exc}")
-    else:
-        errors.append("kernels: not installed")
-    raise TreeAttentionUnavailable(
-        "the 'flash' tree attention backend needs flash_attn_varlen_func, and none could be loaded ("
-        + "; ".join(errors)
-        + "). Install asyncgrpo[kernels] on a CUDA machine with Hugging Face hub access, or set "
-        "packing.attention to 'flex' (GPU) or 'sdpa'."
-    )
-
-
 def _tree_mask_mod(leave: torch.Tensor, pos: torch.Tensor, sliding_window: int | None) -> Callable:
     """FlexAttention ``mask_mod``: key ``j`` visible to query ``i`` iff ``j <= i <= leave[j]`` (ancestor-
     or-self in DFS order), and within ``sliding_window`` positions when one is given. It closes over
@@ -414,18 +357,16 @@ def _tree_attention(
         out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if backend == "flash":
-        varlen = ctx.varlen_fn or load_flash_varlen()
+        varlen = ctx.varlen_fn or load_flash_varlen(_capability(query.device)).fn
         plan = ctx.varlen_plan()
         q = query[0].transpose(0, 1).contiguous()  # [L, Hq, D]
         k = key[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()  # [Σ path, Hkv, D]
         v = value[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()
-        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
-        out = varlen(
-            q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
-            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window,
+        out = call_varlen(
+            varlen, q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+            softmax_scale=scaling, window_left=sliding_window - 1 if sliding_window is not None else None,
+            dropout_p=dropout,
         )
-        if isinstance(out, tuple):
-            out = out[0]
         return out.unsqueeze(0), None
     raise ValueError(f"unknown tree attention backend {backend!r}")
 
@@ -473,6 +414,13 @@ def tree_attention_backend(model: torch.nn.Module) -> str | None:
     return _BACKEND_OF.get(getattr(_config(model), "_attn_implementation", None))
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device`` (which picks the flash kernel), ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -511,7 +459,7 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
             raise TreeAttentionUnavailable(
                 f"the 'flash' tree attention backend needs a CUDA model, got device {device}"
             )
-        load_flash_varlen()
+        load_flash_varlen(_capability(device))
     register_tree_attention()
     name = IMPLEMENTATION_NAMES[backend]
     setter = getattr(model, "set_attn_implementation", None)
