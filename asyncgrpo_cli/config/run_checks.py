@@ -20,7 +20,7 @@ from .sources import (check_data_source, check_imports, check_model_source, chec
                       looks_like_local_data, model_max_len)
 from .loss_rules import loss_warnings
 from .reward_probe import probe_reward_funcs
-from .start_checks import check_agent_imports, check_external_sampler, check_peft_targets
+from .start_checks import check_agent_imports, check_external_sampler, check_flash_kernel, check_peft_targets
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
 __all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
@@ -97,6 +97,7 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
     if not c.errors:
         c.run(check_training_args_build, cfg)
     c.run(check_output_dir, cfg.trainer.get("output_dir"))
+    c.run(check_flash_kernel, cfg.packing.attention)
     if probe:
         c.run(check_external_sampler, cfg)
     imported = c.run(check_imports, cfg)

@@ -1,8 +1,8 @@
 """Checks of a composed config that used to pass ``--dry-run`` and ``config --check`` and then fail once the
 server and the trainer had started (issue #36): an external sampler that cannot be reached, a Hub dataset
 that is not cached while the Hub is off, tools and environments that do not import, a run without any reward,
-a generator with a dataset key, LoRA targets the model does not have (reward keyword arguments nothing reads:
-`sources.check_reward_kwargs`).
+a generator with a dataset key, LoRA targets the model does not have, ``packing.attention=flash`` with no
+flash-attention kernel installed (reward keyword arguments nothing reads: `sources.check_reward_kwargs`).
 
 Each raises a `ConfigError` naming the key, the value and the fix; `run_checks.validate_run` runs them.
 """
@@ -68,6 +68,42 @@ def check_external_sampler(cfg: Any, timeout_s: float | None = None) -> None:
                    f"answers there ({problem})", "start it in another shell with `asyncgrpo serve` and the same "
                    "model/sampler/rollout overrides (it prints the command it runs), then run this again; or fix "
                    "sampler.url")
+
+
+# ------------------------------------------------------------------------------------------ packing
+def installed_flash_providers() -> list[str]:
+    """The distributions that can provide the ``flash`` tree-attention kernel and are installed here, in the order
+    the trainer tries them (``asyncgrpo_cli.train.flash_varlen``): ``flash-attn-4`` (a ``flash_attn/cute`` folder),
+    ``flash-attn`` (a ``flash_attn`` package with its own ``__init__``) and ``kernels`` (Hub kernels). Looked up
+    without importing them (flash-attn's import loads CUDA libraries)."""
+    import importlib.util
+
+    found = []
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is not None:
+        locations = list(spec.submodule_search_locations or [])
+        if any((Path(loc) / "cute").is_dir() for loc in locations):
+            found.append("flash-attn-4")
+        if spec.origin and spec.origin.endswith("__init__.py"):
+            found.append("flash-attn")
+    if importlib.util.find_spec("kernels") is not None:
+        found.append("kernels")
+    return found
+
+
+def check_flash_kernel(attention: Any) -> None:
+    """``packing.attention=flash`` needs a varlen flash-attention kernel: at least one provider is installed
+    (whether it loads on the GPU, e.g. flash-attn-4 below compute capability 9.0 or a Hub kernel without network,
+    is known at trainer start, where the reason is given).
+
+    Raises:
+        ConfigError: naming ``packing.attention``, what is missing and the fix.
+    """
+    if str(getattr(attention, "value", attention)) != "flash" or installed_flash_providers():
+        return
+    raise _err("packing.attention", "flash", "this backend calls a varlen flash-attention kernel, and none is installed "
+               "(flash-attn-4, flash-attn or kernels)", "pip install flash-attn-4 (Hopper or newer GPUs), or "
+               "packing.attention=flex (the GPU default) or sdpa")
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -466,6 +466,10 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
     if server is not None:
         gpus.problems.extend(p for p in server.problems if p not in gpus.problems)
+    attention = str(getattr(cfg.packing.attention, "value", cfg.packing.attention))
+    if attention == "flash" and not gpus.trainer_gpus:
+        gpus.problems.append("packing.attention=flash: the flash-attention kernels run on CUDA GPUs only, and the "
+                             "trainer runs on the CPU here. Fix: packing.attention=auto (sdpa on a CPU)")
     out = output_dir_of(cfg.trainer)
     acc_path, cfg_path = out / ACCELERATE_CONFIG_NAME, out / CONFIG_NAME
     env = trainer_env(gpus)

@@ -55,6 +55,14 @@ def test_vllm_needs_a_gpu():
     assert not build_launch_plan(cfg_of("sampler.backend=external", "sampler.url=http://h:1"), gpu_count=0).problems
 
 
+def test_flash_attention_on_a_cpu_trainer_is_a_problem():
+    cpu = build_launch_plan(cfg_of("sampler.backend=embedded", "packing.attention=flash"), gpu_count=0).problems
+    assert any(p.startswith("packing.attention=flash:") and "trainer runs on the CPU" in p
+               and "packing.attention=auto" in p for p in cpu)
+    assert not build_launch_plan(cfg_of("sampler.backend=embedded", "packing.attention=flex"), gpu_count=0).problems
+    assert not build_launch_plan(cfg_of("packing.attention=flash"), gpu_count=2).problems
+
+
 def test_three_gpus_vllm_fsdp2_on_two():
     cfg = cfg_of()
     plan = build_launch_plan(cfg, gpu_count=3, main_process_port=29555)
