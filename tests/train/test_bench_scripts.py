@@ -279,3 +279,70 @@ def test_every_phase_of_run_benches_is_listed_and_the_e1t_phase_runs_bench_small
     assert phases == header == usage and {"e1t", "e1tprof"} <= set(phases)
     e1t = text[text.index("  e1t)"):text.index(";;", text.index("  e1t)"))]
     assert "bench_small.py --out" in e1t and "bench_small.py --compile" in e1t and "--precision bf16" in e1t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench_attention.py: the flash tree-attention backend against flex (issue #43 item 4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_attention_bench_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
+    import bench_attention as ba
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    monkeypatch.setattr(ta, "load_flash_varlen", ta.load_flash_varlen)  # the CPU check swaps it: restore after
+    out = tiny_cpu / "out"
+    assert ba.main(["--device", "cpu", "--shape", "tiny", "--backends", "sdpa,flash", "--steps", "1",
+                    "--out", str(out)]) == 0
+    r = json.loads((out / "attention_tiny.json").read_text())
+    assert {"device", "torch", "transformers", "date", "rows", "forwarded_tokens", "trained_tokens"} <= set(r)
+    assert set(r["backends"]) == {"sdpa", "flash"} and "refused" not in r
+    flash = r["backends"]["flash"]
+    assert flash["kernel"].startswith("reference") and flash["packed_vs_unpacked_max"] < 1e-4
+    assert flash["loss"] == pytest.approx(r["backends"]["sdpa"]["loss"], rel=1e-4)
+    assert flash["step_s"] > 0 and flash["first_step_s"] > 0 and flash["unpacked_std"] > 0
+    assert "flash" in capsys.readouterr().out
+
+
+def test_attention_bench_refuses_a_kernel_whose_packed_logprobs_differ(tiny_cpu, monkeypatch):
+    import bench_attention as ba
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    monkeypatch.setattr(ta, "load_flash_varlen", ta.load_flash_varlen)
+    reference = ta.varlen_attention_reference
+
+    def not_causal(*args, **kwargs):  # every query sees its whole path, later tokens included: a wrong mask
+        return reference(*args, **{**kwargs, "causal": False})
+
+    monkeypatch.setattr(ta, "varlen_attention_reference", not_causal)
+    out = tiny_cpu / "out"
+    assert ba.main(["--device", "cpu", "--shape", "tiny", "--backends", "sdpa,flash", "--steps", "1",
+                    "--out", str(out)]) == 1
+    r = json.loads((out / "attention_tiny.json").read_text())
+    assert r["refused"].startswith("flash: packed != unpacked") and "step_s" not in r["backends"]["flash"]
+
+
+def test_run_flash_stages_the_vllm_stages_versions_and_runs_the_cuda_tests_and_the_bench():
+    """scripts/gpu/run_flash.sh (flash-attn-4 with the image's torch) pins the CUTLASS DSL and its companions at the
+    versions of the vLLM 0.33 stage (wheels.txt), so both paths measure the same kernels, and checks the joined
+    CUDA 13 library against the stage's sha256."""
+    import re
+
+    root = BENCH.parents[1]
+    text = (root / "scripts" / "gpu" / "run_flash.sh").read_text()
+    manifest = {}
+    for line in (root / "scripts" / "gpu" / "vllm033" / "wheels.txt").read_text().splitlines():
+        f = line.split()
+        if f and f[0] == "WHEEL":
+            manifest[f[2].split("-")[0].lower()] = (f[2].split("-")[1], f[4], f[2])
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core", "quack-kernels",
+                 "apache-tvm-ffi", "torch-c-dlpack-ext", "cuda-bindings", "cuda-pathfinder", "protobuf", "einops"):
+        pinned = re.search(rf"\b{re.escape(dist)}==(\S+)", text).group(1)
+        assert pinned == manifest[dist.replace("-", "_")][0], dist
+    cu13 = manifest["nvidia_cutlass_dsl_libs_cu13"]
+    assert f"CU13={cu13[2]}" in text and f"CU13_SHA256={cu13[1]}" in text
+    assert "nvidia-cutlass-dsl-libs-cu13==" + cu13[0] in text
+    assert "tests/train/test_flash_varlen.py" in text and "bench_attention.py --shape qwen3-1.7b" in text
+    assert "nvidia_cutlass_dsl/dsl_packages" in text  # where the DSL's `cutlass` package lives (no .pth with --target)
