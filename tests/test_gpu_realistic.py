@@ -127,9 +127,10 @@ def test_unmet_requirements_of_a_wheel():
     assert install.unmet_requirements(meta, paths, ("vllm",))[-1].startswith("other-missing-zz")
 
 
-def test_the_stage_plan_is_the_packing_of_its_items_and_carries_trl_last():
+def test_the_stage_plan_is_the_packing_of_its_items_and_carries_the_optional_groups_last():
     """build_parts.pack, run on PARTS.txt's own items, puts every piece in the part the plan names (the
-    refactor for --add-group changed nothing), and TRL's wheel of wheels.txt is the last part's."""
+    refactor for --add-group changed nothing); TRL's wheel (p54) and flash-attn-4's (p55) are the last parts,
+    each in a part of its own, and install.py installs both groups as optional."""
     import build_parts
 
     records = [line.split() for line in (HERE / "PARTS.txt").read_text().splitlines() if line and line[0] != "#"]
@@ -144,7 +145,13 @@ def test_the_stage_plan_is_the_packing_of_its_items_and_carries_trl_last():
     assert packed == {f[3]: f[1] for f in records if f[0] == "PIECE"}
     trl = [r for r in build_parts.read_manifest() if r[0] == "trl"]
     assert [r[1] for r in trl] == ["trl-1.16.0-py3-none-any.whl"]
-    assert parts[-1][0] == "trl" and f"p{len(parts):02d}" == packed[trl[0][1]]
+    assert parts[-2][0] == "trl" and f"p{len(parts) - 1:02d}" == packed[trl[0][1]] == "p54"
+    fa4 = sorted(r[1] for r in build_parts.read_manifest() if r[0] == "fa4")
+    assert fa4 == ["einops-0.8.2-py3-none-any.whl", "flash_attn_4-4.0.0b40-py3-none-any.whl"]
+    assert parts[-1][0] == "fa4" and {packed[name] for name in fa4} == {f"p{len(parts):02d}"} == {"p55"}
+    import install
+
+    assert set(install.OPTIONAL) == {"trl", "fa4"}
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])

@@ -16,9 +16,9 @@ wheels into ``/tmp/asyncgrpo_site`` (``pip --target``, no index), puts the SmolL
 A conditional group (nccl, nvshmem, cusparselt, cudnn) is needed only when the image's copy is older than the
 one torch 2.14.0 pins; its parts are then listed as needed, else skipped.
 
-An optional group (`OPTIONAL`: ``trl``, issue #42's TRL wheel, part p54) is never waited for: once its pieces are
-staged (carried in any call, before or after the install), its wheels go into ``/tmp/asyncgrpo_site`` without
-dependencies, and the requirements of their ``METADATA`` are checked against what the image and both sites hold
+An optional group (`OPTIONAL`: ``trl``, issue #42's TRL wheel, part p54; ``fa4``, issue #43's flash-attn-4, p55)
+is never waited for: once its pieces are staged (carried in any call, before or after the install), its wheels go
+into ``/tmp/asyncgrpo_site`` without dependencies, and the requirements of their ``METADATA`` are checked against what the image and both sites hold
 (`unmet_requirements`: printed, the install goes on; the ``vllm`` extra's pins too, for the record).
 
 Exit status: 0 installed and checked; 2 waiting for parts (the message names them); 1 failure.
@@ -42,7 +42,7 @@ SITE = Path(os.environ.get("ASYNCGRPO_SITE", "/tmp/asyncgrpo_site"))
 CONDITIONAL = {"nccl": "nvidia-nccl-cu13", "nvshmem": "nvidia-nvshmem-cu13", "cusparselt": "nvidia-cusparselt-cu13",
                "cudnn": "nvidia-cudnn-cu13"}
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-OPTIONAL = {"trl": ("vllm",)}  # group -> extras whose pins are also reported
+OPTIONAL = {"trl": ("vllm",), "fa4": ()}  # group -> extras whose pins are also reported
 
 sys.path.insert(0, str(HERE))
 from build_parts import sha256  # noqa: E402  (the same digest both sides)

@@ -17,6 +17,8 @@
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl_server # issue #42: TRL's GRPOTrainer against `vllm serve` on the GPU
+#   bash scripts/gpu/vllm033/run.sh flash    # issue #43 item 4: flash-attn-4 tree attention (part p55 staged): the CUDA
+#                                            # tests of test_flash_varlen.py, then bench_attention.py (flex vs flash, 1.7B)
 #   bash scripts/gpu/vllm033/run.sh faults   # issue #45: fault drills with the job's vLLM (FAULTS=server_kill_sync,supervisor_kill,sigint,server_stop: which, in order; faults.py, $OUT/faults_gpu.json)
 # Results: $OUT/vllm033_<phase>.json (train/bench: $OUT/vllm033_<phase>.json through one_gpu.py's RESULT_PREFIX).
 set -uo pipefail
@@ -44,5 +46,11 @@ case "${1:-train}" in
   realistic_trl) python3 scripts/gpu/vllm033/realistic.py trl colocate ;;
   realistic_trl_server) python3 scripts/gpu/vllm033/realistic.py trl server ;;
   faults) python3 scripts/gpu/vllm033/faults.py ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults)"; exit 2 ;;
+  flash) [ -f "$SITE/.fa4_installed" ] || { echo "run.sh flash: flash-attn-4 is not staged: carry .stage033/p55"; exit 1; }
+         export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_cute_cache
+         timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/train/test_flash_varlen.py \
+           tests/train/test_tree_attention.py -k cuda
+         mkdir -p "$OUT/results" && timeout 300 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b \
+           --out "$OUT/results" ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
 esac
