@@ -28,6 +28,8 @@ Kernels of the delta rule (``ASYNCGRPO_GDN_KERNEL`` overrides; default ``fla`` o
   concatenated into one varlen call (``cu_seqlens``) with one initial state per segment. Probed with a tiny
   forward + backward at trainer start: fla refuses its backward on Hopper with Triton in ``[3.4.0, 3.7.1)`` unless
   ``tilelang`` is installed, and that refusal is raised then (:class:`GatedDeltaNetUnavailable`), not mid-step.
+  The probe is also where its kernels compile on a machine's first run (Triton, tilelang): a progress line says
+  so, with the caches that keep them for later runs (:func:`kernel_caches`), and the time it took.
 
 Only the modeling modules in :data:`SUPPORTED_MODULES` (whose forwards were read) are accepted; any other
 token-mixing layer is refused by :func:`check_token_mixers`.
@@ -36,9 +38,11 @@ token-mixing layer is refused by :func:`check_token_mixers`.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +60,7 @@ __all__ = [
     "UnsupportedTokenMixer",
     "check_token_mixers",
     "gated_deltanet_layers",
+    "kernel_caches",
     "prepare_gated_deltanet",
     "resolve_gdn_kernel",
     "tree_causal_conv1d",
@@ -362,6 +367,23 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
+def kernel_caches() -> str:
+    """Where fla-core's compiled kernels are kept between runs: Triton's cache (``TRITON_CACHE_DIR``, default
+    ``~/.triton/cache``) and, when tilelang is installed (fla's backward on Hopper), tilelang's
+    (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``)."""
+    caches = [os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")]
+    if importlib.util.find_spec("tilelang") is not None:
+        caches.append(os.environ.get("TILELANG_CACHE_DIR")
+                      or os.path.join(os.path.expanduser("~"), ".tilelang", "cache"))
+    return " and ".join(caches)
+
+
+def _say(message: str) -> None:
+    """A start-up progress line on the console, from the first process only (every rank prepares its model)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"asyncgrpo: {message}", flush=True)
+
+
 @functools.cache
 def _fla_rule() -> Callable[..., Any]:
     try:
@@ -505,8 +527,12 @@ def prepare_gated_deltanet(model: torch.nn.Module, model_id: str | None = None, 
     if kernel == "fla" and probe:
         first = layers[0]
         dtype = next((p.dtype for p in first.parameters()), torch.bfloat16)
+        _say(f"Gated DeltaNet ({len(layers)} layers): compiling fla-core's kernels for this GPU and head shape (first "
+             f"run only: cached for later runs in {kernel_caches()}) ...")
+        start = time.perf_counter()
         probe_fla(device, dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32,
                   (first.num_k_heads, first.num_v_heads), (first.head_k_dim, first.head_v_dim))
+        _say(f"Gated DeltaNet: fla-core's kernels ready in {time.perf_counter() - start:.1f} s")
     for layer in layers:
         module_name = type(layer).__module__
         mod = sys.modules[module_name]

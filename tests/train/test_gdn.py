@@ -406,3 +406,21 @@ def test_torch_kernel_on_cuda_matches_unpacked(monkeypatch):
     row = pack_row(samples)
     with torch.no_grad():
         torch.testing.assert_close(_packed_loss(model, row), _unpacked_loss(ref, samples), atol=1e-4, rtol=0)
+
+
+def test_the_first_runs_kernel_compile_shows_as_progress_lines_with_its_caches(monkeypatch, capsys, tmp_path):
+    """Issue #43 item 6: fla's kernels compile during the start-up probe on a machine's first run; the console says
+    so before (with where they are cached for later runs) and after (with the time), from the first process only."""
+    monkeypatch.setattr(gdn, "resolve_gdn_kernel", lambda device: "fla")
+    monkeypatch.setattr(gdn, "_KERNEL", dict(gdn._KERNEL))  # the layers' kernel choice goes back to the real one after
+    seen = []
+    monkeypatch.setattr(gdn, "probe_fla", lambda *a, **k: seen.append(capsys.readouterr().out))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("RANK", "0")
+    gdn.prepare_gated_deltanet(_qwen35())
+    before, after = seen[0], capsys.readouterr().out
+    assert "Gated DeltaNet" in before and "compiling fla-core's kernels" in before and str(tmp_path / "triton") in before
+    assert after.startswith("asyncgrpo: Gated DeltaNet: fla-core's kernels ready in ") and after.rstrip().endswith(" s")
+    monkeypatch.setenv("RANK", "1")
+    gdn.prepare_gated_deltanet(_qwen35())
+    assert capsys.readouterr().out == ""
