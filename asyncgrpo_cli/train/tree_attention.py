@@ -357,7 +357,9 @@ def _tree_attention(
         out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if backend == "flash":
-        varlen = ctx.varlen_fn or load_flash_varlen(_capability(query.device)).fn
+        if ctx.varlen_fn is None:  # resolved once per row, not per layer
+            ctx.varlen_fn = load_flash_varlen(_capability(query.device)).fn
+        varlen = ctx.varlen_fn
         plan = ctx.varlen_plan()
         q = query[0].transpose(0, 1).contiguous()  # [L, Hq, D]
         k = key[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()  # [Σ path, Hkv, D]
