@@ -36,6 +36,7 @@ are refused.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -461,7 +462,9 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
             raise TreeAttentionUnavailable(
                 f"the 'flash' tree attention backend needs a CUDA model, got device {device}"
             )
-        load_flash_varlen(_capability(device))
+        kernel = load_flash_varlen(_capability(device))
+        if os.environ.get("RANK", "0") == "0":  # every rank switches its model; one line is enough
+            print(f"asyncgrpo: tree attention: flash, through {kernel.name}", flush=True)
     register_tree_attention()
     name = IMPLEMENTATION_NAMES[backend]
     setter = getattr(model, "set_attn_implementation", None)

@@ -301,3 +301,20 @@ def test_flash_without_any_provider_is_refused_naming_the_key_and_the_fix(monkey
     start_checks.check_flash_kernel("flex")  # other backends need nothing
     monkeypatch.setattr(start_checks, "installed_flash_providers", lambda: ["kernels"])
     start_checks.check_flash_kernel("flash")
+
+
+def test_the_trainer_start_names_the_flash_kernel_once(monkeypatch, capsys, tmp_path):
+    from asyncgrpo_cli.testing import make_tiny_model
+    from asyncgrpo_cli.train import tree_attention as ta
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"), attn_implementation="sdpa")
+    monkeypatch.setattr(ta, "_model_device", lambda m: torch.device("cuda", 0))  # as on a GPU machine
+    monkeypatch.setattr(ta, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ta, "load_flash_varlen", lambda capability=None: fv.FlashVarlen(fa4_like, "flash-attn-4", "4.0.0b40"))
+    monkeypatch.setenv("RANK", "0")
+    assert ta.apply_tree_attention(model, "flash") == "flash"
+    assert capsys.readouterr().out == "asyncgrpo: tree attention: flash, through flash-attn-4 4.0.0b40\n"
+    monkeypatch.setenv("RANK", "3")
+    ta.apply_tree_attention(model, "flash")
+    assert capsys.readouterr().out == ""
