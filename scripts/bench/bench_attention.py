@@ -4,10 +4,11 @@
     python scripts/bench/bench_attention.py --shape qwen3-1.7b --compile --out scripts/bench/results
     python scripts/bench/bench_attention.py --device cpu --shape tiny --out /tmp/benchout    # checks the script only
 
-The model and rows are P1's (``bench_packing``): the shape with random bf16 weights, activation checkpointing, the loss
-inside the forward, tree rows of GRPO groups of 8 (prompt 4x the completion, completions of 256 tokens ±50%, 6
-groups, 16K-token budget). Each backend of ``--backends`` (default ``flex,flash``) switches the same model with
-``apply_tree_attention`` and runs the same rows:
+The model and rows are P1's (``bench_packing``): the shape with random weights (bf16 on CUDA, fp32 on a CPU),
+activation checkpointing, the loss inside the forward, tree rows of GRPO groups of 8 (prompt 4x the completion,
+completions of 256 tokens ±50%, 6 groups, 16K-token budget; the ``tiny`` shape: 16-token completions, 3 groups,
+512-token budget). Each backend of ``--backends`` (default ``flex,flash`` on CUDA, ``sdpa,flash`` on a CPU, where
+FlexAttention has no backward) switches the same model with ``apply_tree_attention`` and runs the same rows:
 
 - **checks before any timing** (a fast wrong kernel is not a result; exit 1):
   - packed = unpacked: the trained tokens' log-probs of one group forwarded as a packed row, against each of its
@@ -16,10 +17,11 @@ groups, 16K-token budget). Each backend of ``--backends`` (default ``flex,flash`
   - the step's loss equals the first backend's within 2% (bf16).
 - ``first_step_s``: the first fwd+bwd step, kernel compilation included (flex: inductor; flash-attn-4: its CuTe DSL
   kernels, cached on disk from the second run on).
-- ``step_s``: median of ``--steps`` steps after two warm-up steps (CUDA events), ``peak_gib`` its peak memory.
+- ``step_s``: median of ``--steps`` steps (on CUDA after two warm-up steps, timed with CUDA events),
+  ``trained_tokens_per_s`` (the table's ``tok/s``) the rows' trained tokens over it, ``peak_gib`` its peak memory.
 
 Writes ``attention_<shape>[_compiled].json`` (device, versions, the flash kernel's provider and version, one entry per
-backend, ``flash_over_flex`` = flex's step time / flash's) and prints a table. On the CPU ``flash`` runs the gather plan
+backend, and when both ran ``flash_over_flex`` = flex's step time / flash's) and prints a table. On the CPU ``flash`` runs the gather plan
 through ``tree_attention.varlen_attention_reference`` (the kernel is CUDA-only): that checks the script, not a kernel.
 """
 
@@ -51,7 +53,7 @@ LOSS_REL = 2e-2
 def switch(model, backend: str) -> str:
     """``apply_tree_attention``; on the CPU ``flash`` is switched by hand with the pure-torch kernel."""
     if backend == "flash" and bp.DEVICE != "cuda":
-        reference = FlashVarlen(ta.varlen_attention_reference, "reference (pure torch, CPU check)", None)
+        reference = FlashVarlen(ta.varlen_attention_reference, "reference (pure torch)", None)
         ta.load_flash_varlen = lambda capability=None: reference  # this process only: the bench's CPU check
         ta.register_tree_attention()
         model.set_attn_implementation(ta.IMPLEMENTATION_NAMES["flash"])
@@ -94,7 +96,9 @@ def run(ns) -> dict:
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         unpacked = unpacked_logprobs(model, check_group)
-    result = dict(bp.run_meta(ns.shape), target="flash faster than flex on the same rows; packed = unpacked (bf16)",
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result = dict(bp.run_meta(ns.shape), target=f"flash faster than flex on the same rows; packed = unpacked ({dtype})",
+                  weights_dtype=dtype,
                   G=8, completion=completion, prompt=prompt, groups=groups, token_budget=budget, steps=ns.steps,
                   completion_spread=ns.completion_spread, torch_compile=ns.compile, rows=len(rows),
                   forwarded_tokens=sum(r.num_tokens for r in rows), trained_tokens=trained,
@@ -137,10 +141,10 @@ def run(ns) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'backend':8} {'kernel':28} {'first s':>8} {'step s':>8} {'tok/s':>9} {'peak GiB':>9} {'packed err':>11}"]
+    lines = [f"{'backend':8} {'kernel':36} {'first s':>8} {'step s':>8} {'tok/s':>9} {'peak GiB':>9} {'packed err':>11}"]
     for name, e in result["backends"].items():
         peak = f"{e['peak_gib']:.2f}" if e.get("peak_gib") is not None else "n/a"
-        lines.append(f"{name:8} {e.get('kernel', '-')[:28]:28} {e.get('first_step_s', float('nan')):8.2f} "
+        lines.append(f"{name:8} {e.get('kernel', '-')[:36]:36} {e.get('first_step_s', float('nan')):8.2f} "
                      f"{e.get('step_s', float('nan')):8.3f} {e.get('trained_tokens_per_s', float('nan')):9.0f} "
                      f"{peak:>9} {e['packed_vs_unpacked_max']:11.4f}")
     if "flash_over_flex" in result:
@@ -153,13 +157,16 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(bp.SHAPES))
-    ap.add_argument("--backends", default="flex,flash", help="comma-separated, the first is the loss anchor")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated, the first is the loss anchor (default flex,flash on CUDA, sdpa,flash on a CPU)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--completion-spread", type=float, default=0.5)
     ap.add_argument("--compile", action="store_true", help="regional compile of the decoder layers and loss tiles")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default=str(bp.ROOT / "scripts" / "bench" / "results"))
     ns = ap.parse_args(argv)
+    if ns.backends is None:
+        ns.backends = "flex,flash" if ns.device == "cuda" else "sdpa,flash"
     result = run(ns)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

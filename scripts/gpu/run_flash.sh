@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Issue #43 item 4: the `flash` tree-attention backend through flash-attn-4 (CuTe DSL) on one H200, with the image's
-# torch (no vLLM). The lent machine has no network, so flash-attn-4 and the CUTLASS DSL travel as wheels, the same
-# versions as the vLLM 0.33 stage holds (nvidia-cutlass-dsl 4.8.0, quack-kernels 0.6.5, apache-tvm-ffi 0.1.11).
+# Issue #43 item 4: the `flash` tree-attention backend through flash-attn-4 (CuTe DSL) on a CUDA GPU (Hopper or newer).
+#   test:  the CUDA tests of tests/train/test_flash_varlen.py (packed = unpacked in bf16 through the real kernel,
+#          gradients against the sdpa tree path) and tests/train/test_tree_attention.py's
+#   bench: scripts/bench/bench_attention.py, flex against flash on P1's rows, Qwen3-1.7B shape, eager then compiled
 #
+# On a GPU machine with network: pip install flash-attn-4 (into the environment that has torch and this project),
+# then `bash scripts/gpu/run_flash.sh test` and `bash scripts/gpu/run_flash.sh bench`; nothing needs staging.
+#
+# On the lent H200 (no network; Python 3.12 with the image's torch, no vLLM) the wheels travel, cp312 builds of the
+# same versions as the vLLM 0.33 stage holds (nvidia-cutlass-dsl 4.8.0, quack-kernels 0.6.5, apache-tvm-ffi 0.1.11):
 # Here (a machine that reaches PyPI), once:   bash scripts/gpu/run_flash.sh prepare
-#   -> .whl_fa4/core (flash-attn-4 and the small wheels, ~17 MB), .whl_fa4/cu13a and .whl_fa4/cu13b (the CUTLASS DSL's
-#      CUDA 13 libraries, 92 MB, in two pieces: a call carries 64 MiB with the working tree)
+#   -> .whl_fa4/core (flash-attn-4 and the small wheels, 17 MB), .whl_fa4/cu13a and .whl_fa4/cu13b (the CUTLASS DSL's
+#      CUDA 13 library, a 92 MB wheel cut in two 46 MB pieces: a call carries 64 MiB with the working tree)
 # There, three calls back to back on one warm machine (it is given back 30 s after a call; send them in ONE message):
 #   carry [".whl_fa4/core"]    bash scripts/gpu/run_flash.sh stage
 #   carry [".whl_fa4/cu13a"]   bash scripts/gpu/run_flash.sh stage
 #   carry [".whl_fa4/cu13b"]   bash scripts/gpu/run_flash.sh stage && bash scripts/gpu/run_flash.sh test \
 #                                && bash scripts/gpu/run_flash.sh bench
-#   test:  the CUDA tests of tests/train/test_flash_varlen.py (packed = unpacked in bf16 through the real kernel,
-#          gradients against the sdpa tree path) and tests/train/test_tree_attention.py's
-#   bench: scripts/bench/bench_attention.py, flex against flash on P1's rows, Qwen3-1.7B shape, eager then compiled
 # Exit status of stage: 0 staged, 2 still waiting for a piece, 1 failure.
 # Results: $OUT/results (default ./bench_out/results); commit the JSON under scripts/bench/results.
 set -uo pipefail
@@ -29,19 +32,22 @@ export PYTHONUNBUFFERED=1
 prepare() {
   local plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
               --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-  rm -rf .whl_fa4 && mkdir -p .whl_fa4/core .whl_fa4/cu13a .whl_fa4/cu13b /tmp/fa4_cu13
+  local tmp
+  tmp=$(mktemp -d) && rm -rf .whl_fa4 && mkdir -p .whl_fa4/core .whl_fa4/cu13a .whl_fa4/cu13b || return 1
   python3 -m pip download -q --no-deps "${plat[@]}" -d .whl_fa4/core flash-attn-4==4.0.0b40 \
     nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0 quack-kernels==0.6.5 \
     apache-tvm-ffi==0.1.11 torch-c-dlpack-ext==0.1.5 cuda-bindings==13.4.4 cuda-pathfinder==1.9.1 \
     protobuf==7.36.2 einops==0.8.2 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0 pytest-timeout==2.4.0 || return 1
-  python3 -m pip download -q --no-deps "${plat[@]}" -d /tmp/fa4_cu13 nvidia-cutlass-dsl-libs-cu13==4.8.0 || return 1
-  [ "$(sha256sum "/tmp/fa4_cu13/$CU13" | cut -d' ' -f1)" = "$CU13_SHA256" ] || { echo "prepare: $CU13 sha256 differs" >&2; return 1; }
-  local half=$(( ($(stat -c %s "/tmp/fa4_cu13/$CU13") + 1) / 2 ))
-  split -b "$half" -d -a 1 "/tmp/fa4_cu13/$CU13" /tmp/fa4_cu13/piece.
-  mv /tmp/fa4_cu13/piece.0 ".whl_fa4/cu13a/$CU13.part0"
-  mv /tmp/fa4_cu13/piece.1 ".whl_fa4/cu13b/$CU13.part1"
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp" nvidia-cutlass-dsl-libs-cu13==4.8.0 || return 1
+  [ "$(sha256sum "$tmp/$CU13" | cut -d' ' -f1)" = "$CU13_SHA256" ] || { echo "prepare: $CU13 sha256 differs" >&2; return 1; }
+  local half=$(( ($(stat -c %s "$tmp/$CU13") + 1) / 2 ))
+  split -b "$half" -d -a 1 "$tmp/$CU13" "$tmp/piece."
+  mv "$tmp/piece.0" ".whl_fa4/cu13a/$CU13.part0"
+  mv "$tmp/piece.1" ".whl_fa4/cu13b/$CU13.part1"
+  rm -rf "$tmp"
   du -sh .whl_fa4/*
-  echo "prepare: add /.whl_fa4/ to .git/info/exclude; check tracked tree + 46 MB < 64 MiB per call"
+  echo "prepare: .whl_fa4/ is git-ignored; a call carries 64 MiB with the tracked tree: check" \
+       "git ls-files -z | xargs -0 du -cb | tail -1 plus 46 MB"
 }
 
 stage() {

@@ -293,9 +293,10 @@ def test_attention_bench_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, 
 
     monkeypatch.setattr(ta, "load_flash_varlen", ta.load_flash_varlen)  # the CPU check swaps it: restore after
     out = tiny_cpu / "out"
-    assert ba.main(["--device", "cpu", "--shape", "tiny", "--backends", "sdpa,flash", "--steps", "1",
-                    "--out", str(out)]) == 0
+    # the docstring's CPU example: no --backends (flex has no CPU backward, so the CPU default is sdpa,flash)
+    assert ba.main(["--device", "cpu", "--shape", "tiny", "--steps", "1", "--out", str(out)]) == 0
     r = json.loads((out / "attention_tiny.json").read_text())
+    assert r["weights_dtype"] == "float32" and "(float32)" in r["target"]
     assert {"device", "torch", "transformers", "date", "rows", "forwarded_tokens", "trained_tokens"} <= set(r)
     assert set(r["backends"]) == {"sdpa", "flash"} and "refused" not in r
     flash = r["backends"]["flash"]
