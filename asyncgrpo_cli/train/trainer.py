@@ -39,6 +39,7 @@ from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
+from .host_time import ThreadTimes, host_time_metrics
 from .tree_attention import apply_tree_attention
 
 
@@ -497,7 +498,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 syncs = (self.state.global_step + 1) % args.weight_sync_steps == 0
                 self.worker.set_pull_version(self.model_version + int(syncs))
             micro = len(plan.rows)  # ga, or fewer for a step trained before its rows filled (last step, round done)
-            fwd_bwd_start = time.monotonic()
+            fwd_bwd_start, host_before = time.monotonic(), ThreadTimes.read()  # host_time.py: CPU and run-queue
             contributions, my_rows, losses = [], [], []
             forwards = SpanClock(self.accelerator.device)
             for m, rows in enumerate(plan.rows):
@@ -517,7 +518,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             for value in loss_values:  # the same sum, in the same order, as a read per micro-batch gave
                 loss_sum += value / micro
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
-            fwd_s = forwards.seconds()
+            fwd_s, host_times = forwards.seconds(), host_time_metrics(host_before, ThreadTimes.read())
             opt_start = time.monotonic()
             self._in_optimizer_step = True  # a failure in here leaves no step to save
             grad_norm = None
@@ -545,7 +546,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                         print(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was "
                               f"abandoned by the stop ({exc})", flush=True)
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
-                              (fwd_bwd_s, fwd_s), optimizer_s, sync, peak, trained_version)
+                              (fwd_bwd_s, fwd_s, host_times), optimizer_s, sync, peak, trained_version)
             if sync_error is not None:
                 self._log_window()
                 self._raise_sync_failure(sync_error)
@@ -602,7 +603,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     def _finish_step(self, plan: StepPlan, my_rows, contributions, loss_sum, grad_norm, step_s, fwd_times,
                      optimizer_s, sync, peak, trained_version: int) -> None:
         args = self.args
-        fwd_bwd_s, fwd_s = fwd_times
+        fwd_bwd_s, fwd_s, host_times = fwd_times
         merged = merge_metric_contributions(contributions)
         stats = [r.stats() for r in my_rows]
         if self.accelerator.num_processes > 1:
@@ -652,6 +653,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             w.add("server/engine_core_cpu", engine_cpu)
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/fwd_s", fwd_s)
+        for name, value in host_times.items():
+            w.add(name, value)
         w.add("perf/optimizer_s", optimizer_s)
         w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
         w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)

@@ -180,6 +180,8 @@ def test_num_tokens_is_the_running_total_across_windows(run):
         assert w["num_tokens"] == pytest.approx(total), w["step"]
     assert lines[1]["num_tokens"] > lines[0]["num_tokens"]
     assert 0 < lines[0]["perf/fwd_s"] < lines[0]["perf/fwd_bwd_s"]
+    if os.path.exists("/proc/thread-self/schedstat"):  # host_time.py: the trainer's threads during fwd+bwd
+        assert 0 < lines[0]["perf/fwd_bwd_cpu_s"] and lines[0]["perf/fwd_bwd_cpu_wait_s"] >= 0
 
 
 def test_completions_jsonl_holds_text_rewards_and_advantages(run):
