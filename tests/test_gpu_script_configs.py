@@ -153,6 +153,10 @@ def test_the_rollout_job_figures_of_issue_41():
     assert f["generation_frac_of_engine"] == 0.5 and f["steps_per_s_2_20"] == 0.5
     per_step = vllm033_rollouts.job_rows(rows)
     assert per_step[0]["t_since_step1_s"] == 0.0 and per_step[-1]["step"] == 40
+    rows[5].update({"rollout/held_deadline_frac": 0.7, "server/engine_core_cpu": 1.03, "perf/fwd_bwd_cpu_wait_s": 0.4})
+    kept = vllm033_rollouts.job_rows(rows)[5]  # what held generation, the engine core, the trainer's host time
+    assert kept["rollout/held_deadline_frac"] == 0.7 and kept["server/engine_core_cpu"] == 1.03
+    assert kept["perf/fwd_bwd_cpu_wait_s"] == 0.4
 
 
 def test_one_window_of_few_groups_does_not_make_the_time_to_a_reward():

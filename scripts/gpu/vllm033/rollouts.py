@@ -437,6 +437,7 @@ def time_to_reward_mean(rows: list[dict], threshold: float, window: int = REWARD
 
 def job_rows(rows: list[dict]) -> list[dict]:
     """One row per logged step with the figures the issue reads (time from step 1's log line)."""
+    from asyncgrpo_cli.rollout.holds import HOLD_GATES, held_metric
     from asyncgrpo_cli.run.metrics_line import request_breakdown
 
     if not rows:
@@ -448,7 +449,10 @@ def job_rows(rows: list[dict]) -> list[dict]:
             "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac", "perf/weight_sync_s",
             "sample/staleness_mean", "sample/dropped_stale_count", "sampling/importance_sampling_ratio/mean",
             "rollout/request_s", "rollout/parse_s", "rollout/vllm_queue_s", "rollout/vllm_prefill_s",
-            "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s")
+            "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s",
+            # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43)
+            *(held_metric(g) for g in HOLD_GATES), "rollout/deadline_admission", "server/engine_core_cpu",
+            "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s")
     out = []
     for r in rows:
         row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3)}
