@@ -109,13 +109,14 @@ class VarlenPlan:
     Attributes:
         cu_seqlens_q: ``[S + 1]`` int32 offsets of each segment's queries in the row.
         cu_seqlens_k: ``[S + 1]`` int32 offsets of each segment's gathered keys.
-        kv_index: ``[Σ path lengths]`` int64 row index of every gathered key/value.
+        kv_index: ``[Σ path lengths]`` int64 row index of every gathered key/value; ``None`` when no segment has a
+            parent (plain packing: every path is its own segment, so the row's keys are used as they are).
         max_seqlen_q, max_seqlen_k: longest segment and longest path, in tokens.
     """
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
-    kv_index: torch.Tensor
+    kv_index: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -218,7 +219,8 @@ class TreeAttentionInputs:
             self._cache["varlen"] = VarlenPlan(
                 cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(self.device, non_blocking=True),
                 cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(self.device, non_blocking=True),
-                kv_index=torch.tensor(kv, dtype=torch.int64).to(self.device, non_blocking=True),
+                kv_index=(None if all(parent < 0 for parent in parents)
+                          else torch.tensor(kv, dtype=torch.int64).to(self.device, non_blocking=True)),
                 max_seqlen_q=max(lengths, default=0),
                 max_seqlen_k=max_k,
             )
@@ -363,8 +365,10 @@ def _tree_attention(
         varlen = ctx.varlen_fn
         plan = ctx.varlen_plan()
         q = query[0].transpose(0, 1).contiguous()  # [L, Hq, D]
-        k = key[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()  # [Σ path, Hkv, D]
-        v = value[0].transpose(0, 1).index_select(0, plan.kv_index).contiguous()
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, Hkv, D]
+        if plan.kv_index is not None:  # gathered along each segment's path: [Σ path, Hkv, D]
+            k, v = k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index)
+        k, v = k.contiguous(), v.contiguous()
         out = call_varlen(
             varlen, q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
             softmax_scale=scaling, window_left=sliding_window - 1 if sliding_window is not None else None,

@@ -318,3 +318,19 @@ def test_the_trainer_start_names_the_flash_kernel_once(monkeypatch, capsys, tmp_
     monkeypatch.setenv("RANK", "3")
     ta.apply_tree_attention(model, "flash")
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_row_without_shared_prefixes_uses_its_keys_without_a_gather():
+    row = pack_row([seq([first] + [3, 1, 4, 1, 5][: 2 + first]) for first in (0, 1, 2)])  # no common first token
+    ctx = TreeAttentionInputs.from_row(row, "cpu", varlen_fn=fa4_like)
+    plan = ctx.varlen_plan()
+    assert plan.kv_index is None and plan.cu_seqlens_k.tolist() == plan.cu_seqlens_q.tolist()
+    n = row.num_tokens
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+    want, _ = _tree_attention("sdpa", None, q, k, v, None, 0.5, 0.0, tree_attention=TreeAttentionInputs.from_row(row, "cpu"))
+    got, _ = _tree_attention("flash", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
+    assert torch.allclose(got, want, atol=1e-5)
+    shared = _random_row()  # segments with parents keep the gather
+    assert TreeAttentionInputs.from_row(shared, "cpu").varlen_plan().kv_index is not None
