@@ -327,14 +327,19 @@ def config_cmd(
 
 
 def _check_plan(cfg) -> None:
-    """`config --check`: the launch plan's problems on this machine (GPUs, cores, the server command), which
-    `train` and its dry run refuse too: exit 2 naming each."""
+    """`config --check`: the launch plan's problems on this machine (GPUs, cores, the server command), and what
+    `train` refuses before it loads anything (`launch.preflight.early_refusal`: another job in the folder, a busy
+    port, a folder that holds an earlier run), which `train` and its dry run refuse too: exit 2 naming each."""
     from .launch.plan import build_launch_plan
+    from .launch.preflight import early_refusal
 
     try:
         problems = build_launch_plan(cfg).problems
     except ConfigError as exc:
         problems = [str(exc)]
+    early = early_refusal(cfg)
+    if early:
+        problems.append(early.partition(": ")[2])
     for problem in problems:
         err.print(Text.assemble(("config error: ", "bold red"), problem), highlight=False, soft_wrap=True)
     if problems:

@@ -355,6 +355,9 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
     proc = _train_subprocess(["+recipe=smoke", f"sampler.port={free_port()}", f"trainer.output_dir={used}"])
     assert proc.returncode == 2 and "already holds an earlier run" in proc.stderr, proc.stderr
     assert "EXIT 2 False False" in proc.stderr, proc.stderr
+    checked = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"sampler.port={free_port()}",
+                                  f"trainer.output_dir={used}"])  # config --check runs what train refuses
+    assert checked.exit_code == 2 and "already holds an earlier run" in checked.output, checked.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
