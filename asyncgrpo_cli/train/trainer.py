@@ -39,6 +39,7 @@ from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
 from .trackers import log_completions
+from .cuda_memory import MemoryWatch
 from .host_time import ThreadTimes, host_time_metrics
 from .tree_attention import apply_tree_attention
 
@@ -125,7 +126,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.loss_config = LossConfig.from_args(args)
         self.worker = None
         self.model_version = 0
-        self.window = MetricsWindow()
+        self.window, self.memory_watch = MetricsWindow(), MemoryWatch()
         self._stop_requested = False
         self._stop_reason = ""
         self._num_tokens = 0
@@ -653,8 +654,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             w.add("server/engine_core_cpu", engine_cpu)
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/fwd_s", fwd_s)
-        for name, value in host_times.items():
-            w.add(name, value)
+        for name, value in {**host_times, **self.memory_watch.step(self.accelerator.device)}.items():
+            w.add(name, value)  # host_time.py, cuda_memory.py
         w.add("perf/optimizer_s", optimizer_s)
         w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
         w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)

@@ -452,7 +452,8 @@ def job_rows(rows: list[dict]) -> list[dict]:
             "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s",
             # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43)
             *(held_metric(g) for g in HOLD_GATES), "rollout/deadline_admission", "server/engine_core_cpu",
-            "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s")
+            "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s", "perf/gpu_memory_peak_gib", "perf/gpu_memory_reserved_gib",
+            "perf/cuda_alloc_retries")
     out = []
     for r in rows:
         row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3)}
