@@ -241,6 +241,20 @@ def tool_use(m: Mapping[str, Any], th: Thresholds = DEFAULT_THRESHOLDS) -> Diagn
     return Diagnosis("tools_ok", f"tools {calls:.2g} calls/rollout" if calls is not None else "tools ok", OK)
 
 
+def trainer_memory(m: Mapping[str, Any]) -> Diagnosis | None:
+    """The trainer's allocator ran short of GPU memory (``perf/cuda_alloc_retries`` > 0 in the window: each retry
+    frees its cache and synchronises the device, a slow step with no other sign; `train.cuda_memory`). None
+    without the metric (a CPU trainer) or without a retry."""
+    retries = num(m, "perf/cuda_alloc_retries")
+    if not retries:
+        return None
+    peak = num(m, "perf/gpu_memory_peak_gib")
+    held = f" (peak {peak:.1f} GiB)" if peak is not None else ""
+    return Diagnosis("trainer_memory", f"trainer short of GPU memory: {retries:.0f} allocator retries a step{held}, "
+                     "each synchronising the GPU; fix: a lower sampler.gpu_memory_utilization when vLLM shares its "
+                     "GPU, or a smaller packing.token_budget", WARN)
+
+
 def length_bias(history: MetricsHistory, settings: RunSettings = RunSettings(),
                 th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
     """Stale drops that fall on long completions, so the trainer sees fewer long prompts than the data holds
@@ -279,7 +293,7 @@ def _findings(history: MetricsHistory, settings: RunSettings, th: Thresholds) ->
     sat = saturation(history, settings, th)
     mix = sat if sat is not None and sat.rule == "mix" else None  # after an idle trainer (issue #41): see diagnose
     found = [d for d in (duplicates(history, settings, th), None if mix else sat, neck, mix, limit,
-                         length_bias(history, settings, th), tool_use(m, th)) if d is not None]
+                         length_bias(history, settings, th), tool_use(m, th), trainer_memory(m)) if d is not None]
     return found, limit
 
 

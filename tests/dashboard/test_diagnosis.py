@@ -538,3 +538,13 @@ def test_a_trainer_that_waits_for_samples_is_not_behind_a_staleness_limit():
     m = {"rollout/backpressure_s": 0.02, "perf/rollout_wait_s": 25.5, "perf/step_s": 30.0, "rollout/concurrency": 8}
     assert active_limit(m, VLLM).rule != "limit_staleness"
     assert active_limit({**m, "perf/rollout_wait_s": 0.5}, VLLM).rule == "limit_staleness"
+
+
+def test_allocator_retries_name_the_trainers_memory_and_the_fix():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_memory
+
+    assert trainer_memory({"perf/cuda_alloc_retries": 0.0, "perf/gpu_memory_peak_gib": 20.0}) is None
+    assert trainer_memory({}) is None  # a CPU trainer logs no such metric
+    d = diagnose(history_of({"perf/cuda_alloc_retries": 3.0, "perf/gpu_memory_peak_gib": 20.0}))
+    assert d.rule == "trainer_memory" and d.severity == WARN
+    assert "3 allocator retries a step (peak 20.0 GiB)" in d.text and "sampler.gpu_memory_utilization" in d.text
