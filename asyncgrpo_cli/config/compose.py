@@ -50,6 +50,7 @@ FIELD_PATHS: dict[str, str] = {
     "weight_transfer_address": "sampler.weight_transfer_address",
     "weight_transfer_port": "sampler.weight_transfer_port",
     "check_weight_sync": "sampler.check_weight_sync",
+    "weight_sync_packed": "sampler.weight_sync_packed",
     "log_completions": "logging.log_completions",
     "num_completions_to_print": "logging.num_completions_to_print",
 }

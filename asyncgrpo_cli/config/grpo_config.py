@@ -35,6 +35,8 @@ ASYNC_GRPO_FIELDS = (
     "deadline_release_versions",
     # The start-up check that a weight sync takes effect on the server (issue #44; README: GPUs, weight sync and LoRA):
     "check_weight_sync",
+    # CUDA-IPC weight sync in packed chunks (issues #41, #42; README: GPUs, weight sync and LoRA):
+    "weight_sync_packed",
 )
 
 
@@ -193,6 +195,10 @@ class AsyncGRPOConfig(TrainingArguments):
         "help": "At start, check that a weight sync takes effect on the server (perturb the weights, sync, compare "
                 "the server's log-probs of a probe with the trainer's, restore, sync) and stop with the figures if "
                 "not; then log weight_sync/probe_gap after every sync. Full-weight sync only (README: GPUs, weight sync and LoRA)."})
+
+    weight_sync_packed: bool = field(default=False, metadata={
+        "help": "CUDA-IPC weight sync (colocated vLLM 0.33) in packed 1 GiB chunks, one IPC handle each, instead of "
+                "one handle per tensor; other sync backends ignore it (README: GPUs, weight sync and LoRA)."})
 
     def __post_init__(self) -> None:
         import torch

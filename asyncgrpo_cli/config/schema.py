@@ -323,6 +323,10 @@ class SamplerConfig:
     differently, a weight it skips). Then ``weight_sync/probe_gap`` after every sync. Costs three syncs at start, a
     short request per sync and host memory for one copy of the weights; full-weight sync only (README: GPUs,
     weight sync and LoRA)."""
+    weight_sync_packed: bool = False
+    """CUDA-IPC weight sync (colocated vLLM 0.33) in packed chunks: the weights are copied into one 1 GiB buffer a
+    chunk and the server opens one IPC handle per chunk, instead of one handle per tensor (about 300 for a 135M or
+    1.7B model). Costs the buffer's memory on the trainer's GPU during a sync. Other sync backends ignore it."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""

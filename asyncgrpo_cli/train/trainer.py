@@ -356,7 +356,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             backend = make_weight_sync(self.sampler, output_dir=args.output_dir, lora_rank=rank,
                                        max_staleness=args.max_staleness, device=self.accelerator.device,
                                        master_address=args.weight_transfer_address,
-                                       master_port=args.weight_transfer_port)
+                                       master_port=args.weight_transfer_port, packed=args.weight_sync_packed)
             dtype = read_server_dtype(self.sampler)
             mode = backend.mode
         mode, dtype = self._broadcast((mode, dtype))

@@ -15,7 +15,9 @@ bench
   3. A Qwen3-0.6B-shaped random model (bf16 checkpoint made here): ``asyncgrpo serve`` (colocated
      flags), then `make_weight_sync` (must pick `VllmIpcSync`) and `SYNCS` timed syncs: pause /
      transfer / resume split; the server's sampled-token log-probs against the trainer's before a
-     perturbation, after it without a sync, and after a sync (the sync must close the gap).
+     perturbation, after it without a sync, and after a sync (the sync must close the gap); then, after a
+     second perturbation, the same syncs packed (``sampler.weight_sync_packed``: one IPC handle per 1 GiB chunk)
+     and the gap after them (``packed`` in the JSON).
   4. The arith run with the embedded sampler on the same GPU (``EMBEDDED_STEPS`` steps), for the
      comparison of generated tokens/s, trained tokens/s and the trainer's waiting share.
 
@@ -420,6 +422,24 @@ def phase_bench() -> int:
         bench["max_total_s"] = round(max(t["total_s"] for t in steady), 4)
         bench["requests_per_sync"] = backend.requests
         bench["bytes_per_sync"] = sum(math.prod(m.shape) * 2 for m in source.metadata())
+        # sampler.weight_sync_packed: the same syncs in packed chunks (one IPC handle per 1 GiB chunk), after a new
+        # perturbation, so that the gap after them shows the packed sync took effect.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * p.float().std() * 0.5)
+        packed = make_weight_sync(client, output_dir=WORK / "bench_out", device=torch.device("cuda", 0), packed=True)
+        packed.init()
+        bench["logprob_gap_perturbed_again"] = round(sampled_logprob_gap(url, model, prompt, 4), 4)
+        timed = []
+        for version in range(SYNCS + 2, 2 * SYNCS + 4):
+            torch.cuda.synchronize()
+            t = packed.sync(source, version)
+            timed.append({"total_s": t.total_s, "pause_s": t.pause_s, "transfer_s": t.transfer_s,
+                          "reset_and_resume_s": t.total_s - t.pause_s - t.transfer_s - t.barrier_s})
+        bench["packed"] = {"logprob_gap_after_sync": round(sampled_logprob_gap(url, model, prompt, 5), 4),
+                           "first_sync": {k: round(v, 4) for k, v in timed[0].items()},
+                           "median_s": {k: round(statistics.median(t[k] for t in timed[1:]), 4) for k in timed[1]},
+                           "requests_per_sync": packed.requests}
         bench["gpu_memory"] = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv"],
                                              capture_output=True, text=True).stdout
         client.close()

@@ -136,6 +136,9 @@ def test_the_option_composes_from_the_command_line():
     assert cfg.sampler.check_weight_sync is True
     assert to_training_args(cfg).check_weight_sync is True
     assert compose(["+recipe=smoke"]).sampler.check_weight_sync is False
+    packed = compose(["+recipe=smoke", "sampler.weight_sync_packed=true"])  # the IPC sync's packed chunks
+    assert packed.sampler.weight_sync_packed is True and to_training_args(packed).weight_sync_packed is True
+    assert to_training_args(compose(["+recipe=smoke"])).weight_sync_packed is False
 
 
 def test_a_probe_request_that_fails_is_named_on_every_rank_and_a_step_goes_on_without_its_gap(tiny, capsys):

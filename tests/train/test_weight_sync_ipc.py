@@ -258,6 +258,9 @@ def test_make_weight_sync_picks_ipc_from_server_info(tmp_path):
         with SyncSamplerClient(server.url, timeout_s=30, max_retries=0) as client:
             backend = make_weight_sync(client, output_dir=tmp_path, device="cpu")
             assert isinstance(backend, VllmIpcSync) and backend.send_weight_version is False
+            assert backend.packed is False
+            packed = make_weight_sync(client, output_dir=tmp_path, device="cpu", packed=True)  # sampler.weight_sync_packed
+            assert isinstance(packed, VllmIpcSync) and packed.packed is True
         with SyncSamplerClient(nccl.url, timeout_s=30, max_retries=0) as client:
             assert not isinstance(make_weight_sync(client, output_dir=tmp_path, master_port=29570), VllmIpcSync)
     finally:

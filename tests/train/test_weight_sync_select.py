@@ -110,7 +110,8 @@ def test_localhost_url_gives_loopback_and_a_hostless_url_names_the_field():
 
 
 def test_trainer_passes_the_weight_transfer_fields_to_the_backend(tmp_path, monkeypatch):
-    """`AsyncGRPOTrainer` hands ``weight_transfer_address`` / ``weight_transfer_port`` to `make_weight_sync`."""
+    """`AsyncGRPOTrainer` hands ``weight_transfer_address`` / ``weight_transfer_port`` and ``weight_sync_packed``
+    to `make_weight_sync`."""
     from types import SimpleNamespace
 
     from asyncgrpo_cli.train import weight_sync
@@ -134,8 +135,8 @@ def test_trainer_passes_the_weight_transfer_fields_to_the_backend(tmp_path, monk
     monkeypatch.setattr(weight_sync, "WeightSync", FakeSync)
     monkeypatch.setattr(weight_sync, "dist_barrier", lambda: None)
     args = SimpleNamespace(output_dir=str(tmp_path), max_staleness=4, weight_transfer_address="10.0.1.1",
-                           weight_transfer_port=29600)
+                           weight_transfer_port=29600, weight_sync_packed=True)
     trainer = SimpleNamespace(args=args, model=object(), sampler=object(), accelerator=SimpleNamespace(device="cpu"),
                               is_world_process_zero=lambda: True, _broadcast=lambda value: value)
     assert isinstance(AsyncGRPOTrainer._make_weight_sync(trainer), FakeSync)
-    assert seen["master_address"] == "10.0.1.1" and seen["master_port"] == 29600
+    assert seen["master_address"] == "10.0.1.1" and seen["master_port"] == 29600 and seen["packed"] is True

@@ -89,6 +89,7 @@ def make_weight_sync(
     master_port: int | None = None,
     device: str | torch.device | None = None,
     vllm_api: Any = None,
+    packed: bool = False,
 ) -> WeightSyncBackend:
     """The backend for the server behind ``client`` (rank 0 only; call its ``init()`` next).
 
@@ -102,6 +103,7 @@ def make_weight_sync(
             ``vllm_api`` for the IPC backend too). ``master_address`` is where the server's workers reach
             this process (``weight_transfer_address``); None = `address_facing` the client's ``base_url``
             (this host's address as the server sees it). ``master_port`` None = a free port.
+        packed: the CUDA-IPC backend sends packed chunks (``sampler.weight_sync_packed``); ignored by the others.
 
     Raises:
         ValueError: an unsupported server (vLLM < 0.26, unreadable version) or LoRA limits the
@@ -123,7 +125,8 @@ def make_weight_sync(
     if version < (0, 26):
         raise ValueError(f"vLLM {info['version']} is too old for weight transfer; use vLLM >= 0.26")
     if read_transfer_backend(client) == "ipc":
-        return VllmIpcSync(client, device=device, vllm_api=vllm_api, send_weight_version=version >= (0, 27))
+        return VllmIpcSync(client, device=device, vllm_api=vllm_api, send_weight_version=version >= (0, 27),
+                           packed=packed)
     if master_address is None:
         master_address = address_facing(str(client.base_url))
     nccl = dict(master_address=master_address, master_port=master_port, device=device, vllm_api=vllm_api)
