@@ -216,6 +216,23 @@ def test_ipc_033_engine_sequence_payload_and_values(model_dir):  # noqa: F811
         server.close()
 
 
+def test_ipc_033_packed_sync_tells_the_server_at_init(model_dir):  # noqa: F811
+    """``sampler.weight_sync_packed``: vLLM 0.33's engine is built packed and posts ``packed: true`` at its init, so
+    the server decodes one handle per chunk."""
+    server = RecordingVllm()
+    IPCTrainerEngine033.instances.clear()
+    try:
+        client = SyncSamplerClient(server.url, timeout_s=30, max_retries=0)
+        backend = VllmIpcSync(client, device="cpu", vllm_api=ipc_api(), packed=True)
+        backend.sync(FullWeightSource(load(model_dir), dtype=torch.bfloat16), 1)
+        assert dict(server.calls)["/init_weight_transfer_engine"] == {"init_info": {"packed": True}}
+        (engine,) = IPCTrainerEngine033.instances
+        assert engine.packed is True
+        client.close()
+    finally:
+        server.close()
+
+
 def test_ipc_033_failure_names_route_resumes_and_drains(model_dir):  # noqa: F811
     server = RecordingVllm(fail="/update_weights")
     try:
