@@ -197,8 +197,9 @@ class AsyncGRPOConfig(TrainingArguments):
                 "not; then log weight_sync/probe_gap after every sync. Full-weight sync only (README: GPUs, weight sync and LoRA)."})
 
     weight_sync_packed: bool = field(default=False, metadata={
-        "help": "CUDA-IPC weight sync (colocated vLLM 0.33) in packed 1 GiB chunks, one IPC handle each, instead of "
-                "one handle per tensor; other sync backends ignore it (README: GPUs, weight sync and LoRA)."})
+        "help": "CUDA-IPC weight sync (colocated vLLM 0.33) in packed chunks through one 1 GiB buffer, one IPC handle "
+                "a chunk, instead of one handle per tensor; other sync backends ignore it (README: GPUs, weight sync and "
+                "LoRA)."})
 
     def __post_init__(self) -> None:
         import torch

@@ -91,6 +91,11 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
                                                    lambda n: f"staleness.{n}"))
         c.warnings.extend(check_weight_sync_notes(bool(cfg.sampler.check_weight_sync), bool(cfg.peft.enabled),
                                                   lambda n: f"sampler.{n}"))
+        backend = str(getattr(cfg.sampler.backend, "value", cfg.sampler.backend))
+        if cfg.sampler.weight_sync_packed and (backend != "vllm" or cfg.peft.enabled):
+            c.warnings.append(f"sampler.weight_sync_packed=true has no effect here (sampler.backend={backend}"
+                              f"{', LoRA adapter sync' if cfg.peft.enabled else ''}): only the CUDA-IPC full-weight "
+                              "sync of a colocated vLLM sends packed chunks")
     if command != "train":
         c.raise_if_any()
         return c.warnings

@@ -324,9 +324,10 @@ class SamplerConfig:
     short request per sync and host memory for one copy of the weights; full-weight sync only (README: GPUs,
     weight sync and LoRA)."""
     weight_sync_packed: bool = False
-    """CUDA-IPC weight sync (colocated vLLM 0.33) in packed chunks: the weights are copied into one 1 GiB buffer a
-    chunk and the server opens one IPC handle per chunk, instead of one handle per tensor (about 300 for a 135M or
-    1.7B model). Costs the buffer's memory on the trainer's GPU during a sync. Other sync backends ignore it."""
+    """CUDA-IPC weight sync (colocated vLLM 0.33) in packed chunks: the weights are copied, chunk after chunk, into
+    one 1 GiB buffer and the server opens one IPC handle per chunk, instead of one handle per tensor (about 300 for a
+    135M or 1.7B model). Costs that buffer on the trainer's GPU during a sync. The NCCL sync, the embedded sampler
+    and LoRA adapter sync ignore it (the start says so)."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""

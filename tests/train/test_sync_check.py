@@ -176,3 +176,13 @@ def test_the_start_names_the_check_and_its_cost_and_that_lora_is_not_checked():
     assert not any("check_weight_sync" in w for w in validate_run(compose(["+recipe=smoke"]), "train"))
     assert "with LoRA (adapter sync) nothing is checked" in check_weight_sync_notes(True, True, str)[0]
     assert check_weight_sync_notes(False, True, str) == []
+
+
+def test_packed_sync_where_nothing_packs_says_so_at_start():
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.run_checks import validate_run
+
+    notes = validate_run(compose(["+recipe=smoke", "sampler.weight_sync_packed=true"]), "train")
+    assert any(n.startswith("sampler.weight_sync_packed=true has no effect here (sampler.backend=embedded)")
+               for n in notes), notes
+    assert not any("weight_sync_packed" in n for n in validate_run(compose(["+recipe=smoke"]), "train"))
