@@ -157,6 +157,9 @@ def test_the_rollout_job_figures_of_issue_41():
     kept = vllm033_rollouts.job_rows(rows)[5]  # what held generation, the engine core, the trainer's host time
     assert kept["rollout/held_deadline_frac"] == 0.7 and kept["server/engine_core_cpu"] == 1.03
     assert kept["perf/fwd_bwd_cpu_wait_s"] == 0.4
+    rows[6].update({"server/frontend_cpu": 3.2, "rollout/worker_cpu": 0.95, "host/cpu_busy_frac": 0.9})
+    kept = vllm033_rollouts.job_rows(rows)[6]  # who used the host's cores
+    assert (kept["server/frontend_cpu"], kept["rollout/worker_cpu"], kept["host/cpu_busy_frac"]) == (3.2, 0.95, 0.9)
 
 
 def test_one_window_of_few_groups_does_not_make_the_time_to_a_reward():

@@ -28,6 +28,8 @@ Thresholds (`Thresholds`; every one can be changed):
   num_generations``; "creeps up": the trend of ``completions/duplicate_frac`` above +0.02 while the trend of
   ``entropy`` is negative by more than 2% of its earlier mean: collapse (an alert) when the reward does not rise,
   converging (info) when it does (the policy settling on the credited answer, issue #41).
+- Host saturated (issue #41): ``host/cpu_busy_frac`` from 0.9 and the trainer's run-queue wait
+  ``perf/fwd_bwd_cpu_wait_s`` from 25% of ``perf/fwd_bwd_s``.
 
 An idle trainer (`trainer_idle`, issue #33) and its causes live in `asyncgrpo_cli.dashboard.idle`; an idle trainer
 outranks "mix" at equal severity."""
@@ -255,6 +257,29 @@ def trainer_memory(m: Mapping[str, Any]) -> Diagnosis | None:
                      "GPU, or a smaller packing.token_budget", WARN)
 
 
+def host_saturated(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
+                   th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """The machine's cores are all busy and the trainer waits for one (issue #41): ``host/cpu_busy_frac`` at
+    ``th.host_busy_frac`` or more and ``perf/fwd_bwd_cpu_wait_s`` at least ``th.host_wait_frac`` of
+    ``perf/fwd_bwd_s`` (`train.host_load`, `train.host_time`). The fix halves vLLM's API servers when it runs
+    more than two (``sampler.api_server_count``; they take the host's cores beside the engine core, the rollout
+    worker and the trainer). None without the metrics (not Linux) or below either threshold."""
+    frac, cores = num(m, "host/cpu_busy_frac"), num(m, "host/cpu_busy_cores")
+    wait, fwd_bwd = num(m, "perf/fwd_bwd_cpu_wait_s"), num(m, "perf/fwd_bwd_s")
+    if None in (frac, cores, wait, fwd_bwd) or frac < th.host_busy_frac or not fwd_bwd or \
+            wait < th.host_wait_frac * fwd_bwd:
+        return None
+    total = f" of {cores / frac:.0f}" if frac > 0 else ""
+    servers = settings.api_server_count * max(1, settings.engines)
+    if settings.backend == "vllm" and settings.api_server_count > 2:
+        fix = (f"sampler.api_server_count={settings.api_server_count // 2} (vLLM's {servers} API servers share the "
+               "cores with its engine core, the rollout worker and the trainer), or fewer other processes here")
+    else:
+        fix = "fewer other processes on this machine, or one with more cores"
+    return Diagnosis("host_saturated", f"host CPUs saturated: {cores:.1f}{total} cores busy; the trainer waited "
+                     f"{wait:.2f} s for a core in its {fwd_bwd:.2f} s forward and backward; fix: {fix}", WARN)
+
+
 def length_bias(history: MetricsHistory, settings: RunSettings = RunSettings(),
                 th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
     """Stale drops that fall on long completions, so the trainer sees fewer long prompts than the data holds
@@ -293,7 +318,8 @@ def _findings(history: MetricsHistory, settings: RunSettings, th: Thresholds) ->
     sat = saturation(history, settings, th)
     mix = sat if sat is not None and sat.rule == "mix" else None  # after an idle trainer (issue #41): see diagnose
     found = [d for d in (duplicates(history, settings, th), None if mix else sat, neck, mix, limit,
-                         length_bias(history, settings, th), tool_use(m, th), trainer_memory(m)) if d is not None]
+                         length_bias(history, settings, th), tool_use(m, th), trainer_memory(m),
+                                   host_saturated(m, settings, th)) if d is not None]
     return found, limit
 
 

@@ -40,15 +40,19 @@ def read_tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
 
 
 class EngineCoreLoad:
-    """Cores used by the busiest engine core between the two newest readings of a server's process tree.
+    """Cores used by the busiest engine core between the two newest readings of a server's process tree, and by
+    the tree's other processes together (``server/frontend_cpu``: the API servers, the top ``vllm serve``
+    process, the router of ``sampler.engines``).
 
     ``observe(reading, t)`` with ``t`` in monotonic seconds; `cores` is None until two readings at least
-    ``min_gap_s`` apart both hold an engine core (an embedded or external server has none)."""
+    ``min_gap_s`` apart both hold an engine core (an embedded or external server has none); `frontend_cores`
+    is None until two such readings exist, whatever the tree holds."""
 
     def __init__(self, min_gap_s: float = 1.0) -> None:
         self.min_gap_s = min_gap_s
         self._last: tuple[Reading, float] | None = None
         self._cores: float | None = None
+        self._frontend: float | None = None
         self.engines = 0  # engine cores seen in the newest reading
 
     def observe(self, reading: Reading, t: float) -> None:
@@ -61,8 +65,16 @@ class EngineCoreLoad:
                 return
             used = [(sec - before[pid][1]) / (t - t0) for pid, sec in cores.items() if pid in before]
             self._cores = round(max(used), 3) if used else None
-        self._last = ({pid: ("", sec) for pid, sec in cores.items()}, t)
+            # The other processes: one that started in the interval counts from 0 (all its CPU time is in it).
+            rest = sum(max(0.0, sec - before.get(pid, ("", 0.0))[1]) for pid, (name, sec) in reading.items()
+                       if not name.startswith(ENGINE_CORE_PREFIX))
+            self._frontend = round(rest / (t - t0), 3) if reading else None
+        self._last = ({pid: ("", sec) for pid, (_, sec) in reading.items()}, t)
 
     def cores(self) -> float | None:
         """The busiest engine core's CPU use, in cores (1.0 = one core all the time), or None."""
         return self._cores
+
+    def frontend_cores(self) -> float | None:
+        """CPU use of every process of the tree but the engine cores, in cores, or None."""
+        return self._frontend

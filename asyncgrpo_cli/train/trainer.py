@@ -41,6 +41,7 @@ from .startup import check_peft_targets, check_server_at_start, check_trainer_in
 from .trackers import log_completions
 from .cuda_memory import MemoryWatch
 from .host_time import ThreadTimes, host_time_metrics
+from .host_load import HostLoadWatch
 from .tree_attention import apply_tree_attention
 
 
@@ -127,6 +128,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.worker = None
         self.model_version = 0
         self.window, self.memory_watch = MetricsWindow(), MemoryWatch()
+        # host_load.py: the machine's busy cores and the rollout worker's (its pid once it runs)
+        self.host_load = HostLoadWatch(lambda: getattr(getattr(self.worker, "process", None), "pid", None))
         self._stop_requested = False
         self._stop_reason = ""
         self._num_tokens = 0
@@ -652,10 +655,14 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         engine_cpu = watch.engine_load.cores() if watch is not None else None
         if engine_cpu is not None:  # issue #41: vLLM's engine core on its CPU core (train/engine_cpu.py)
             w.add("server/engine_core_cpu", engine_cpu)
+        frontend_cpu = watch.engine_load.frontend_cores() if watch is not None else None
+        if frontend_cpu is not None:
+            w.add("server/frontend_cpu", frontend_cpu)
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/fwd_s", fwd_s)
-        for name, value in {**host_times, **self.memory_watch.step(self.accelerator.device)}.items():
-            w.add(name, value)  # host_time.py, cuda_memory.py
+        for name, value in {**host_times, **self.memory_watch.step(self.accelerator.device),
+                            **self.host_load.step()}.items():
+            w.add(name, value)  # host_time.py, cuda_memory.py, host_load.py
         w.add("perf/optimizer_s", optimizer_s)
         w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
         w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)

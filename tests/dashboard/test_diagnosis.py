@@ -548,3 +548,21 @@ def test_allocator_retries_name_the_trainers_memory_and_the_fix():
     d = diagnose(history_of({"perf/cuda_alloc_retries": 3.0, "perf/gpu_memory_peak_gib": 20.0}))
     assert d.rule == "trainer_memory" and d.severity == WARN
     assert "3 allocator retries a step (peak 20.0 GiB)" in d.text and "sampler.gpu_memory_utilization" in d.text
+
+
+def test_a_saturated_host_names_the_trainers_wait_and_halves_the_api_servers():
+    """Issue #41: every core busy and the trainer waiting for one in its forward and backward."""
+    from asyncgrpo_cli.dashboard.diagnosis import host_saturated
+
+    busy = {"host/cpu_busy_frac": 0.95, "host/cpu_busy_cores": 15.2, "perf/fwd_bwd_cpu_wait_s": 0.40,
+            "perf/fwd_bwd_s": 1.30}
+    d = host_saturated(busy, dataclasses.replace(VLLM, api_server_count=8, engines=2))
+    assert d.rule == "host_saturated" and d.severity == WARN
+    assert "15.2 of 16 cores busy" in d.text and "waited 0.40 s for a core in its 1.30 s" in d.text
+    assert "sampler.api_server_count=4 (vLLM's 16 API servers" in d.text
+    assert host_saturated({**busy, "host/cpu_busy_frac": 0.85}, VLLM) is None  # cores to spare
+    assert host_saturated({**busy, "perf/fwd_bwd_cpu_wait_s": 0.2}, VLLM) is None  # the trainer hardly waits
+    assert host_saturated({"perf/fwd_bwd_s": 1.0}, VLLM) is None  # not Linux: no figures
+    embedded = host_saturated(busy, dataclasses.replace(VLLM, backend="embedded"))
+    assert "fix: fewer other processes on this machine" in embedded.text
+    assert diagnose(history_of(busy), VLLM).rule == "host_saturated"

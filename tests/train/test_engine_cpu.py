@@ -45,3 +45,15 @@ def test_read_tree_cpu_names_a_child_and_its_cpu_seconds():
         parent.stdin.close()
         parent.wait(30)
     assert read_tree_cpu(parent.pid) == {}
+
+
+def test_the_servers_other_processes_together():
+    """``server/frontend_cpu``: every process of the tree but the engine cores, a newcomer from zero."""
+    load = EngineCoreLoad(min_gap_s=1.0)
+    load.observe({1: ("vllm", 5.0), 2: ("VLLM::EngineCore", 10.0), 3: ("VLLM::APIServer_0", 1.0)}, 100.0)
+    assert load.frontend_cores() is None
+    load.observe({1: ("vllm", 6.0), 2: ("VLLM::EngineCore", 14.9), 3: ("VLLM::APIServer_0", 3.0),
+                  4: ("VLLM::APIServer_1", 2.0)}, 105.0)
+    assert load.frontend_cores() == 1.0  # (1 + 2 + 2) s of CPU in 5 s; the engine core's 4.9 s do not count
+    load.observe({1: ("python", 2.0)}, 106.0)  # an embedded server: no engine core, its own CPU is the figure
+    assert load.frontend_cores() == 0.0 and load.cores() is None  # pid 1's counter went down: counted as 0

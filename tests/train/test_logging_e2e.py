@@ -182,6 +182,12 @@ def test_num_tokens_is_the_running_total_across_windows(run):
     assert 0 < lines[0]["perf/fwd_s"] < lines[0]["perf/fwd_bwd_s"]
     if os.path.exists("/proc/thread-self/schedstat"):  # host_time.py: the trainer's threads during fwd+bwd
         assert 0 < lines[0]["perf/fwd_bwd_cpu_s"] and lines[0]["perf/fwd_bwd_cpu_wait_s"] >= 0
+    # host_load.py: the machine's busy cores and the rollout worker's, from the second reading on (0.25 s apart)
+    later = [w for w in lines if "host/cpu_busy_frac" in w]
+    assert later, "host/cpu_busy_frac never logged"
+    for w in later:
+        assert 0 < w["host/cpu_busy_cores"] <= os.cpu_count() + 0.5 and 0 < w["host/cpu_busy_frac"] <= 1
+    assert any(w.get("rollout/worker_cpu", 0) > 0 for w in lines), "rollout/worker_cpu never logged"
 
 
 def test_completions_jsonl_holds_text_rewards_and_advantages(run):

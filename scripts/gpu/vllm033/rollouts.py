@@ -450,10 +450,12 @@ def job_rows(rows: list[dict]) -> list[dict]:
             "sample/staleness_mean", "sample/dropped_stale_count", "sampling/importance_sampling_ratio/mean",
             "rollout/request_s", "rollout/parse_s", "rollout/vllm_queue_s", "rollout/vllm_prefill_s",
             "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s",
-            # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43)
+            # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43); who used
+            # the host's cores (the server's other processes, the rollout worker, the whole machine)
             *(held_metric(g) for g in HOLD_GATES), "rollout/deadline_admission", "server/engine_core_cpu",
             "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s", "perf/gpu_memory_peak_gib", "perf/gpu_memory_reserved_gib",
-            "perf/cuda_alloc_retries")
+            "perf/cuda_alloc_retries", "server/frontend_cpu", "rollout/worker_cpu", "host/cpu_busy_cores",
+            "host/cpu_busy_frac")
     out = []
     for r in rows:
         row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3)}
