@@ -10,6 +10,7 @@ switched off here with ``trainer.bf16=false`` (on the GPU the recipes keep bf16)
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import one_gpu  # noqa: E402
 import rollouts as vllm033_rollouts  # noqa: E402
 import rollouts_two as vllm033_rollouts_two  # noqa: E402
+import e1t_shared as vllm033_e1t_shared  # noqa: E402
 import runs as vllm033_runs  # noqa: E402
 import speed as vllm033_speed  # noqa: E402
 
@@ -110,6 +112,24 @@ def test_the_two_engine_servers_pass_the_serve_checks(port):
     argv = vllm033_rollouts_two.serve_argv(port)
     assert f"sampler.port={port}" in argv
     check(argv[argv.index("serve") + 1:], "serve")
+
+
+def test_the_e1t_beside_vllm_runs_compose_and_run(tmp_path):
+    """Issues #41/#43: the server line passes the serve checks, the benchmark line runs (on this CPU, tiny shape)
+    and writes the figures the script reads, and the ratios chain each phase to the one before."""
+    argv = vllm033_e1t_shared.serve_argv()
+    check(argv[argv.index("serve") + 1:], "serve")
+    assert "e1t_shared) python3 scripts/gpu/vllm033/e1t_shared.py" in (ROOT / "scripts/gpu/vllm033/run.sh").read_text()
+    bench = vllm033_e1t_shared.bench_argv("stack_idle", tmp_path)
+    done = subprocess.run([*bench, "--device", "cpu", "--shape", "tiny", "--steps", "2"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "E1t_tiny_stack_idle.json").read_text())
+    early = data["figures"]["early"]
+    assert early["cpu_s_per_step"] > 0 and early["cpu_wait_s_per_step"] >= 0 and 0 < early["host_cpu_busy_frac"] <= 1
+    phases = {"stack_idle": {"fwd_bwd_s": 0.616}, "server_idle": {"error": "x"}, "server_busy": {"fwd_bwd_s": 1.232}}
+    assert vllm033_e1t_shared.ratios(phases) == {"stack_idle_over_image_idle": 2.0,
+                                                 "server_busy_over_stack_idle": 2.0}
 
 
 def test_two_engines_are_compared_with_one_at_the_same_total_in_flight():

@@ -28,7 +28,9 @@ A step is what the trainer's loop times as ``perf/fwd_bwd_s``: ``pack_row`` of t
 ``backward`` and the one read of the losses and metrics after it (``bench_packing.packed_step(..., as_trainer=True)``;
 NOTES_host_syncs.md), timed with CUDA
 events after warm-up, median of ``--steps``. ``mfu_as_logged`` is ``perf/fwd_bwd_mfu``'s formula
-(``asyncgrpo_cli.train.perf``). Writes ``E1t_<shape>[_bf16][_compiled].json`` and prints a table. ``--profile DIR``
+(``asyncgrpo_cli.train.perf``). Each row also records the benchmark's threads' CPU seconds and run-queue wait per step (``cpu_s_per_step``,
+``cpu_wait_s_per_step``, as the trainer's ``perf/fwd_bwd_cpu_*``) and the machine's busy share while it ran
+(``host_cpu_busy_frac``). Writes ``E1t_<shape>[_bf16][_compiled][_<label>].json`` and prints a table. ``--profile DIR``
 writes the bucketed torch.profiler tables of the early row (``bench_packing.profile_variant``).
 
 ``--pack-only`` times the host half alone: ``pack_row`` of each row, median of ``--steps`` calls, no model and no
@@ -55,6 +57,8 @@ import bench_packing as bp
 
 from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
 from asyncgrpo_cli.train.packing import pack_row
+from asyncgrpo_cli.train.host_load import read_host_cpu
+from asyncgrpo_cli.train.host_time import ThreadTimes, host_time_metrics
 from asyncgrpo_cli.train.perf import PEAK_BF16_FLOPS, step_flops
 
 TARGET_S = 0.35
@@ -163,7 +167,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(bp.ROOT / "scripts" / "bench" / "results"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script")
     ap.add_argument("--pack-only", action="store_true", help="time pack_row of each row alone (host; no model)")
-    ap.add_argument("--label", default="", help="--pack-only: a name for the code tree, in the file name")
+    ap.add_argument("--label", default="", help="a name for the run, in the file name (--pack-only: the code tree)")
     bp.add_profile_args(ap)
     ns = ap.parse_args()
     bp.configure(ns.device, ns.shape)
@@ -193,14 +197,22 @@ def main() -> int:
         bp.sync()
         if ns.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t_med, t_min = bp.time_fn(step, ns.steps)
+        warmup = 2 if ns.device == "cuda" else 0  # bp.time_fn's warm-up steps (none on a CPU)
+        threads0, host0 = ThreadTimes.read(), read_host_cpu()
+        t_med, t_min = bp.time_fn(step, ns.steps, warmup)
+        host_times = host_time_metrics(threads0, ThreadTimes.read())  # this process's threads, all timed steps
+        host1 = read_host_cpu()
         flops = step_flops(model, pack_row(samples))
         figures[kind] = dict(
             fwd_bwd_s=t_med, fwd_bwd_min_s=t_min, pack_row_s=pack_seconds(samples),
             forwarded_tokens_per_s=rows[kind]["forwarded_tokens"] / t_med,
             trained_tokens_per_s=rows[kind]["trained_tokens"] / t_med, model_flops=flops,
             mfu_as_logged=flops / t_med / peak if peak else None, loss=loss,
-            peak_memory_allocated_bytes=torch.cuda.max_memory_allocated() if ns.device == "cuda" else None)
+            peak_memory_allocated_bytes=torch.cuda.max_memory_allocated() if ns.device == "cuda" else None,
+            # per step, as the trainer logs perf/fwd_bwd_cpu_s and perf/fwd_bwd_cpu_wait_s (warm-up steps included)
+            **{k.replace("perf/fwd_bwd_", "") + "_per_step": v / (ns.steps + warmup) for k, v in host_times.items()},
+            host_cpu_busy_frac=(round((host1[0] - host0[0]) / (host1[1] - host0[1]), 4)
+                                if host0 and host1 and host1[1] > host0[1] else None))
     early = figures["early"]["fwd_bwd_s"]
     suffix = "_bf16" if ns.precision == "bf16" else ""
     result = dict(
@@ -218,6 +230,8 @@ def main() -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / bp.result_name("E1t", ns.shape + suffix, ns.compile)
+    if ns.label:  # e.g. the GPU shared with a vLLM server (scripts/gpu/vllm033/e1t_shared.py)
+        path = path.with_name(f"{path.stem}_{ns.label}.json")
     path.write_text(json.dumps(result, indent=1))
     if ns.profile:
         bp.profile_variant(steps["early"], f"{ns.shape}{suffix}_E1t_early{'_compiled' * ns.compile}", Path(ns.profile),
