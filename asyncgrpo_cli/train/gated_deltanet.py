@@ -504,13 +504,16 @@ def _make_rule(module_name: str) -> Callable[..., Any]:
     return torch_chunk_gated_delta_rule
 
 
-def prepare_gated_deltanet(model: torch.nn.Module, model_id: str | None = None, *, probe: bool = True) -> str | None:
+def prepare_gated_deltanet(model: torch.nn.Module, model_id: str | None = None, *, probe: bool = True,
+                           device: torch.device | str | None = None) -> str | None:
     """Check the model's token mixers and switch its Gated DeltaNet layers to trie-aware kernels (trainer start).
 
     Args:
-        model: the policy (a ``PreTrainedModel`` or a wrapper); its parameters' device picks the kernel.
+        model: the policy (a ``PreTrainedModel`` or a wrapper).
         model_id: for messages.
         probe: run :func:`probe_fla` when the ``fla`` kernel is selected.
+        device: the device the model will train on, which picks the kernel (default: its parameters' device; the
+            trainer's model is still on the CPU at its start, `tree_attention.apply_tree_attention`).
 
     Returns:
         The Gated DeltaNet kernel in use (``"torch"``/``"fla"``), or ``None`` when the model has no such layers.
@@ -522,7 +525,8 @@ def prepare_gated_deltanet(model: torch.nn.Module, model_id: str | None = None, 
     layers = check_token_mixers(model, model_id)
     if not layers:
         return None
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device(device) if device is not None else next((p.device for p in model.parameters()),
+                                                                     torch.device("cpu"))
     kernel = resolve_gdn_kernel(device)
     if kernel == "fla" and probe:
         first = layers[0]

@@ -107,7 +107,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.reward_funcs = list(funcs)
         self.tools = tools
         self.environment_factory = environment_factory
-        self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id)
+        self.tree_backend = apply_tree_attention(model, args.tree_attention, model_id=model_id,  # not yet moved:
+                                                 device=args.device, announce=True)  # args.device picks the kernels
         install_loss_head(model)
         self.moe_aux = MoeAuxLoss.for_model(model, args.router_aux_loss_coef)  # SPEC §3.3.5
         self.reference = Reference.for_policy(model, args.beta)  # beta > 0: KL to the initial policy

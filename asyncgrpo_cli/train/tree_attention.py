@@ -434,13 +434,21 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id: str | None = None) -> str:
+def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id: str | None = None, *,
+                         device: torch.device | str | None = None, announce: bool = False) -> str:
     """Switch a ``PreTrainedModel`` (or a PEFT wrapper of one) to tree attention; returns the backend.
 
     Args:
-        model: the policy model; its parameters' device decides ``auto``.
+        model: the policy model.
         backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"flash"`` (module docstring).
         model_id: the model's name, for refusal messages.
+        device: the device the model will train on, which decides ``auto``, ``flash``'s kernel and the Gated
+            DeltaNet kernel; default: its parameters' device. The trainer passes its training device: it switches
+            the model before transformers' ``Trainer`` moves it there, so a GPU run's model is still on the CPU
+            here (before 2026-12-05 every GPU job resolved ``auto`` to ``sdpa`` that way, a dense ``[L, L]`` mask
+            per row, and Gated DeltaNet to its torch kernel).
+        announce: print ``asyncgrpo: tree attention: BACKEND`` (with the flash kernel, or what ``auto`` chose) from
+            the first process (``RANK`` 0).
 
     Also checks the model's non-attention token mixers and switches Gated DeltaNet layers to their trie-aware
     kernels (``gated_deltanet.prepare_gated_deltanet``).
@@ -457,18 +465,20 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
     from asyncgrpo_cli.train.gated_deltanet import prepare_gated_deltanet
     from asyncgrpo_cli.train.model_features import check_model_features
 
-    device = _model_device(model)
+    device = torch.device(device) if device is not None else _model_device(model)
+    asked = backend
     backend = resolve_backend(backend, device)
     check_model_features(model, model_id)  # before the token mixers: named by the feature itself
-    prepare_gated_deltanet(model, model_id)
+    prepare_gated_deltanet(model, model_id, device=device)
+    line = f"tree attention: {backend}" + (f" (packing.attention=auto on {device.type})" if asked == "auto" else "")
     if backend == "flash":
         if device.type != "cuda":
             raise TreeAttentionUnavailable(
                 f"the 'flash' tree attention backend needs a CUDA model, got device {device}"
             )
-        kernel = load_flash_varlen(_capability(device))
-        if os.environ.get("RANK", "0") == "0":  # every rank switches its model; one line is enough
-            print(f"asyncgrpo: tree attention: flash, through {kernel.name}", flush=True)
+        line = f"tree attention: flash, through {load_flash_varlen(_capability(device)).name}"
+    if announce and os.environ.get("RANK", "0") == "0":  # every rank switches its model; one line is enough
+        print(f"asyncgrpo: {line}", flush=True)
     register_tree_attention()
     name = IMPLEMENTATION_NAMES[backend]
     setter = getattr(model, "set_attn_implementation", None)

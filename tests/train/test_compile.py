@@ -125,3 +125,41 @@ def test_trainer_compiles_regions_and_not_the_whole_model(tmp_path):
     assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
     prepared = trainer.accelerator.prepare_model(trainer.model)
     assert not isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def test_the_trainer_switches_tree_attention_for_its_training_device(tmp_path, monkeypatch, capsys):
+    """The model is loaded on the CPU and moved by transformers' Trainer afterwards: tree attention (``auto``, flash's
+    kernel, Gated DeltaNet's) must be chosen for ``args.device``, not for where the parameters are at start. On
+    every GPU job before 2026-12-05 ``auto`` became sdpa that way (a dense [L, L] mask per row)."""
+    import datasets
+
+    from asyncgrpo_cli.train import trainer as trainer_module
+    from asyncgrpo_cli.train.tree_attention import apply_tree_attention
+
+    seen = []
+
+    def spy(model, backend="auto", model_id=None, **kwargs):
+        seen.append(kwargs)
+        return apply_tree_attention(model, backend, model_id, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "apply_tree_attention", spy)
+    monkeypatch.setenv("RANK", "0")
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_steps=1)
+    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
+    AsyncGRPOTrainer(model=str(make_tiny_model(tmp_path / "tiny")),
+                     reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args, train_dataset=data)
+    assert seen == [{"device": args.device, "announce": True}]
+    assert "asyncgrpo: tree attention: sdpa (packing.attention=auto on cpu)" in capsys.readouterr().out
+
+
+def test_auto_is_flex_for_a_cuda_training_device_whatever_the_parameters_device(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.train.tree_attention import apply_tree_attention, tree_attention_backend
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"), attn_implementation="sdpa")
+    monkeypatch.setenv("RANK", "0")
+    assert apply_tree_attention(model, "auto", device=torch.device("cuda", 0), announce=True) == "flex"
+    assert tree_attention_backend(model) == "flex"
+    assert capsys.readouterr().out == "asyncgrpo: tree attention: flex (packing.attention=auto on cuda)\n"
+    assert apply_tree_attention(model, "auto") == "sdpa" and capsys.readouterr().out == ""  # parameters: the CPU

@@ -309,15 +309,17 @@ def test_the_trainer_start_names_the_flash_kernel_once(monkeypatch, capsys, tmp_
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"), attn_implementation="sdpa")
-    monkeypatch.setattr(ta, "_model_device", lambda m: torch.device("cuda", 0))  # as on a GPU machine
     monkeypatch.setattr(ta, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(ta, "load_flash_varlen", lambda capability=None: fv.FlashVarlen(fa4_like, "flash-attn-4", "4.0.0b40"))
     monkeypatch.setenv("RANK", "0")
-    assert ta.apply_tree_attention(model, "flash") == "flash"
+    gpu = torch.device("cuda", 0)  # the trainer's device; the model is still on the CPU at its start
+    assert ta.apply_tree_attention(model, "flash", device=gpu, announce=True) == "flash"
     assert capsys.readouterr().out == "asyncgrpo: tree attention: flash, through flash-attn-4 4.0.0b40\n"
     monkeypatch.setenv("RANK", "3")
-    ta.apply_tree_attention(model, "flash")
+    ta.apply_tree_attention(model, "flash", device=gpu, announce=True)
     assert capsys.readouterr().out == ""
+    with pytest.raises(ta.TreeAttentionUnavailable, match="needs a CUDA model"):
+        ta.apply_tree_attention(model, "flash")  # no device given: the parameters' (the CPU)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

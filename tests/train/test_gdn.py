@@ -424,3 +424,16 @@ def test_the_first_runs_kernel_compile_shows_as_progress_lines_with_its_caches(m
     monkeypatch.setenv("RANK", "1")
     gdn.prepare_gated_deltanet(_qwen35())
     assert capsys.readouterr().out == ""
+
+
+def test_the_training_device_picks_the_kernel_not_where_the_model_was_loaded(monkeypatch):
+    """The trainer switches its model at start, still on the CPU where it was loaded; a GPU run must get fla (and
+    its start-up probe on that GPU), not the torch kernel the CPU parameters would pick."""
+    probed = []
+    monkeypatch.setattr(gdn, "probe_fla", lambda device, *a, **k: probed.append(device))
+    monkeypatch.delenv("ASYNCGRPO_GDN_KERNEL", raising=False)
+    model = _qwen35()  # on the CPU
+    assert gdn.prepare_gated_deltanet(model, device=torch.device("cuda", 0)) == "fla"
+    assert probed == [torch.device("cuda", 0)] and set(gdn._KERNEL.values()) == {"fla"}
+    assert gdn.prepare_gated_deltanet(model) == "torch"  # no device: the parameters' (the CPU)
+    assert set(gdn._KERNEL.values()) == {"torch"} and len(probed) == 1

@@ -9,7 +9,10 @@ group). In the job the same step took 17-25 ms a group (one server; 39 with two;
 runs the same benchmark with each added in turn, back to back on one machine:
 
 1. ``stack_idle``: the job's software (vLLM 0.33's torch 2.14 and its transformers, staged by ``install.py``),
-   nothing else on the GPU;
+   nothing else on the GPU; and ``stack_idle_sdpa``, the same with the sdpa tree backend (a dense ``[L, L]``
+   mask per row), which every GPU job ran before 2026-12-05: the trainer resolved ``packing.attention=auto`` while
+   its model was still on the CPU (`asyncgrpo_cli.train.tree_attention.apply_tree_attention`); ``sdpa_over_flex``
+   says what that cost;
 2. ``server_idle``: ``asyncgrpo serve +recipe=arith_vllm_1gpu`` up on the same GPU (the recipe's colocated memory
    share, CUDA graphs captured), no request;
 3. ``server_busy``: the same server generating the job's early requests (one per group of 8, top-8 log-probs,
@@ -49,15 +52,15 @@ INFLIGHT = 512  # the recipe's staleness.max_concurrent_rollouts
 MAX_TOKENS = 64  # the recipe's max_completion_length (early completions are ~42 tokens)
 BENCH_TIMEOUT_S = float(os.environ.get("E1T_BENCH_TIMEOUT_S", 150))
 QUIET_CORES = int(os.environ.get("E1T_QUIET_CORES", 4))
-PHASES = ("stack_idle", "server_idle", "server_busy", "server_busy_quiet_host")
+PHASES = ("stack_idle", "server_idle", "server_busy", "server_busy_quiet_host")  # the chain of `ratios`
 #: the committed idle figure under the image's torch 2.11 (early row, seconds)
 IMAGE_IDLE_S = 0.308
 
 
-def bench_argv(label: str, out: Path) -> list[str]:
-    """E1t's benchmark on the early and late rows, named ``label``."""
+def bench_argv(label: str, out: Path, attention: str = "auto") -> list[str]:
+    """E1t's benchmark on the early and late rows, named ``label`` (``attention``: the tree backend)."""
     return [sys.executable, str(r.ROOT / "scripts" / "bench" / "bench_small.py"), "--rows", "early,late",
-            "--steps", "10", "--label", label, "--out", str(out)]
+            "--steps", "10", "--label", label, "--attention", attention, "--out", str(out)]
 
 
 def serve_argv() -> list[str]:
@@ -95,13 +98,13 @@ def _load_process(stop, prompts, model, out) -> None:
     asyncio.run(_load_until(stop, prompts, model, out))
 
 
-def run_bench(label: str, out: Path, cores: set[int] | None = None) -> dict:
+def run_bench(label: str, out: Path, cores: set[int] | None = None, attention: str = "auto") -> dict:
     """One benchmark run (``cores``: the CPUs it may use); its figures, or an error."""
     t0 = time.monotonic()
     kwargs = {"preexec_fn": (lambda: os.sched_setaffinity(0, cores))} if cores else {}
     try:
-        done = subprocess.run(bench_argv(label, out), capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
-                              **kwargs)
+        done = subprocess.run(bench_argv(label, out, attention), capture_output=True, text=True,
+                              timeout=BENCH_TIMEOUT_S, **kwargs)
     except subprocess.TimeoutExpired:
         return {"error": f"the benchmark ran past {BENCH_TIMEOUT_S:g} s"}
     files = sorted(out.glob(f"E1t_*_{label}.json"))
@@ -157,6 +160,11 @@ def main() -> int:
                                                                     "n": r.G, "logprobs": 8, "seeds": True},
                     "phases": {}}
     result["phases"]["stack_idle"] = run_bench("stack_idle", out)
+    r.write("e1t_shared.json", result)
+    sdpa = result["phases"]["stack_idle_sdpa"] = run_bench("stack_idle_sdpa", out, attention="sdpa")
+    flex = result["phases"]["stack_idle"].get("fwd_bwd_s")
+    if flex and sdpa.get("fwd_bwd_s"):
+        result["sdpa_over_flex"] = round(sdpa["fwd_bwd_s"] / flex, 3)
     r.write("e1t_shared.json", result)
     log = open(r.WORK / "serve_e1t.log", "w")
     server = subprocess.Popen(serve_argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
