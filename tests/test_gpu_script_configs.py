@@ -182,6 +182,15 @@ def test_the_rollout_job_figures_of_issue_41():
     assert (kept["server/frontend_cpu"], kept["rollout/worker_cpu"], kept["host/cpu_busy_frac"]) == (3.2, 0.95, 0.9)
 
 
+def test_the_job_records_the_tree_attention_its_trainer_used(tmp_path):
+    log = tmp_path / "trainer.log"
+    log.write_text("W1204 warning\n  0%|  | 0/40 asyncgrpo: tree attention: flex (packing.attention=auto on cuda)\nx\n")
+    assert vllm033_rollouts.tree_attention_line(log) == "tree attention: flex (packing.attention=auto on cuda)"
+    log.write_text("no such line\n")
+    assert vllm033_rollouts.tree_attention_line(log) is None
+    assert vllm033_rollouts.tree_attention_line(tmp_path / "missing.log") is None
+
+
 def test_one_window_of_few_groups_does_not_make_the_time_to_a_reward():
     """A step whose window scored a group or two can read far above the run (0.500 at step 2 of a run at 0.11-0.13,
     GPU 2026-12-04): the first crossing says 2 s, the sustained figure waits for three steps at the level."""

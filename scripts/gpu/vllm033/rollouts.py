@@ -587,11 +587,23 @@ def phase_job(name: str) -> int:
                    "rows": job_rows(rows), "gpu_processes_after": one_gpu.gpu_processes()})
     plain = (WORK / f"job_{name}.log").read_text(errors="replace").splitlines()
     result["plain_tail"] = [line for line in plain if line.startswith("step ")][-6:]
+    result["tree_attention"] = tree_attention_line(run_dir / "logs" / "trainer.log")
     write(f"rollouts_job_{name}.json", result)
     print(json.dumps(result["figures"]), flush=True)
     subprocess.run(["tar", "czf", str(OUT / f"logs_job_{name}.tgz"), "-C", str(WORK), f"job_{name}.log",
                     f"job_{name}/metrics.jsonl", f"job_{name}/status.json", f"job_{name}/logs"], capture_output=True)
     return 0
+
+
+def tree_attention_line(trainer_log: Path) -> str | None:
+    """What the trainer said it trains with (``tree attention: flex (packing.attention=auto on cuda)``), from its
+    log; None when the log or the line is missing (a trainer before 2026-12-05 printed none)."""
+    try:
+        text = trainer_log.read_text(errors="replace")
+    except OSError:
+        return None
+    return next((line.split("asyncgrpo: ", 1)[1].strip() for line in text.splitlines()
+                 if "asyncgrpo: tree attention: " in line), None)
 
 
 def served_rate(screen: dict, tokens: float) -> float | None:
