@@ -237,6 +237,9 @@ def phase_job(name: str) -> int:
                             "poll_errors": poller.errors}
     result["vllm_memory_log"] = vllm_memory_lines(text)
     result["plain_tail"] = [line for line in text.splitlines() if line.startswith("step ")][-6:]
+    import rollouts
+
+    result["tree_attention"] = rollouts.tree_attention_line(run_dir / "logs" / "trainer.log")
     if result["exit"] not in (0, 130) or not rows:
         result["log_tail"] = text.splitlines()[-40:]
     write(f"realistic_job_{name}.json", result)
