@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.live import Live
 
 from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagnosis
-from .panels import (DashboardView, ProcessInfo, completion_lines, completions_table, plain_line,
-                     render_dashboard)
+from .panels import (WORKER_SILENT_AFTER_S, DashboardView, ProcessInfo, completion_lines, completions_table,
+                     plain_line, render_dashboard)
 
 #: Columns the live frame leaves free on the right (room for the terminal's ``^C`` echo).
 LIVE_MARGIN = 2
@@ -152,6 +152,7 @@ class Dashboard:
         self._waiting_since: float | None = None  # first status seen before any logged step (monotonic)
         self._waiting_printed_at = 0.0
         self._waiting_from_step = 0  # status.json's step when the waiting began (a resumed run's start step)
+        self._worker_silent_printed_at: float | None = None  # the last "rollout worker not answering" line
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -208,6 +209,7 @@ class Dashboard:
         if status is not None:
             self.status = status
             self._print_server_status(status)
+            self._print_worker_status(status)
             self._print_waiting(status)
         new = []
         for row in self._metrics.read_new():
@@ -251,6 +253,32 @@ class Dashboard:
                 ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
             self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
         self._outage_kind = kind
+
+    def _print_worker_status(self, status: dict[str, Any]) -> None:
+        """Plain mode: a line once the rollout worker's heartbeat (``worker_heartbeat_age_s``) is
+        `WORKER_SILENT_AFTER_S` s old, again every `SERVER_STATUS_EVERY_S` s while it lasts, and one when it beats
+        again while the run goes on; the trainer stops the run at ``staleness.rollout_worker_timeout`` (before, a
+        stopped worker left the console silent until then: 5 minutes by default)."""
+        if self.mode != "plain":
+            return
+        age = num(status, "worker_heartbeat_age_s")
+        ended = str(status.get("state", "")).startswith(("finished", "stopped", "failed"))
+        now = time.monotonic()
+        if age is not None and age >= WORKER_SILENT_AFTER_S and not ended:
+            if self._worker_silent_printed_at is None or now - self._worker_silent_printed_at >= SERVER_STATUS_EVERY_S:
+                timeout = self.settings.rollout_worker_timeout
+                pid = status.get("worker_pid")
+                cont = f"; if stopped, kill -CONT {pid} continues it" if pid else ""
+                self.console.print(
+                    f"rollout worker not answering: no heartbeat{f' from the worker (pid {pid})' if pid else ''} for "
+                    f"{age:.0f} s (hung, stopped, or blocked by a slow reward function{cont}); the run stops with a "
+                    f"checkpoint at staleness.rollout_worker_timeout={timeout:g} s ({max(0.0, timeout - age):.0f} s "
+                    "left)", markup=False, highlight=False, soft_wrap=True)
+                self._worker_silent_printed_at = now
+        elif self._worker_silent_printed_at is not None:
+            self._worker_silent_printed_at = None
+            if not ended:
+                self.console.print("rollout worker: answering again", markup=False, highlight=False, soft_wrap=True)
 
     def _print_waiting(self, status: dict[str, Any]) -> None:
         """Plain mode, before the first logged step of this run: every `WAITING_EVERY_S` s of the trainer's

@@ -29,7 +29,7 @@ Thresholds (`Thresholds`; every one can be changed):
   ``entropy`` is negative by more than 2% of its earlier mean: collapse (an alert) when the reward does not rise,
   converging (info) when it does (the policy settling on the credited answer, issue #41).
 - Host saturated (issue #41): ``host/cpu_busy_frac`` from 0.9 and the trainer's run-queue wait
-  ``perf/fwd_bwd_cpu_wait_s`` from 25% of ``perf/fwd_bwd_s``.
+  ``perf/fwd_bwd_cpu_wait_s`` from 25% of ``perf/fwd_bwd_s``, for a trainer on a GPU.
 
 An idle trainer (`trainer_idle`, issue #33) and its causes live in `asyncgrpo_cli.dashboard.idle`; an idle trainer
 outranks "mix" at equal severity."""
@@ -263,11 +263,13 @@ def host_saturated(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
     ``th.host_busy_frac`` or more and ``perf/fwd_bwd_cpu_wait_s`` at least ``th.host_wait_frac`` of
     ``perf/fwd_bwd_s`` (`train.host_load`, `train.host_time`). The fix halves vLLM's API servers when it runs
     more than two (``sampler.api_server_count``; they take the host's cores beside the engine core, the rollout
-    worker and the trainer). None without the metrics (not Linux) or below either threshold."""
+    worker and the trainer). None without the metrics (not Linux), below either threshold, or for a trainer on the
+    CPU (no ``perf/gpu_memory_peak_gib``): there its forward and backward are the host's work, and on the CPU smoke
+    job (two cores, the embedded sampler beside it) every core is busy by design."""
     frac, cores = num(m, "host/cpu_busy_frac"), num(m, "host/cpu_busy_cores")
     wait, fwd_bwd = num(m, "perf/fwd_bwd_cpu_wait_s"), num(m, "perf/fwd_bwd_s")
     if None in (frac, cores, wait, fwd_bwd) or frac < th.host_busy_frac or not fwd_bwd or \
-            wait < th.host_wait_frac * fwd_bwd:
+            wait < th.host_wait_frac * fwd_bwd or num(m, "perf/gpu_memory_peak_gib") is None:
         return None
     total = f" of {cores / frac:.0f}" if frac > 0 else ""
     servers = settings.api_server_count * max(1, settings.engines)

@@ -31,6 +31,7 @@ from .diagnosis import DEFAULT_THRESHOLDS, Diagnosis, MetricsHistory, RunSetting
 from .findings import held_shares
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
+WORKER_SILENT_AFTER_S = 20.0  # seconds without a rollout worker heartbeat shown as a problem (red; plain: a line)
 
 
 @dataclass
@@ -401,8 +402,8 @@ def processes_panel(view: DashboardView) -> Panel:
         state = Text(*process_state(p, bool(view.outcome)))
         table.add_row(p.name, Text(f"pid {p.pid}" if p.pid else DASH), Text.assemble(state, " ", p.detail))
     age = num(view.status, "worker_heartbeat_age_s")
-    timeout = view.settings.rollout_worker_timeout
-    style = "green" if age is not None and age < 10 else "red" if age is not None and age > timeout / 2 else "yellow"
+    red = min(WORKER_SILENT_AFTER_S, view.settings.rollout_worker_timeout / 2)
+    style = "green" if age is not None and age < 10 else "red" if age is not None and age >= red else "yellow"
     table.add_row("rollout worker", "", Text(f"heartbeat {fmt(age, '.1f')} s ago" if age is not None else
                                             "heartbeat —", style=style if age is not None else "dim"))
     server_status = (view.status or {}).get("server_status")

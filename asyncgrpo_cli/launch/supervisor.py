@@ -59,7 +59,7 @@ from rich.text import Text
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
 from ..run.stop_reason import clear_stop_reason, write_stop_reason
-from ..run.folder import earlier_checkpoints_note, resume_command, start_problem
+from ..run.folder import earlier_checkpoints_note, resume_command, start_problem, train_command
 from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
                    output_dir_of, resolved_config)
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
@@ -246,6 +246,9 @@ class Supervisor:
         newest = self._newest_checkpoint() if self.lock is not None and rc not in (0, 2) else None
         if newest:  # every stop and failure path that left a complete checkpoint
             self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
+        elif self.trainer is not None and rc not in (0, 2) and (again := train_command([])):
+            self.console.print(Text(f"start again with: {again} (no checkpoint to resume from; the folder takes it)",
+                                    style="cyan"), soft_wrap=True)
         return rc
 
     def _argv(self, name: str, argv: list[str]) -> list[str]:

@@ -129,8 +129,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.worker = None
         self.model_version = 0
         self.window, self.memory_watch = MetricsWindow(), MemoryWatch()
-        # host_load.py: the machine's busy cores and the rollout worker's (its pid once it runs)
-        self.host_load = HostLoadWatch(lambda: getattr(getattr(self.worker, "process", None), "pid", None))
+        self.host_load = HostLoadWatch(lambda: getattr(getattr(self.worker, "process", None), "pid", None))  # cores
         self._stop_requested = False
         self._stop_reason = ""
         self._num_tokens = 0
@@ -715,6 +714,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                          rollouts_finished=_shared_value(self.worker, "rollouts_done_value"),
                          concurrency_cap=int(self.worker.cap_value.value),
                          worker_heartbeat_age_s=round(self.worker.heartbeat_age_s(), 2),
+                         worker_pid=getattr(self.worker.process, "pid", None),  # the console's silent-worker line
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
                          server_status=self._server_status(),
                          groups_without_signal=int(self.worker.no_signal_value.value),

@@ -555,7 +555,7 @@ def test_a_saturated_host_names_the_trainers_wait_and_halves_the_api_servers():
     from asyncgrpo_cli.dashboard.diagnosis import host_saturated
 
     busy = {"host/cpu_busy_frac": 0.95, "host/cpu_busy_cores": 15.2, "perf/fwd_bwd_cpu_wait_s": 0.40,
-            "perf/fwd_bwd_s": 1.30}
+            "perf/fwd_bwd_s": 1.30, "perf/gpu_memory_peak_gib": 20.0}
     d = host_saturated(busy, dataclasses.replace(VLLM, api_server_count=8, engines=2))
     assert d.rule == "host_saturated" and d.severity == WARN
     assert "15.2 of 16 cores busy" in d.text and "waited 0.40 s for a core in its 1.30 s" in d.text
@@ -563,6 +563,8 @@ def test_a_saturated_host_names_the_trainers_wait_and_halves_the_api_servers():
     assert host_saturated({**busy, "host/cpu_busy_frac": 0.85}, VLLM) is None  # cores to spare
     assert host_saturated({**busy, "perf/fwd_bwd_cpu_wait_s": 0.2}, VLLM) is None  # the trainer hardly waits
     assert host_saturated({"perf/fwd_bwd_s": 1.0}, VLLM) is None  # not Linux: no figures
+    cpu_trainer = {k: v for k, v in busy.items() if k != "perf/gpu_memory_peak_gib"}
+    assert host_saturated(cpu_trainer, VLLM) is None  # its fwd+bwd is the host's work (the CPU smoke job)
     embedded = host_saturated(busy, dataclasses.replace(VLLM, backend="embedded"))
     assert "fix: fewer other processes on this machine" in embedded.text
     assert diagnose(history_of(busy), VLLM).rule == "host_saturated"

@@ -372,6 +372,33 @@ def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_
                        "server unreachable, retrying (20 s left)"], printed
 
 
+def test_plain_mode_says_when_the_rollout_worker_stops_beating(tmp_path, monkeypatch):
+    """A stopped (SIGSTOP) worker: the trainer trains what is queued, then waits; the console said nothing until the
+    worker timeout ended the run 5 minutes later (fresh-user trial). Now a line from 20 s of silence, every 10 s
+    while it lasts, and one when the worker beats again."""
+    import asyncgrpo_cli.dashboard as dashboard
+
+    out = tmp_path / "run"
+    out.mkdir()
+    now = {"t": 100.0}
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(rollout_worker_timeout=300.0),
+                     started_at=time.time() - 5)
+    for age, state in ((1.0, "running"), (19.0, "running"), (21.0, "running"), (25.0, "running"), (31.5, "saving"),
+                       (0.5, "running"), (40.0, "running"), (45.0, "failed: RolloutWorkerError")):
+        (out / "status.json").write_text(json.dumps({"state": state, "step": 3, "worker_heartbeat_age_s": age,
+                                                     "worker_pid": 4242}))
+        dash.poll()
+        now["t"] += 5.0
+    printed = [ln for ln in console.export_text().splitlines() if ln.startswith("rollout worker")]
+    silent = ("rollout worker not answering: no heartbeat from the worker (pid 4242) for {} s (hung, stopped, or "
+              "blocked by a slow reward function; if stopped, kill -CONT 4242 continues it); the run stops with a "
+              "checkpoint at staleness.rollout_worker_timeout=300 s ({} s left)")
+    assert printed == [silent.format(21, 279), silent.format(32, 268), "rollout worker: answering again",
+                       silent.format(40, 260)], printed
+
+
 def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model(tmp_path):
     """A run resumed from checkpoint-8 and stopped at step 9: the top-level model.safetensors is the earlier
     run's step 8, not this run's; the summary says so and points at checkpoint-9 (it claimed "final model

@@ -181,6 +181,25 @@ def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path):
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
 
 
+def test_a_failure_without_a_checkpoint_says_how_to_start_again(make_cfg, tmp_path, monkeypatch):
+    """Fresh-user trial: kill -9 of the trainer before its first save ended with no resume line and nothing saying
+    what to do next; the same command starts again in that folder (no checkpoint, no final model there)."""
+    from asyncgrpo_cli.run.folder import USER_ENV
+
+    for name in USER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "trainer.max_steps=3"])
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids))
+    text = console.export_text()
+    assert rc == 1 and "resume with:" not in text
+    assert "start again with: asyncgrpo train +recipe=smoke trainer.max_steps=3 (no checkpoint to resume from; the " \
+           "folder takes it)" in text, text
+
+
 def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
     cfg, out = make_cfg("sampler.timeout=1.5")
     pids = tmp_path / "pids"
