@@ -116,7 +116,8 @@ def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
                          f"< max_concurrent_rollouts {ceiling})", INFO)
     if conc >= th.at_limit_frac * ceiling:
         if kv is not None and kv < th.low_kv_frac and wl == "high":
-            return Diagnosis("limit_resource", f"active limit: max_concurrent_rollouts={ceiling} with the KV cache "
+            # its own rule: "held over" a window where the ceiling was only reached would claim the trainer waited
+            return Diagnosis("limit_resource_idle", f"active limit: max_concurrent_rollouts={ceiling} with the KV cache "
                              f"at {kv:.0%} while the trainer waits: raise staleness.max_concurrent_rollouts if "
                              "environments and tools allow", WARN)
         return Diagnosis("limit_resource", f"active limit: max_concurrent_rollouts={ceiling} reached", INFO)

@@ -112,11 +112,15 @@ def test_limit_resource_ceiling():
     m = {"rollout/backpressure_s": 0.0, "rollout/concurrency": 64, "rollout/concurrency_cap": 64,
          "rollout/vllm_kv_cache_usage_frac": 0.2, "perf/rollout_wait_s": 0.6, "perf/step_s": 1.0}
     d = active_limit(m, SETTINGS)
-    assert d.rule == "limit_resource" and d.severity == WARN
+    assert d.rule == "limit_resource_idle" and d.severity == WARN
     assert "raise staleness.max_concurrent_rollouts" in d.text and "20%" in d.text
     # at the ceiling with a busy KV cache: reported, but no advice to raise it
     d = active_limit({**m, "rollout/vllm_kv_cache_usage_frac": 0.9}, SETTINGS)
     assert d.rule == "limit_resource" and d.severity == INFO
+    # Fresh-user trial: reached with the trainer busy in steps 11-12, waiting in 13: not "held over steps 11-13"
+    busy = {**m, "perf/rollout_wait_s": 0.0}
+    rows = [{**busy, "step": 11}, {**busy, "step": 12}, {**m, "step": 13}]
+    assert "held over" not in steady_diagnosis(history_of(*rows), SETTINGS).text
 
 
 def test_no_limit_active():
