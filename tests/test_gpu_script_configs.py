@@ -119,7 +119,8 @@ def test_the_e1t_beside_vllm_runs_compose_and_run(tmp_path):
     and writes the figures the script reads, and the ratios chain each phase to the one before."""
     argv = vllm033_e1t_shared.serve_argv()
     check(argv[argv.index("serve") + 1:], "serve")
-    assert "e1t_shared) python3 scripts/gpu/vllm033/e1t_shared.py" in (ROOT / "scripts/gpu/vllm033/run.sh").read_text()
+    run_sh = (ROOT / "scripts/gpu/vllm033/run.sh").read_text()
+    assert "e1t_shared) python3 scripts/gpu/vllm033/e1t_shared.py" in run_sh and "cuda_tests) timeout" in run_sh
     bench = vllm033_e1t_shared.bench_argv("stack_idle", tmp_path)
     done = subprocess.run([*bench, "--device", "cpu", "--shape", "tiny", "--steps", "2"], capture_output=True,
                           text=True, timeout=300)

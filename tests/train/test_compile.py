@@ -163,3 +163,17 @@ def test_auto_is_flex_for_a_cuda_training_device_whatever_the_parameters_device(
     assert tree_attention_backend(model) == "flex"
     assert capsys.readouterr().out == "asyncgrpo: tree attention: flex (packing.attention=auto on cuda)\n"
     assert apply_tree_attention(model, "auto") == "sdpa" and capsys.readouterr().out == ""  # parameters: the CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_trainer_trains_with_flex(tmp_path):
+    """On a GPU the trainer's tree attention is FlexAttention (``auto``), chosen before its model moves there."""
+    import datasets
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_steps=1)
+    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
+    trainer = AsyncGRPOTrainer(model=str(make_tiny_model(tmp_path / "tiny")),
+                               reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                               train_dataset=data)
+    assert args.device.type == "cuda" and trainer.tree_backend == "flex"
+    assert next(trainer.model.parameters()).device.type == "cuda"

@@ -13,6 +13,8 @@
 #   bash scripts/gpu/vllm033/run.sh rollouts_job_async  # issue #41: the job as users run it (rollouts_job_sync: on-policy)
 #   bash scripts/gpu/vllm033/run.sh rollouts_two        # issue #41: two vLLM servers on the one GPU against one (rollouts_two.py)
 #   bash scripts/gpu/vllm033/run.sh rollouts_job_async_engines2  # issue #41: the job with sampler.engines=2 (sync_engines2: on-policy)
+#   bash scripts/gpu/vllm033/run.sh cuda_tests   # the trainer's CUDA tests on the job's stack (flex in the trainer,
+#                                                # kernels, host syncs, memory; ~2 min): before the first job
 #   bash scripts/gpu/vllm033/run.sh e1t_shared   # issues #41/#43: E1t on the job's stack, beside an idle and a busy
 #                                                # vLLM server, then with cores of its own (e1t_shared.py, ~5 min)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
@@ -43,6 +45,9 @@ case "${1:-train}" in
   rollouts_engine|rollouts_screen) python3 scripts/gpu/vllm033/rollouts.py "${1#rollouts_}" ;;
   rollouts_two) python3 scripts/gpu/vllm033/rollouts_two.py ;;
   e1t_shared) python3 scripts/gpu/vllm033/e1t_shared.py ;;
+  cuda_tests) timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/train/test_tree_attention.py \
+                tests/train/test_cuda_kernels.py tests/train/test_host_syncs.py tests/train/test_cuda_memory.py \
+                tests/train/test_compile.py -k "cuda" 2>&1 | tee "$OUT/cuda_tests.txt" ;;
   rollouts_job_*) python3 scripts/gpu/vllm033/rollouts.py job "${1#rollouts_job_}" ;;
   realistic_engine) python3 scripts/gpu/vllm033/realistic.py engine ;;
   realistic_job_*) python3 scripts/gpu/vllm033/realistic.py job "${1#realistic_job_}" ;;
@@ -55,5 +60,5 @@ case "${1:-train}" in
            tests/train/test_tree_attention.py -k cuda
          mkdir -p "$OUT/results" && timeout 300 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b \
            --out "$OUT/results" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, cuda_tests, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
 esac
