@@ -327,7 +327,8 @@ def test_doctor_for_an_external_cpu_server_prints_the_server_asyncgrpo_serve_sta
     overrides = ["+recipe=smoke", "sampler.backend=external", f"sampler.url={url}"]
     doctor = runner.invoke(app, ["doctor", "--json", *overrides])
     assert doctor.exit_code == 1
-    line = json.loads(doctor.output)["restart_command"]
+    # stdout alone: a first run's model-export notice goes to stderr (CliRunner's output holds both)
+    line = json.loads(doctor.stdout)["restart_command"]
     assert "-m asyncgrpo_cli.sampler.embedded" in line and "vllm serve" not in line and "CUDA_VISIBLE" not in line
     serve = runner.invoke(app, ["serve", "--dry-run", *overrides])  # the fix column's `asyncgrpo serve`
     assert serve.exit_code == 0, serve.output
