@@ -148,10 +148,24 @@ def without_progress_bars(lines: list[str]) -> list[str]:
     return out
 
 
+def without_shutdown_noise(lines: list[str]) -> list[str]:
+    """``lines`` without multiprocessing's shutdown warning of a killed process tree (``resource_tracker: There
+    appear to be N leaked semaphore objects``, and the ``warnings.warn(`` line it prints under it): it follows
+    any kill of the trainer and read as a second error (fresh-user trial)."""
+    out: list[str] = []
+    for line in lines:
+        if "resource_tracker: There appear to be" in line:
+            continue
+        if line.strip().startswith("warnings.warn('resource_tracker"):
+            continue
+        out.append(line)
+    return out
+
+
 def failure_tail(path: str | Path, n: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``n`` lines of a failed child's log once the launcher's own report and progress bars are
-    removed."""
-    return without_progress_bars(launcher_report_removed(tail_lines(path, n + 60)))[-n:]
+    """The last ``n`` lines of a failed child's log once the launcher's own report, progress bars and
+    multiprocessing's shutdown warning are removed."""
+    return without_shutdown_noise(without_progress_bars(launcher_report_removed(tail_lines(path, n + 60))))[-n:]
 
 
 def killed_by(path: str | Path) -> str | None:

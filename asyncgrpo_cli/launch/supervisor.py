@@ -247,8 +247,8 @@ class Supervisor:
         if newest:  # every stop and failure path that left a complete checkpoint
             self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
         elif self.trainer is not None and rc not in (0, 2) and (again := train_command([])):
-            self.console.print(Text(f"start again with: {again} (no checkpoint to resume from; the folder takes it)",
-                                    style="cyan"), soft_wrap=True)
+            self.console.print("no checkpoint to resume from; the same command starts again in this folder:")
+            self.console.print(Text(f"start again with: {again}", style="cyan"), soft_wrap=True)
         return rc
 
     def _argv(self, name: str, argv: list[str]) -> list[str]:

@@ -459,7 +459,7 @@ class RolloutWorker:
         age = self.heartbeat_age_s()
         if self.ready_event.is_set() and age > self.timeout_s:
             raise RolloutWorkerError(f"the rollout worker has not sent a heartbeat for {age:.0f} s "
-                                     f"(rollout_worker_timeout={self.timeout_s:.0f}); it is hung")
+                                     f"(rollout_worker_timeout={self.timeout_s:.0f}); it is hung or stopped")
 
     # ------------------------------------------------------------------------------------ data
     def get_outcome(self, timeout_s: float) -> PromptOutcome | None:

@@ -182,3 +182,14 @@ def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tm
     plain = tmp_path / "plain.log"
     plain.write_text("step 1\n")
     assert launcher_reported_status(plain) is None and not note_requested_stop(plain)
+
+
+def test_the_shutdown_warning_of_a_killed_tree_is_not_shown_as_an_error(tmp_path):
+    """After kill -9 of the trainer the log ends with multiprocessing's leaked-semaphore warning (fresh-user trial:
+    it read as a second error); the tail shown on the console leaves it out, the log keeps it."""
+    log = tmp_path / "trainer.log"
+    log.write_text("step 1/8 | reward 0.05\n\n/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "
+                   "resource_tracker: There appear to be 41 leaked semaphore objects to clean up at shutdown\n"
+                   "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    assert failure_tail(log) == ["step 1/8 | reward 0.05", ""]
+    assert "leaked semaphore" in log.read_text()
