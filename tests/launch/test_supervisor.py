@@ -166,24 +166,9 @@ def test_dashboard_off_prints_no_step_lines(make_cfg):
     assert "step 1/3 |" not in text and "rollout queue" not in text and "summary" in text
 
 
-def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path):
-    cfg, out = make_cfg()
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    console = record_console()
-    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids))
-    text = console.export_text()
-    assert rc == 1
-    assert "the trainer exited with code 3" in text
-    assert "cause: RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
-    assert "Traceback" not in text  # the frames stay in the log
-    assert "failed" in text  # summary outcome
-    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
-
-
-def test_a_failure_without_a_checkpoint_says_how_to_start_again(make_cfg, tmp_path, monkeypatch):
-    """Fresh-user trial: kill -9 of the trainer before its first save ended with no resume line and nothing saying
-    what to do next; the same command starts again in that folder (no checkpoint, no final model there)."""
+def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path, monkeypatch):
+    """Also (fresh-user trial): a failure before the first save, with no checkpoint to resume from, says how to
+    start again (the same command; the folder holds no checkpoint and no final model)."""
     from asyncgrpo_cli.run.folder import USER_ENV
 
     for name in USER_ENV:
@@ -195,9 +180,15 @@ def test_a_failure_without_a_checkpoint_says_how_to_start_again(make_cfg, tmp_pa
     console = record_console()
     rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids))
     text = console.export_text()
-    assert rc == 1 and "resume with:" not in text
+    assert rc == 1
+    assert "the trainer exited with code 3" in text
+    assert "cause: RuntimeError: fake trainer failure" in text and "last " in text and "trainer.log" in text
+    assert "Traceback" not in text  # the frames stay in the log
+    assert "failed" in text  # summary outcome
+    assert "resume with:" not in text
     assert "no checkpoint to resume from; the same command starts again in this folder:\nstart again with: " \
            "asyncgrpo train +recipe=smoke trainer.max_steps=3\n" in text, text
+    wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
 
 
 def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
