@@ -13,7 +13,7 @@ FlexAttention has no backward) switches the same model with ``apply_tree_attenti
 - **checks before any timing** (a fast wrong kernel is not a result; exit 1):
   - packed = unpacked: the trained tokens' log-probs of one group forwarded as a packed row, against each of its
     samples forwarded alone through stock ``sdpa`` (max and mean absolute difference, nats, within
-    ``PACKED_TOLERANCE`` of the weights' dtype: 0.15 / 0.02 in bf16);
+    ``PACKED_TOLERANCE`` of the weights' dtype: 0.25 / 0.05 in bf16);
   - the step's loss equals the first backend's within 2% (bf16).
 - ``first_step_s``: the first fwd+bwd step, kernel compilation included (flex: inductor; flash-attn-4: its CuTe DSL
   kernels, cached on disk from the second run on).
@@ -44,9 +44,11 @@ from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
 from asyncgrpo_cli.train.flash_varlen import FlashVarlen
 from asyncgrpo_cli.train.packing import pack_row
 
-# packed = unpacked tolerance (max, mean; nats) by the weights' dtype: bf16 noise measured 0.07 / 0.009 on a CPU
-# (tests/train/test_flash_varlen.py's shape); fp32 (the CPU check) is exact to rounding
-PACKED_TOLERANCE = {torch.bfloat16: (0.15, 0.02), torch.float32: (1e-4, 1e-5)}
+# packed = unpacked tolerance (max, mean; nats) by the weights' dtype. bf16: at the 1.7B shape on an H200 (28 layers,
+# 1,024-token prompts) both kernels differ from stock sdpa alike, flex 0.109-0.115 / 0.026 and flash 0.120-0.125 /
+# 0.027 (2026-12-05; the first bound, 0.15 / 0.02 from test_flash_varlen.py's small CPU shape, refused flex itself).
+# fp32 (the CPU check) is exact to rounding
+PACKED_TOLERANCE = {torch.bfloat16: (0.25, 0.05), torch.float32: (1e-4, 1e-5)}
 LOSS_REL = 2e-2
 
 

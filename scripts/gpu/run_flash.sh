@@ -96,7 +96,7 @@ print("run_flash: GPU", torch.cuda.get_device_name(), torch.cuda.get_device_capa
 PY
 }
 
-export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD"
+export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/fa4_cute_cache}"
 case "${1:-}" in
   prepare) prepare ;;
