@@ -28,7 +28,11 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    that binds next; or, while it is unset, ``staleness.deadline_release_versions=4`` (opt-in release).
 5. ``trainer_idle_stale_drops``: ``sample/dropped_stale_token_frac`` above ``stale_waste_frac`` (5%), mean over
    the newest ``stale_windows`` windows: generation the trainer never gets. Fix: twice ``max_staleness``.
-6. ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
+6. ``trainer_idle_worker``: the rollout worker's own process uses ``worker_busy`` (0.9) of a CPU core or more
+   (``rollout/worker_main_cpu``, issue #41): its Python parses every answer and builds every sample one thread at
+   a time, so more engines cannot lift generation. No option adds a worker process yet; the text says what
+   lightens it (its reward processes are counted apart, in ``rollout/worker_cpu``).
+   ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
    (``server/engine_core_cpu``, issue #41): its host loop bounds generation (two servers on one H200 generated
    2.0-2.3x). Fix: one more server, ``sampler.engines``.
 7. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
@@ -270,9 +274,24 @@ def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) 
             f"sampler.engines={s.engines + 1} (one more server on the GPU; README: Several servers on one GPU)")
 
 
+def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 6, first: the rollout worker's own process busy on its core (``rollout/worker_main_cpu`` of
+    ``th.worker_busy`` cores or more, `train.host_load`): one Python thread at a time parses the answers and
+    builds the samples, so neither more engines nor more rollouts in flight lift generation."""
+    cores = num(history.latest, "rollout/worker_main_cpu")
+    if cores is None or cores < th.worker_busy:
+        return None
+    return ("trainer_idle_worker",
+            f"the rollout worker's own process uses {cores:.2f} of a CPU core: its Python (parsing each answer's "
+            "log-probs, building the samples, handing groups to the reward functions) paces generation, not the "
+            "server",
+            "none as an option yet: a run has one rollout worker process (issue #41); a slow synchronous reward "
+            "function shares its core unless it works in processes of its own, as accuracy_reward does")
+
+
 #: The causes of an idle trainer, in the order they are tried (see the module docstring).
 IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
-               _cause_engine_core, _cause_cap, _cause_ceiling)
+               _cause_worker, _cause_engine_core, _cause_cap, _cause_ceiling)
 
 
 def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),

@@ -1,5 +1,5 @@
-"""Who uses the host's cores during a run: ``host/cpu_busy_cores``, ``host/cpu_busy_frac`` and
-``rollout/worker_cpu`` (issue #41).
+"""Who uses the host's cores during a run: ``host/cpu_busy_cores``, ``host/cpu_busy_frac``,
+``rollout/worker_cpu`` and ``rollout/worker_main_cpu`` (issue #41).
 
 On the one-GPU job the host's cores are shared by vLLM's API servers and engine core(s) (``server/frontend_cpu``
 and ``server/engine_core_cpu``, `train.engine_cpu`), the rollout worker and the trainer (``perf/fwd_bwd_cpu_wait_s``,
@@ -7,8 +7,11 @@ and ``server/engine_core_cpu``, `train.engine_cpu`), the rollout worker and the 
 the one rollout worker parses every answer, scores it and builds the samples; whether that worker, or the host as a
 whole, becomes the bound is what these figures say:
 
-- ``rollout/worker_cpu``: cores the rollout worker's process tree (the worker and its reward processes) used
-  between two steps; near 1.0 means the worker's Python, not vLLM, paces generation.
+- ``rollout/worker_cpu``: cores the rollout worker's process tree (the worker and its reward processes, such as
+  math-verify's pool) used between two steps.
+- ``rollout/worker_main_cpu``: cores of the worker's own process, its threads included. Its event loop parses
+  every answer and builds the samples, and its Python runs one thread at a time, so near 1.0 means the worker,
+  not vLLM, paces generation (the reward processes beside it can take more cores without that).
 - ``host/cpu_busy_cores``: cores of the whole machine busy (user, system, nice, irq) between two steps, and
   ``host/cpu_busy_frac`` the same over the machine's cores; near 1.0 with a sizeable ``perf/fwd_bwd_cpu_wait_s``
   means every process waits for a core, the trainer included.
@@ -119,7 +122,8 @@ def read_tree_seconds(pid: int) -> dict[int, float]:
 
 class HostLoadWatch:
     """The step's host figures: ``host/cpu_busy_cores``, ``host/cpu_busy_frac`` and, with ``worker_pid``,
-    ``rollout/worker_cpu``. `step` reads once and returns what is known (``{}`` at first).
+    ``rollout/worker_cpu`` and ``rollout/worker_main_cpu``. `step` reads once and returns what is known (``{}`` at
+    first).
 
     Args:
         worker_pid: a callable giving the rollout worker's pid (None while there is none: a rank without the
@@ -134,6 +138,7 @@ class HostLoadWatch:
         self.worker_pid, self.read_host, self.read_tree, self.clock = worker_pid, read_host, read_tree, clock
         self.host = HostCpuLoad()
         self.worker = ProcessTreeLoad()
+        self.worker_main = ProcessTreeLoad()
 
     def step(self) -> dict[str, float]:
         """Take this step's readings; the figures between the last readings at least `MIN_GAP_S` apart."""
@@ -147,7 +152,11 @@ class HostLoadWatch:
                 out["host/cpu_busy_frac"] = self.host.busy_frac()
         pid = self.worker_pid()
         if pid is not None:
-            self.worker.observe(self.read_tree(pid), now)
+            tree = self.read_tree(pid)
+            self.worker.observe(tree, now)
+            self.worker_main.observe({pid: tree[pid]} if pid in tree else {}, now)
             if self.worker.cores() is not None:
                 out["rollout/worker_cpu"] = self.worker.cores()
+            if self.worker_main.cores() is not None:
+                out["rollout/worker_main_cpu"] = self.worker_main.cores()
         return out

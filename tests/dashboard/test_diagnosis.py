@@ -572,3 +572,19 @@ def test_a_saturated_host_names_the_trainers_wait_and_halves_the_api_servers():
     embedded = host_saturated(busy, dataclasses.replace(VLLM, backend="embedded"))
     assert "fix: fewer other processes on this machine" in embedded.text
     assert diagnose(history_of(busy), VLLM).rule == "host_saturated"
+
+
+def test_idle_cause_a_busy_rollout_worker_comes_before_the_engine_core():
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    both = _idle(**{"server/engine_core_cpu": 0.97, "rollout/vllm_kv_cache_usage_frac": 0.2,
+                    "rollout/worker_main_cpu": 0.96, "rollout/worker_cpu": 2.4})
+    d = trainer_idle(history_of(both), VLLM)
+    assert d.rule == "trainer_idle_worker" and "the rollout worker's own process uses 0.96 of a CPU core" in d.text
+    assert "none as an option yet" in d.text and "sampler.engines" not in d.text
+    # the reward processes beside it (rollout/worker_cpu) do not count: only the worker's own process
+    spread = {**both, "rollout/worker_main_cpu": 0.6}
+    assert trainer_idle(history_of(spread), VLLM).rule == "trainer_idle_engine_core"
+    # any backend: the worker paces the embedded sampler's requests too
+    alone = {**_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2}), "rollout/worker_main_cpu": 0.92}
+    assert trainer_idle(history_of(alone), dataclasses.replace(VLLM, backend="embedded")).rule == "trainer_idle_worker"

@@ -43,14 +43,16 @@ def test_the_machine_between_two_readings():
 def test_the_watch_reports_once_two_readings_are_apart():
     clock = iter([0.0, 1.0, 1.1, 3.0])
     host = iter([(10.0, 40.0), (12.0, 44.0), (12.1, 44.4), (14.0, 52.0)])
-    trees = iter([{5: 1.0}, {5: 1.1}, {5: 1.2}])  # read from the second step on (no worker before)
+    trees = iter([{5: 1.0, 6: 0.5}, {5: 1.1, 6: 0.6}, {5: 1.2, 6: 0.9}])  # from the second step on (no worker
+    # before); pid 6 is a reward process under the worker (pid 5)
     pids = iter([None, 5, 5, 5])
     watch = HostLoadWatch(lambda: next(pids), read_host=lambda: next(host), read_tree=lambda pid: next(trees),
                           clock=lambda: next(clock))
     assert watch.step() == {}  # the first reading; no worker yet
     assert watch.step() == {"host/cpu_busy_cores": 2.0, "host/cpu_busy_frac": 0.5}  # the worker's first reading
     assert watch.step() == {"host/cpu_busy_cores": 2.0, "host/cpu_busy_frac": 0.5}  # 0.1 s later: kept
-    assert watch.step() == {"host/cpu_busy_cores": 1.0, "host/cpu_busy_frac": 0.25, "rollout/worker_cpu": 0.1}
+    assert watch.step() == {"host/cpu_busy_cores": 1.0, "host/cpu_busy_frac": 0.25, "rollout/worker_cpu": 0.3,
+                            "rollout/worker_main_cpu": 0.1}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc")
@@ -65,6 +67,7 @@ def test_real_readings_see_a_busy_child():
         assert child.stdout.readline().strip() == b"1"
         got = watch.step()  # 1 s of the fake clock: the child's CPU seconds since the first reading
         assert got["rollout/worker_cpu"] > 0.1 and 0 < got["host/cpu_busy_frac"] <= 1
+        assert got["rollout/worker_main_cpu"] == got["rollout/worker_cpu"]  # a tree of one process
     finally:
         child.stdin.close()
         child.wait(30)

@@ -188,6 +188,8 @@ def test_num_tokens_is_the_running_total_across_windows(run):
     for w in later:
         assert 0 < w["host/cpu_busy_cores"] <= os.cpu_count() + 0.5 and 0 < w["host/cpu_busy_frac"] <= 1
     assert any(w.get("rollout/worker_cpu", 0) > 0 for w in lines), "rollout/worker_cpu never logged"
+    mains = [w for w in lines if "rollout/worker_main_cpu" in w]
+    assert mains and all(0 <= w["rollout/worker_main_cpu"] <= w["rollout/worker_cpu"] + 1e-3 for w in mains)
 
 
 def test_completions_jsonl_holds_text_rewards_and_advantages(run):
