@@ -152,3 +152,22 @@ def test_accuracy_from_threads():
     for t in threads:
         t.join(timeout=120)
     assert results == {i: [1.0] for i in range(4)}
+
+
+def test_a_call_goes_to_the_pool_in_a_few_tasks(monkeypatch):
+    """Issue #41: one pool task per completion cost the rollout worker half its CPU per rollout; a call's
+    completions now travel in a quarter of the pool's width of tasks, and come back in order."""
+    assert [accuracy_module._tasks_per_call(w, 8) for w in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 8]
+    assert accuracy_module._tasks_per_call(8, 1) == 1
+    sent = []
+    submit = accuracy_module.ProcessPoolExecutor.submit
+
+    def counting_submit(pool, fn, *args):
+        sent.append(len(args[1]))
+        return submit(pool, fn, *args)
+
+    monkeypatch.setattr(accuracy_module.ProcessPoolExecutor, "submit", counting_submit)
+    monkeypatch.setattr(accuracy_module, "_tasks_per_call", lambda workers, jobs: 3)
+    completions = [f"The answer is {i}." for i in range(8)]
+    assert accuracy_reward(completions=completions, answer=["3"] * 8) == [float(i == 3) for i in range(8)]
+    assert sent == [3, 3, 2]

@@ -15,6 +15,10 @@ our own interval timer (``verification_timeout_s``); a completion that runs out 
 is counted (:func:`verification_timeouts`). A pool process that stops answering (stuck outside
 Python, where no signal can interrupt it) is killed after a generous grace period, its completions
 scoring 0.0 and counting as timeouts too. Nothing is ever verified without a timeout.
+
+A call's completions go to the pool in a few tasks, not one each (`_tasks_per_call`): each task costs the
+calling process, the rollout worker, Python time of its own. So a process stuck past its grace period scores the
+other completions of its task 0.0 as well.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ _pool_lock = threading.Lock()
 _timeouts = 0
 _timeouts_lock = threading.Lock()
 _atexit_registered = False
+_math_verify_found = False  # math-verify was found once: not looked up again at every call
 
 
 # --------------------------------------------------------------------------- text helpers
@@ -156,7 +161,23 @@ def _verify_one(gold_text: str, answer_text: str, timeout_s: float) -> tuple[str
         return ("ok", 0.0)
 
 
+def _verify_many(verify_one: Any, items: list[tuple[str, str]], timeout_s: float) -> list[tuple[str, float | None]]:
+    """Run in a pool process: ``verify_one(gold, answer, timeout_s)`` for each item, each under its own timer."""
+    return [verify_one(gold_text, answer_text, timeout_s) for gold_text, answer_text in items]
+
+
 # --------------------------------------------------------------------------- caller side
+def _tasks_per_call(workers: int, jobs: int) -> int:
+    """Pool tasks one call's ``jobs`` completions go out as (issue #41).
+
+    Every task costs the calling process about 0.2 ms of its own Python (pickling, the pool's manager and feeder
+    threads), which in a rollout worker competes with the answers it parses; one task per completion took half the
+    worker's CPU per rollout with the arith recipe's answers (`scripts/bench/bench_worker_ingest.py --reward
+    accuracy`). The rollout worker scores up to 4 groups at once (`rollout.loop.SCORERS`), so a call spreads over
+    a quarter of the pool: with every scorer calling, every pool process has a task."""
+    return max(1, min(jobs, workers // 4))
+
+
 def _num_workers() -> int:
     raw = os.environ.get(_WORKERS_ENV)
     if raw:
@@ -293,11 +314,13 @@ def accuracy_reward(
     if not jobs:
         return rewards
 
-    if importlib.util.find_spec("math_verify") is None:
+    global _math_verify_found
+    if not _math_verify_found and importlib.util.find_spec("math_verify") is None:
         raise ImportError(
             "accuracy_reward needs math-verify: pip install 'math-verify[antlr4_9_3]' "
             "(or the asyncgrpo package, which depends on it)"
         )
+    _math_verify_found = True
     results, timed_out = _run_jobs(jobs, timeout_s)
     for i, value in results.items():
         rewards[i] = value
@@ -327,10 +350,13 @@ def _run_jobs(
     last_error: BaseException | None = None
     for _attempt in range(2):
         pool = _get_pool()
-        futures: dict[Future, tuple[int, str, str]] = {}
+        workers = max(1, getattr(pool, "_max_workers", 1))
+        size = math.ceil(len(pending) / _tasks_per_call(workers, len(pending)))
+        futures: dict[Future, list[tuple[int, str, str]]] = {}
         try:
-            for job in pending:
-                futures[pool.submit(_verify_one, job[1], job[2], timeout_s)] = job
+            for k in range(0, len(pending), size):
+                chunk = pending[k:k + size]
+                futures[pool.submit(_verify_many, _verify_one, [(j[1], j[2]) for j in chunk], timeout_s)] = chunk
         except Exception as exc:  # broken or shut down under us: drop it and retry on a new pool
             last_error = exc
             for future in futures:
@@ -339,25 +365,27 @@ def _run_jobs(
             continue
         # Each pool process bounds every completion itself; this outer bound only catches a
         # process stuck where signals cannot reach it.
-        rounds = math.ceil(len(pending) / max(1, getattr(pool, "_max_workers", 1)))
-        done, not_done = wait(futures, timeout=_POOL_GRACE_S + timeout_s * (rounds + 1))
+        rounds = math.ceil(len(futures) / workers)
+        done, not_done = wait(futures, timeout=_POOL_GRACE_S + timeout_s * (rounds * size + 1))
         failed: list[tuple[int, str, str]] = []
         for future in done:
-            job = futures[future]
+            chunk = futures[future]
             try:
-                status, value = future.result()
+                outcomes = future.result()
             except Exception as exc:  # BrokenProcessPool, or the call could not run in the pool
                 last_error = exc
-                failed.append(job)
+                failed.extend(chunk)
                 continue
-            if status == "timeout":
-                timed_out += 1
-            results[job[0]] = value
+            for job, (status, value) in zip(chunk, outcomes):
+                if status == "timeout":
+                    timed_out += 1
+                results[job[0]] = value
         if not_done:
             _kill_pool(pool)
             for future in not_done:
-                results[futures[future][0]] = 0.0
-            timed_out += len(not_done)
+                for job in futures[future]:
+                    results[job[0]] = 0.0
+                    timed_out += 1
         if not failed:
             return results, timed_out
         _kill_pool(pool)

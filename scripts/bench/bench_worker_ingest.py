@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -37,14 +38,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def serve(port: int, completion: int, ready) -> None:
-    """The synthetic server: fixed answers, no model."""
+def serve(port: int, completion: int, ready, answers: list[list[int]] | None = None) -> None:
+    """The synthetic server: fixed answers, no model. ``answers``: choice i's tokens start with ``answers[i]``
+    (for ``--reward accuracy``: "The answer is i."), padded to ``completion`` tokens."""
     from aiohttp import web
 
-    tokens = [100 + (i % 50) for i in range(completion)]
-    choice = {"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length",
-              "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-1.0] * completion,
-                           "top_logprobs": [{f"token_id:{t + k}": -1.0 - k for k in range(8)} for t in tokens]}}
+    def choice_of(i: int) -> dict:
+        head = list(answers[i % len(answers)])[:completion] if answers else []
+        tokens = head + [100 + (k % 50) for k in range(completion - len(head))]
+        return {"index": i, "text": "", "token_ids": tokens, "finish_reason": "length",
+                "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-1.0] * completion,
+                             "top_logprobs": [{f"token_id:{t + k}": -1.0 - k for k in range(8)} for t in tokens]}}
     bodies: dict[int, bytes] = {}  # one prepared answer per n (a request with n gets n choices, issue #41)
 
     async def completions(request):
@@ -52,7 +56,7 @@ def serve(port: int, completion: int, ready) -> None:
         body = bodies.get(n)
         if body is None:
             body = bodies[n] = json.dumps({"id": "x", "object": "text_completion", "model": "synthetic",
-                                           "choices": [dict(choice, index=i) for i in range(n)]}).encode()
+                                           "choices": [choice_of(i) for i in range(n)]}).encode()
         return web.Response(body=body, content_type="application/json")
 
     async def models(request):
@@ -115,6 +119,9 @@ def main() -> int:
                     help="rollout queue to a consumer process (pickled, as in training) or thread (not pickled)")
     ap.add_argument("--group-requests", choices=("on", "off"), default="on",
                     help="one request per group with n = 8 (rollout.group_requests, issue #41) or one per rollout")
+    ap.add_argument("--reward", choices=("cheap", "accuracy"), default="cheap",
+                    help="cheap: a reward computed in the worker's thread; accuracy: accuracy_reward (math-verify in "
+                         "its process pool) on answers 'The answer is i.' against a column of 3s")
     ap.add_argument("--tag", default="", help="suffix of the result file: P6<tag>.json")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "bench" / "results"))
     ns = ap.parse_args()
@@ -131,12 +138,23 @@ def main() -> int:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=serve, args=(port, ns.completion, ready), daemon=True)
+    tokenizer = prepare_tokenizer(make_tiny_tokenizer())
+    answers = None
+    if ns.reward == "accuracy":  # choice i answers i: one right answer (3) in each group of 8
+        answers = [tokenizer.encode(f"The answer is {i}.", add_special_tokens=False) for i in range(8)]
+    server = ctx.Process(target=serve, args=(port, ns.completion, ready, answers), daemon=True)
     server.start()
     ready.wait(60)
-    tokenizer = prepare_tokenizer(make_tiny_tokenizer())
-    prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus {i}?"}]}
-                                          for i in range(512)])
+    prompts = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus {i}?"}],
+                                           "answer": "3"} for i in range(512)])
+    if ns.reward == "accuracy":
+        from asyncgrpo_cli.rewards import accuracy_reward
+        from asyncgrpo_cli.rewards.accuracy import warm_up_verification_pool
+
+        warm_up_verification_pool()
+        reward = accuracy_reward
+    else:
+        reward = alternating_reward
     cfg = AsyncGRPOConfig(output_dir="/tmp/p6", num_generations=8, max_completion_length=ns.completion,
                           num_sampler_logprobs=8, vllm_server_base_url=f"http://127.0.0.1:{port}",
                           max_concurrent_rollouts=ns.concurrency, vllm_server_timeout=60.0, report_to="none",
@@ -153,7 +171,7 @@ def main() -> int:
         consumed = _Value(0.0)
         counted = {"generated": _Value(0), "samples": _Value(0), "start": _Value(0.0)}
         consumer = threading.Thread(target=consume, args=(buf, metrics, consumed, counted), daemon=True)
-    loop = AsyncRolloutLoop(cfg, "synthetic", prompts, [alternating_reward], tokenizer, [tokenizer.eos_token_id],
+    loop = AsyncRolloutLoop(cfg, "synthetic", prompts, [reward], tokenizer, [tokenizer.eos_token_id],
                             buf, _Value(0), _Value(1e15), _Value(0.0), threading.Event(), errors, metrics,
                             consumed_tokens_value=consumed)
     consumer.start()
@@ -177,9 +195,29 @@ def main() -> int:
     deadline = time.monotonic() + 120
     while not counted["start"].value and time.monotonic() < deadline:
         time.sleep(0.05)
+    import psutil
+
+    me = psutil.Process()
+    others = {server.pid, getattr(consumer, "pid", None)}
+
+    def cpu_s() -> tuple[float, float]:
+        """(this process, its reward processes): CPU seconds so far; the server and the consumer left out."""
+        pool = 0.0
+        for child in me.children(recursive=True):
+            if child.pid not in others:
+                with contextlib.suppress(psutil.Error):
+                    times = child.cpu_times()
+                    pool += times.user + times.system
+        own = me.cpu_times()
+        return own.user + own.system, pool
+
+    generated0, samples0, t0 = counted["generated"].value, counted["samples"].value, time.monotonic()
+    cpu0 = cpu_s()
     time.sleep(ns.seconds)
-    generated, samples = counted["generated"].value, counted["samples"].value
-    elapsed = time.monotonic() - counted["start"].value
+    cpu1 = cpu_s()
+    generated = counted["generated"].value - generated0
+    samples = counted["samples"].value - samples0
+    elapsed = time.monotonic() - t0
     loop.stop()
     runner.join(30)
     buf.put(None)
@@ -194,14 +232,20 @@ def main() -> int:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     result = {"target": ">= 50000", "generated_tokens_per_s": tps, "ratio": tps / 50000, "seconds": elapsed,
               "samples": samples, "rollouts_per_s": samples / elapsed, "group_requests": ns.group_requests,
-              "queue": ns.queue, "completion_tokens": ns.completion, "concurrency": ns.concurrency,
+              "queue": ns.queue, "reward": ns.reward, "completion_tokens": ns.completion,
+              # CPU of the worker's process (the loop, its reward threads, the queue's feeder) and of its reward
+              # processes, per rollout queued, over the same window; the server and the consumer not counted
+              "worker_cpu_ms_per_rollout": round(1e3 * (cpu1[0] - cpu0[0]) / max(samples, 1), 4),
+              "reward_processes_cpu_ms_per_rollout": round(1e3 * (cpu1[1] - cpu0[1]) / max(samples, 1), 4),
+              "worker_cores": round((cpu1[0] - cpu0[0]) / elapsed, 3), "concurrency": ns.concurrency,
               "num_generations": 8, "top_logprobs": 8, "cpus": os.cpu_count(), "python": sys.version.split()[0],
               "date": datetime.date.today().isoformat()}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"P6{ns.tag}.json").write_text(json.dumps(result, indent=1))
     print(f"P6  {tps:,.0f} generated tokens/s accepted, scored and queued (target >= 50,000; ratio {tps / 50000:.2f}); "
-          f"{samples / elapsed:,.0f} rollouts/s")
+          f"{samples / elapsed:,.0f} rollouts/s; worker {result['worker_cpu_ms_per_rollout']:.3f} ms CPU a rollout "
+          f"({result['worker_cores']:.2f} cores), reward processes {result['reward_processes_cpu_ms_per_rollout']:.3f}")
     return 0
 
 
