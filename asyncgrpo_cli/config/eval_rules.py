@@ -48,7 +48,8 @@ def check_eval_setup(strategy: Any, eval_steps: Any, has_eval_data: bool, *, eva
         raise ConfigError(f"{steps_key}={shown!r}: {strategy_key}=steps needs a whole number of optimizer steps "
                           f">= 1 between eval rounds. Fix: set {steps_key}=50", key=steps_key)
     if not has_eval_data:
-        raise ConfigError(f"{data_key}=None: {strategy_key}=steps needs eval prompts. Fix: {data_fix}, or set "
+        unset = "null" if "." in data_key else "None"  # the CLI's YAML word; the Python API's None
+        raise ConfigError(f"{data_key}={unset}: {strategy_key}=steps needs eval prompts. Fix: {data_fix}, or set "
                           f"{strategy_key}=no", key=data_key)
     if environment:
         raise ConfigError(f"{data_key}: evaluation with an environment_factory is not supported (an eval rollout "

@@ -26,7 +26,10 @@ def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     shown = value
     if isinstance(shown, str) and len(shown) > 80:
         shown = shown[:77] + "..."
-    return ConfigError(f"{key}={shown!r}: {problem}. Fix: {fix}", key=key)
+    text = repr(shown)
+    if "." in key and (shown is None or isinstance(shown, bool)):  # the CLI's YAML words, as the user types them
+        text = "null" if shown is None else str(shown).lower()
+    return ConfigError(f"{key}={text}: {problem}. Fix: {fix}", key=key)
 
 
 def _word(value: str, p: Any) -> str:

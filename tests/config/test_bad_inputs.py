@@ -578,3 +578,13 @@ def test_readme_hub_snippet_without_the_hub_is_refused_in_a_few_lines_before_any
     assert "Fix: set model to a local folder" in out and "HF_HUB_OFFLINE=1" in out, out
     assert "Retrying in" not in out and "OSError" not in out and len(out.splitlines()) <= 8, out
     assert elapsed < FAIL_WITHIN_S, elapsed
+
+
+def test_errors_show_booleans_and_null_as_the_command_line_writes_them():
+    """A CLI key's value as the user types it (``trainer.bf16=true``), the Python API's as Python writes it."""
+    from asyncgrpo_cli.config.rules import config_error
+
+    assert str(config_error("trainer.bf16", True, "p", "f")).startswith("trainer.bf16=true: p. Fix: f")
+    assert str(config_error("data.eval_name", None, "p", "f")).startswith("data.eval_name=null: p")
+    assert str(config_error("bf16", True, "p", "f")).startswith("bf16=True: p")
+    assert str(config_error("trainer.optim", "adamw", "p", "f")).startswith("trainer.optim='adamw': p")

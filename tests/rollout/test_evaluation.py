@@ -252,7 +252,7 @@ def test_the_cli_checks_name_the_data_eval_keys(tmp_path):
     from asyncgrpo_cli.imports import reward_functions
 
     base = ["+recipe=smoke", f"trainer.output_dir={tmp_path}/out"]
-    with pytest.raises(ConfigError, match=r"data.eval_name=None: trainer.eval_strategy=steps needs eval prompts"):
+    with pytest.raises(ConfigError, match=r"data.eval_name=null: trainer.eval_strategy=steps needs eval prompts"):
         check_cli_eval(compose([*base, "trainer.eval_strategy=steps", "trainer.eval_steps=2"]))
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"prompt": "1+1?", "gold": "2"}\n')
