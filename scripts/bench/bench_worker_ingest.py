@@ -5,9 +5,10 @@ instantly with top-8 log-probs: generated tokens/s accepted, scored and queued b
 
 The synthetic server (aiohttp, in its own process) answers ``/v1/completions`` with ``--completion`` tokens,
 each with its sampler log-prob and 8 ``"token_id:N"`` top log-probs (vLLM 0.26's shape), from a response
-prepared once. The loop runs in this process with a cheap reward; a consumer drains the rollout queue (and
-the metrics queue, as the trainer does) and reports consumption, so the staleness allowance never binds.
-Target: >= 50,000 tokens/s.
+prepared once. The loop runs in this process with a cheap reward (``--reward accuracy``: `accuracy_reward` and its
+math-verify pool, on answers "The answer is i."); a consumer drains the rollout queue (and the metrics queue, as
+the trainer does) and reports consumption, so the staleness allowance never binds. The result also gives the CPU
+per queued rollout of this process and of its reward processes. Target: >= 50,000 tokens/s.
 
 ``--queue process`` (the default) makes the rollout and metrics queues ``multiprocessing`` queues read by a
 consumer process, as between the real worker and the trainer: samples are pickled on the way (in the
