@@ -49,6 +49,7 @@ from asyncgrpo_cli.train.packing import PackedRow
 
 __all__ = [
     "BACKENDS",
+    "FLEX_MIN_TOKENS",
     "IMPLEMENTATION_NAMES",
     "TreeAttentionInputs",
     "TreeAttentionUnavailable",
@@ -71,6 +72,11 @@ IMPLEMENTATION_NAMES = {
     "flash": "asyncgrpo_tree_varlen",
 }
 _BACKEND_OF = {v: k for k, v in IMPLEMENTATION_NAMES.items()}
+# The ``flex`` backend pads a row shorter than this to this many tokens: two of FlexAttention's 128-token blocks.
+# Its compiled functions are traced with dynamic shapes, which specialise a size of 1: a row of 128 tokens or
+# fewer (one block) failed a guard (`2 <= kv_indices.size(2)`) and recompiled create_block_mask, the forward and
+# the backward mid-run, a 14.8 s step in the one-GPU job of 2026-12-05 (`rollouts_job_sync_s7.json`, step 24).
+FLEX_MIN_TOKENS = 256
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
@@ -182,14 +188,27 @@ class TreeAttentionInputs:
             self._cache[key] = allowed(None, None, idx[:, None], idx[None, :])[None, None]
         return self._cache[key]
 
+    @property
+    def flex_tokens(self) -> int:
+        """Length of the ``flex`` backend's attention (tokens): the row's ``L``, or `FLEX_MIN_TOKENS` for a
+        shorter row, whose extra tokens see only themselves (:meth:`block_mask`)."""
+        return max(self.num_tokens, FLEX_MIN_TOKENS)
+
     def block_mask(self, sliding_window: int | None = None):
-        """FlexAttention ``BlockMask`` of the same relation as :meth:`sdpa_mask` (compiled on CUDA, so
-        the ``[L, L]`` mask is never materialised there)."""
+        """FlexAttention ``BlockMask`` of the same relation as :meth:`sdpa_mask`, over :attr:`flex_tokens`
+        (compiled on CUDA, so the ``[L, L]`` mask is never materialised there). A padding token ``p >= L``
+        has ``dfs_leave[p] = p``: it attends to itself only, and no row token attends to it, so the row's
+        outputs are those of the unpadded mask (`FLEX_MIN_TOKENS` says why it exists)."""
         key = ("flex", sliding_window)
         if key not in self._cache:
-            mask_mod = _tree_mask_mod(self.dfs_leave, self.position_ids, sliding_window)
+            leave, pos, n = self.dfs_leave, self.position_ids, self.flex_tokens
+            if n > self.num_tokens:
+                extra = torch.arange(self.num_tokens, n, device=self.device, dtype=torch.int64)
+                leave = torch.cat([leave, extra])
+                pos = torch.cat([pos, torch.zeros_like(extra)])
+            mask_mod = _tree_mask_mod(leave, pos, sliding_window)
             build = _block_mask_fn(self.device)
-            self._cache[key] = build(mask_mod, None, None, self.num_tokens, self.num_tokens, device=self.device)
+            self._cache[key] = build(mask_mod, None, None, n, n, device=self.device)
         return self._cache[key]
 
     def varlen_plan(self) -> VarlenPlan:
@@ -357,7 +376,12 @@ def _tree_attention(
                 f"the flex tree attention backend has no attention dropout (got {dropout}); use sdpa"
             )
         flex = _flex_fn(query.device)
+        pad = ctx.flex_tokens - ctx.num_tokens
+        if pad:  # a short row: see FLEX_MIN_TOKENS
+            query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
         out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa)
+        if pad:
+            out = out[:, :, : ctx.num_tokens]
         return out.transpose(1, 2).contiguous(), None
     if backend == "flash":
         if ctx.varlen_fn is None:  # resolved once per row, not per layer

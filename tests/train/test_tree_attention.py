@@ -10,6 +10,7 @@ import torch
 from asyncgrpo_cli.rollout.types import TrainingSequence
 from asyncgrpo_cli.train.packing import PackedRow, pack_row
 from asyncgrpo_cli.train.tree_attention import (
+    FLEX_MIN_TOKENS,
     IMPLEMENTATION_NAMES,
     TreeAttentionInputs,
     TreeAttentionUnavailable,
@@ -210,8 +211,10 @@ def test_masks_follow_the_spec_example():
         assert mask[last].nonzero().flatten().tolist() == keys
         for q in range(start, last + 1):  # causal inside the path
             assert mask[q].nonzero().flatten().tolist() == [k for k in keys if k <= q]
-    block = ctx.block_mask()
-    assert tuple(block.shape[-2:]) == (8, 8)
+    block = ctx.block_mask()  # a short row is padded to FLEX_MIN_TOKENS for flex (see the compiled test below)
+    assert ctx.flex_tokens == FLEX_MIN_TOKENS and tuple(block.shape[-2:]) == (FLEX_MIN_TOKENS, FLEX_MIN_TOKENS)
+    dense = block.to_dense()[0, 0]  # [blocks, blocks]: the padding's block sees only itself
+    assert dense.tolist() == [[1, 0], [0, 1]]
     plan = ctx.varlen_plan()
     assert plan.cu_seqlens_q.tolist() == [0, 2, 5, 8]
     assert plan.cu_seqlens_k.tolist() == [0, 2, 7, 12]
@@ -256,6 +259,41 @@ def _explicit_attention(q, k, v, row, window):
     return out
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_short_row_does_not_recompile_flex(monkeypatch):
+    """The trainer compiles create_block_mask and flex_attention with dynamic shapes (on CUDA; compiled on the CPU
+    here). A row of one 128-token block used to fail a guard of the first trace and recompile mid-run (14.8 s
+    in the one-GPU job); padded to FLEX_MIN_TOKENS it reuses the trace, with the same outputs."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    torch._dynamo.reset()
+    build, flex = torch.compile(create_block_mask, dynamic=True), torch.compile(flex_attention, dynamic=True)
+    monkeypatch.setattr(ta, "_block_mask_fn", lambda device: build)
+    monkeypatch.setattr(ta, "_flex_fn", lambda device: flex)
+    rng = random.Random(5)
+
+    def run(n_samples, length):
+        samples = [seq([rng.randrange(50) for _ in range(length)]) for _ in range(n_samples)]
+        row = pack_row(samples)
+        n = row.num_tokens
+        q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        ctx = TreeAttentionInputs.from_row(row, "cpu")
+        out, _ = ta._tree_attention("flex", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
+        assert torch.allclose(out, _explicit_attention(q, k, v, row, None), atol=1e-5)
+        return n
+
+    try:
+        assert run(10, 40) > 2 * 128  # the first trace: three blocks
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert run(2, 30) <= 128  # one block's worth of tokens
+            assert run(1, 5) == 5
+    finally:
+        torch._dynamo.reset()
+
+
 def test_errors_are_clear(model_dir):
     model = _load(model_dir)
     with pytest.raises(ValueError, match="apply_tree_attention"):
@@ -293,3 +331,29 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward(model_dir):
         b.sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.allclose(p.grad, q.grad, atol=1e-3, rtol=1e-3), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_short_row_does_not_recompile_flex(model_dir):
+    """The trainer's compiled flex path: a long row, then rows of one block's worth of tokens, forward and backward,
+    with no recompile (the job's 14.8 s step) and log-probs equal to sdpa's."""
+    import torch._dynamo
+
+    rng = random.Random(4)
+    ref, model = _load(model_dir).cuda(), _load(model_dir).cuda()
+    apply_tree_attention(ref, "sdpa")
+    assert apply_tree_attention(model, "flex") == "flex"
+    vocab = model.config.vocab_size
+
+    def step(n_samples, length):
+        row = pack_row([seq([rng.randrange(vocab) for _ in range(length)], 2) for _ in range(n_samples)]).to("cuda")
+        a, b = _packed_logprobs(ref, row), _packed_logprobs(model, row)
+        assert (a - b).abs().max().item() <= 1e-4
+        b.sum().backward()
+        return row.num_tokens
+
+    assert step(12, 200) > 2048
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert step(2, 40) <= 128
+        assert step(1, 7) == 7
