@@ -110,7 +110,8 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
     step time, the weight sync's time when it took 1 s and a quarter of the step or more (a slow or hung server;
     the busy share counts it), the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale
-    (only when some were, with their share of the generated tokens) and ``diagnosis`` (if any)."""
+    (only when some were, with their share of the generated tokens), the graphs ``torch.compile`` built in the window
+    (only when it built some) and ``diagnosis`` (if any)."""
     step = num(metrics, "step")
     busy = busy_share(metrics)
     step_s, sync_s = num(metrics, "perf/step_s"), num(metrics, "perf/weight_sync_s")
@@ -131,6 +132,9 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     if dropped:
         share = num(metrics, "sample/dropped_stale_token_frac")
         parts.append(f"dropped stale {dropped:.0f}" + (f" ({share:.0%} of generated tokens)" if share else ""))
+    compiled = num(metrics, "perf/fwd_bwd_compile_count")
+    if compiled:  # the first step's compile, or a shape the compiled code had not seen (train/host_time.py)
+        parts.append(f"compiled {compiled:.0f} graph{'s' if compiled != 1 else ''}")
     if diagnosis:
         parts.append(diagnosis)
     return " | ".join(parts)

@@ -76,3 +76,13 @@ def test_the_plain_line_shows_a_weight_sync_that_took_a_good_part_of_the_step():
     assert "weight sync" not in metrics_line(usual)
     short_step = {"step": 2, "perf/step_s": 0.9, "perf/weight_sync_s": 0.5}  # under 1 s: not shown
     assert "weight sync" not in metrics_line(short_step)
+
+
+def test_the_plain_line_names_a_step_that_compiled():
+    """A step that built torch.compile graphs (the first, or a shape the compiled code had not seen: a 14.8 s step
+    in the one-GPU job) says so; one that built none says nothing."""
+    base = {"step": 24, "perf/step_s": 17.2, "perf/fwd_bwd_s": 14.8}
+    assert metrics_line({**base, "perf/fwd_bwd_compile_count": 3.0}).endswith("| compiled 3 graphs")
+    assert "compiled 1 graph" in metrics_line({**base, "perf/fwd_bwd_compile_count": 1.0}, diagnosis="x")
+    assert "compiled" not in metrics_line({**base, "perf/fwd_bwd_compile_count": 0.0})
+    assert "compiled" not in metrics_line(base)

@@ -43,3 +43,25 @@ def test_a_reading_of_this_process_sees_a_busy_threads_cpu_time():
 def test_no_proc_no_reading(monkeypatch):
     monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
     assert ThreadTimes.read() is None
+
+
+def test_compiles_are_the_graph_count_delta():
+    before = ThreadTimes({1: (0, 0)}, graphs=3)
+    assert host_time_metrics(before, ThreadTimes({1: (0, 0)}, graphs=5))["perf/fwd_bwd_compile_count"] == 2.0
+    assert host_time_metrics(ThreadTimes({1: (0, 0)}), ThreadTimes({1: (0, 0)}, graphs=1))["perf/fwd_bwd_compile_count"] == 1.0
+    assert "perf/fwd_bwd_compile_count" not in host_time_metrics(before, ThreadTimes({1: (0, 0)}))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="needs Linux scheduler statistics")
+def test_a_recompile_between_two_readings_is_counted():
+    import torch
+
+    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=True)
+    fn(torch.ones(5))  # traced with a dynamic size
+    before = ThreadTimes.read()
+    fn(torch.ones(7))  # the same trace
+    same = host_time_metrics(before, ThreadTimes.read())
+    fn(torch.ones(1))  # a size of 1 is specialised: a new graph (the trainer's short-row stall, tree_attention.py)
+    again = host_time_metrics(before, ThreadTimes.read())
+    assert same["perf/fwd_bwd_compile_count"] == 0.0 and again["perf/fwd_bwd_compile_count"] == 1.0

@@ -453,7 +453,7 @@ def job_rows(rows: list[dict]) -> list[dict]:
             # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43); who used
             # the host's cores (the server's other processes, the rollout worker, the whole machine)
             *(held_metric(g) for g in HOLD_GATES), "rollout/deadline_admission", "server/engine_core_cpu",
-            "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s", "perf/gpu_memory_peak_gib", "perf/gpu_memory_reserved_gib",
+            "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s", "perf/fwd_bwd_compile_count", "perf/gpu_memory_peak_gib", "perf/gpu_memory_reserved_gib",
             "perf/cuda_alloc_retries", "server/frontend_cpu", "rollout/worker_cpu", "rollout/worker_main_cpu", "host/cpu_busy_cores",
             "host/cpu_busy_frac")
     out = []
