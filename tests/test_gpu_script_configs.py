@@ -217,6 +217,18 @@ def test_the_async_sync_pair_compares_steps_and_trained_groups(tmp_path):
     assert out["steps_compared"] == [2, 40] and out["async_over_sync_steps_per_s"] == 0.75
     assert out["trained_groups_per_s"] == {"async": 32.0, "sync": 26.67}
     assert out["async_over_sync_groups_per_s"] == 1.2 and out["async_over_sync_time_to_reward"] == 0.75
+    assert out["trainer_stalls"] == {"async": [], "sync": []}
+
+
+def test_the_pair_names_a_step_that_stalled_the_trainer():
+    """The seventh session's on-policy step 24 (17.2 s against ~2.3 s: a recompile) is named with its figures."""
+    rows = [{"step": s, "perf/step_s": 2.3, "perf/fwd_bwd_s": 0.3, "perf/fwd_bwd_compile_count": 0.0}
+            for s in range(1, 41)]
+    rows[0].update({"perf/step_s": 15.2, "perf/fwd_bwd_compile_count": 4.0})  # step 1: outside the range
+    rows[23].update({"perf/step_s": 17.2, "perf/fwd_bwd_s": 14.8, "perf/fwd_bwd_compile_count": 3.0})
+    assert vllm033_rollouts.trainer_stalls(rows, 2, 40) == [
+        {"step": 24, "step_s": 17.2, "median_step_s": 2.3, "fwd_bwd_s": 14.8, "compile_count": 3.0}]
+    assert vllm033_rollouts.trainer_stalls(rows[:23], 2, 40) == [] and vllm033_rollouts.trainer_stalls([], 2, 40) == []
 
 
 def test_generation_against_the_served_engine_at_the_steps_length():

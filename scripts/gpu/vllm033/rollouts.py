@@ -637,6 +637,23 @@ def generation_against_served(rows: list[dict], screen: dict) -> dict:
     return {"steps_2_10": med(2, 10), "steps_31_40": med(31, 40), "all": med(2, 10_000)}
 
 
+STALL_OVER_MEDIAN = 4.0
+
+
+def trainer_stalls(rows: list[dict], lo: int, hi: int) -> list[dict]:
+    """Steps in ``(lo, hi]`` whose ``perf/step_s`` is `STALL_OVER_MEDIAN` times the median of those steps or more, with
+    their forward and backward and the graphs compiled in them: one such step (a recompile: 14.8 s in the seventh
+    session's on-policy run) moves a pair's steps/s by 10-15%, so the pair's JSON names it."""
+    steps = [r for r in rows if r.get("step") and lo < r["step"] <= hi and r.get("perf/step_s")]
+    if not steps:
+        return []
+    median = statistics.median(r["perf/step_s"] for r in steps)
+    return [{"step": r["step"], "step_s": round(r["perf/step_s"], 2),
+             "median_step_s": round(median, 2), "fwd_bwd_s": r.get("perf/fwd_bwd_s"),
+             "compile_count": r.get("perf/fwd_bwd_compile_count")}
+            for r in steps if r["perf/step_s"] >= STALL_OVER_MEDIAN * median]
+
+
 def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | None = None,
             engine_path: str | None = None) -> dict:
     """The async/sync pair's JSON (issue #41 item 4): both runs' rows and figures and the ratios; with the screen's
@@ -678,6 +695,7 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
            "measured": {"late_over_early_step_s": fa.get("late_over_early_step_s"),
                         "time_to_reward_045_s": fa.get("time_to_reward_045_s"),
                         "time_to_reward_045_mean3_s": time_to_reward_mean(a["rows"], 0.45)},
+           "trainer_stalls": {"async": trainer_stalls(a["rows"], lo, hi), "sync": trainer_stalls(s["rows"], lo, hi)},
            "async": a, "sync": s}
     if screen_path:
         screen = json.loads(Path(screen_path).read_text())
