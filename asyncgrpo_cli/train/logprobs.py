@@ -139,11 +139,27 @@ _TILE_FUNCTIONS: dict[str | None, tuple] = {None: (_tile_forward, _tile_backward
 
 def _tile_functions(compile_backend: str | None) -> tuple:
     """``(tile_forward, tile_backward)``: eager when ``compile_backend`` is None, else compiled once per backend
-    with ``torch.compile(backend=compile_backend)`` (shapes dynamic after the first recompile)."""
+    with ``torch.compile(backend=compile_backend, dynamic=True)``: traced for any tile shape at the first call, so
+    that a later row's new shapes do not recompile (with shapes static until a first recompile, a model whose
+    vocabulary is a multiple of the vocabulary chunk, SmolLM2's 49,152, recompiled at step 2). Dynamic shapes still
+    specialise a size of 1: `_token_chunks` keeps token chunks of one token out (a row of one trained token
+    still compiles its own graphs once)."""
     if compile_backend not in _TILE_FUNCTIONS:
         _TILE_FUNCTIONS[compile_backend] = tuple(
-            torch.compile(fn, backend=compile_backend) for fn in (_tile_forward, _tile_backward))
+            torch.compile(fn, backend=compile_backend, dynamic=True) for fn in (_tile_forward, _tile_backward))
     return _TILE_FUNCTIONS[compile_backend]
+
+
+def _token_chunks(n: int, token_chunk: int, compiled: bool) -> list[tuple[int, int]]:
+    """``[a, b)`` bounds of the token chunks of ``n`` trained tokens, ``token_chunk`` at most each. ``compiled``:
+    when the last chunk would hold a single token (``n % token_chunk == 1``, ``n > token_chunk``), the last two
+    hold ``token_chunk - 1`` and 2 instead, so the compiled tile functions never meet a size of 1 mid-run (a
+    recompile of seconds). The chunks only group rows: each token's values are the same either way."""
+    bounds = [(a, min(n, a + token_chunk)) for a in range(0, n, token_chunk)]
+    if compiled and len(bounds) > 1 and token_chunk > 2 and n - bounds[-1][0] == 1:
+        a = bounds[-2][0]
+        bounds[-2:] = [(a, n - 2), (n - 2, n)]
+    return bounds
 
 
 def _in_tile(ids: torch.Tensor, v0: int, vc: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,8 +193,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         gathered[:, 1:1 + k] = 0.0
         gathered[:, 1 + k:] = -math.inf
         tile_fwd = _tile_functions(compile_backend)[0]
-        for a in range(0, n, token_chunk):
-            b = min(n, a + token_chunk)
+        for a, b in _token_chunks(n, token_chunk, compile_backend is not None):
             h = hidden[a:b].to(cdt)
             run_max = torch.full((b - a,), -math.inf, dtype=acc, device=dev)
             run_sum = torch.zeros(b - a, dtype=acc, device=dev)
@@ -256,8 +271,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             b_tile = bias[v0:v1] if bias is not None else None
             gw_tile = torch.zeros(vc, hdim, dtype=acc, device=dev) if need_w else None
             gb_tile = torch.zeros(vc, dtype=acc, device=dev) if need_b else None
-            for a in range(0, n, token_chunk):
-                b = min(n, a + token_chunk)
+            for a, b in _token_chunks(n, token_chunk, ctx.compile_backend is not None):
                 h = hidden[a:b].to(cdt)
                 z_mm = torch.matmul(h, w_tile.T)
                 member = None

@@ -309,6 +309,37 @@ def test_compiled_tiles_match_eager(backend):
             assert value == pytest.approx(want_m[name], rel=1e-4, abs=1e-6), name
 
 
+def test_token_chunks_keep_a_single_token_out_of_compiled_tiles():
+    from asyncgrpo_cli.train.logprobs import _token_chunks
+
+    assert _token_chunks(23, 10, True) == [(0, 10), (10, 20), (20, 23)]
+    assert _token_chunks(21, 10, True) == [(0, 10), (10, 19), (19, 21)]  # not (20, 21): one token
+    assert _token_chunks(21, 10, False) == [(0, 10), (10, 20), (20, 21)]  # eager: unchanged
+    assert _token_chunks(11, 10, True) == [(0, 9), (9, 11)] and _token_chunks(1, 10, True) == [(0, 1)]
+    assert _token_chunks(0, 10, True) == [] and _token_chunks(3, 1, True) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_compiled_tiles_trace_once_for_every_row_length():
+    """The trainer's compiled log-prob tiles (`trainer.torch_compile`): traced with dynamic shapes at the first row,
+    they serve later rows of other lengths, a last chunk of one token included (the smoke job recompiled at
+    step 2 before: SmolLM2's vocabulary is a multiple of the vocabulary chunk), with the eager kernel's values."""
+    import torch._dynamo
+
+    eager_cfg = LossConfig(temperature=0.7, token_chunk_size=10, vocab_chunk_size=16)
+    compiled_cfg = LossConfig(temperature=0.7, token_chunk_size=10, vocab_chunk_size=16, compile_backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        run_impl(make_batch(seed=3, n=20, v=64), compiled_cfg)  # whole tiles only: 2 x 10 tokens, 4 x 16 ids
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for n in (23, 21, 11, 37):
+                batch = make_batch(seed=n, n=n, v=64)
+                got, want = run_impl(batch, compiled_cfg), run_impl(batch, eager_cfg)
+                for a, b in zip((got[0], *got[2:]), (want[0], *want[2:])):
+                    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_online_logsumexp_is_stable_for_huge_logits():
     """Logits in the thousands (fp32) must not overflow; the result equals the float64 reference."""
     batch = make_batch(seed=8, n=9, v=40, with_cand=False)
