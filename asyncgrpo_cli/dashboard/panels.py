@@ -717,14 +717,17 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
 
 
 def _reward_span(summary: RunSummary) -> str:
-    """`` (mean of the last 5 steps)``, or with a step between them that scored no group, `` (mean of the 5 steps
-    with a reward among steps 35-40)``; empty for one window."""
+    """`` (mean of the last 5 steps)``; when the run's last steps scored no group, `` (mean of steps 1-2, the last
+    with a reward)``; with a step between them that scored none, `` (mean of the 5 steps with a reward among steps
+    35-40)``; empty for one window."""
     n, span = summary.final_reward_windows, summary.final_reward_steps
     if n <= 1:
         return ""
-    if span is None or span[1] - span[0] + 1 == n:
-        return f" (mean of the last {n} steps)"
-    return f" (mean of the {n} steps with a reward among steps {span[0]}-{span[1]})"
+    if span is not None and span[1] - span[0] + 1 != n:
+        return f" (mean of the {n} steps with a reward among steps {span[0]}-{span[1]})"
+    if span is not None and summary.steps is not None and span[1] < summary.steps:
+        return f" (mean of steps {span[0]}-{span[1]}, the last with a reward)"
+    return f" (mean of the last {n} steps)"
 
 
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
