@@ -14,7 +14,8 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    0.54 vs 0.73 steps/s, SmolLM2-135M on one H200). Fix: the extra args without it.
 3. ``trainer_idle_on_policy``: ``staleness.max_staleness=0``: on-policy rounds (issue #33) generate each step's
    samples after the last weight sync, so training and generation take turns by design. Fix: ``max_staleness=1``.
-4. ``trainer_idle_allowance``: the staleness token allowance holds generation back: ``rollout/backpressure_s``
+4. ``trainer_idle_allowance``: the staleness token allowance holds generation back (where the producer logs what held
+   it, ``rollout/held_allowance_frac`` at least ``high_wait_frac``, 20%, of the window first): ``rollout/backpressure_s``
    active (> ``backpressure_active_s``), or ``rollout/concurrency`` below ``inflight_low_frac`` (0.5) of
    ``rollout/concurrency_cap`` while the allowance admits fewer rollouts than the cap (unknown counts as
    fewer). It admits ~``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step`` rollouts (queued
@@ -179,6 +180,9 @@ def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) ->
         return held_by_deadline
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
     cap, admitted = num(m, "rollout/concurrency_cap"), _allowance_rollouts(m, s)
+    shares = dict(held_shares(m))
+    if shares and shares.get("allowance", 0.0) < th.high_wait_frac:
+        return None  # the producer's own record: something else held it (a few short waits are not the bound)
     held = bp is not None and bp > th.backpressure_active_s
     low = conc is not None and cap is not None and conc < th.inflight_low_frac * cap \
         and (admitted is None or admitted < cap)

@@ -751,7 +751,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     if dry_run or plan.problems:
         print_plan(console, cfg, plan, resolved=resolved)
         if plan.problems:
-            console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run on this machine.",
+            console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run.",
                                style="bold red"))
             return 2  # a configuration refusal, as every other
         console.print(Text("dry run: nothing started.", style="dim"))

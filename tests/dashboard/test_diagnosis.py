@@ -366,6 +366,13 @@ def test_idle_cause_the_staleness_allowance():
     # both waits high, formerly "max_staleness too tight", now names the allowance with the numbers
     tight = history_of({"perf/rollout_wait_s": 0.4, "rollout/backpressure_s": 0.5, "perf/step_s": 1.0})
     assert diagnose(tight, SETTINGS).rule == "trainer_idle_allowance"
+    # the producer's own record wins over a few short waits: the smoke job of the ninth session's trial blamed the
+    # allowance (backpressure 0.021 s) at "16 rollouts in flight, cap 16" while the cap held it 99.7% of the time
+    capped = {**held, "rollout/held_allowance_frac": 0.002, "rollout/held_cap_frac": 0.997}
+    other = trainer_idle(history_of(capped), VLLM)
+    assert other is None or other.rule != "trainer_idle_allowance"
+    assert trainer_idle(history_of({**capped, "rollout/held_allowance_frac": 0.6}), VLLM).rule == \
+        "trainer_idle_allowance"
 
 
 def test_a_finding_that_holds_is_shown_while_a_worse_one_comes_and_goes():

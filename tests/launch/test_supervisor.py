@@ -60,7 +60,7 @@ def test_dry_run_reports_problems(make_cfg):
     console = record_console()
     assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
-    assert "needs a CUDA GPU" in text and "cannot run on this machine" in text
+    assert "needs a CUDA GPU" in text and "this plan cannot run." in text
     assert "vllm serve fake-org/tiny-model" in text
     assert not out.exists()
 
@@ -501,7 +501,7 @@ def test_dry_run_refuses_a_busy_port_as_the_real_run_would(make_cfg):
         console = record_console()
         assert run_train(cfg, dry_run=True, console=console, gpu_count=0) == 2
     text = console.export_text()
-    assert f"sampler.port={port}: another process already listens" in text and "cannot run on this machine" in text
+    assert f"sampler.port={port}: another process already listens" in text and "this plan cannot run." in text
     assert not out.exists()
 
 
