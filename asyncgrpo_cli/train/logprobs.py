@@ -142,8 +142,8 @@ def _tile_functions(compile_backend: str | None) -> tuple:
     with ``torch.compile(backend=compile_backend, dynamic=True)``: traced for any tile shape at the first call, so
     that a later row's new shapes do not recompile (with shapes static until a first recompile, a model whose
     vocabulary is a multiple of the vocabulary chunk, SmolLM2's 49,152, recompiled at step 2). Dynamic shapes still
-    specialise a size of 1: `_token_chunks` keeps token chunks of one token out (a row of one trained token
-    still compiles its own graphs once)."""
+    specialise a size of 1: `_token_chunks` keeps token chunks of one token out, and `chunked_token_logprobs` gives
+    a single trained token a detached twin."""
     if compile_backend not in _TILE_FUNCTIONS:
         _TILE_FUNCTIONS[compile_backend] = tuple(
             torch.compile(fn, backend=compile_backend, dynamic=True) for fn in (_tile_forward, _tile_backward))
@@ -454,8 +454,15 @@ def chunked_token_logprobs(
             candidate_ids = None
     if candidate_ids is not None:
         has_cand = (candidate_ids >= 0).any(dim=1)
+    one = compile_backend is not None and n == 1
+    if one:  # compiled tiles never see a size of 1 (`_token_chunks`): a detached copy makes two rows, sliced off below
+        hidden = torch.cat([hidden, hidden.detach()])
+        target_ids, top_ids, has_cand = (torch.cat([t, t]) for t in (target_ids, top_ids, has_cand))
+        candidate_ids = torch.cat([candidate_ids, candidate_ids]) if candidate_ids is not None else None
     out = _ChunkedLogProbs.apply(
         hidden, lm_head_weight, lm_head_bias, target_ids, top_ids, candidate_ids, has_cand, float(temperature),
         token_chunk_size, vocab_chunk_size, compile_backend,
     )
+    if one:
+        out = tuple(t[:1] for t in out)
     return TokenLogProbs(target_logprobs=out[0], top_logprobs=out[1], top_valid=out[2], entropy=out[3])
