@@ -77,6 +77,10 @@ _BACKEND_OF = {v: k for k, v in IMPLEMENTATION_NAMES.items()}
 # fewer (one block) failed a guard (`2 <= kv_indices.size(2)`) and recompiled create_block_mask, the forward and
 # the backward mid-run, a 14.8 s step in the one-GPU job of 2026-12-05 (`rollouts_job_sync_s7.json`, step 24).
 FLEX_MIN_TOKENS = 256
+# Extra ``kernel_options`` of every FlexAttention call: empty, torch's default (its Triton kernel). A screening knob,
+# not a product option: `scripts/bench/bench_attention.py`'s ``flex_flash`` sets ``{"BACKEND": "FLASH"}`` (torch's
+# CuTe flash-attention kernel for FlexAttention, flash-attn-4 installed) to measure it on P1's rows first (#43).
+FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
@@ -379,7 +383,9 @@ def _tree_attention(
         pad = ctx.flex_tokens - ctx.num_tokens
         if pad:  # a short row: see FLEX_MIN_TOKENS
             query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-        out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa)
+        extra = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS else {}
+        out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa,
+                   **extra)
         if pad:
             out = out[:, :, : ctx.num_tokens]
         return out.transpose(1, 2).contiguous(), None

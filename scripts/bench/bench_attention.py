@@ -20,8 +20,13 @@ FlexAttention has no backward) switches the same model with ``apply_tree_attenti
 - ``step_s``: median of ``--steps`` steps (on CUDA after two warm-up steps, timed with CUDA events),
   ``trained_tokens_per_s`` (the table's ``tok/s``) the rows' trained tokens over it, ``peak_gib`` its peak memory.
 
+``flex_flash`` (screening, CUDA with flash-attn-4): ``flex`` with ``kernel_options={"BACKEND": "FLASH"}``, torch's
+CuTe flash-attention kernel under the same block mask (no gather); a stack that cannot run it is recorded as the
+entry's ``error`` and the other backends still run.
+
 Writes ``attention_<shape>[_compiled].json`` (device, versions, the flash kernel's provider and version, one entry per
-backend, and when both ran ``flash_over_flex`` = flex's step time / flash's) and prints a table. On the CPU ``flash`` runs the gather plan
+backend, and when both ran ``flash_over_flex`` = flex's step time / flash's, ``flex_flash_over_flex`` likewise) and
+prints a table. On the CPU ``flash`` runs the gather plan
 through ``tree_attention.varlen_attention_reference`` (the kernel is CUDA-only): that checks the script, not a kernel.
 """
 
@@ -53,7 +58,13 @@ LOSS_REL = 2e-2
 
 
 def switch(model, backend: str) -> str:
-    """``apply_tree_attention``; on the CPU ``flash`` is switched by hand with the pure-torch kernel."""
+    """``apply_tree_attention``; on the CPU ``flash`` is switched by hand with the pure-torch kernel. ``flex_flash``:
+    ``flex`` with ``kernel_options={"BACKEND": "FLASH"}`` (`tree_attention.FLEX_KERNEL_OPTIONS`): torch's CuTe
+    flash-attention kernel under FlexAttention's block mask, no gather (CUDA with flash-attn-4 only)."""
+    ta.FLEX_KERNEL_OPTIONS.clear()
+    if backend == "flex_flash":
+        ta.FLEX_KERNEL_OPTIONS["BACKEND"] = "FLASH"
+        return "flex_flash" if ta.apply_tree_attention(model, "flex") == "flex" else backend
     if backend == "flash" and bp.DEVICE != "cuda":
         reference = FlashVarlen(ta.varlen_attention_reference, "reference (pure torch)", None)
         ta.load_flash_varlen = lambda capability=None: reference  # this process only: the bench's CPU check
@@ -84,6 +95,37 @@ def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if bp.DEVICE == "cuda" else None
 
 
+def _one_backend(model, backend, rows, cfg, check_row, unpacked, trained, ns, result, first_loss) -> dict:
+    """One backend's checks and timing (the module docstring); sets ``result["refused"]`` when a check fails."""
+    got = switch(model, backend)
+    entry: dict = {"backend": got}
+    if got == "flash":
+        entry["kernel"] = ta.load_flash_varlen(ta._capability(next(model.parameters()).device)).name
+    with torch.no_grad():
+        err = (trained_logprobs(model, check_row.to(bp.DEVICE)) - unpacked).abs()
+    entry.update(packed_vs_unpacked_max=err.max().item(), packed_vs_unpacked_mean=err.mean().item(),
+                 unpacked_std=unpacked.std().item())
+    tol_max, tol_mean = PACKED_TOLERANCE[next(model.parameters()).dtype]
+    if entry["packed_vs_unpacked_max"] > tol_max or entry["packed_vs_unpacked_mean"] > tol_mean:
+        result["refused"] = f"{backend}: packed != unpacked (max {err.max().item():.3g}, mean {err.mean().item():.3g})"
+        return entry
+    step = bp.packed_step(model, rows, cfg)
+    if bp.DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss = step()
+    bp.sync()
+    entry.update(first_step_s=time.perf_counter() - start, loss=loss)
+    anchor = loss if first_loss is None else first_loss
+    if abs(loss - anchor) > LOSS_REL * max(1.0, abs(anchor)):
+        result["refused"] = f"{backend}: loss {loss} != {anchor} of {ns.backends.split(',')[0]}"
+        return entry
+    median, best = bp.time_fn(step, ns.steps)
+    entry.update(step_s=median, step_min_s=best, trained_tokens_per_s=trained / median, peak_gib=peak_gib())
+    return entry
+
+
 def run(ns) -> dict:
     bp.configure(ns.device, ns.shape)
     completion, prompt_ratio, groups, budget = bp.WORKLOAD_DEFAULTS.get(ns.shape, bp.FULL_WORKLOAD)
@@ -107,50 +149,40 @@ def run(ns) -> dict:
                   packing_ratio=sum(s.num_tokens for s in samples) / sum(r.num_tokens for r in rows), backends={})
     first_loss = None
     for backend in ns.backends.split(","):
-        got = switch(model, backend)
-        entry: dict = {"backend": got}
-        if got == "flash":
-            entry["kernel"] = ta.load_flash_varlen(ta._capability(next(model.parameters()).device)).name
-        with torch.no_grad():
-            err = (trained_logprobs(model, check_row.to(bp.DEVICE)) - unpacked).abs()
-        entry.update(packed_vs_unpacked_max=err.max().item(), packed_vs_unpacked_mean=err.mean().item(),
-                     unpacked_std=unpacked.std().item())
-        tol_max, tol_mean = PACKED_TOLERANCE[next(model.parameters()).dtype]
-        if entry["packed_vs_unpacked_max"] > tol_max or entry["packed_vs_unpacked_mean"] > tol_mean:
-            result["backends"][backend] = entry
-            result["refused"] = f"{backend}: packed != unpacked (max {err.max().item():.3g}, mean {err.mean().item():.3g})"
-            return result
-        step = bp.packed_step(model, rows, cfg)
-        if bp.DEVICE == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = step()
-        bp.sync()
-        entry.update(first_step_s=time.perf_counter() - start, loss=loss)
-        first_loss = loss if first_loss is None else first_loss
-        if abs(loss - first_loss) > LOSS_REL * max(1.0, abs(first_loss)):
-            result["backends"][backend] = entry
-            result["refused"] = f"{backend}: loss {loss} != {first_loss} of {ns.backends.split(',')[0]}"
-            return result
-        median, best = bp.time_fn(step, ns.steps)
-        entry.update(step_s=median, step_min_s=best, trained_tokens_per_s=trained / median, peak_gib=peak_gib())
+        try:
+            entry = _one_backend(model, backend, rows, cfg, check_row, unpacked, trained, ns, result, first_loss)
+        except Exception as exc:  # noqa: BLE001 - a screened kernel this stack cannot run is recorded; others still run
+            if backend != "flex_flash":
+                raise
+            result["backends"][backend] = {"backend": backend, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            continue
         result["backends"][backend] = entry
+        if "refused" in result:
+            return result
+        first_loss = entry["loss"] if first_loss is None else first_loss
+    ta.FLEX_KERNEL_OPTIONS.clear()
     b = result["backends"]
     if "flex" in b and "flash" in b:
         result["flash_over_flex"] = b["flex"]["step_s"] / b["flash"]["step_s"]
+    if "step_s" in b.get("flex", {}) and "step_s" in b.get("flex_flash", {}):
+        result["flex_flash_over_flex"] = b["flex"]["step_s"] / b["flex_flash"]["step_s"]
     return result
 
 
 def table(result: dict) -> str:
     lines = [f"{'backend':8} {'kernel':36} {'first s':>8} {'step s':>8} {'tok/s':>9} {'peak GiB':>9} {'packed err':>11}"]
     for name, e in result["backends"].items():
+        if "error" in e:
+            lines.append(f"{name:8} could not run: {e['error'][:200]}")
+            continue
         peak = f"{e['peak_gib']:.2f}" if e.get("peak_gib") is not None else "n/a"
         lines.append(f"{name:8} {e.get('kernel', '-')[:36]:36} {e.get('first_step_s', float('nan')):8.2f} "
                      f"{e.get('step_s', float('nan')):8.3f} {e.get('trained_tokens_per_s', float('nan')):9.0f} "
                      f"{peak:>9} {e['packed_vs_unpacked_max']:11.4f}")
     if "flash_over_flex" in result:
         lines.append(f"flash over flex: {result['flash_over_flex']:.2f}x")
+    if "flex_flash_over_flex" in result:
+        lines.append(f"flex_flash over flex: {result['flex_flash_over_flex']:.2f}x")
     if "refused" in result:
         lines.append(f"REFUSED: {result['refused']}")
     return "\n".join(lines)
@@ -160,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(bp.SHAPES))
     ap.add_argument("--backends", default=None,
-                    help="comma-separated, the first is the loss anchor (default flex,flash on CUDA, sdpa,flash on a CPU)")
+                    help="comma-separated, the first is the loss anchor (default flex,flash on CUDA, sdpa,flash on a "
+                         "CPU; flex_flash: flex with torch's CuTe flash kernel, CUDA with flash-attn-4)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--completion-spread", type=float, default=0.5)
     ap.add_argument("--compile", action="store_true", help="regional compile of the decoder layers and loss tiles")

@@ -3,6 +3,8 @@
 #   test:  the CUDA tests of tests/train/test_flash_varlen.py (packed = unpacked in bf16 through the real kernel,
 #          gradients against the sdpa tree path) and tests/train/test_tree_attention.py's
 #   bench: scripts/bench/bench_attention.py, flex against flash on P1's rows, Qwen3-1.7B shape, eager then compiled
+#   flex_flash: the same rows compiled, flex's Triton kernel against flex under torch's CuTe flash kernel
+#          (kernel_options BACKEND=FLASH: the tree's block mask, no gather; screening for issue #43, ~3-5 min)
 #
 # On a GPU machine with network: pip install flash-attn-4 (into the environment that has torch and this project),
 # then `bash scripts/gpu/run_flash.sh test` and `bash scripts/gpu/run_flash.sh bench`; nothing needs staging.
@@ -106,5 +108,9 @@ case "${1:-}" in
   bench) mkdir -p "$OUT/results"
          timeout 280 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b --out "$OUT/results"
          timeout 280 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b --compile --out "$OUT/results" ;;
-  *) echo "usage: bash scripts/gpu/run_flash.sh prepare|stage|test|bench" >&2; exit 2 ;;
+  # screening: flex under torch's CuTe flash kernel (kernel_options BACKEND=FLASH) against flex's Triton kernel
+  flex_flash) mkdir -p "$OUT/results"
+         timeout 400 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b --compile --backends flex,flex_flash \
+           --out "$OUT/results" ;;
+  *) echo "usage: bash scripts/gpu/run_flash.sh prepare|stage|test|bench|flex_flash" >&2; exit 2 ;;
 esac

@@ -306,6 +306,22 @@ def test_attention_bench_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, 
     assert "flash" in capsys.readouterr().out
 
 
+def test_attention_bench_records_a_screened_kernel_that_cannot_run_and_runs_the_others(tiny_cpu, monkeypatch):
+    """``flex_flash`` (flex under torch's CuTe flash kernel) is screened on a GPU; where it cannot run (here: no
+    FlexAttention backward on a CPU) its entry holds the error and the other backends still run."""
+    import bench_attention as ba
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    monkeypatch.setattr(ta, "load_flash_varlen", ta.load_flash_varlen)
+    out = tiny_cpu / "out"
+    assert ba.main(["--device", "cpu", "--shape", "tiny", "--backends", "sdpa,flex_flash,flash", "--steps", "1",
+                    "--out", str(out)]) == 0
+    r = json.loads((out / "attention_tiny.json").read_text())
+    assert "backward on CPU" in r["backends"]["flex_flash"]["error"] and r["backends"]["flash"]["step_s"] > 0
+    assert "refused" not in r and ta.FLEX_KERNEL_OPTIONS == {}
+
+
 def test_attention_bench_refuses_a_kernel_whose_packed_logprobs_differ(tiny_cpu, monkeypatch):
     import bench_attention as ba
 

@@ -294,6 +294,28 @@ def test_a_short_row_does_not_recompile_flex(monkeypatch):
         torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_kernel_options_reach_every_flex_call(monkeypatch):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return flex_attention(*args, **{k: v for k, v in kwargs.items() if k != "kernel_options"})
+
+    monkeypatch.setattr(ta, "_flex_fn", lambda device: spy)
+    row = pack_row([seq([1, 2, 3, 4]), seq([1, 2, 5])])
+    q, k, v = torch.randn(1, 2, row.num_tokens, 8), torch.randn(1, 2, row.num_tokens, 8), torch.randn(1, 2, row.num_tokens, 8)
+    ctx = TreeAttentionInputs.from_row(row, "cpu")
+    ta._tree_attention("flex", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
+    monkeypatch.setitem(ta.FLEX_KERNEL_OPTIONS, "BACKEND", "FLASH")
+    ta._tree_attention("flex", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
+    assert seen == [None, {"BACKEND": "FLASH"}]
+
+
 def test_errors_are_clear(model_dir):
     model = _load(model_dir)
     with pytest.raises(ValueError, match="apply_tree_attention"):
