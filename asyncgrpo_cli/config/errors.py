@@ -7,6 +7,14 @@ from collections.abc import Sequence
 from .citations import cite_shipped
 
 
+def shown_value(key: str, value: object) -> str:
+    """``value`` as an error shows it after ``key=``: a dotted (CLI) key's boolean or null in the YAML words the user
+    types (``true``, ``null``), anything else, and every value of a Python-API name, as Python's ``repr``."""
+    if "." in key and (value is None or isinstance(value, bool)):
+        return "null" if value is None else str(value).lower()
+    return repr(value)
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the key, the value and the fix.
 

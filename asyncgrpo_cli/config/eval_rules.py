@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, shown_value
 
 #: The ``eval_strategy`` values this trainer implements (transformers also has ``epoch``: refused, a step of
 #: this trainer is a token budget of rows, not a share of an epoch).
@@ -48,9 +48,8 @@ def check_eval_setup(strategy: Any, eval_steps: Any, has_eval_data: bool, *, eva
         raise ConfigError(f"{steps_key}={shown!r}: {strategy_key}=steps needs a whole number of optimizer steps "
                           f">= 1 between eval rounds. Fix: set {steps_key}=50", key=steps_key)
     if not has_eval_data:
-        unset = "null" if "." in data_key else "None"  # the CLI's YAML word; the Python API's None
-        raise ConfigError(f"{data_key}={unset}: {strategy_key}=steps needs eval prompts. Fix: {data_fix}, or set "
-                          f"{strategy_key}=no", key=data_key)
+        raise ConfigError(f"{data_key}={shown_value(data_key, None)}: {strategy_key}=steps needs eval prompts. "
+                          f"Fix: {data_fix}, or set {strategy_key}=no", key=data_key)
     if environment:
         raise ConfigError(f"{data_key}: evaluation with an environment_factory is not supported (an eval rollout "
                           f"would need the environment's reset and tools). Fix: set {strategy_key}=no",

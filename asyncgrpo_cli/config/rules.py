@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .citations import cite_shipped
-from .errors import ConfigError, ConfigErrors, ConfigTypeError  # noqa: F401  (the errors' home; re-exported)
+from .errors import ConfigError, ConfigErrors, ConfigTypeError, shown_value  # noqa: F401  (the errors' home; re-exported)
 
 #: ``staleness.in_flight_estimate``'s values (`rollout.allowance.IN_FLIGHT_ESTIMATES`; config imports no rollout code).
 IN_FLIGHT_ESTIMATES = ("mean", "kept")
@@ -26,10 +26,7 @@ def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     shown = value
     if isinstance(shown, str) and len(shown) > 80:
         shown = shown[:77] + "..."
-    text = repr(shown)
-    if "." in key and (shown is None or isinstance(shown, bool)):  # the CLI's YAML words, as the user types them
-        text = "null" if shown is None else str(shown).lower()
-    return ConfigError(f"{key}={text}: {problem}. Fix: {fix}", key=key)
+    return ConfigError(f"{key}={shown_value(key, shown)}: {problem}. Fix: {fix}", key=key)
 
 
 def _word(value: str, p: Any) -> str:
