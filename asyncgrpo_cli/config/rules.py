@@ -55,7 +55,7 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
     g = values.get
     if g("num_generations", 8) < 2:
         _fail(p("num_generations"), g("num_generations"), "GRPO needs at least 2 rollouts per group to compute "
-              "a group-relative advantage", f"set {p('num_generations')}=8 (or any value >= 2)")
+              "a group-relative advantage", f"set {p('num_generations')} to 2 or more (4-16 is usual)")
     if g("max_completion_length", 1) < 1:
         _fail(p("max_completion_length"), g("max_completion_length"), "must be >= 1 token",
               f"set {p('max_completion_length')} to the longest reply you want, e.g. 2048")
