@@ -382,7 +382,7 @@ def _tree_attention(
         flex = _flex_fn(query.device)
         pad = ctx.flex_tokens - ctx.num_tokens
         if pad:  # a short row: see FLEX_MIN_TOKENS
-            query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+            query, key, value = (_pad_tokens(t, pad) for t in (query, key, value))
         extra = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS else {}
         out = flex(query, key, value, block_mask=ctx.block_mask(sliding_window), scale=scaling, enable_gqa=gqa,
                    **extra)
@@ -406,6 +406,20 @@ def _tree_attention(
         )
         return out.unsqueeze(0), None
     raise ValueError(f"unknown tree attention backend {backend!r}")
+
+
+def _pad_tokens(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` ``[B, H, L, D]`` zero-padded to ``[B, H, L + pad, D]`` in ``t``'s own memory layout (its dims in the
+    order of their strides), so the compiled FlexAttention sees a padded row with the strides of an unpadded
+    one: a model's ``[1, L, H, D]`` projection seen as ``[1, H, L, D]`` has ``stride(1) = D``, which a
+    contiguous copy (``F.pad``) changes, and that recompiled flex mid-run on the GPU. Same dtype and device;
+    differentiable (the gradient of the padding is dropped)."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))  # outermost dim first
+    shape = list(t.shape)
+    shape[2] += pad
+    out = t.new_zeros([shape[d] for d in order]).permute([order.index(d) for d in range(t.dim())])
+    out[:, :, : t.shape[2]] = t
+    return out
 
 
 def _make_attention_fn(backend: str) -> Callable:

@@ -263,7 +263,9 @@ def _explicit_attention(q, k, v, row, window):
 def test_a_short_row_does_not_recompile_flex(monkeypatch):
     """The trainer compiles create_block_mask and flex_attention with dynamic shapes (on CUDA; compiled on the CPU
     here). A row of one 128-token block used to fail a guard of the first trace and recompile mid-run (14.8 s
-    in the one-GPU job); padded to FLEX_MIN_TOKENS it reuses the trace, with the same outputs."""
+    in the one-GPU job); padded to FLEX_MIN_TOKENS it reuses the trace, with the same outputs. The padded
+    tensors keep the model's layout: a contiguous copy changed key's stride(1) and recompiled flex on the GPU
+    (`cuda_tests_s10.txt`)."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -279,7 +281,8 @@ def test_a_short_row_does_not_recompile_flex(monkeypatch):
         samples = [seq([rng.randrange(50) for _ in range(length)]) for _ in range(n_samples)]
         row = pack_row(samples)
         n = row.num_tokens
-        q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        # the layout a transformers model passes: [1, L, H, D] projections seen as [1, H, L, D] (stride(1) = D)
+        q, k, v = (torch.randn(1, n, h, 8).transpose(1, 2) for h in (4, 2, 2))
         ctx = TreeAttentionInputs.from_row(row, "cpu")
         out, _ = ta._tree_attention("flex", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
         assert torch.allclose(out, _explicit_attention(q, k, v, row, None), atol=1e-5)
