@@ -231,6 +231,32 @@ def test_the_pair_names_a_step_that_stalled_the_trainer():
     assert vllm033_rollouts.trainer_stalls(rows[:23], 2, 40) == [] and vllm033_rollouts.trainer_stalls([], 2, 40) == []
 
 
+def test_the_pair_reads_its_steps_per_s_without_a_stall_and_bounds_it_by_the_on_policy_budget(tmp_path):
+    """Issue #41 item 6: on-policy steps of 2.0 s (0.3 s training, 0.2 s weight sync, 1.5 s the rest) bound the
+    asynchronous run at 2.0 / (1.5 + 0.2) (generation overlaps training, not the paused sync); a 12.0 s recompile
+    at step 30 is counted at the median for the pair's steps/s without stalls, and left out of the budget."""
+    def run(step_s: float) -> list[dict]:
+        rows, t = [], 0.0
+        for s in range(1, 41):
+            length = 12.0 if step_s == 2.0 and s == 30 else step_s
+            t += length if s > 1 else 0.0
+            rows.append({"step": s, "t_since_step1_s": t, "perf/step_s": length, "perf/fwd_bwd_s": 0.28,
+                         "perf/optimizer_s": 0.02, "perf/weight_sync_s": 0.2, "batch/groups_per_step": 64})
+        return rows
+    (tmp_path / "a.json").write_text(json.dumps({"rows": run(1.8), "figures": {"last_step": 40}}))
+    (tmp_path / "s.json").write_text(json.dumps({"rows": run(2.0), "figures": {"last_step": 40}}))
+    out = vllm033_rollouts.combine(str(tmp_path / "a.json"), str(tmp_path / "s.json"), str(tmp_path / "o.json"))
+    assert [x["step"] for x in out["trainer_stalls"]["sync"]] == [30]
+    assert out["async_over_sync_steps_per_s"] == round((38 * 2.0 + 10.0) / (38 * 1.8), 3)
+    assert out["async_over_sync_steps_per_s_without_stalls"] == round(2.0 / 1.8, 3)
+    bound = out["one_gpu_bound"]
+    assert bound["stalls_left_out"] == [30]
+    assert bound["sync_step_budget_s"] == {"steps": 37, "step": 2.0, "train": 0.3, "weight_sync": 0.2, "rest": 1.5}
+    assert bound["async_over_sync_steps_per_s_max"] == round(2.0 / 1.7, 3) and bound["without_the_pause"] == round(2.0 / 1.5, 3)
+    assert out["async_step_budget_s"]["rest"] == 1.3
+    assert vllm033_rollouts.one_gpu_bound([], 2, 40) is None
+
+
 def test_generation_against_the_served_engine_at_the_steps_length():
     """Issue #41's anchor: a rollout's time linear in its tokens between the screen's 12- and 44-token rows."""
     screen = {"runs": [{"variant": "group", "rollouts_per_s": 400.0, "completion_tokens_mean": 44.0},

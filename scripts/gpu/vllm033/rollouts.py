@@ -654,6 +654,37 @@ def trainer_stalls(rows: list[dict], lo: int, hi: int) -> list[dict]:
             for r in steps if r["perf/step_s"] >= STALL_OVER_MEDIAN * median]
 
 
+def step_budget(rows: list[dict], lo: int, hi: int) -> dict | None:
+    """Mean seconds a step over ``(lo, hi]``: the whole step (``step``), the trainer's own work (``train``: forward,
+    backward and optimizer), the weight sync (``weight_sync``: generation is paused through it) and the rest
+    (``rest``: waiting for rollouts, and the host's work around them). None without rows in the range."""
+    steps = [r for r in rows if r.get("step") and lo < r["step"] <= hi and r.get("perf/step_s")]
+    if not steps:
+        return None
+    mean = (lambda key: sum(r.get(key) or 0.0 for r in steps) / len(steps))
+    step, wsync = mean("perf/step_s"), mean("perf/weight_sync_s")
+    train = mean("perf/fwd_bwd_s") + mean("perf/optimizer_s")
+    return {"steps": len(steps), "step": round(step, 3), "train": round(train, 3), "weight_sync": round(wsync, 3),
+            "rest": round(step - train - wsync, 3)}
+
+
+def one_gpu_bound(sync_rows: list[dict], lo: int, hi: int) -> dict | None:
+    """Issue #41 item 6: what bounds asynchronous over on-policy steps/s on one GPU, from the on-policy run's own
+    step budget (`step_budget`, its stalls left out). An asynchronous step overlaps generation with training but
+    not with the weight sync (the server is paused through it), so even with generation as fast while training as
+    alone it takes at least ``max(rest, train) + weight_sync``: the ratio is at most ``step / that``
+    (``async_over_sync_steps_per_s_max``); ``without_the_pause`` is the same bound had the sync not paused
+    generation. A generation-bound run (``rest`` well above ``train``) gains little from the overlap."""
+    stalls = {s["step"] for s in trainer_stalls(sync_rows, lo, hi)}
+    budget = step_budget([r for r in sync_rows if r.get("step") not in stalls], lo, hi)
+    if not budget:
+        return None
+    rest, train, wsync, step = budget["rest"], budget["train"], budget["weight_sync"], budget["step"]
+    return {"sync_step_budget_s": budget, "stalls_left_out": sorted(stalls),
+            "async_over_sync_steps_per_s_max": round(step / (max(rest, train) + wsync), 3),
+            "without_the_pause": round(step / max(rest, train + wsync), 3)}
+
+
 def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | None = None,
             engine_path: str | None = None) -> dict:
     """The async/sync pair's JSON (issue #41 item 4): both runs' rows and figures and the ratios; with the screen's
@@ -670,6 +701,12 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
     ps = {r["step"]: r["t_since_step1_s"] for r in s["rows"]}
     seconds = (lambda p: p[hi] - p[lo] if lo in p and hi in p and p[hi] > p[lo] else None)
     span = (lambda p: (hi - lo) / seconds(p) if seconds(p) else None)
+    stalls = {"async": trainer_stalls(a["rows"], lo, hi), "sync": trainer_stalls(s["rows"], lo, hi)}
+
+    def span_without_stalls(p, name):  # each stall step counted at its run's median step instead
+        if not seconds(p):
+            return None
+        return (hi - lo) / (seconds(p) - sum(x["step_s"] - x["median_step_s"] for x in stalls[name]))
     # Steps of the two modes differ in size: an on-policy round ends once its wave is back with half its target
     # (`rollout.on_policy.MIN_FILL`), so late on-policy steps held 37-43 groups against the asynchronous 64.
     # Trained groups per second over the same step range compares the work done.
@@ -678,6 +715,9 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
     ga, gs = trained(a, pa), trained(s, ps)
     out = {"issue": 41, "steps_compared": [lo, hi],
            "async_over_sync_steps_per_s": ratio(span(pa), span(ps)),
+           # the same with each stall (`trainer_stalls`: a recompile, not the mode) at its run's median step
+           "async_over_sync_steps_per_s_without_stalls": ratio(span_without_stalls(pa, "async"),
+                                                               span_without_stalls(ps, "sync")),
            "async_over_sync_groups_per_s": ratio(ga, gs),
            "trained_groups_per_s": {"async": round(ga, 2) if ga else None, "sync": round(gs, 2) if gs else None},
            "async_over_sync_time_to_reward": ratio(fs.get("time_to_reward_040_s"), fa.get("time_to_reward_040_s")),
@@ -695,7 +735,9 @@ def combine(async_path: str, sync_path: str, out_path: str, screen_path: str | N
            "measured": {"late_over_early_step_s": fa.get("late_over_early_step_s"),
                         "time_to_reward_045_s": fa.get("time_to_reward_045_s"),
                         "time_to_reward_045_mean3_s": time_to_reward_mean(a["rows"], 0.45)},
-           "trainer_stalls": {"async": trainer_stalls(a["rows"], lo, hi), "sync": trainer_stalls(s["rows"], lo, hi)},
+           "trainer_stalls": stalls,
+           "one_gpu_bound": one_gpu_bound(s["rows"], lo, hi),
+           "async_step_budget_s": step_budget(a["rows"], lo, hi),
            "async": a, "sync": s}
     if screen_path:
         screen = json.loads(Path(screen_path).read_text())
