@@ -30,6 +30,8 @@ Thresholds (`Thresholds`; every one can be changed):
   converging (info) when it does (the policy settling on the credited answer, issue #41).
 - Host saturated (issue #41): ``host/cpu_busy_frac`` from 0.9 and the trainer's run-queue wait
   ``perf/fwd_bwd_cpu_wait_s`` from 25% of ``perf/fwd_bwd_s``, for a trainer on a GPU.
+- A generation-bound line names the weight sync's pause when ``perf/weight_sync_s`` is 10% of ``perf/step_s`` or
+  more: the server is paused through each sync, so generation cannot overlap it (issue #41).
 
 An idle trainer (`trainer_idle`, issue #33) and its causes live in `asyncgrpo_cli.dashboard.idle`; an idle trainer
 outranks "mix" at equal severity."""
@@ -53,7 +55,8 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
     """SPEC §5.1: generation-bound, trainer-bound, ``max_staleness`` too tight, or balanced.
 
     Reads ``perf/rollout_wait_s``, ``rollout/backpressure_s``, ``perf/step_s``, ``rollout/queue_size``,
-    ``batch/samples_per_step`` and ``sample/staleness_mean``. Returns None when neither wait is logged.
+    ``batch/samples_per_step``, ``sample/staleness_mean`` and ``perf/weight_sync_s``. Returns None when neither
+    wait is logged.
     """
     wait, bp = num(m, "perf/rollout_wait_s"), num(m, "rollout/backpressure_s")
     if wait is None and bp is None:
@@ -71,9 +74,13 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
         empty = queue is not None and queue < max(1.0, th.queue_empty_steps * (per_step or 0.0))
         q = "queue nearly empty" if empty else f"queue {queue:.0f}" if queue is not None else "queue ?"
         rate = breakdown_text(request_breakdown(m))  # issue #41: the rate and the request's binding stage
+        sync = num(m, "perf/weight_sync_s")
+        # the server is paused through each weight sync: generation cannot overlap it (issue #41 item 6)
+        paused = (f"; each weight sync pauses generation {sync:.2f} s ({sync / step_s:.0%} of a step, "
+                  "perf/weight_sync_transfer_s)" if sync and step_s and sync >= th.sync_pause_frac * step_s else "")
         return Diagnosis("generation_bound",
                          f"generation-bound{f' ({rate})' if rate else ''}: the trainer waits "
-                         f"{_wait_text(wait, step_s)} for samples ({q}); check rollout/generated_tokens_per_s, "
+                         f"{_wait_text(wait, step_s)} for samples ({q}){paused}; check rollout/generated_tokens_per_s, "
                          "rollout/concurrency, rollout/score_queue_size", WARN)
     if bl == "high":
         stale = num(m, "sample/staleness_mean")

@@ -68,6 +68,7 @@ class Thresholds:
     worker_busy: float = 0.9
     host_busy_frac: float = 0.9
     host_wait_frac: float = 0.25
+    sync_pause_frac: float = 0.10
 
 
 DEFAULT_THRESHOLDS = Thresholds()

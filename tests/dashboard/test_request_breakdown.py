@@ -67,6 +67,14 @@ def test_generation_bound_line_panels_and_plain_line_show_it():
     assert "gen — tok/s 700 rollouts/s" in metrics_line(WINDOW)
 
 
+def test_a_generation_bound_line_names_the_weight_syncs_pause():
+    """The tenth session's pair: 0.25 s of sync in a 2.1 s step, through which the server is paused."""
+    d = bottleneck(dict(WINDOW, **{"perf/weight_sync_s": 0.5}))
+    assert "each weight sync pauses generation 0.50 s (12% of a step, perf/weight_sync_transfer_s)" in d.text
+    assert "pauses" not in bottleneck(dict(WINDOW, **{"perf/weight_sync_s": 0.3})).text  # 7.5%: not named
+    assert "pauses" not in bottleneck(WINDOW).text
+
+
 def test_the_plain_line_shows_a_weight_sync_that_took_a_good_part_of_the_step():
     """Fresh-user trial (2026-12-04): a sync stalled on a stopped server made 'step 47.49 s | busy 100%' with no
     word of the 41.7 s it waited."""
