@@ -456,6 +456,18 @@ def test_the_rollout_job_with_two_servers_on_the_gpu_composes(name):
     check(_train_overrides(argv), "train")
 
 
+@pytest.mark.parametrize("name", ["async_engines2", "sync_engines2", "async", "sync"])
+def test_the_rollout_jobs_with_the_packed_weight_sync_compose(name):
+    """The next GPU run of issue #41 adds ``sampler.weight_sync_packed=true`` to both runs (NOTES, tenth session):
+    the recipe's colocated vLLM takes it without a warning that it has no effect."""
+    extra = ["staleness.max_concurrent_rollouts=1024", "sampler.weight_sync_packed=true"]
+    overrides = _train_overrides(vllm033_rollouts.job_argv(name, Path("/tmp/x") / name, extra))
+    check(overrides, "train")
+    cfg = compose(overrides, validate=False)
+    assert cfg.sampler.weight_sync_packed is True and cfg.launch.colocate is True and not cfg.peft.enabled
+    assert str(getattr(cfg.sampler.backend, "value", cfg.sampler.backend)) == "vllm"  # else a no-effect warning
+
+
 def test_the_rollout_job_with_the_kept_in_flight_estimate_composes():
     """The next GPU run of issue #41 passes ``JOB_EXTRA=staleness.in_flight_estimate=kept`` to the async job."""
     extra = ["staleness.in_flight_estimate=kept"]
