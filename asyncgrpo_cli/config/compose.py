@@ -470,7 +470,9 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, ""])[1]
         given = re.search(r"Could not (?:override|append to) '([^']+)'", msg)  # the key as the user wrote it
         user_key = given.group(1) if given and given.group(1).startswith(str(key)) else str(key)
-        return unknown_key_message(user_key) if user_key else _unknown_key_message(msg)
+        value = next((o.split("=", 1)[1] for o in overrides or () if o.lstrip("+~").split("=", 1)[0] == user_key
+                      and "=" in o), None)
+        return unknown_key_message(user_key, value) if user_key else _unknown_key_message(msg)
     if any(t in msg for t in ("could not be converted to", "is not a valid", "Cannot convert", "Invalid value")):
         from .override_errors import type_error_message
 
@@ -632,7 +634,9 @@ def validate_config(cfg: DictConfig) -> None:
     from .validate import check_groups
 
     for key in added_unknown_keys(cfg):  # `+group.key=V` adds a key nothing reads: refuse it like a typo
-        raise ConfigError(unknown_key_message(key).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
+        value = OmegaConf.select(cfg, key, default=None)
+        shown = str(value) if isinstance(value, (str, int, float, bool)) else None
+        raise ConfigError(unknown_key_message(key, shown).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
     check_no_secrets(cfg)  # before anything could print or save them
     check_fields(_flat_fields(cfg), hydra_path)
     check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")

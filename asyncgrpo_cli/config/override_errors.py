@@ -15,6 +15,8 @@ import types
 import typing
 from typing import Any
 
+from ..run.redact import HIDDEN, is_secret_name
+
 _MISSING = object()
 
 
@@ -169,10 +171,10 @@ def type_error_message(full_key: str, value: Any, current: Any = _MISSING) -> st
             "(`asyncgrpo config --doc` describes every key)")
 
 
-def unknown_key_message(user_key: str) -> str:
+def unknown_key_message(user_key: str, value: str | None = None) -> str:
     """An unknown ``user_key`` (a full dotted key such as ``rollouts.x``): the nearest real keys by full
     path; when its group is misspelt, the same key under the nearest group (``rollout.x``) if that
-    exists, else that group itself."""
+    exists, else that group itself. ``value``: the value the override gave it, named after the key."""
     keys = all_keys()
     real = set(keys)
     parts = user_key.split(".")
@@ -203,7 +205,10 @@ def unknown_key_message(user_key: str) -> str:
     else:
         groups = [k for k in keys if "." not in k]
         fix = f"the groups are {', '.join(groups)}"
-    return f"unknown key {user_key!r}: {where}. Fix: {fix}"
+    if value is not None and any(is_secret_name(k.rsplit(".", 1)[-1]) for k in (user_key, *suggestions)):
+        value = HIDDEN  # a (mistyped) token key must not print the token
+    given = f" (given {value!r})" if value is not None else ""
+    return f"unknown key {user_key!r}{given}: {where}. Fix: {fix}"
 
 
 def added_unknown_keys(cfg: Any) -> list[str]:

@@ -600,7 +600,8 @@ class RunSummary:
 
     Attributes:
         outcome: ``finished``, ``failed`` or ``stopped``.
-        steps: the last logged step (None without metrics).
+        steps: the last logged step (None without metrics); first_step: this run's first (above 1 after a resume:
+            the summary then says which steps this run trained, since ``elapsed_s`` is this run's time).
         elapsed_s: wall time of the run (seconds).
         final_reward: the mean ``reward`` of the last `FINAL_REWARD_WINDOWS` windows that scored a group (a
             window that trained only on samples already queued has none); one step of a short run says little.
@@ -633,6 +634,7 @@ class RunSummary:
     final_model: str | None = None
     final_model_step: int | None = None  # the step it holds (``final_model.json``), None when not recorded
     final_eval: Mapping[str, Any] | None = None  # the last eval round record (README "Evaluation")
+    first_step: int | None = None  # this run's first logged step: above 1 when it resumed a checkpoint
 
 
 def _mean(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
@@ -704,7 +706,9 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
     scored = scored[-FINAL_REWARD_WINDOWS:]
     rewards = [v for _, v in scored]
     span = (int(scored[0][0]), int(scored[-1][0])) if scored and None not in (scored[0][0], scored[-1][0]) else None
+    first = next((num(r, "step") for r in rows if num(r, "step") is not None), None)
     return RunSummary(outcome=outcome, steps=None if step is None else int(step), elapsed_s=elapsed_s,
+                      first_step=None if first is None else int(first),
                       final_reward=sum(rewards) / len(rewards) if rewards else None,
                       final_reward_windows=len(rewards), final_reward_steps=span,
                       final_model=final_model_line(output_dir),
@@ -730,13 +734,22 @@ def _reward_span(summary: RunSummary) -> str:
     return f" (mean of the last {n} steps)"
 
 
+def _steps_text(summary: RunSummary) -> str:
+    """``8``; after a resume ``8 (steps 2-8 in this run)``: the time beside it is this run's."""
+    if summary.steps is None:
+        return DASH
+    if summary.first_step is not None and 1 < summary.first_step <= summary.steps:
+        return f"{summary.steps} (steps {summary.first_step}-{summary.steps} in this run)"
+    return str(summary.steps)
+
+
 def summary_rows(summary: RunSummary, compact: bool = False) -> list[tuple[str, Any]]:
     """(label, value) rows of the end-of-run summary: every checkpoint path in full, or (``compact``, for the
     boxed panel) the last three checkpoint names on one row."""
     style = {"finished": "green", "failed": "red", "stopped": "yellow"}.get(summary.outcome, "")
     rows: list[tuple[str, Any]] = [
         ("outcome", Text(summary.outcome, style=style)),
-        ("steps", DASH if summary.steps is None else str(summary.steps)),
+        ("steps", _steps_text(summary)),
         ("time", fmt_duration(summary.elapsed_s)),
         ("final reward", fmt(summary.final_reward, ".4g") + _reward_span(summary)),
         *[("final " + label, value) for label, value in eval_rows(summary.final_eval)],

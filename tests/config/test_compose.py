@@ -167,6 +167,14 @@ def test_list_override_of_a_group_sets_the_list():
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError, match="did you mean rollout.num_generations"):
         compose(["rollout.num_generation=4"])
+    with pytest.raises(ConfigError, match=r"^unknown key 'model.nme' \(given 'foo'\): .* did you mean model.name"):
+        compose(["model.nme=foo"])  # the key, the value and the fix (the tenth session's trial)
+    for override in ("trainer.hub_tokn=hf_secret1", "+trainer.hub_tokn=hf_secret1", "+trainer.api_key=hf_secret1"):
+        with pytest.raises(ConfigError) as info:  # a mistyped token key: named, its value never shown
+            compose([override])
+        assert "(given '***')" in str(info.value) and "hf_secret1" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.num_generation' \(given '3'\)"):
+        compose(["+rollout.num_generation=3"])
     with pytest.raises(ConfigError, match="did you mean rollout"):
         compose(["rollot.top_k=4"])
 

@@ -268,6 +268,10 @@ def test_summary_and_checkpoints(tmp_path):
         in summary_lines(saved)
     empty = summarize([], 1.0, tmp_path / "none", "failed")
     assert empty.steps is None and empty.final_reward is None and empty.checkpoints == []
+    # a resumed run (the tenth session's trial: "steps 8" beside the 2m48s of steps 2-8)
+    resumed = summarize([window(s) for s in range(2, 9)], 168.0, tmp_path, "finished")
+    assert "  steps                 8 (steps 2-8 in this run)" in summary_lines(resumed)
+    assert "  steps                 3" in summary_lines(s)
 
 
 def test_summary_rates_are_tokens_over_time(tmp_path):
