@@ -106,6 +106,15 @@ def fmt_rate(value: float | None) -> str:
     return f"{value:.3g}"
 
 
+def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None) -> str:
+    """``gen 1.2k tok/s 40 rollouts/s``; ``gen — (no generation figures in this window)`` when the window holds
+    neither (a bare ``gen — tok/s`` read like a broken field beside another window's ``gen 0 tok/s``)."""
+    if tokens_per_s is None and rollouts_per_s is None:
+        return f"gen {DASH} (no generation figures in this window)"
+    text = f"gen {fmt_rate(tokens_per_s)} tok/s"
+    return text + (f" {fmt_rate(rollouts_per_s)} rollouts/s" if rollouts_per_s is not None else "")
+
+
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
     """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
     step time, the weight sync's time when it took 1 s and a quarter of the step or more (a slow or hung server;
@@ -120,8 +129,7 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
              f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
              "reward — (no group scored since the last log)",
-             f"gen {fmt_rate(num(metrics, 'rollout/generated_tokens_per_s'))} tok/s"
-             + (f" {fmt_rate(r)} rollouts/s" if (r := num(metrics, "rollout/rollouts_per_s")) is not None else ""),
+             _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s")),
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(step_s, '.2f')} s",
              *([f"weight sync {sync_s:.2f} s"] if long_sync else []),

@@ -65,6 +65,10 @@ def test_generation_bound_line_panels_and_plain_line_show_it():
     assert rows["request"].startswith("0.50 s (queue 4% prefill 2% decode 60% server+http 34% parse 0%)")
     assert request_rows({"reward": 1.0}) == []
     assert "gen — tok/s 700 rollouts/s" in metrics_line(WINDOW)
+    bare = metrics_line({"step": 2, "perf/step_s": 3.0})  # the tenth session's trial: a window without either
+    assert "| gen — (no generation figures in this window) |" in bare
+    assert "| gen 0 tok/s 0 rollouts/s |" in metrics_line({"step": 2, "rollout/generated_tokens_per_s": 0.0,
+                                                          "rollout/rollouts_per_s": 0.0})
 
 
 def test_a_generation_bound_line_names_the_weight_syncs_pause():
