@@ -408,17 +408,41 @@ def _tree_attention(
     raise ValueError(f"unknown tree attention backend {backend!r}")
 
 
+def _grown(shape: torch.Size, strides: tuple[int, ...], token_dim: int, total: int) -> tuple[list[int], list[int]]:
+    """``shape`` and ``strides`` of a dense layout whose token dim grows from ``shape[token_dim]`` to ``total``: a
+    stride spanning all its tokens (a batch dim) grows with it, every other stride (a size-1 head dim's included)
+    is kept."""
+    n = shape[token_dim]
+    span = strides[token_dim] * n
+    sizes = [total if d == token_dim else size for d, size in enumerate(shape)]
+    return sizes, [st // n * total if st >= span and d != token_dim else st for d, st in enumerate(strides)]
+
+
 def _pad_tokens(t: torch.Tensor, pad: int) -> torch.Tensor:
-    """``t`` ``[B, H, L, D]`` zero-padded to ``[B, H, L + pad, D]`` in ``t``'s own memory layout (its dims in the
-    order of their strides), so the compiled FlexAttention sees a padded row with the strides of an unpadded
-    one: a model's ``[1, L, H, D]`` projection seen as ``[1, H, L, D]`` has ``stride(1) = D``, which a
-    contiguous copy (``F.pad``) changes, and that recompiled flex mid-run on the GPU. Same dtype and device;
-    differentiable (the gradient of the padding is dropped)."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))  # outermost dim first
-    shape = list(t.shape)
-    shape[2] += pad
-    out = t.new_zeros([shape[d] for d in order]).permute([order.index(d) for d in range(t.dim())])
-    out[:, :, : t.shape[2]] = t
+    """``t`` ``[B, H, L, D]`` zero-padded to ``[B, H, L + pad, D]`` in the layout the model gave it, so the compiled
+    FlexAttention sees a short row as it saw a long one: its guards check each input's strides and, for a view,
+    its base. A model's key after RoPE is a fresh ``[1, L, H, D]``-ordered tensor seen as ``[1, H, L, D]``
+    (``stride(1) = D``: a contiguous copy, ``F.pad``'s, recompiled flex mid-run on the GPU), and its value a view
+    of the ``[1, L, H * D]`` projection (a padded copy that is no view recompiles too). So the padding is built
+    the same way: a tensor with the grown strides, or a grown base and the same view of it. Same dtype and
+    device; differentiable (the padding's gradient is dropped). A layout it cannot grow (not dense) gets a
+    contiguous copy: the same values, at worst a recompile."""
+    n, step = t.shape[2], t.stride(2)
+    total = n + pad
+    base = t._base
+    layouts = [t] if base is None else [t, base]
+    dense = all(st < step * n or st % n == 0 for x in layouts for st in x.stride())
+    token_dims = [] if base is None else [d for d in range(base.dim()) if base.stride(d) == step and base.shape[d] == n]
+    sizes, strides = _grown(t.shape, t.stride(), 2, total)
+    if dense and base is None:
+        out = torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device).zero_()
+    elif dense and len(token_dims) == 1:
+        base_sizes, base_strides = _grown(base.shape, base.stride(), token_dims[0], total)
+        grown = torch.empty_strided(base_sizes, base_strides, dtype=t.dtype, device=t.device).zero_()
+        out = grown.as_strided(sizes, strides, t.storage_offset() - base.storage_offset())
+    else:
+        out = t.new_zeros(t.shape[0], t.shape[1], total, t.shape[3])
+    out[:, :, :n] = t
     return out
 
 

@@ -260,12 +260,14 @@ def _explicit_attention(q, k, v, row, window):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_a_short_row_does_not_recompile_flex(monkeypatch):
+@pytest.mark.parametrize("heads, fused", [((4, 2), False), ((2, 1), False), ((4, 2), True)])
+def test_a_short_row_does_not_recompile_flex(monkeypatch, heads, fused):
     """The trainer compiles create_block_mask and flex_attention with dynamic shapes (on CUDA; compiled on the CPU
     here). A row of one 128-token block used to fail a guard of the first trace and recompile mid-run (14.8 s
     in the one-GPU job); padded to FLEX_MIN_TOKENS it reuses the trace, with the same outputs. The padded
-    tensors keep the model's layout: a contiguous copy changed key's stride(1) and recompiled flex on the GPU
-    (`cuda_tests_s10.txt`)."""
+    tensors keep the model's layouts: a contiguous copy changed key's stride(1) and recompiled flex on the GPU
+    (`cuda_tests_s10.txt`), and a padded value that is no view of a base fails the guard on the value's base.
+    One KV head: a size-1 dim whose stride is kept; a fused QKV projection: the value at an offset in its base."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -281,8 +283,13 @@ def test_a_short_row_does_not_recompile_flex(monkeypatch):
         samples = [seq([rng.randrange(50) for _ in range(length)]) for _ in range(n_samples)]
         row = pack_row(samples)
         n = row.num_tokens
-        # the layout a transformers model passes: [1, L, H, D] projections seen as [1, H, L, D] (stride(1) = D)
-        q, k, v = (torch.randn(1, n, h, 8).transpose(1, 2) for h in (4, 2, 2))
+        # the layouts a transformers model passes: query and key fresh from RoPE in [1, L, H, D] order seen as
+        # [1, H, L, D] (stride(1) = D), the value a view of its [1, L, H * D] projection (or of a fused one)
+        hq, hk = heads
+        q, k = (torch.randn(1, n, h, 8).transpose(1, 2) * 1.0 for h in heads)
+        width = (hq + 2 * hk) * 8 if fused else hk * 8
+        start = (hq + hk) * 8 if fused else 0
+        v = torch.randn(1, n, width)[..., start: start + hk * 8].view(1, n, hk, 8).transpose(1, 2)
         ctx = TreeAttentionInputs.from_row(row, "cpu")
         out, _ = ta._tree_attention("flex", None, q, k, v, None, 0.5, 0.0, tree_attention=ctx)
         assert torch.allclose(out, _explicit_attention(q, k, v, row, None), atol=1e-5)
