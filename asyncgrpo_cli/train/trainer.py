@@ -732,7 +732,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         signal ended, generation ended at the signal (`RolloutWorker.begin_stop`) while the step went on, so
         its generation rates would cover a span cut short: seconds, with no group finished in them (``gen 0
         tok/s 0 rollouts/s`` in a fault trial, SIGINT one second into a step) or the one that did; they are left
-        out (the line shows ``gen — tok/s``)."""
+        out (the line shows ``gen — (no generation figures in this window)``)."""
         from ..rollout.loop import GENERATION_RATES
 
         if self.worker is not None:
