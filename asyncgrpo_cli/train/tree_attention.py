@@ -436,7 +436,7 @@ def _pad_tokens(t: torch.Tensor, pad: int) -> torch.Tensor:
     sizes, strides = _grown(t.shape, t.stride(), 2, total)
     if dense and base is None:
         out = torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device).zero_()
-    elif dense and len(token_dims) == 1:
+    elif dense and len(token_dims) == 1 and 0 <= t.storage_offset() - base.storage_offset() < step:
         base_sizes, base_strides = _grown(base.shape, base.stride(), token_dims[0], total)
         grown = torch.empty_strided(base_sizes, base_strides, dtype=t.dtype, device=t.device).zero_()
         out = grown.as_strided(sizes, strides, t.storage_offset() - base.storage_offset())

@@ -259,6 +259,26 @@ def _explicit_attention(q, k, v, row, window):
     return out
 
 
+def test_padding_keeps_the_values_and_the_layout_it_can_grow():
+    """`_pad_tokens`: the row's values then zeros, whatever the layout; the model's layouts keep their strides
+    (grown along the tokens) and a view stays a view of a grown base; a view at a token offset gets a copy."""
+    from asyncgrpo_cli.train.tree_attention import _pad_tokens
+
+    n, pad = 40, 88
+    projection = torch.randn(1, n, 24)
+    cases = {"after RoPE": (torch.randn(1, n, 3, 8).transpose(1, 2) * 1.0, (3 * 8 * 128, 8, 24, 1), False),
+             "value view": (projection.view(1, n, 3, 8).transpose(1, 2), (3 * 8 * 128, 8, 24, 1), True),
+             "contiguous": (torch.randn(1, 3, n, 8), (3 * 128 * 8, 128 * 8, 8, 1), False),
+             "token offset": (projection[:, 2:].reshape(1, n - 2, 3, 8).transpose(1, 2), None, False)}
+    for name, (t, strides, view) in cases.items():
+        out = _pad_tokens(t, pad)
+        length = t.shape[2]
+        assert out.shape == (1, 3, length + pad, 8), name
+        assert torch.equal(out[:, :, :length], t) and not out[:, :, length:].any(), name
+        assert strides is None or out.stride() == strides, (name, out.stride())
+        assert (out._base is not None) == view, name
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("heads, fused", [((4, 2), False), ((2, 1), False), ((4, 2), True)])
 def test_a_short_row_does_not_recompile_flex(monkeypatch, heads, fused):
