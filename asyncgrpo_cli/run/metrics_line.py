@@ -106,13 +106,19 @@ def fmt_rate(value: float | None) -> str:
     return f"{value:.3g}"
 
 
-def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None) -> str:
+def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None, in_flight: float | None = None) -> str:
     """``gen 1.2k tok/s 40 rollouts/s``; ``gen — (no generation figures in this window)`` when the window holds
-    neither (a bare ``gen — tok/s`` read like a broken field beside another window's ``gen 0 tok/s``)."""
+    neither (a bare ``gen — tok/s`` read like a broken field beside another window's ``gen 0 tok/s``); a window
+    in which no rollout finished while ``in_flight`` requests ran adds ``(16 in flight, none finished in this
+    window)``, so that ``gen 0`` beside a reached concurrency limit does not read as a stalled sampler."""
     if tokens_per_s is None and rollouts_per_s is None:
         return f"gen {DASH} (no generation figures in this window)"
     text = f"gen {fmt_rate(tokens_per_s)} tok/s"
-    return text + (f" {fmt_rate(rollouts_per_s)} rollouts/s" if rollouts_per_s is not None else "")
+    text += f" {fmt_rate(rollouts_per_s)} rollouts/s" if rollouts_per_s is not None else ""
+    finished = rollouts_per_s if rollouts_per_s is not None else tokens_per_s
+    if finished == 0 and in_flight:
+        text += f" ({in_flight:.0f} in flight, none finished in this window)"
+    return text
 
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
@@ -129,7 +135,8 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
              f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
              "reward — (no group scored since the last log)",
-             _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s")),
+             _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s"),
+                       num(metrics, "rollout/concurrency")),
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(step_s, '.2f')} s",
              *([f"weight sync {sync_s:.2f} s"] if long_sync else []),

@@ -69,6 +69,10 @@ def test_generation_bound_line_panels_and_plain_line_show_it():
     assert "| gen — (no generation figures in this window) |" in bare
     assert "| gen 0 tok/s 0 rollouts/s |" in metrics_line({"step": 2, "rollout/generated_tokens_per_s": 0.0,
                                                           "rollout/rollouts_per_s": 0.0})
+    # The eleventh session's smoke job: 16 requests ran through a window in which none finished.
+    busy = metrics_line({"step": 3, "rollout/generated_tokens_per_s": 0.0, "rollout/rollouts_per_s": 0.0,
+                         "rollout/concurrency": 16.0})
+    assert "| gen 0 tok/s 0 rollouts/s (16 in flight, none finished in this window) |" in busy, busy
 
 
 def test_a_generation_bound_line_names_the_weight_syncs_pause():

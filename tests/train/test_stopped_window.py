@@ -46,4 +46,4 @@ def test_the_window_a_stop_cut_short_logs_no_generation_rate():
     assert line.startswith("step 2/50 | ") and "| gen — (no generation figures in this window) |" in line, line
     running = log_a_window(stopped=False)  # a window the run went on through: its measured rates, zero included
     assert all(running[name] == 0.0 for name in GENERATION_RATES), running
-    assert "| gen 0 tok/s 0 rollouts/s |" in metrics_line(running, 50)
+    assert "| gen 0 tok/s 0 rollouts/s (16 in flight, none finished in this window) |" in metrics_line(running, 50)
