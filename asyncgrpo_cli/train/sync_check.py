@@ -10,8 +10,13 @@ trainer's own for the same tokens: `probe_gap`, the mean |server − trainer| in
 At start, after the first sync, `check_at_start` takes four probes:
 
 - ``synced``: the trainer's weights, just synced: the floor (bf16 against fp32, the two sides' kernels);
-- ``apart``: every floating-point parameter perturbed by Gaussian noise of `PERTURB_SCALE` × its own RMS, the
-  server not synced yet: the probe must see the difference;
+- ``apart``: every floating-point parameter perturbed by Gaussian noise of a scale × its own RMS, the server not
+  synced yet: the probe must see the difference. The scales of `PERTURB_SCALES` are tried smallest first, and the
+  first the probe sees clearly (`APART_MIN`, and `APART_FACTOR` floors) is used: a bf16 server and the trainer
+  drift apart on a heavily perturbed model by themselves (SmolLM2-135M at 0.5x its RMS: 2.7-3.1 nats per token on
+  the same weights, a bf16 copy against float32 under bf16 autocast on the CPU; the eleventh session's GPU job
+  measured 3.92 after its sync and stopped), which a modest perturbation keeps near the floor (0.02-0.06 at
+  0.05-0.1x, against 0.1-1.8 apart);
 - ``follow``: after a sync of the perturbed weights: back near the floor;
 - ``back``: the trainer's weights restored exactly (copied back from host memory) and synced again: near the floor.
 
@@ -19,7 +24,7 @@ At start, after the first sync, `check_at_start` takes four probes:
 (`WeightSyncCheckError`), a perturbation the probe cannot see is reported as inconclusive. Afterwards every sync
 of training logs ``weight_sync/probe_gap`` (one probe each; it adds a short request to the step's sync).
 
-Costs: three more syncs and four probes at start, and host memory for one copy of this rank's shard of the
+Costs: three more syncs and four probes at start (and one probe for each smaller scale tried, three at most), and host memory for one copy of this rank's shard of the
 weights. Only full-weight sync is checked; adapter (LoRA) sync is left out with a note.
 """
 
@@ -34,11 +39,16 @@ import torch
 
 from ..sampler.protocol import SamplingParams
 
-__all__ = ["PERTURB_SCALE", "SyncCheck", "SyncCheckResult", "WeightSyncCheckError", "judge", "perturbed",
+__all__ = ["PERTURB_SCALES", "SyncCheck", "SyncCheckResult", "WeightSyncCheckError", "judge", "perturbed",
            "probe_gap", "probe_prompt", "server_sample", "trainer_logprobs"]
 
-#: Noise added to each parameter at start, as a fraction of the parameter's RMS.
-PERTURB_SCALE = 0.5
+#: Noise added to each parameter at start, as fractions of the parameter's RMS, tried smallest first.
+PERTURB_SCALES = (0.05, 0.1, 0.2, 0.5)
+#: A perturbation counts as seen clearly when it moves the probe this far (nats per token), and `APART_FACTOR` floors.
+APART_MIN = 0.3
+#: What numerics alone may add to the floor after a sync: a bf16 server against the trainer's autocast on a
+#: perturbed model measured up to 0.06 (SmolLM2-135M, 0.05-0.1x, three probe seeds).
+NOISE = 0.1
 #: Tokens a probe samples.
 PROBE_TOKENS = 16
 #: The probe's fixed seed (the same tokens whenever the weights are the same).
@@ -66,6 +76,7 @@ class SyncCheckResult:
         synced, apart, follow, back: the probe gaps (module docstring).
         status: ``"pass"``, ``"fail"`` or ``"inconclusive"``.
         message: one line naming the figures and, on ``fail``, the fix.
+        scale: the perturbation `check_at_start` used (a fraction of each parameter's RMS), None when not known.
     """
 
     synced: float
@@ -74,18 +85,23 @@ class SyncCheckResult:
     back: float
     status: str = ""
     message: str = ""
+    scale: float | None = None
 
     def metrics(self) -> dict[str, float]:
-        """``weight_sync/check_{synced,apart,follow,back}_gap`` and ``weight_sync/check_passed`` (1.0 or 0.0)."""
-        return {"weight_sync/check_synced_gap": self.synced, "weight_sync/check_apart_gap": self.apart,
-                "weight_sync/check_follow_gap": self.follow, "weight_sync/check_back_gap": self.back,
-                "weight_sync/check_passed": 1.0 if self.status == "pass" else 0.0}
+        """``weight_sync/check_{synced,apart,follow,back}_gap``, ``weight_sync/check_passed`` (1.0 or 0.0) and
+        ``weight_sync/check_perturb_scale`` (the perturbation used; only when known)."""
+        out = {"weight_sync/check_synced_gap": self.synced, "weight_sync/check_apart_gap": self.apart,
+               "weight_sync/check_follow_gap": self.follow, "weight_sync/check_back_gap": self.back,
+               "weight_sync/check_passed": 1.0 if self.status == "pass" else 0.0}
+        if self.scale is not None:
+            out["weight_sync/check_perturb_scale"] = self.scale
+        return out
 
 
-def judge(synced: float, apart: float, follow: float, back: float) -> SyncCheckResult:
+def judge(synced: float, apart: float, follow: float, back: float, scale: float | None = None) -> SyncCheckResult:
     """The verdict on four probe gaps (module docstring).
 
-    ``floor = max(synced, FLOOR_MIN)`` and ``near = max(2 × floor, floor + 0.05)``:
+    ``floor = max(synced, FLOOR_MIN)`` and ``near = max(2 × floor, floor + NOISE)``:
 
     - ``fail`` when ``synced > SYNCED_MAX`` (the two sides differ right after a sync), or, the perturbation
       seen (``apart >= APART_FACTOR × floor``), when ``follow`` or ``back`` is above ``near`` or above
@@ -99,11 +115,12 @@ def judge(synced: float, apart: float, follow: float, back: float) -> SyncCheckR
     for name, value in (("synced", synced), ("apart", apart), ("follow", follow), ("back", back)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"probe gap {name}={value!r}: must be a finite number of nats >= 0")
-    result = SyncCheckResult(synced, apart, follow, back)
-    figures = f"probe gap after the first sync {synced:.4f}, perturbed before a sync {apart:.4f}, after it " \
+    result = SyncCheckResult(synced, apart, follow, back, scale=scale)
+    how = f" ({scale:g}x each parameter's RMS)" if scale is not None else ""
+    figures = f"probe gap after the first sync {synced:.4f}, perturbed{how} before a sync {apart:.4f}, after it " \
               f"{follow:.4f}, restored and synced {back:.4f} nats per token"
     floor = max(synced, FLOOR_MIN)
-    near = max(2 * floor, floor + 0.05)
+    near = max(2 * floor, floor + NOISE)
     fix = ("Fix: check what the server serves (`asyncgrpo doctor`; a model class vLLM does not know runs on its "
            "Transformers backend), use a model and server version whose weight names match, or set "
            "sampler.check_weight_sync=false to train anyway (sampling/importance_sampling_ratio will show the "
@@ -202,7 +219,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def perturbed(model: torch.nn.Module, scale: float = PERTURB_SCALE, seed: int = 0) -> Iterator[None]:
+def perturbed(model: torch.nn.Module, scale: float = PERTURB_SCALES[-1], seed: int = 0) -> Iterator[None]:
     """Inside: every floating-point parameter of ``model`` plus Gaussian noise of ``scale`` × its RMS (of this
     rank's shard); on exit, every parameter copied back exactly from a host copy taken on entry."""
     params = [_local(p) for p in model.parameters() if p.is_floating_point()]
@@ -266,21 +283,28 @@ class SyncCheck:
         return probe_gap(list(server), trainer_logprobs(self.model, self.prompt_ids, list(tokens), self.autocast))
 
     def check_at_start(self, version: int) -> SyncCheckResult:
-        """The four probes around a perturbed sync, as model ``version`` each time (the worker has not started:
-        no request sees the perturbed weights but the probe's), and `judge`'s verdict. The trainer's weights
-        are exactly what they were on entry when this returns or raises.
+        """The probes around a perturbed sync, as model ``version`` each time (the worker has not started: no
+        request sees the perturbed weights but the probe's), and `judge`'s verdict. The perturbation is the
+        smallest of `PERTURB_SCALES` whose ``apart`` probe reaches `APART_MIN` and `APART_FACTOR` floors (the
+        largest when none does): one probe per scale tried, and the two syncs only at the one used. The trainer's
+        weights are exactly what they were on entry when this returns or raises.
 
         Raises:
             WeightSyncCheckError: the verdict is ``fail`` (its message).
         """
         synced = self.probe()
-        with perturbed(self.model):
-            apart = self.probe()
-            self.sync(version)
-            follow = self.probe()
+        clear = max(APART_FACTOR * max(synced, FLOOR_MIN), APART_MIN)
+        for scale in PERTURB_SCALES:  # the smallest perturbation the probe sees clearly (module docstring)
+            with perturbed(self.model, scale):
+                apart = self.probe()
+                if apart < clear and scale != PERTURB_SCALES[-1]:
+                    continue  # restored on leaving the block; the server still serves the synced weights
+                self.sync(version)
+                follow = self.probe()
+            break
         self.sync(version)
         back = self.probe()
-        result = judge(synced, apart, follow, back)
+        result = judge(synced, apart, follow, back, scale)
         if result.status == "fail":
             raise WeightSyncCheckError(result.message)
         return result

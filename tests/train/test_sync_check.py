@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncgrpo_cli.sampler.client import SyncSamplerClient
 from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
 from asyncgrpo_cli.testing import make_tiny_model
-from asyncgrpo_cli.train.sync_check import (SyncCheck, WeightSyncCheckError, judge, perturbed, probe_prompt,
-                                            server_sample)
+from asyncgrpo_cli.train.sync_check import (APART_MIN, PERTURB_SCALES, SyncCheck, WeightSyncCheckError, judge,
+                                            perturbed, probe_prompt, server_sample)
 from asyncgrpo_cli.train.weight_sync import WeightSync, make_weight_sync
 
 
@@ -60,6 +60,12 @@ def test_judge_passes_fails_and_says_when_it_cannot_tell():
     unclear = judge(0.03, 0.05, 0.03, 0.03)
     assert unclear.status == "inconclusive" and "cannot tell" in unclear.message
     assert judge(0.03, 0.9, 0.05, 0.04).status == "pass"  # bf16 noise of a few hundredths stays a pass
+    # The eleventh session's GPU job (bf16 vLLM, SmolLM2-135M): floor 0.0075; at 0.1x the CPU measured up to 0.06
+    # of numerics alone, which passes; at 0.5x the perturbed model's own numerics gave 3.92, which the smaller
+    # perturbations `check_at_start` tries first keep the check away from.
+    assert judge(0.0075, 0.58, 0.06, 0.0075, 0.1).status == "pass"
+    chaos = judge(0.0075, 18.9479, 3.9186, 0.0075, 0.5)
+    assert chaos.status == "fail" and "perturbed (0.5x each parameter's RMS) before a sync" in chaos.message
     with pytest.raises(ValueError, match="apart"):
         judge(0.0, float("nan"), 0.0, 0.0)
 
@@ -91,7 +97,8 @@ def test_a_sync_that_takes_effect_passes_and_the_server_ends_on_the_trainers_wei
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert check.probe() < 1e-3  # the server serves the restored weights
     assert set(result.metrics()) == {f"weight_sync/check_{k}_gap" for k in ("synced", "apart", "follow", "back")} | \
-        {"weight_sync/check_passed"}
+        {"weight_sync/check_passed", "weight_sync/check_perturb_scale"}
+    assert result.scale in PERTURB_SCALES and result.metrics()["weight_sync/check_perturb_scale"] == result.scale
 
 
 def test_a_sync_the_server_accepts_but_does_not_apply_stops_the_run_with_the_figures(tiny, served, tmp_path):
@@ -102,8 +109,43 @@ def test_a_sync_the_server_accepts_but_does_not_apply_stops_the_run_with_the_fig
     check = make_check(model, calls.append, client, tiny)  # "syncs" that never reach the server
     with pytest.raises(WeightSyncCheckError, match="did not take the perturbed weights") as info:
         check.check_at_start(4)
-    assert calls == [4, 4] and "perturbed before a sync" in str(info.value)  # the perturbed sync, the restoring one
+    assert calls == [4, 4] and "before a sync" in str(info.value)  # the perturbed sync, the restoring one
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_check_uses_the_smallest_perturbation_the_probe_sees_and_syncs_only_for_it(tiny):
+    """A model whose probe moves with the perturbation's size: the scales below `APART_MIN` are probed and put
+    back without a sync; the first one past it is synced, and the weights come back exactly."""
+    model = load(tiny)
+    before = snapshot(model)
+
+    @torch.no_grad()
+    def distance() -> float:  # ~ the perturbation's scale (noise of scale x each parameter's RMS)
+        num = sum((p - before[n]).pow(2).sum() for n, p in model.named_parameters())
+        return float((num / sum(b.pow(2).sum() for b in before.values())).sqrt())
+
+    served = {"at": 0.0}
+    syncs = []
+
+    def sync(version):
+        syncs.append((version, round(distance(), 3)))
+        served["at"] = distance()
+
+    def sample(prompt_ids, sampling):  # log-probs equal the trainer's, moved by 2 nats per unit of distance
+        tokens = [5, 6, 7]
+        from asyncgrpo_cli.train.sync_check import trainer_logprobs
+        mine = trainer_logprobs(model, prompt_ids, tokens)
+        return tokens, [x + 2.0 * abs(distance() - served["at"]) for x in mine]
+
+    check = SyncCheck(model, sync, sample, lambda obj: obj, [1, 2, 3, 4])
+    result = check.check_at_start(2)
+    assert result.status == "pass", result.message
+    assert PERTURB_SCALES[:3] == (0.05, 0.1, 0.2) and APART_MIN == 0.3  # apart ~ 0.1, 0.2, then 0.4: the third
+    chosen = 0.2
+    assert result.scale == chosen and 0.3 <= result.apart < 0.5, (result.scale, result.apart)
+    assert [v for v, _ in syncs] == [2, 2] and syncs[0][1] > 0 and syncs[1][1] == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert f"perturbed ({chosen:g}x each parameter's RMS)" in result.message
 
 
 def test_the_trainer_checks_at_start_and_probes_every_sync(tiny, served, tmp_path, capsys):
