@@ -24,8 +24,9 @@ At start, after the first sync, `check_at_start` takes four probes:
 (`WeightSyncCheckError`), a perturbation the probe cannot see is reported as inconclusive. Afterwards every sync
 of training logs ``weight_sync/probe_gap`` (one probe each; it adds a short request to the step's sync).
 
-Costs: three more syncs and four probes at start (and one probe for each smaller scale tried, three at most), and host memory for one copy of this rank's shard of the
-weights. Only full-weight sync is checked; adapter (LoRA) sync is left out with a note.
+Costs: three more syncs and four probes at start (and a probe for each smaller scale tried, three at most), and
+host memory for one copy of this rank's shard of the weights. Only full-weight sync is checked; adapter (LoRA)
+sync is left out with a note.
 """
 
 from __future__ import annotations
@@ -297,7 +298,9 @@ class SyncCheck:
         for scale in PERTURB_SCALES:  # the smallest perturbation the probe sees clearly (module docstring)
             with perturbed(self.model, scale):
                 apart = self.probe()
-                if apart < clear and scale != PERTURB_SCALES[-1]:
+                # Rank 0's decision for every rank: a rank that computed its gap a hair apart must not skip a sync
+                # the others enter (the syncs are collectives).
+                if not self.broadcast(apart >= clear or scale == PERTURB_SCALES[-1]):
                     continue  # restored on leaving the block; the server still serves the synced weights
                 self.sync(version)
                 follow = self.probe()
