@@ -468,6 +468,22 @@ def test_the_rollout_jobs_with_the_packed_weight_sync_compose(name):
     assert str(getattr(cfg.sampler.backend, "value", cfg.sampler.backend)) == "vllm"  # else a no-effect warning
 
 
+def test_the_bench_chooses_the_packed_sync_only_when_it_takes_effect_and_is_shorter():
+    """``run.sh bench`` leaves its choice for ``JOB_PACKED=auto`` jobs (the eleventh session had to drop the bench for
+    lack of device time, and a choice made by hand between calls costs the 30 s a machine waits)."""
+    bench = {"logprob_gap_after_sync": 0.214, "median_s": {"total_s": 0.185},
+             "packed": {"logprob_gap_after_sync": 0.22, "median_s": {"total_s": 0.06}}}
+    assert one_gpu.packed_choice(bench)[0] is True
+    stuck = {**bench, "packed": {**bench["packed"], "logprob_gap_after_sync": 30.5}}  # the server kept its weights
+    assert one_gpu.packed_choice(stuck) == (False, "the packed sync did not take effect (gap 30.5 nats against 0.214 "
+                                                   "plain): plain")
+    slow = {**bench, "packed": {**bench["packed"], "median_s": {"total_s": 0.17}}}
+    assert one_gpu.packed_choice(slow)[0] is False and "not 10% shorter" in one_gpu.packed_choice(slow)[1]
+    committed = json.loads((ROOT / "scripts/gpu/results/vllm033/vllm033_bench.json").read_text())["qwen3_06b_sync"]
+    assert one_gpu.packed_choice(committed) == (False, "the bench holds no packed figures (it failed or predates "
+                                                       "them): plain sync")
+
+
 def test_the_rollout_job_with_the_kept_in_flight_estimate_composes():
     """The next GPU run of issue #41 passes ``JOB_EXTRA=staleness.in_flight_estimate=kept`` to the async job."""
     extra = ["staleness.in_flight_estimate=kept"]

@@ -359,6 +359,27 @@ def sampled_logprob_gap(url: str, model, prompt: list[int], seed: int) -> float:
     return statistics.fmean(abs(a - b) for a, b in zip(server, mine))
 
 
+#: Where `phase_bench` leaves its packed-sync choice for `rollouts.py job` (``JOB_PACKED=auto``) on the same machine.
+PACKED_CHOICE = Path("/tmp/asyncgrpo_rollouts/packed.txt")
+
+
+def packed_choice(bench: dict) -> tuple[bool, str]:
+    """Whether the job should sync packed (``sampler.weight_sync_packed=true``), from `phase_bench`'s figures: the
+    packed sync took effect (its log-prob gap after a perturbed sync within 1.5x, or 0.05 nats, of the plain sync's)
+    and its median sync is at least 10% shorter. Returns the choice and the reason, with the figures."""
+    packed = bench.get("packed") or {}
+    try:
+        plain_gap, packed_gap = float(bench["logprob_gap_after_sync"]), float(packed["logprob_gap_after_sync"])
+        plain_s, packed_s = float(bench["median_s"]["total_s"]), float(packed["median_s"]["total_s"])
+    except (KeyError, TypeError, ValueError):
+        return False, "the bench holds no packed figures (it failed or predates them): plain sync"
+    if packed_gap > max(1.5 * plain_gap, plain_gap + 0.05):
+        return False, f"the packed sync did not take effect (gap {packed_gap} nats against {plain_gap} plain): plain"
+    if packed_s > 0.9 * plain_s:
+        return False, f"packed sync {packed_s} s is not 10% shorter than plain {plain_s} s: plain"
+    return True, f"packed sync {packed_s} s against plain {plain_s} s, gap {packed_gap} nats against {plain_gap}"
+
+
 def phase_bench() -> int:
     import httpx
     import torch
@@ -450,6 +471,10 @@ def phase_bench() -> int:
         log.close()
         (WORK / "serve_06b.tail.log").write_text("\n".join((WORK / "serve_06b.log").read_text(errors="replace")
                                                             .splitlines()[-200:]))
+    use_packed, why = packed_choice(bench)
+    bench["packed_choice"] = {"packed": use_packed, "why": why}
+    PACKED_CHOICE.parent.mkdir(parents=True, exist_ok=True)
+    PACKED_CHOICE.write_text(f"sampler.weight_sync_packed={'true' if use_packed else 'false'}\n# {why}\n")
     save()
     print(json.dumps(bench, indent=1), flush=True)
     if os.environ.get("SKIP_EMBEDDED") == "1":

@@ -28,7 +28,9 @@ job NAME
   plain log, one window per step, stopped with SIGINT at `JOB_DEADLINE_S` if still running. Writes
   ``$OUT/rollouts_job_NAME.json``: one row per step (time since step 1, step time, reward, rollouts/s, groups/s,
   request breakdown, ...) and the issue's figures (`job_figures`). ``JOB_MPS=1``: under CUDA MPS (`start_mps`);
-  ``JOB_EXTRA``: more overrides; ``JOB_CEILING=1``: the rollout ceiling the screen chose (`ceiling_choice`).
+  ``JOB_EXTRA``: more overrides; ``JOB_CEILING=1``: the rollout ceiling the screen chose (`ceiling_choice`);
+  ``JOB_PACKED=auto``: the packed-sync choice ``run.sh bench`` left on the machine (`one_gpu.packed_choice`), so that
+  the bench and the pair can be sent together.
   `JOB_DEADLINE_S` counts from the job's start, vLLM's included: the first vLLM start on a fresh machine took
   181 s (85 s once its compile caches were warm), so a job that starts vLLM first on the machine needs 480 s or
   more for 40 steps (2026-12-03: 300 s cut such a run before its first step).
@@ -550,13 +552,23 @@ def phase_job(name: str) -> int:
     # JOB_CEILING=1: the rollout ceiling the screen chose (`ceiling_choice`), as the next lever after the winner.
     ceiling_file = WORK / "ceiling.txt"
     ceiling = ceiling_file.read_text().split() if os.environ.get("JOB_CEILING") == "1" and ceiling_file.exists() else []
-    extra = [*winner, *ceiling, *os.environ.get("JOB_EXTRA", "").split()]
+    # JOB_PACKED=auto: the packed-sync choice `run.sh bench` left on this machine (`one_gpu.packed_choice`).
+    packed = []
+    if os.environ.get("JOB_PACKED") == "auto":
+        if not one_gpu.PACKED_CHOICE.exists():
+            print(f"rollouts.py job: JOB_PACKED=auto but {one_gpu.PACKED_CHOICE} is missing: run `run.sh bench` "
+                  f"first on this machine", flush=True)
+            return 2
+        packed = [line for line in one_gpu.PACKED_CHOICE.read_text().splitlines() if line and line[0] != "#"]
+    extra = [*winner, *ceiling, *packed, *os.environ.get("JOB_EXTRA", "").split()]
     run_dir = WORK / f"job_{name}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     argv = job_argv(name, run_dir, extra)
     result: dict = {"issue": 41, "phase": f"job {name}", "versions": versions(), "command": " ".join(argv[2:]),
                     "gpu_processes_before": one_gpu.gpu_processes()}
+    if packed:
+        result["packed_choice"] = one_gpu.PACKED_CHOICE.read_text().strip()
     engine = WORK / "rollouts_engine.json"
     engine_rate = json.loads(engine.read_text()).get("engine_rollouts_per_s") if engine.exists() else None
     env = None

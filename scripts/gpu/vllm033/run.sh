@@ -3,7 +3,8 @@
 # /tmp/asyncgrpo_site (the project's missing wheels, the SmolLM2 GGUF):
 #   bash scripts/gpu/vllm033/run.sh train   # Ctrl-C + resume with the printed command (one_gpu.py train)
 #   bash scripts/gpu/vllm033/run.sh masks   # sampling masks at lr 0, doctor, serve --dry-run (runs.py masks)
-#   bash scripts/gpu/vllm033/run.sh bench   # Qwen3-0.6B-shaped IPC sync timings (one_gpu.py bench, no embedded run)
+#   bash scripts/gpu/vllm033/run.sh bench   # Qwen3-0.6B-shaped IPC sync timings (one_gpu.py bench, no embedded run);
+#                                           # it leaves its packed-sync choice for JOB_PACKED=auto rollouts_job_* runs
 #   bash scripts/gpu/vllm033/run.sh p9      # top-8 log-prob cost at API servers 8 and 1 (runs.py p9)
 #   bash scripts/gpu/vllm033/run.sh speed_new   # issue #33: the job as shipped, on-policy, the recipe's choices
 #   bash scripts/gpu/vllm033/run.sh speed_old   # issue #33: the baseline (main at 3199842, carried in .base/)
