@@ -321,6 +321,8 @@ class Dashboard:
         if event.get("event") == "weight_sync_check" and self.mode != "off":  # sampler.check_weight_sync
             self.console.print(str(event.get("message")), markup=False, highlight=False, soft_wrap=True,
                                style="green" if event.get("status") == "pass" else "yellow")
+        if event.get("event") == "weight_sync_check_started" and self.mode != "off":
+            self.console.print(str(event.get("message")), markup=False, highlight=False, soft_wrap=True)
 
     def _print_completions(self, records: list[dict[str, Any]]) -> None:
         by_step: dict[Any, list[dict[str, Any]]] = defaultdict(list)

@@ -29,6 +29,7 @@ _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Int
 # At a line's start, or glued to a progress bar that the error interrupted (tqdm ends its bar with "]" and no
 # newline: "\r 12%|█▎ | 1/8 [00:37<04:24, 37.76s/it]error: ...").
 _OWN_ERROR = re.compile(r"(?:^|[\r\]])\s*(?:asyncgrpo (?:trainer|router): )?(?:config )?error: (.+)$")
+_PY_WARNING = re.compile(r"\.py:\d+: \w*Warning: ")  # warnings.warn's line: "path/main.py:41: UserWarning: ..."
 _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
 _RULE = re.compile(r"^=+\s*$")
 _CAUSE_TRAILER = "The above exception was the direct cause of the following exception:"
@@ -116,8 +117,13 @@ def _drop_stderr_copy(out: list[str]) -> None:
         j -= 1
     del out[j:]
     for r in range(j):
-        if out[r].startswith(_STDERR_COPY) and _in_order(out[r + 1:], out[:r]):
-            del out[r:]
+        # The copy's first line may be glued to the progress bar it follows ("  0%|...]RuntimeError: "), which
+        # is then the original of the copy's last line.
+        glued = _BAR.match(out[r])
+        head = glued.group(0) if glued else ""
+        if out[r][len(head):].lstrip().startswith(_STDERR_COPY) and \
+                _in_order(out[r + 1:], out[:r] + ([head] if head else [])):
+            out[r:] = [head] if head else []
             return
     # The original is not all within the lines read: a copy of a stderr that began with a progress bar starts
     # with a bare "RuntimeError: " line (its text was on the other side of the bar's carriage return).
@@ -214,6 +220,8 @@ def failure_cause(lines: list[str]) -> str | None:
             return own.group(1)[:600]
     for line in reversed(kept):
         found = _EXCEPTION.match(line.strip())
+        if found and _PY_WARNING.search(found.group(2) or ""):
+            continue  # a copy of a Python warning ("RuntimeError: x.py:41: UserWarning: ...") is no cause
         if found and not line.startswith(" "):
             name, text = found.group(1), (found.group(2) or "").strip()
             return (f"{name}: {text}" if text else name)[:600]

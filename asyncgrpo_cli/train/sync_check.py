@@ -40,7 +40,7 @@ import torch
 
 from ..sampler.protocol import SamplingParams
 
-__all__ = ["PERTURB_SCALES", "SyncCheck", "SyncCheckResult", "WeightSyncCheckError", "judge", "perturbed",
+__all__ = ["PERTURB_SCALES", "STARTED", "SyncCheck", "SyncCheckResult", "WeightSyncCheckError", "judge", "perturbed",
            "probe_gap", "probe_prompt", "server_sample", "trainer_logprobs"]
 
 #: Noise added to each parameter at start, as fractions of the parameter's RMS, tried smallest first.
@@ -63,6 +63,9 @@ SYNCED_MAX = 1.0
 #: ``apart`` must exceed this many floors for the check to tell anything.
 APART_FACTOR = 4.0
 PROBE_TEXT = "What is 12 plus 30? Answer with one number."
+#: The console's line as the check begins (the verdict follows it).
+STARTED = ("weight sync check: probing the server, then perturbing the weights, syncing and probing again (before "
+           "step 1; its verdict follows)")
 
 
 class WeightSyncCheckError(RuntimeError):
@@ -282,6 +285,16 @@ class SyncCheck:
             raise WeightSyncCheckError(f"the weight-sync probe could not sample from the server: {error}")
         tokens, server = drawn
         return probe_gap(list(server), trainer_logprobs(self.model, self.prompt_ids, list(tokens), self.autocast))
+
+    def probe_metrics(self, version: int, say: bool) -> dict[str, float]:
+        """``{"weight_sync/probe_gap": gap}`` after the sync of model ``version`` (every rank calls it); a failed
+        probe request gives ``{}`` and, when ``say`` (rank 0), a line naming it: the step goes on without the gap."""
+        try:
+            return {"weight_sync/probe_gap": self.probe()}
+        except WeightSyncCheckError as exc:
+            if say:
+                print(f"asyncgrpo: no weight_sync/probe_gap for model version {version}: {exc}", flush=True)
+            return {}
 
     def check_at_start(self, version: int) -> SyncCheckResult:
         """The probes around a perturbed sync, as model ``version`` each time (the worker has not started: no

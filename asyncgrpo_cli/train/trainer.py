@@ -370,7 +370,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     def _check_weight_sync(self) -> None:
         """``sampler.check_weight_sync``: `sync_check.SyncCheck.check_at_start` on every rank (full-weight sync
         only); raises `sync_check.WeightSyncCheckError` when a sync did not take effect."""
-        from .sync_check import SyncCheck, probe_prompt, server_sample
+        from .sync_check import STARTED, SyncCheck, probe_prompt, server_sample
 
         self.sync_check = None
         if not getattr(self.args, "check_weight_sync", False):
@@ -382,6 +382,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         sampler = getattr(self, "sampler", None) if self.is_world_process_zero() else None
         check = SyncCheck(self.model, self.weight_sync.sync, server_sample(sampler, self.model_id), self._broadcast,
                           probe_prompt(self.processing_class), self.accelerator.autocast)
+        if self.is_world_process_zero():  # said before it runs (fresh-user trial, eleventh session)
+            self.live.append_metrics({"event": "weight_sync_check_started", "time": time.time(), "message": STARTED})
         result = check.check_at_start(self.model_version)
         if self.is_world_process_zero():  # the log's line, the console's (`dashboard`), and step 1's window
             print(f"asyncgrpo: {result.message}", flush=True)
@@ -392,15 +394,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.sync_check = check
 
     def _probe_after_sync(self, version: int) -> dict[str, float]:
-        """``weight_sync/probe_gap`` of the sync of ``version``; a failed probe request is said and not logged."""
-        from .sync_check import WeightSyncCheckError
-
-        try:
-            return {"weight_sync/probe_gap": self.sync_check.probe()}
-        except WeightSyncCheckError as exc:
-            if self.is_world_process_zero():
-                print(f"asyncgrpo: no weight_sync/probe_gap for model version {version}: {exc}", flush=True)
-            return {}
+        """``weight_sync/probe_gap`` of the sync of ``version`` (`sync_check.SyncCheck.probe_metrics`)."""
+        return self.sync_check.probe_metrics(version, say=self.is_world_process_zero())
 
     def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
         """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server

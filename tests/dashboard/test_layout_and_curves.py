@@ -110,10 +110,13 @@ def test_resume_keeps_the_whole_run_and_marks_it(tmp_path):
 
 
 def test_dashboard_skips_event_records(tmp_path):
+    from asyncgrpo_cli.train.sync_check import STARTED
+
     console = Console(record=True, width=200, force_terminal=False)
     dash = Dashboard(tmp_path, mode="plain", console=console)
     with (tmp_path / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps({"event": "resume", "step": 4, "from": "checkpoint-4"}) + "\n")
+        fh.write(json.dumps({"event": "weight_sync_check_started", "time": 1.0, "message": STARTED}) + "\n")
         fh.write(json.dumps(window(5)) + "\n")
         fh.write(json.dumps({"event": "weight_sync_check", "step": 4, "status": "pass",
                              "message": "weight sync check passed: every sync took effect (...)"}) + "\n")
@@ -122,6 +125,7 @@ def test_dashboard_skips_event_records(tmp_path):
     text = console.export_text()
     assert "resumed at step 4 from checkpoint-4" in text
     assert "weight sync check passed: every sync took effect" in text  # sampler.check_weight_sync
+    assert text.index(STARTED) < text.index("weight sync check passed")  # said as it begins
 
 
 def test_curve_panels_put_each_metric_where_it_belongs_and_name_the_kv_source():

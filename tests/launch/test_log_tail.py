@@ -162,6 +162,23 @@ def test_a_trainer_killed_under_accelerate_116_with_stdout_glued_to_its_bars(tmp
     assert any(ln.startswith("step 2/40 |") for ln in lines), lines
 
 
+def test_a_kill_during_the_sync_check_is_not_blamed_on_its_warning():
+    """Eleventh session's trial: kill -9 of the trainer while ``sampler.check_weight_sync=true``'s start-up check ran
+    read ``cause: RuntimeError: .../main.py:41: UserWarning: check_weight_sync=true: ...``: accelerate's copy of the
+    trainer's stderr began with that warning, glued to a progress bar, so it was not recognised as the copy. The
+    log is this session's reproduction, paths shortened."""
+    from pathlib import Path
+
+    log = Path(__file__).parent / "data" / "accelerate116_sigkill_check_warning.log"
+    assert "]RuntimeError: " in log.read_text() and killed_by(log) == "SIGKILL"
+    lines = failure_tail(log)
+    assert failure_cause(lines) is None, lines
+    assert not any(ln.startswith("RuntimeError") or ln.startswith("The above") for ln in lines), lines
+    assert any("UserWarning: check_weight_sync=true" in ln for ln in lines)  # the original line stays, once
+    # A warning is never the cause, even where the copy could not be told apart.
+    assert failure_cause(["RuntimeError: /x/main.py:41: UserWarning: check_weight_sync=true: at start ..."]) is None
+
+
 def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tmp_path):
     """Fresh-user trial: after Ctrl-C, accelerate's ``CalledProcessError ... exit status 130`` ended trainer.log
     and read like a crash. The supervisor adds one line saying the trainer stopped as asked; other ends get none."""

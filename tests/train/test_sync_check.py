@@ -166,6 +166,9 @@ def test_the_trainer_checks_at_start_and_probes_every_sync(tiny, served, tmp_pat
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in lines if r.get("event") == "weight_sync_check"]  # the console prints its message
     assert [e["status"] for e in events] == ["pass"] and events[0]["message"].startswith("weight sync check passed")
+    # The console says the check runs before its verdict (eleventh session's trial: ~20 s of silence before it).
+    order = [r["event"] for r in lines if str(r.get("event", "")).startswith("weight_sync_check")]
+    assert order == ["weight_sync_check_started", "weight_sync_check"], order
     steps = [r for r in lines if "step" in r and "loss" in r]
     assert steps[0]["weight_sync/check_passed"] == 1.0 and steps[0]["weight_sync/check_apart_gap"] > 0.01
     assert all(r["weight_sync/probe_gap"] < 1e-3 for r in steps), steps  # every step's sync took effect
