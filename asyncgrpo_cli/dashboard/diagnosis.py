@@ -105,15 +105,19 @@ def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
 
     Reads ``rollout/backpressure_s``, ``rollout/concurrency``, ``rollout/concurrency_cap``,
     ``rollout/vllm_kv_cache_usage_frac``, ``perf/rollout_wait_s`` and ``perf/step_s``. None when neither
-    the concurrency nor the backpressure is logged. Not staleness while the trainer waits much for samples.
+    the concurrency nor the backpressure is logged. Not staleness while the trainer waits much for samples, nor
+    when generation waited under ``backpressure_step_frac`` (5%) of the step.
     """
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
     cap, kv = num(m, "rollout/concurrency_cap"), num(m, "rollout/vllm_kv_cache_usage_frac")
     ceiling = settings.max_concurrent_rollouts
     if bp is None and conc is None:
         return None
-    wl = _level(num(m, "perf/rollout_wait_s"), num(m, "perf/step_s"), th)  # a trainer that waits much: not ahead
-    if bp is not None and bp > th.backpressure_active_s and wl != "high":
+    step = num(m, "perf/step_s")
+    wl = _level(num(m, "perf/rollout_wait_s"), step, th)  # a trainer that waits much: not ahead
+    # A wait that is a sliver of the step (0.03 s of several) does not make staleness the limit (trial, s11).
+    held = bp is not None and bp > max(th.backpressure_active_s, th.backpressure_step_frac * (step or 0.0))
+    if held and wl != "high":
         return Diagnosis("limit_staleness", f"active limit: staleness (generation waits {bp:.2f} s; it is ahead "
                          "of training)", INFO)
     if conc is None:

@@ -42,6 +42,7 @@ class Thresholds:
     high_wait_s: float = 1.0
     zero_wait_s: float = 0.05
     backpressure_active_s: float = 0.01
+    backpressure_step_frac: float = 0.05
     at_limit_frac: float = 0.95
     low_kv_frac: float = 0.5
     queue_empty_steps: float = 0.5
