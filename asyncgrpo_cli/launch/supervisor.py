@@ -333,8 +333,11 @@ class Supervisor:
                               # (it replaces a value this process may have inherited)
                               SERVER_PID_ENV: str(self.server.pid) if self.server is not None else ""},
                              plan.logs_dir / "trainer.log", death_signal=False).start()
-        self.console.print(f"started the trainer (pid {self.trainer.pid}); log: {self.trainer.log_path}",
-                           markup=False, highlight=False, soft_wrap=True)
+        # The pid is accelerate's launcher, the head of the trainer's process group; status.json's "pid" is the
+        # training process it starts (fresh-user trial, eleventh session: two "trainer pids").
+        self.console.print(f"started the trainer (pid {self.trainer.pid}, its launcher; status.json names the "
+                           f"training process); log: {self.trainer.log_path}", markup=False, highlight=False,
+                           soft_wrap=True)
         outcome, rc = self._monitor()
         self._stop_child(self.trainer, signal.SIGTERM, self.timeouts.group_term_s)  # leftovers of its group
         self._stop_child(self.server, signal.SIGTERM, self.timeouts.server_term_s)
