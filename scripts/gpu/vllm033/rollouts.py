@@ -553,13 +553,14 @@ def phase_job(name: str) -> int:
     ceiling_file = WORK / "ceiling.txt"
     ceiling = ceiling_file.read_text().split() if os.environ.get("JOB_CEILING") == "1" and ceiling_file.exists() else []
     # JOB_PACKED=auto: the packed-sync choice `run.sh bench` left on this machine (`one_gpu.packed_choice`).
-    packed = []
+    packed, packed_why = [], ""
     if os.environ.get("JOB_PACKED") == "auto":
-        if not one_gpu.PACKED_CHOICE.exists():
-            print(f"rollouts.py job: JOB_PACKED=auto but {one_gpu.PACKED_CHOICE} is missing: run `run.sh bench` "
-                  f"first on this machine", flush=True)
-            return 2
-        packed = [line for line in one_gpu.PACKED_CHOICE.read_text().splitlines() if line and line[0] != "#"]
+        if one_gpu.PACKED_CHOICE.exists():
+            packed_why = one_gpu.PACKED_CHOICE.read_text().strip()
+            packed = [line for line in packed_why.splitlines() if line and line[0] != "#"]
+        else:  # the bench did not run or failed before choosing: the pair still runs, plain
+            packed_why = f"no {one_gpu.PACKED_CHOICE} (run.sh bench did not choose on this machine): plain sync"
+            print(f"rollouts.py job: JOB_PACKED=auto: {packed_why}", flush=True)
     extra = [*winner, *ceiling, *packed, *os.environ.get("JOB_EXTRA", "").split()]
     run_dir = WORK / f"job_{name}"
     if run_dir.exists():
@@ -567,8 +568,8 @@ def phase_job(name: str) -> int:
     argv = job_argv(name, run_dir, extra)
     result: dict = {"issue": 41, "phase": f"job {name}", "versions": versions(), "command": " ".join(argv[2:]),
                     "gpu_processes_before": one_gpu.gpu_processes()}
-    if packed:
-        result["packed_choice"] = one_gpu.PACKED_CHOICE.read_text().strip()
+    if packed_why:
+        result["packed_choice"] = packed_why
     engine = WORK / "rollouts_engine.json"
     engine_rate = json.loads(engine.read_text()).get("engine_rollouts_per_s") if engine.exists() else None
     env = None
