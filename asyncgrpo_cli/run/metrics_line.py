@@ -123,13 +123,15 @@ def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None, in_fligh
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
     """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
-    step time, the weight sync's time when it took 1 s and a quarter of the step or more (a slow or hung server;
-    the busy share counts it), the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale
-    (only when some were, with their share of the generated tokens), the graphs ``torch.compile`` built in the window
+    step time, the seconds of it the server did not answer (1 s or more: a stopped or hung server), the weight
+    sync's time when it took 1 s and a quarter of the step or more (a slow or hung server; the busy share counts
+    it), the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale (only
+    when some were, with their share of the generated tokens), the graphs ``torch.compile`` built in the window
     (only when it built some) and ``diagnosis`` (if any)."""
     step = num(metrics, "step")
     busy = busy_share(metrics)
     step_s, sync_s = num(metrics, "perf/step_s"), num(metrics, "perf/weight_sync_s")
+    silent = num(metrics, "server/silent_s")  # the server stalled through part of the step (`ServerWatch`)
     # A weight sync that took a good part of the step (a slow or hung server: it counts as busy) is shown.
     long_sync = sync_s is not None and step_s and sync_s >= max(1.0, SYNC_SHOWN_FRAC * step_s)
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
@@ -139,6 +141,7 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
                        num(metrics, "rollout/concurrency")),
              f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
              f"step {fmt(step_s, '.2f')} s",
+             *([f"server silent {silent:.0f} s of it"] if silent is not None and silent >= 1.0 else []),
              *([f"weight sync {sync_s:.2f} s"] if long_sync else []),
              *([f"busy {fmt_pct(busy)}"] if busy is not None else []),
              f"queue {fmt(num(metrics, 'rollout/queue_size'), '.0f')}",

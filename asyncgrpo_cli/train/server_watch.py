@@ -94,6 +94,9 @@ class ServerWatch:
         self.report_after_s = min(report_after_s, self.timeout_s)
         self.last_answer = clock()
         self.silent_since: float | None = None  # the last answer before an unanswered probe
+        self._silent_done = 0.0  # seconds of the silences that ended (`take_silent_s`)
+        self._silent_taken = 0.0
+        self._lock = threading.Lock()
         self.last_failure = ""
         self.problem: str | None = None
         self._stop = threading.Event()
@@ -136,7 +139,10 @@ class ServerWatch:
         outcome, why = self.probe(self.url, self.probe_timeout_s)
         now = self.clock()
         if outcome != SILENT:
-            self.last_answer, self.silent_since = now, None
+            with self._lock:
+                if self.silent_since is not None:
+                    self._silent_done += now - self.silent_since
+                self.last_answer, self.silent_since = now, None
             return None
         self.last_failure = why
         if self.silent_since is None:
@@ -152,6 +158,27 @@ class ServerWatch:
         longest a request should still wait for it (`SyncSamplerClient.silence_budget`)."""
         silent = self.silent_s()
         return None if silent is None else self.timeout_s - silent
+
+    def take_silent_s(self) -> float:
+        """Seconds the server was silent since the last call (silences that ended, and the part of one going on):
+        a step's share, ``server/silent_s``, so that the step a stall held says so."""
+        with self._lock:
+            ongoing = 0.0 if self.silent_since is None else self.clock() - self.silent_since
+            total = self._silent_done + ongoing
+            delta, self._silent_taken = max(0.0, total - self._silent_taken), total
+        return delta
+
+    def step_metrics(self) -> dict[str, float]:
+        """A step's figures of the server: ``server/silent_s`` (`take_silent_s`), and the busiest engine core's
+        and the front end's CPU use in cores (``server/engine_core_cpu``, ``server/frontend_cpu``; issue #41,
+        `engine_cpu`) when known."""
+        out = {"server/silent_s": self.take_silent_s()}
+        engine, frontend = self.engine_load.cores(), self.engine_load.frontend_cores()
+        if engine is not None:
+            out["server/engine_core_cpu"] = engine
+        if frontend is not None:
+            out["server/frontend_cpu"] = frontend
+        return out
 
     def silent_s(self) -> float | None:
         """Seconds since the server last answered, while it does not (None while it answers or refuses)."""

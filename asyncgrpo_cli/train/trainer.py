@@ -647,12 +647,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         w.add("perf/step_s", step_s)
         self._last_step_s = step_s
         watch = getattr(self, "server_watch", None)
-        engine_cpu = watch.engine_load.cores() if watch is not None else None
-        if engine_cpu is not None:  # issue #41: vLLM's engine core on its CPU core (train/engine_cpu.py)
-            w.add("server/engine_core_cpu", engine_cpu)
-        frontend_cpu = watch.engine_load.frontend_cores() if watch is not None else None
-        if frontend_cpu is not None:
-            w.add("server/frontend_cpu", frontend_cpu)
+        for name, value in (watch.step_metrics() if watch is not None else {}).items():
+            w.add(name, value)  # its silence, its engine core's and front end's CPU (train/server_watch.py)
         w.add("perf/fwd_bwd_s", fwd_bwd_s)
         w.add("perf/fwd_s", fwd_s)
         for name, value in {**host_times, **self.memory_watch.step(self.accelerator.device),

@@ -108,6 +108,30 @@ def test_an_answer_or_a_refusal_ends_the_silence():
     assert watch.check() is None and watch.silent_s() is None and watch.problem is None
 
 
+def test_each_step_takes_its_share_of_the_silence_and_the_line_shows_it():
+    """Eleventh session's trial: the step a 40 s SIGSTOP held read only `step 56.19 s | busy 19%`. Each step now
+    logs the seconds of it the server did not answer (``server/silent_s``), which the plain line shows."""
+    from asyncgrpo_cli.run.metrics_line import metrics_line
+
+    clock = Clock()
+    probe, _ = scripted([ANSWERED, SILENT, SILENT, SILENT, ANSWERED])
+    watch = ServerWatch("http://h:1", 300.0, probe=probe, clock=clock)
+    watch.check()  # answered at 1000
+    assert watch.step_metrics() == {"server/silent_s": 0.0}  # no engine figures without a server pid
+    for _ in range(2):
+        clock.now += 10
+        watch.check()  # silent since 1000
+    assert watch.take_silent_s() == 20.0  # a step that ended inside the silence takes what had passed
+    clock.now += 10
+    watch.check()
+    clock.now += 5
+    watch.check()  # answered at 1035: the silence lasted 35 s
+    assert watch.take_silent_s() == 15.0 and watch.take_silent_s() == 0.0  # the rest, once
+    line = metrics_line({"step": 7, "perf/step_s": 56.19, "server/silent_s": 40.0})
+    assert "| step 56.19 s | server silent 40 s of it |" in line, line
+    assert "server silent" not in metrics_line({"step": 7, "perf/step_s": 2.0, "server/silent_s": 0.0})
+
+
 def test_the_worker_watch_reports_the_server_problem_as_a_server_problem():
     """The training loop stops on `WorkerWatch.problem`; a silent server's problem reaches it, marked as the
     server's (the trainer raises `ServerHungError`, not a rollout-worker error)."""
