@@ -145,8 +145,9 @@ class ServerWatch:
                 self.last_answer, self.silent_since = now, None
             return None
         self.last_failure = why
-        if self.silent_since is None:
-            self.silent_since = self.last_answer
+        with self._lock:  # `take_silent_s` reads it from the training thread
+            if self.silent_since is None:
+                self.silent_since = self.last_answer
         if now - self.silent_since >= self.timeout_s:
             self.problem = self.hung_message(now - self.silent_since)
             if self.on_problem is not None:
