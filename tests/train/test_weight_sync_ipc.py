@@ -172,6 +172,9 @@ def test_ipc_sync_call_sequence_and_payload(model_dir):
                                    "/start_weight_update", "/update_weights", "/finish_weight_update",
                                    "/reset_prefix_cache?reset_running_requests=true", "/resume"]
         assert timings.total_s >= timings.transfer_s + timings.pause_s > 0
+        # the server's share of the transfer (inside /update_weights) is timed apart from the trainer's
+        assert 0 < timings.update_s <= timings.transfer_s
+        assert timings.as_metrics()["perf/weight_sync_update_s"] == timings.update_s
         (update,) = server.updates
         names = [m.name for m in source.metadata()]
         assert update["names"] == names and update["packed"] is False

@@ -204,8 +204,10 @@ def test_ipc_033_engine_sequence_payload_and_values(model_dir):  # noqa: F811
         params = dict(model.named_parameters())
         assert all(torch.equal(t, params[n].detach().bfloat16()) for n, t in engine.sent)
         assert timings.total_s >= timings.transfer_s > 0 and backend.requests == 1
+        assert 0 < timings.update_s <= timings.transfer_s  # reset for each sync, not summed over syncs
         server.calls.clear()
-        backend.sync(source, 4)  # one engine for the run: no second init
+        second = backend.sync(source, 4)  # one engine for the run: no second init
+        assert 0 < second.update_s <= second.transfer_s and backend.requests == 1
         assert "/init_weight_transfer_engine" not in server.routes() and len(IPCTrainerEngine033.instances) == 1
         backend.reconnect()  # a restarted server: the engine is built again
         server.calls.clear()

@@ -29,6 +29,7 @@ METRIC_TOTAL = "perf/weight_sync_s"
 METRIC_PAUSE = "perf/weight_sync_pause_s"
 METRIC_BARRIER = "perf/weight_sync_barrier_s"
 METRIC_TRANSFER = "perf/weight_sync_transfer_s"
+METRIC_UPDATE = "perf/weight_sync_update_s"
 
 
 @dataclass
@@ -41,12 +42,18 @@ class SyncTimings:
         transfer_s: sending the weights (start → update(s) → finish, gathers included; adapter
             sync: save + load + unload).
         total_s: the whole sync (pause, transfer, cache reset, resume, barrier).
+        update_s: the part of ``transfer_s`` spent inside the ``/update_weights`` requests (the server
+            opening the handles and loading the weights, HTTP included); the rest of ``transfer_s`` is the
+            trainer's side (gathers, casts to the server's dtype, building the handles). None where the
+            backend does not measure it (only the CUDA-IPC backend does; it is then logged as
+            ``perf/weight_sync_update_s``).
     """
 
     pause_s: float = 0.0
     barrier_s: float = 0.0
     transfer_s: float = 0.0
     total_s: float = 0.0
+    update_s: float | None = None
 
     def add_barrier(self, seconds: float) -> None:
         """Count ``seconds`` spent waiting for other ranks (into ``barrier_s`` and ``total_s``)."""
@@ -56,13 +63,17 @@ class SyncTimings:
         self.total_s += seconds
 
     def as_metrics(self) -> dict[str, float]:
-        """``{"perf/weight_sync_s": ..., "perf/weight_sync_pause_s": ..., ...}``."""
-        return {
+        """``{"perf/weight_sync_s": ..., "perf/weight_sync_pause_s": ..., ...}`` (seconds), with
+        ``perf/weight_sync_update_s`` only when ``update_s`` was measured."""
+        metrics = {
             METRIC_TOTAL: self.total_s,
             METRIC_PAUSE: self.pause_s,
             METRIC_BARRIER: self.barrier_s,
             METRIC_TRANSFER: self.transfer_s,
         }
+        if self.update_s is not None:
+            metrics[METRIC_UPDATE] = self.update_s
+        return metrics
 
 
 class WeightSyncError(RuntimeError):

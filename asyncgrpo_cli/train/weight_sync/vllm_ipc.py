@@ -138,6 +138,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
         self._live: Iterator[tuple[str, torch.Tensor]] | None = None
         self._version: int | None = None
         self.requests = 0  # /update_weights requests of the last sync
+        self.update_s = 0.0  # seconds inside those requests (SyncTimings.update_s)
 
     def init(self) -> None:
         """Import vLLM's IPC engine, select the trainer's GPU, and check that the server is one process
@@ -173,13 +174,22 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
         self._ready = False
         self._engine = None
 
+    def _update(self, version: int | None, update_info: Any) -> None:
+        """One ``/update_weights`` request, counted in ``requests`` and timed into ``update_s``."""
+        body = http_update_info(update_info)
+        self.requests += 1
+        t0 = now()
+        try:
+            self.call("/update_weights", version, self.client.update_weights, body)
+        finally:
+            self.update_s += now() - t0
+
     def _send_args(self, version: int) -> Any:
         cls = self._api.IPCTrainerSendWeightsArgs
         names = _fields(cls)
 
         def send(update_info: Any) -> None:
-            self.requests += 1
-            self.call("/update_weights", version, self.client.update_weights, http_update_info(update_info))
+            self._update(version, update_info)
 
         kwargs: dict[str, Any] = {}
         if "packed" in names:
@@ -205,7 +215,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
         start = now()
         meta = source.metadata()
         tensors: Iterator[tuple[str, torch.Tensor]] = source.tensors()
-        self.requests = 0
+        self.requests, self.update_s = 0, 0.0
         try:
             with self.paused(version, timings):
                 t0 = now()
@@ -219,7 +229,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
                     raise self._send_error(version, exc) from exc
                 self.call("/finish_weight_update", version, self.client.finish_weight_update,
                           str(version) if self.send_weight_version else None)
-                timings.transfer_s = now() - t0
+                timings.transfer_s, timings.update_s = now() - t0, self.update_s
         except BaseException:
             drain_quietly(tensors)
             raise
@@ -248,9 +258,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
                 backend.call("/start_weight_update", backend._version, backend.client.start_weight_update)
 
             def update_weights(self, update_info: Any) -> None:
-                backend.requests += 1
-                backend.call("/update_weights", backend._version, backend.client.update_weights,
-                             http_update_info(update_info))
+                backend._update(backend._version, update_info)
 
             def finish_weight_update(self, weight_version: str | None = None) -> None:
                 version = backend._version
@@ -264,7 +272,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
         with the CUDA-IPC handles → ``/finish_weight_update``) → ``/reset_prefix_cache`` → ``/resume``."""
         timings = SyncTimings()
         start = now()
-        self._current, self._live, self._version, self.requests = source, None, version, 0
+        self._current, self._live, self._version, self.requests, self.update_s = source, None, version, 0, 0.0
         try:
             if self._engine is None:
                 info = self._api.IPCTrainerInitInfo(rank=0, packed=self.packed)
@@ -278,7 +286,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
                     raise
                 except Exception as exc:
                     raise self._send_error(version, exc) from exc
-                timings.transfer_s = now() - t0
+                timings.transfer_s, timings.update_s = now() - t0, self.update_s
         except BaseException:
             drain_quietly(self._live if self._live is not None else source.tensors())
             raise

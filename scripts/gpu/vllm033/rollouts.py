@@ -449,6 +449,7 @@ def job_rows(rows: list[dict]) -> list[dict]:
             "rollout/generated_tokens_per_s", "batch/groups_per_step", "batch/trained_tokens_per_step",
             "frac_reward_zero_std", "completions/mean_length", "completions/duplicate_frac",
             "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac", "perf/weight_sync_s",
+            "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s", "perf/weight_sync_update_s",
             "sample/staleness_mean", "sample/dropped_stale_count", "sampling/importance_sampling_ratio/mean",
             "rollout/request_s", "rollout/parse_s", "rollout/vllm_queue_s", "rollout/vllm_prefill_s",
             "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s",
