@@ -121,8 +121,24 @@ def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None, in_fligh
     return text
 
 
+def _reward_text(reward: float | None, zero_std_frac: float | None) -> str:
+    """``reward 0.25``; a window whose every scored group had one reward for all its completions (no spread, so
+    none was kept for training: ``frac_reward_zero_std`` 1) says so, since what trained in it came from groups
+    scored before (the line's ``train`` part counts them)."""
+    if reward is None:
+        return "reward — (no group scored since the last log)"
+    return f"reward {fmt(reward, '.4g')}" + (" (every group alike: none kept)" if zero_std_frac == 1.0 else "")
+
+
+def _train_text(tokens_per_s: float | None, groups_per_step: float | None) -> str:
+    """``train 3.4k tok/s``, with the groups a step trained when known: ``train 3.4k tok/s (64 groups)``."""
+    text = f"train {fmt_rate(tokens_per_s)} tok/s"
+    return text + (f" ({groups_per_step:.0f} groups)" if groups_per_step else "")
+
+
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
-    """The plain line of one window: step (of ``max_steps``), reward, generated and trained tokens per second,
+    """The plain line of one window: step (of ``max_steps``), reward (and whether no group scored in the window
+    was kept), generated and trained tokens per second (with the groups a step trained),
     step time, the seconds of it the server did not answer (1 s or more: a stopped or hung server), the weight
     sync's time when it took 1 s and a quarter of the step or more (a slow or hung server; the busy share counts
     it), the trainer's busy share (left out when unknown), queue, mean staleness, the samples dropped stale (only
@@ -135,11 +151,10 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     # A weight sync that took a good part of the step (a slow or hung server: it counts as busy) is shown.
     long_sync = sync_s is not None and step_s and sync_s >= max(1.0, SYNC_SHOWN_FRAC * step_s)
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             f"reward {fmt(num(metrics, 'reward'), '.4g')}" if num(metrics, "reward") is not None else
-             "reward — (no group scored since the last log)",
+             _reward_text(num(metrics, "reward"), num(metrics, "frac_reward_zero_std")),
              _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s"),
                        num(metrics, "rollout/concurrency")),
-             f"train {fmt_rate(num(metrics, 'perf/wall_clock_trained_tokens_per_s'))} tok/s",
+             _train_text(num(metrics, "perf/wall_clock_trained_tokens_per_s"), num(metrics, "batch/groups_per_step")),
              f"step {fmt(step_s, '.2f')} s",
              *([f"server silent {silent:.0f} s of it"] if silent is not None and silent >= 1.0 else []),
              *([f"weight sync {sync_s:.2f} s"] if long_sync else []),

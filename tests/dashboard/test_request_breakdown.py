@@ -102,3 +102,17 @@ def test_the_plain_line_names_a_step_that_compiled():
     assert "compiled 1 graph" in metrics_line({**base, "perf/fwd_bwd_compile_count": 1.0}, diagnosis="x")
     assert "compiled" not in metrics_line({**base, "perf/fwd_bwd_compile_count": 0.0})
     assert "compiled" not in metrics_line(base)
+
+
+def test_the_plain_line_says_what_trained_beside_a_reward_of_zero():
+    """The eleventh session's trial: ``reward 0 | ... | busy 100%`` left open what the busy trainer trained. Every
+    group scored in that window had one reward for all its completions (none kept); what trained came from groups
+    scored before, and the line now counts them."""
+    window = {"step": 3, "reward": 0.0, "frac_reward_zero_std": 1.0, "perf/step_s": 2.0, "perf/rollout_wait_s": 0.0,
+              "perf/wall_clock_trained_tokens_per_s": 1200.0, "batch/groups_per_step": 8.0}
+    line = metrics_line(window, 10)
+    assert "| reward 0 (every group alike: none kept) |" in line, line
+    assert "| train 1.2k tok/s (8 groups) |" in line and "busy 100%" in line
+    some_kept = metrics_line(dict(window, frac_reward_zero_std=0.75, reward=0.1))
+    assert "| reward 0.1 |" in some_kept and "none kept" not in some_kept
+    assert "| train 1.2k tok/s |" in metrics_line({k: v for k, v in window.items() if k != "batch/groups_per_step"})
