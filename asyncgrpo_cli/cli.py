@@ -102,8 +102,11 @@ def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False) 
             return list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
         _print_error(exc)
         raise typer.Exit(2) from None
+    from .config.notes import is_note
+
     for w in warnings:
-        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+        label = "[cyan]note:[/]" if is_note(w) else "[yellow]warning:[/]"
+        err.print(f"{label} {escape(w)}", highlight=False, soft_wrap=True)
     return []
 
 

@@ -19,6 +19,7 @@ from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
 from .loss_rules import loss_warnings
+from .notes import Note
 from .reward_probe import probe_reward_funcs
 from .start_checks import check_agent_imports, check_external_sampler, check_flash_kernel, check_peft_targets
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
@@ -421,15 +422,15 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
 
 def check_weight_sync_notes(on: bool, lora: bool, key: Callable[[str], str]) -> list[str]:
     """What to print at start for ``check_weight_sync`` (README: GPUs, weight sync and LoRA): what it does and
-    costs, or, with LoRA, that adapter sync is not checked."""
+    costs (a `Note`), or, with LoRA, that adapter sync is not checked (a warning)."""
     if not on:
         return []
     if lora:
         return [f"{key('check_weight_sync')}=true checks full-weight sync only: with LoRA (adapter sync) nothing is "
                 "checked"]
-    return [f"{key('check_weight_sync')}=true: at start the trainer perturbs its weights, syncs and probes the server "
-            "(three more syncs, host memory for a copy of the weights) and stops if a sync did not take effect; then "
-            "one short probe request after every sync (weight_sync/probe_gap)"]
+    return [Note(f"{key('check_weight_sync')}=true: at start the trainer perturbs its weights, syncs and probes the "
+                 "server (three more syncs, host memory for a copy of the weights) and stops if a sync did not take "
+                 "effect; then one short probe request after every sync (weight_sync/probe_gap)")]
 
 
 def in_flight_estimate_notes(estimate: str, max_staleness: int, key: Callable[[str], str]) -> list[str]:

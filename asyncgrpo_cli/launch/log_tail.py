@@ -220,8 +220,8 @@ def failure_cause(lines: list[str]) -> str | None:
             return own.group(1)[:600]
     for line in reversed(kept):
         found = _EXCEPTION.match(line.strip())
-        if found and _PY_WARNING.search(found.group(2) or ""):
-            continue  # a copy of a Python warning ("RuntimeError: x.py:41: UserWarning: ...") is no cause
+        if found and (_PY_WARNING.search(found.group(2) or "") or (found.group(2) or "").lstrip().startswith("note: ")):
+            continue  # a copy of a Python warning ("RuntimeError: x.py:41: UserWarning: ...") or of a start-up note
         if found and not line.startswith(" "):
             name, text = found.group(1), (found.group(2) or "").strip()
             return (f"{name}: {text}" if text else name)[:600]

@@ -7,6 +7,7 @@ on; none of them starts or changes anything.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -34,9 +35,14 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
     check_tools(tools)
     if environment_factory is not None:
         check_environment_factory(environment_factory)
+    from ..config.notes import is_note
+
     for warning in validate_trainer_inputs(model, reward_funcs, args, train_dataset, environment_factory,
                                            processing_class):
-        warnings.warn(warning, UserWarning, stacklevel=3)
+        if is_note(warning):  # informs (an opt-in's cost): no UserWarning, nothing to fix
+            print(f"note: {warning}", file=sys.stderr, flush=True)
+        else:
+            warnings.warn(warning, UserWarning, stacklevel=3)
     if train_dataset is None:
         if environment_factory is None:
             raise ValueError("train_dataset=None: the async GRPO trainer needs prompts (a dataset with a 'prompt' "

@@ -177,6 +177,9 @@ def test_a_kill_during_the_sync_check_is_not_blamed_on_its_warning():
     assert any("UserWarning: check_weight_sync=true" in ln for ln in lines)  # the original line stays, once
     # A warning is never the cause, even where the copy could not be told apart.
     assert failure_cause(["RuntimeError: /x/main.py:41: UserWarning: check_weight_sync=true: at start ..."]) is None
+    # the check's opt-in line is now a note on stderr (twelfth session); accelerate's copy of it is no cause either
+    assert failure_cause(["RuntimeError: note: sampler.check_weight_sync=true: at start the trainer perturbs"]) is None
+    assert failure_cause(["note: sampler.check_weight_sync=true: at start"]) is None
 
 
 def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tmp_path):

@@ -221,7 +221,40 @@ def test_the_start_names_the_check_and_its_cost_and_that_lora_is_not_checked():
     assert not any("check_weight_sync" in w for w in validate_run(compose(["+recipe=smoke"]), "train"))
     assert "with LoRA (adapter sync) nothing is checked" in check_weight_sync_notes(True, True, str)[0]
     assert check_weight_sync_notes(False, True, str) == []
+    # The eleventh session's trial: the opt-in's cost printed as `warning:` and as a UserWarning in trainer.log. It is
+    # a note; that LoRA goes unchecked stays a warning.
+    from asyncgrpo_cli.config.notes import is_note
 
+    assert is_note(check_weight_sync_notes(True, False, str)[0]) and not is_note(check_weight_sync_notes(True, True, str)[0])
+
+
+def test_the_checks_opt_in_note_prints_as_a_note_not_a_warning(tmp_path):
+    from typer.testing import CliRunner
+
+    from asyncgrpo_cli.cli import app
+
+    result = CliRunner().invoke(app, ["config", "--check", "+recipe=smoke", "sampler.check_weight_sync=true",
+                                      f"trainer.output_dir={tmp_path / 'out'}"])
+    out = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    assert "note: sampler.check_weight_sync=true: at start" in out, out[-2000:]
+    assert "warning: sampler.check_weight_sync" not in out
+
+
+def test_the_trainer_writes_a_note_to_stderr_and_raises_no_user_warning(capsys, monkeypatch):
+    import warnings
+
+    import asyncgrpo_cli.config.run_checks as run_checks
+    from asyncgrpo_cli.config.notes import Note
+    from asyncgrpo_cli.train.startup import check_trainer_inputs
+
+    monkeypatch.setattr(run_checks, "validate_trainer_inputs",
+                        lambda *_a: [Note("x=true: costs one probe a sync"), "y=1 has no effect here"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="train_dataset=None"):  # after the start-up lines
+            check_trainer_inputs("m", [], None, None, None, None, None)
+    assert "note: x=true: costs one probe a sync" in capsys.readouterr().err
+    assert [str(w.message) for w in seen if issubclass(w.category, UserWarning)] == ["y=1 has no effect here"]
 
 def test_packed_sync_where_nothing_packs_says_so_at_start():
     from asyncgrpo_cli.config.compose import compose
