@@ -107,6 +107,18 @@ def test_memory_split_shrinks_vllm_kv_before_refusing():
     assert lora.trainer_need_bytes < tight.trainer_need_bytes
 
 
+def test_a_tight_split_rounds_vllms_share_down_so_the_trainer_keeps_its_estimate():
+    """Issue #42's 1.7B fp32 job on an 80 GB H100: the trainer's estimate (45.2 GiB) leaves vLLM 0.382 of the GPU;
+    rounded up to 0.39 the split gave the trainer 44.6 GiB, less than the estimate that was to come first."""
+    shape = ModelShape(parameters=1_720_451_072, hidden_size=2048, num_layers=28, num_kv_heads=8, head_dim=128,
+                       vocab_size=151936)
+    split = plan_memory(81559 * 2**20, shape, configured=None, dtype="float32", token_budget=16384,
+                        max_model_len=1024, max_concurrent=512, activation_checkpointing=True, lora=False)
+    assert "comes first" in split.reason and not split.problems
+    assert split.trainer_bytes >= split.trainer_need_bytes, (split.trainer_bytes / GiB, split.trainer_need_bytes / GiB)
+    assert split.gpu_memory_utilization == 0.38 and split.kv_tokens >= 32 * 1024
+
+
 def test_unknown_model_gets_the_default_share(tmp_path):
     cfg = compose(["model.name=org/not-downloaded", f"trainer.output_dir={tmp_path}/run"])
     layout = decide_layout(1, H200, **config_groups(decide_layout, cfg))
