@@ -275,7 +275,7 @@ def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) 
     return ("trainer_idle_engine_core",
             f"vLLM's engine core uses {cores:.2f} of a CPU core: its host loop bounds generation, not the GPU "
             "(measured on an H200 with a 135M model: two servers, two engine cores, 2.0-2.3x the rollouts/s of one)",
-            f"sampler.engines={s.engines + 1} (one more server on the GPU; README: Several servers on one GPU)")
+            f"sampler.engines={s.engines + 1} (one more server on the GPU; its start, about 2 minutes more, pays back over a long run: README, Several servers on one GPU)")
 
 
 def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:

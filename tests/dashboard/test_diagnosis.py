@@ -429,9 +429,10 @@ def test_idle_cause_a_busy_engine_core():
     busy = _idle(**{"server/engine_core_cpu": 0.97, "rollout/vllm_kv_cache_usage_frac": 0.2})
     d = trainer_idle(history_of(busy), VLLM)
     assert d.rule == "trainer_idle_engine_core" and "vLLM's engine core uses 0.97 of a CPU core" in d.text
-    assert d.text.endswith("fix: sampler.engines=2 (one more server on the GPU; README: Several servers on one GPU)")
+    tail = "(one more server on the GPU; its start, about 2 minutes more, pays back over a long run: README, Several servers on one GPU)"
+    assert d.text.endswith(f"fix: sampler.engines=2 {tail}")
     assert trainer_idle(history_of(busy), dataclasses.replace(VLLM, engines=2)).text.endswith(
-        "fix: sampler.engines=3 (one more server on the GPU; README: Several servers on one GPU)")
+        f"fix: sampler.engines=3 {tail}")
     # below 0.9 of a core, a full KV cache (memory binds), or not vLLM: another cause, or none
     assert trainer_idle(history_of({**busy, "server/engine_core_cpu": 0.8}), VLLM).rule == "trainer_idle_ceiling"
     assert trainer_idle(history_of({**busy, "rollout/vllm_kv_cache_usage_frac": 0.9}), VLLM) is None
