@@ -480,11 +480,13 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         env["OMP_NUM_THREADS"] = str(trainer_threads)
         engines = int(cfg.sampler.get("engines", 1))
         each = f" per server ({engines} servers)" if engines > 1 else ""
-        over = (f"; {engines} servers and the trainer share {cores} cores, so they contend"
-                if engines * sampler_threads + trainer_threads > cores else "")
+        if engines * sampler_threads + trainer_threads > cores:  # too few cores to split: say so, not "split"
+            why = (f"{engines} servers and the trainer need more threads than the {cores} cores, so they share "
+                   "them and contend")
+        else:
+            why = "both run at once, so they split the cores instead of contending for all of them"
         gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
-                          f"{cores} cores (OMP_NUM_THREADS; both run at once, so they split the cores instead of "
-                          f"contending for all of them{over}; export OMP_NUM_THREADS to choose yourself)")
+                          f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
                                                    trainer=cfg.trainer, model=cfg.model),
