@@ -284,3 +284,36 @@ def test_missing_ipc_engine_names_version_and_two_gpu_alternative(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.ipc_engine", None)  # import fails
     with pytest.raises(ImportError, match=r"installed vLLM \(.*\).*launch.colocate=false.*2\+ GPUs"):
         import_ipc_api()
+
+
+@dataclass
+class SendArgsHttp:
+    """An older ``IPCTrainerSendWeightsArgs`` with no ``send_mode``: vLLM posts ``/update_weights`` itself."""
+
+    mode: str
+    url: str
+    packed: bool = False
+
+
+def test_ipc_sync_by_a_sender_that_posts_itself_logs_no_update_time(model_dir):
+    """``perf/weight_sync_update_s`` is our own timing of ``/update_weights``; when vLLM's sender posts the update
+    itself nothing is timed, so the metric is left out rather than logged as 0."""
+
+    class PostsItself:
+        @staticmethod
+        def trainer_send_weights(iterator, args):
+            assert args.mode == "http" and args.url
+            for _ in iterator:
+                pass
+
+    server = RecordingVllm()
+    try:
+        client = SyncSamplerClient(server.url, timeout_s=30, max_retries=0)
+        api = SimpleNamespace(IPCWeightTransferEngine=PostsItself, IPCTrainerSendWeightsArgs=SendArgsHttp)
+        backend = VllmIpcSync(client, device="cpu", vllm_api=api)
+        timings = backend.sync(FullWeightSource(load(model_dir), dtype=torch.bfloat16), 1)
+        assert backend.requests == 0 and timings.update_s is None and timings.transfer_s > 0
+        assert "perf/weight_sync_update_s" not in timings.as_metrics()
+        client.close()
+    finally:
+        server.close()

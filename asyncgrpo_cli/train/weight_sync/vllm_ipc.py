@@ -184,6 +184,11 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
         finally:
             self.update_s += now() - t0
 
+    def _measured_update_s(self) -> float | None:
+        """``update_s`` of this sync, or None when vLLM posted the updates itself (0.26's ``mode="http"``
+        sender: none passed through `_update`, so nothing was timed)."""
+        return self.update_s if self.requests else None
+
     def _send_args(self, version: int) -> Any:
         cls = self._api.IPCTrainerSendWeightsArgs
         names = _fields(cls)
@@ -229,7 +234,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
                     raise self._send_error(version, exc) from exc
                 self.call("/finish_weight_update", version, self.client.finish_weight_update,
                           str(version) if self.send_weight_version else None)
-                timings.transfer_s, timings.update_s = now() - t0, self.update_s
+                timings.transfer_s, timings.update_s = now() - t0, self._measured_update_s()
         except BaseException:
             drain_quietly(tensors)
             raise
@@ -286,7 +291,7 @@ class VllmIpcSync(CurrentSource, WeightSyncBackend):
                     raise
                 except Exception as exc:
                     raise self._send_error(version, exc) from exc
-                timings.transfer_s, timings.update_s = now() - t0, self.update_s
+                timings.transfer_s, timings.update_s = now() - t0, self._measured_update_s()
         except BaseException:
             drain_quietly(self._live if self._live is not None else source.tensors())
             raise
