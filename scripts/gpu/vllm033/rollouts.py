@@ -448,21 +448,20 @@ def job_rows(rows: list[dict]) -> list[dict]:
     keys = ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s", "perf/optimizer_s", "reward", "rollout/rollouts_per_s", "rollout/groups_per_s",
             "rollout/generated_tokens_per_s", "batch/groups_per_step", "batch/trained_tokens_per_step",
             "frac_reward_zero_std", "completions/mean_length", "completions/duplicate_frac",
-            "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac", "perf/weight_sync_s",
-            "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s", "perf/weight_sync_update_s",
+            "rollout/concurrency", "rollout/vllm_kv_cache_usage_frac",  # and every perf/weight_sync_* (below)
             "sample/staleness_mean", "sample/dropped_stale_count", "sampling/importance_sampling_ratio/mean",
             "rollout/request_s", "rollout/parse_s", "rollout/vllm_queue_s", "rollout/vllm_prefill_s",
             "rollout/vllm_decode_s", "rollout/vllm_request_s", "rollout/assembly_s", "rollout/score_s",
-            # what held the producer, the engine core's CPU and the trainer's host time (issues #41, #43); who used
-            # the host's cores (the server's other processes, the rollout worker, the whole machine)
+            # what held the producer, who used the host's cores, the trainer's host time (issues #41, #43)
             *(held_metric(g) for g in HOLD_GATES), "rollout/deadline_admission", "server/engine_core_cpu",
             "perf/fwd_bwd_cpu_s", "perf/fwd_bwd_cpu_wait_s", "perf/fwd_bwd_compile_count", "perf/gpu_memory_peak_gib", "perf/gpu_memory_reserved_gib",
-            "perf/cuda_alloc_retries", "server/frontend_cpu", "rollout/worker_cpu", "rollout/worker_main_cpu", "host/cpu_busy_cores",
-            "host/cpu_busy_frac")
+            "perf/cuda_alloc_retries", "server/frontend_cpu", "rollout/worker_cpu", "rollout/worker_main_cpu",
+            "host/cpu_busy_cores", "host/cpu_busy_frac")
     out = []
     for r in rows:
         row = {"step": r.get("step"), "t_since_step1_s": round(r["time"] - t1, 3)}
         row.update({k: r.get(k) for k in keys if r.get(k) is not None})
+        row.update({k: v for k, v in r.items() if k.startswith("perf/weight_sync") and v is not None})
         b = request_breakdown(r)
         if b and b.get("binding"):
             row["request_binding"] = b["binding"]
