@@ -721,17 +721,17 @@ def summarize(rows: Sequence[Mapping[str, Any]], elapsed_s: float, output_dir: s
 
 
 def _reward_span(summary: RunSummary) -> str:
-    """`` (mean of the last 5 steps)``; when the run's last steps scored no group, `` (mean of steps 1-2, the last
-    with a reward)``; with a step between them that scored none, `` (mean of the 5 steps with a reward among steps
-    35-40)``; empty for one window."""
+    """One phrasing whatever the rows: `` (mean of the 5 logged steps with a reward among steps 36-40)``. The range
+    runs from the first step averaged to the run's last step, so a step in it without a reward (one that trained
+    only on queued samples) shows as the count falling short of the range, and a logged step is a window of
+    ``logging_steps`` steps where that is above 1; empty for one logged step."""
     n, span = summary.final_reward_windows, summary.final_reward_steps
     if n <= 1:
         return ""
-    if span is not None and span[1] - span[0] + 1 != n:
-        return f" (mean of the {n} steps with a reward among steps {span[0]}-{span[1]})"
-    if span is not None and summary.steps is not None and span[1] < summary.steps:
-        return f" (mean of steps {span[0]}-{span[1]}, the last with a reward)"
-    return f" (mean of the last {n} steps)"
+    if span is None:
+        return f" (mean of the last {n} logged steps with a reward)"
+    last = max(span[1], summary.steps) if summary.steps is not None else span[1]
+    return f" (mean of the {n} logged steps with a reward among steps {span[0]}-{last})"
 
 
 def _steps_text(summary: RunSummary) -> str:

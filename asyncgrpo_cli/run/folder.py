@@ -44,14 +44,17 @@ def _command(words: list[str], environ: dict[str, str] | None = None) -> str:
     return " ".join([*_env_words(environ), shlex.join(words)])
 
 
-NOT_REPEATED = ("--dry-run",)
-"""Flags of the command line that the printed command leaves out (a printed way to continue is a real run)."""
+NOT_REPEATED = ("--dry-run", "--check", "--doc")
+"""Flags of the command line that the printed command leaves out (a printed way to continue is a real run, also
+when ``asyncgrpo config --check`` printed it)."""
 
 
 def _launcher(argv: list[str]) -> list[str] | None:
-    """How this process was started as ``asyncgrpo train``: ``["asyncgrpo"]`` for the console script,
-    ``["python", "-m", "asyncgrpo_cli"]`` for ``python -m asyncgrpo_cli``; None for anything else."""
-    if len(argv) < 2 or argv[1] != "train" or any(a in ("-m", "--multirun") for a in argv):
+    """How this process was started as ``asyncgrpo train`` (or ``asyncgrpo config --check``, which runs train's
+    checks, so its fixes are train commands too): ``["asyncgrpo"]`` for the console script, ``["python", "-m",
+    "asyncgrpo_cli"]`` for ``python -m asyncgrpo_cli``; None for anything else."""
+    checking = len(argv) >= 2 and argv[1] == "config" and "--check" in argv
+    if len(argv) < 2 or not (argv[1] == "train" or checking) or any(a in ("-m", "--multirun") for a in argv):
         return None
     program = Path(argv[0])
     if program.name == "asyncgrpo":

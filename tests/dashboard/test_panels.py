@@ -251,11 +251,12 @@ def test_summary_and_checkpoints(tmp_path):
     unscored = {k: v for k, v in window(4).items() if k != "reward"}  # trained only on queued samples
     gap = summarize([*rows, unscored, window(5)], 1.0, tmp_path, "finished")
     assert gap.final_reward_windows == 4 and gap.final_reward_steps == (1, 5)
-    assert "(mean of the 4 steps with a reward among steps 1-5)" in "\n".join(summary_lines(gap))
+    assert "(mean of the 4 logged steps with a reward among steps 1-5)" in "\n".join(summary_lines(gap))
     trailing = summarize([*rows, unscored], 1.0, tmp_path, "finished")
     assert trailing.final_reward == pytest.approx(0.2)  # the smoke job of the ninth session's trial: steps 3-4 unscored
-    assert "(mean of steps 1-3, the last with a reward)" in "\n".join(summary_lines(trailing))
-    assert "final reward          0.2 (mean of the last 3 steps)" in "\n".join(summary_lines(s))
+    assert "(mean of the 3 logged steps with a reward among steps 1-4)" in "\n".join(summary_lines(trailing))
+    assert "final reward          0.2 (mean of the 3 logged steps with a reward among steps 1-3)" in "\n".join(
+        summary_lines(s))  # one phrasing for all three cases
     many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
     assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
     (tmp_path / "model.safetensors").write_bytes(b"x")

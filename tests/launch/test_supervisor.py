@@ -528,6 +528,12 @@ def test_the_resume_line_repeats_the_command_with_its_overrides(monkeypatch):
     assert train_command(["trainer.max_steps=16"], ["/venv/bin/asyncgrpo", "train", "+recipe=smoke", "--dry-run",
                                                     "trainer.max_steps=8"]) == \
         "asyncgrpo train +recipe=smoke trainer.max_steps=16"
+    # `config --check` runs train's checks: its fix for a used folder is the train command (twelfth trial), while
+    # `config` without --check prints no fix and a sweep has no one command
+    config = ["/venv/bin/asyncgrpo", "config", "+recipe=smoke", "--check", "--doc"]
+    assert train_command(["trainer.output_dir=o-2"], config) == "asyncgrpo train +recipe=smoke trainer.output_dir=o-2"
+    assert train_command(["trainer.output_dir=o-2"], config[:3]) is None
+    assert train_command(["trainer.output_dir=o-2"], [*config, "-m"]) is None
 
 
 def test_printed_commands_set_the_environment_settings_the_run_had(monkeypatch):
