@@ -724,13 +724,17 @@ def _reward_span(summary: RunSummary) -> str:
     """One phrasing whatever the rows: `` (mean of the 5 logged steps with a reward among steps 36-40)``. The range
     runs from the first step averaged to the run's last step, so a step in it without a reward (one that trained
     only on queued samples) shows as the count falling short of the range, and a logged step is a window of
-    ``logging_steps`` steps where that is above 1; empty for one logged step."""
+    ``logging_steps`` steps where that is above 1. One logged step with a reward among several: `` (the only logged
+    step with a reward among steps 9-10)``; empty when the run logged one step."""
     n, span = summary.final_reward_windows, summary.final_reward_steps
-    if n <= 1:
+    if n < 1:
         return ""
     if span is None:
-        return f" (mean of the last {n} logged steps with a reward)"
+        return f" (mean of the last {n} logged steps with a reward)" if n > 1 else ""
     last = max(span[1], summary.steps) if summary.steps is not None else span[1]
+    if n == 1:
+        first = min(span[0], summary.first_step) if summary.first_step is not None else span[0]
+        return f" (the only logged step with a reward among steps {first}-{last})" if first < last else ""
     return f" (mean of the {n} logged steps with a reward among steps {span[0]}-{last})"
 
 

@@ -131,9 +131,13 @@ def _reward_text(reward: float | None, zero_std_frac: float | None) -> str:
 
 
 def _train_text(tokens_per_s: float | None, groups_per_step: float | None) -> str:
-    """``train 3.4k tok/s``, with the groups a step trained when known: ``train 3.4k tok/s (64 groups)``."""
+    """``train 3.4k tok/s``, with the groups a step trained when known: ``train 3.4k tok/s (64 groups)``, ``(1 group)``
+    (a mean over a window of several steps can be fractional: ``(1.5 groups)``)."""
     text = f"train {fmt_rate(tokens_per_s)} tok/s"
-    return text + (f" ({groups_per_step:.0f} groups)" if groups_per_step else "")
+    if not groups_per_step:
+        return text
+    shown = f"{groups_per_step:.0f}" if abs(groups_per_step - round(groups_per_step)) < 0.05 else f"{groups_per_step:.1f}"
+    return text + f" ({shown} {'group' if shown == '1' else 'groups'})"
 
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:

@@ -257,6 +257,10 @@ def test_summary_and_checkpoints(tmp_path):
     assert "(mean of the 3 logged steps with a reward among steps 1-4)" in "\n".join(summary_lines(trailing))
     assert "final reward          0.2 (mean of the 3 logged steps with a reward among steps 1-3)" in "\n".join(
         summary_lines(s))  # one phrasing for all three cases
+    # a resumed run stopped after steps 9-10 where only step 9 scored (the twelfth-session trial printed a bare 0.1)
+    stopped = summarize([window(9), {k: v for k, v in window(10).items() if k != "reward"}], 1.0, tmp_path, "stopped")
+    assert "(the only logged step with a reward among steps 9-10)" in "\n".join(summary_lines(stopped))
+    assert "final reward          0.1\n" in "\n".join(summary_lines(summarize([window(1)], 1.0, tmp_path, "finished")))
     many = [window(s) for s in range(1, 11)]  # the last 5 windows: steps 6..10
     assert summarize(many, 1.0, tmp_path, "finished").final_reward == pytest.approx(0.8)
     (tmp_path / "model.safetensors").write_bytes(b"x")

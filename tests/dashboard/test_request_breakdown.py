@@ -116,3 +116,5 @@ def test_the_plain_line_says_what_trained_beside_a_reward_of_zero():
     some_kept = metrics_line(dict(window, frac_reward_zero_std=0.75, reward=0.1))
     assert "| reward 0.1 |" in some_kept and "none kept" not in some_kept
     assert "| train 1.2k tok/s |" in metrics_line({k: v for k, v in window.items() if k != "batch/groups_per_step"})
+    assert "| train 1.2k tok/s (1 group) |" in metrics_line(dict(window, **{"batch/groups_per_step": 1.0}))
+    assert "(1.5 groups)" in metrics_line(dict(window, **{"batch/groups_per_step": 1.5}))  # a window's mean
