@@ -15,7 +15,9 @@ Its cause is the first of these that holds, each with the CLI override that fixe
 3. ``trainer_idle_on_policy``: ``staleness.max_staleness=0``: on-policy rounds (issue #33) generate each step's
    samples after the last weight sync, so training and generation take turns by design. Fix: ``max_staleness=1``.
 4. ``trainer_idle_allowance``: the staleness token allowance holds generation back (where the producer logs what held
-   it, ``rollout/held_allowance_frac`` at least ``high_wait_frac``, 20%, of the window first): ``rollout/backpressure_s``
+   it, ``rollout/held_allowance_frac`` at least ``high_wait_frac``, 20%, of the window and at least
+   ``rollout/held_cap_frac`` first; where it does not, not with the rollouts in flight at the cap while the allowance
+   admits as many: then the cap is the limit): ``rollout/backpressure_s``
    active (> ``backpressure_active_s``), or ``rollout/concurrency`` below ``inflight_low_frac`` (0.5) of
    ``rollout/concurrency_cap`` while the allowance admits fewer rollouts than the cap (unknown counts as
    fewer). It admits ~``max(max_staleness, 1) x weight_sync_steps x batch/samples_per_step`` rollouts (queued
@@ -181,8 +183,12 @@ def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) ->
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
     cap, admitted = num(m, "rollout/concurrency_cap"), _allowance_rollouts(m, s)
     shares = dict(held_shares(m))
-    if shares and shares.get("allowance", 0.0) < th.high_wait_frac:
+    if shares and (shares.get("allowance", 0.0) < th.high_wait_frac
+                   or shares.get("cap", 0.0) > shares.get("allowance", 0.0)):
         return None  # the producer's own record: something else held it (a few short waits are not the bound)
+    if not shares and conc is not None and cap is not None and conc >= th.at_limit_frac * cap \
+            and admitted is not None and admitted >= cap:
+        return None  # in flight at the cap, which admits fewer than the allowance: the cap is the limit
     held = bp is not None and bp > th.backpressure_active_s
     low = conc is not None and cap is not None and conc < th.inflight_low_frac * cap \
         and (admitted is None or admitted < cap)

@@ -371,8 +371,18 @@ def test_idle_cause_the_staleness_allowance():
     capped = {**held, "rollout/held_allowance_frac": 0.002, "rollout/held_cap_frac": 0.997}
     other = trainer_idle(history_of(capped), VLLM)
     assert other is None or other.rule != "trainer_idle_allowance"
-    assert trainer_idle(history_of({**capped, "rollout/held_allowance_frac": 0.6}), VLLM).rule == \
-        "trainer_idle_allowance"
+    assert trainer_idle(history_of({**capped, "rollout/held_allowance_frac": 0.6, "rollout/held_cap_frac": 0.3}),
+                        VLLM).rule == "trainer_idle_allowance"
+    # the thirteenth session's trial (smoke job, after a 35 s SIGSTOP of the server): "holds generation back (16
+    # rollouts in flight, cap 16; it admits ~20 ...)". In flight at a cap below what the allowance admits: the cap is
+    # the limit, whether the producer's record says it held longer or no record is logged
+    at_cap = {**held, "rollout/concurrency": 120, "rollout/concurrency_cap": 120}  # the allowance admits ~130
+    for settings in (VLLM, roomy):
+        found = trainer_idle(history_of(at_cap), settings)
+        assert found is None or found.rule != "trainer_idle_allowance", found
+    more_cap = {**held, "rollout/held_allowance_frac": 0.3, "rollout/held_cap_frac": 0.5}
+    other = trainer_idle(history_of(more_cap), VLLM)
+    assert other is None or other.rule != "trainer_idle_allowance"
 
 
 def test_a_finding_that_holds_is_shown_while_a_worse_one_comes_and_goes():
