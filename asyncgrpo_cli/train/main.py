@@ -158,7 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     except WeightSyncCheckError as exc:  # sampler.check_weight_sync: the four probe gaps are the information
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    return trainer.exit_code
+    code = trainer.exit_code
+    if code and _supervisor_gone():  # nobody is left to add its note after the launcher's report (log_tail)
+        print(f"asyncgrpo trainer: stopped because the supervisor was gone (exit status {code}, as on SIGTERM); a "
+              "launcher traceback after this line reports only that status, not a crash. The command that resumes "
+              "the run is in status.json (resume_command)", file=sys.stderr, flush=True)
+    return code
+
+
+def _supervisor_gone() -> bool:
+    """Whether this trainer stopped because `_follow_supervisor` found the supervisor gone."""
+    from ..run.stop_reason import own_reason
+
+    return any("the supervisor" in reason and "is gone" in reason for reason in own_reason)
 
 
 if __name__ == "__main__":
