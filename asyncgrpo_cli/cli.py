@@ -86,18 +86,22 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
         raise typer.Exit(2) from None
 
 
-def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False) -> list[ConfigError]:
+def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False, overrides: list[str] | None = None,
+              recipes_dir: list[Path] | None = None) -> list[ConfigError]:
     """The deep pass of `asyncgrpo_cli.config.validate` before anything starts (``probe``: with the network
     checks, an external sampler answering): exit 2 on a problem, print its warnings otherwise. ``keep_going``
-    (``train --dry-run``): return the problems instead, so that the launch plan is still printed with them."""
+    (``train --dry-run``): return the problems instead, so that the launch plan is still printed with them.
+    A problem with a key of ``overrides`` also names that key's value without the override (the recipe's)."""
     from rich.markup import escape
 
+    from .config.compose import with_values_without
     from .config.rules import ConfigErrors
     from .config.run_checks import validate_run
 
     try:
         warnings = validate_run(cfg, command, probe=probe)
     except ConfigError as exc:
+        exc = with_values_without(exc, list(overrides or []), recipes_dir)
         if keep_going:
             return list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
         _print_error(exc)
@@ -323,7 +327,8 @@ def config_cmd(
                   "or model.name=...) --check runs the checks train runs (lengths, imports, data, rewards)",
                   highlight=False, soft_wrap=True)
         return
-    _validate(cfg, "train", probe=True)  # the deep pass train runs, after the YAML: exit 2 with every problem
+    # the deep pass train runs, after the YAML: exit 2 with every problem
+    _validate(cfg, "train", probe=True, overrides=hargs.overrides, recipes_dir=recipes_dir)
     _check_plan(cfg)
     err.print("[green]config --check: every check train runs before it starts passed[/] (the server's own "
               "checks run when it answers: asyncgrpo doctor)", highlight=False, soft_wrap=True)
@@ -337,14 +342,15 @@ def _check_plan(cfg) -> None:
     from .launch.preflight import early_refusal
 
     try:
-        problems = build_launch_plan(cfg).problems
+        problems = [f"config error: {p}" for p in build_launch_plan(cfg).problems]
     except ConfigError as exc:
-        problems = [str(exc)]
+        problems = [f"config error: {exc}"]
     early = early_refusal(cfg)
     if early:
-        problems.append(early.partition(": ")[2])
+        problems.append(early)  # with train's own label ("error:" for a used folder), so both read alike
     for problem in problems:
-        err.print(Text.assemble(("config error: ", "bold red"), problem), highlight=False, soft_wrap=True)
+        label, _, text = problem.partition(": ")
+        err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
     if problems:
         raise typer.Exit(2)
 
@@ -379,8 +385,9 @@ def serve_cmd(
     from .server.command import server_command_here
     from .launch.supervisor import server_exec_argv
 
-    cfg = _compose(_hydra_args(overrides, command="serve").overrides, recipes_dir)
-    _validate(cfg, "serve")
+    served = _hydra_args(overrides, command="serve").overrides
+    cfg = _compose(served, recipes_dir)
+    _validate(cfg, "serve", overrides=served, recipes_dir=recipes_dir)
     external_note = None
     if getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external":  # the server that config expects
         from .server.command import server_for_external
@@ -497,7 +504,8 @@ def train_cmd(
         _refuse_early(cfg)
     from .launch.supervisor import run_train  # after --cfg: printing a config imports no trainer code
 
-    refused = _validate(cfg, "train", probe=True, keep_going=dry_run)
+    refused = _validate(cfg, "train", probe=True, keep_going=dry_run, overrides=hargs.overrides,
+                        recipes_dir=recipes_dir)
     if refused:  # a dry run shows its plan all the same, with the checks that failed in it
         from .launch.supervisor import print_refused_plan
 

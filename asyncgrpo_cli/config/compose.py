@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .rules import ConfigError, check_fields, check_lora_rank
 
@@ -217,8 +217,36 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     if maps:
         _set_maps(cfg, maps)
     if validate:
-        validate_config(cfg)
+        try:
+            validate_config(cfg)
+        except ConfigError as exc:
+            raise with_values_without(exc, overrides, extra_recipe_dirs) from None
     return cfg
+
+
+def with_values_without(exc: ConfigError, overrides: list[str],
+                         recipe_dirs: list[str | Path] | None) -> ConfigError:
+    """``exc`` with, for each of its problems whose key an override set, that key's value without the override
+    (the recipe's) as a second fix when the first names another value: a rule's fix is a generic default
+    (``trainer.learning_rate=1e-6``), which would silently change a recipe's own value (3e-5)."""
+    from .errors import ConfigErrors
+    from .override_errors import _MISSING
+
+    parts = list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
+    changed = []
+    for err in parts:
+        value = _value_without(err.key, overrides, recipe_dirs) if err.key else _MISSING
+        if value is _MISSING or value is None or isinstance(value, (DictConfig, ListConfig)):
+            changed.append(err)
+            continue
+        shown = str(value).lower() if isinstance(value, bool) else value
+        text = str(err)
+        if "Fix:" in text and f"{err.key}={shown}" not in text:
+            text += f"; or {err.key}={shown}, its value without this override"
+        changed.append(ConfigError(text, key=err.key))
+    if all(a is b for a, b in zip(parts, changed)):
+        return exc
+    return ConfigErrors(changed) if isinstance(exc, ConfigErrors) else changed[0]
 
 
 def refuse_repeated_keys(overrides: list[str]) -> None:

@@ -381,6 +381,19 @@ def cpu_thread_split(gpus: GpuPlan, server: Any, cores: int | None = None, *, sa
     return max(1, sampler_threads // engines), trainer_threads, cores
 
 
+def run_size(cfg: DictConfig) -> str:
+    """The plan's ``run`` row: how long and how large the run is and what it credits, from the composed config:
+    ``8 steps | 4 completions a prompt, up to 48 tokens | reward accuracy_reward | learning rate 3e-05 |
+    max_staleness 4`` (``3 epochs`` when ``trainer.max_steps`` is -1)."""
+    t, r = cfg.trainer, cfg.rollout
+    steps = int(t.max_steps)
+    length = f"{steps} steps" if steps > 0 else f"{float(t.num_train_epochs):g} epochs over the prompts"
+    names = [str(f.func).replace(":", ".").rsplit(".", 1)[-1] for f in cfg.rewards]
+    reward = f"reward{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "no reward function"
+    return (f"{length} | {r.num_generations} completions a prompt, up to {r.max_completion_length} tokens | "
+            f"{reward} | learning rate {float(t.learning_rate):g} | max_staleness {cfg.staleness.max_staleness}")
+
+
 def output_dir_of(trainer: TrainerConfig) -> Path:
     """The run's output folder from the ``trainer`` group (``output_dir``, default ``outputs/run``), absolute."""
     return Path(str(trainer.output_dir or DEFAULT_OUTPUT_DIR)).expanduser().resolve()

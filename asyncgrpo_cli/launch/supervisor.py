@@ -61,7 +61,7 @@ from ..config.rules import ConfigError
 from ..run.stop_reason import clear_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem, train_command
 from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
-                   output_dir_of, resolved_config)
+                   output_dir_of, resolved_config, run_size)
 from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
@@ -135,6 +135,7 @@ def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved:
     failed = "model.name" in failed_keys or "model.gguf_file" in failed_keys
     rows.append(("model", model + ("  FAILED: its check failed (the problem below)" if failed else ""),
                  "bold red" if failed else ""))
+    rows.append(("run", run_size(cfg), ""))
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     rows.append(("sampler", f"{backend} at {plan.url}", ""))
     rows.append(("server", f"$ {plan.server.shell_line()}" if plan.server else plan.server_reason, ""))
@@ -689,7 +690,7 @@ def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: 
         for problem in [*refused, exc]:
             console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
         return 2
-    plan.gpus.problems.extend(f"config error: {problem}" for problem in refused)
+    plan.gpus.problems.extend(str(problem) for problem in refused)  # the row says "problem" already
     print_plan(console, cfg, plan, resolved=False, failed_keys=frozenset(str(p.key) for p in refused))
     console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run.", style="bold red"))
     return 2

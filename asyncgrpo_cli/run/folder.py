@@ -149,9 +149,9 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
             if step >= max_steps > 0:  # this command's max_steps would train nothing more
                 cont.append(f"trainer.max_steps={its_max if its_max and its_max > step else 2 * step}")
                 why = f" ({how}; this command's trainer.max_steps={max_steps} is reached already)"
-            fixes.append(f"continue it{why} with: {train_command(cont, argv) or ' '.join(cont)}")
+            fixes.append(_fix(f"continue it{why}", train_command(cont, argv), " ".join(cont)))
         moved = f"trainer.output_dir={fresh}"
-        fixes.append(f"write this run elsewhere with: {train_command([moved], argv) or moved}")
+        fixes.append(_fix(f"{'or ' if fixes else ''}write this run elsewhere", train_command([moved], argv), moved))
         fixes.append(f"or remove {output_dir} to start over")
         return (f"trainer.output_dir={output_dir} already holds an earlier run ({held}); starting over there would "
                 "overwrite it. Fix:\n  " + "\n  ".join(fixes))
@@ -164,6 +164,12 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
         return (f"trainer.resume_from_checkpoint={resume}: {folder.name} is at step {step}, already "
                 f"trainer.max_steps={max_steps}: nothing to train. Fix: raise it, e.g. trainer.max_steps={2 * step}")
     return None
+
+
+def _fix(what: str, command: str | None, overrides: str) -> str:
+    """One fix of `start_problem`: ``what`` then the whole command alone on the next line, ready to paste;
+    ``what with: overrides`` on one line when there is no command (the Python API)."""
+    return f"{what}:\n    {command}" if command else f"{what} with: {overrides}"
 
 
 def how_it_ended(output_dir: Path, checkpoint: Path) -> tuple[str, int | None]:

@@ -359,6 +359,9 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
     checked = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"sampler.port={free_port()}",
                                   f"trainer.output_dir={used}"])  # config --check runs what train refuses
     assert checked.exit_code == 2 and "already holds an earlier run" in checked.output, checked.output
+    # with train's label: the thirteenth session's trial read "config error:" there and "error:" in train
+    assert f"\nerror: trainer.output_dir={used} already holds" in "\n" + checked.output, checked.output
+    assert f"error: trainer.output_dir={used}" in proc.stderr and "config error: trainer.output_dir" not in proc.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

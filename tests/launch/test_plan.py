@@ -218,3 +218,15 @@ def test_several_embedded_servers_split_the_sampler_threads_and_the_note_says_so
     assert ("servers and the trainer need more threads than" in note) == over
     # the twelfth session's trial read "they split the cores" and "they contend" in one line on 2 cores
     assert ("split the cores" in note) == (not over), note
+
+
+def test_the_plan_says_how_long_and_large_the_run_is():
+    """The thirteenth session's trial: the dry run showed the commands but not the run's size; its ``run`` row
+    names the steps (or epochs), completions, length, rewards, learning rate and staleness, from the config."""
+    from asyncgrpo_cli.launch.plan import run_size
+
+    assert run_size(compose(["+recipe=smoke"])) == ("8 steps | 4 completions a prompt, up to 48 tokens | reward "
+                                                   "accuracy_reward | learning rate 3e-05 | max_staleness 4")
+    epochs = run_size(compose(["+recipe=smoke", "trainer.max_steps=-1", "trainer.num_train_epochs=2"]))
+    assert epochs.startswith("2 epochs over the prompts | ")
+    assert "learning rate 1e-06 | max_staleness 0" in run_size(cfg_of("staleness.max_staleness=0"))

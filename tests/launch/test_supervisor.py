@@ -93,7 +93,7 @@ def test_cli_train_dry_run_offline_shows_the_plan_with_the_model_check_failed(tm
     assert result.exit_code == 2, text
     assert "asyncgrpo train: launch plan" in text and "accelerate.commands.launch" in text, text
     assert "model      no-such-org/not-cached-0  FAILED: its check failed (the problem below)" in text, text
-    assert ("problem    config error: model.name='no-such-org/not-cached-0': this Hub model is not in the local "
+    assert ("problem    model.name='no-such-org/not-cached-0': this Hub model is not in the local "
             "cache, and HF_HUB_OFFLINE is set") in text, text
     assert "problem(s): this plan cannot run." in text and not out.exists()
 
@@ -114,7 +114,32 @@ def test_cli_train_dry_run_marks_the_model_row_failed_for_a_gguf_that_is_not_the
     assert result.exit_code == 2, text
     model_row = next(line for line in text.splitlines() if line.startswith("model "))
     assert "FAILED: its check failed (the problem below)" in model_row, text
-    assert f"problem    config error: {key}=" in text and "problem(s): this plan cannot run." in text, text
+    assert f"problem    {key}=" in text and "problem(s): this plan cannot run." in text, text
+    assert not out.exists()
+
+
+def test_a_refusal_of_an_overridden_key_also_offers_the_recipes_value(tmp_path):
+    """A rule's fix is a generic value (trainer.learning_rate=1e-6); the smoke recipe trains at 3e-5, so taking
+    the fix alone would change the recipe 30-fold (twelfth trial): the refusal also names the value without the
+    override, in the dry run's plan, in `config --check` and at compose time; not when the fix names it already."""
+    out = tmp_path / "smoke"
+    port = f"sampler.port={free_port()}"
+    for args in (["train", "--dry-run"], ["config", "--check"]):
+        result = CliRunner().invoke(app, [*args, "+recipe=smoke", "trainer.learning_rate=-1", port,
+                                          f"trainer.output_dir={out}"])
+        assert result.exit_code == 2, result.output
+        assert ("trainer.learning_rate=-1.0: must be a finite number >= 0. Fix: set trainer.learning_rate=1e-6; or "
+                "trainer.learning_rate=3e-05, its value without this override") in result.output, result.output
+        if args[0] == "train":  # the row's label says "problem", with no "config error:" after it
+            assert "problem    trainer.learning_rate=-1.0: must" in result.output, result.output
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.rules import ConfigError
+
+    with pytest.raises(ConfigError, match=r"; or rollout.num_generations=4, its value without this override$"):
+        compose(["+recipe=smoke", "rollout.num_generations=1"])
+    with pytest.raises(ConfigError) as info:  # no recipe: the value without the override is the default (8)
+        compose(["rollout.num_generations=1"])
+    assert "rollout.num_generations=8, its value" in str(info.value)
     assert not out.exists()
 
 
@@ -432,9 +457,9 @@ def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
     cfg = compose(["+recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=3"])
     text = start_problem(cfg.trainer, out, argv)
     assert (f"continue it (its newest checkpoint is at step 3; this command's trainer.max_steps=3 is reached "
-            f"already) with: asyncgrpo train +recipe=smoke trainer.output_dir={out} "
+            f"already):\n    asyncgrpo train +recipe=smoke trainer.output_dir={out} "
             f"trainer.resume_from_checkpoint=true trainer.max_steps=6") in text
-    assert f"write this run elsewhere with: asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
+    assert f"or write this run elsewhere:\n    asyncgrpo train +recipe=smoke trainer.max_steps=3 " \
         f"trainer.output_dir={out}-2" in text
     assert f"or remove {out} to start over" in text
 
@@ -462,15 +487,15 @@ def test_the_used_folder_refusal_says_how_the_earlier_run_really_ended(tmp_path)
     text = start_problem(compose(argv[2:]).trainer, out, argv)
     assert "ended" not in text and "= max_steps" not in text, text
     assert "already holds an earlier run (checkpoint-10, the final model (step 8))" in text, text
-    assert (f"continue it (it stopped at step 10 of 16; this command's trainer.max_steps=8 is reached already) "
-            f"with: asyncgrpo train +recipe=smoke trainer.output_dir={out} trainer.resume_from_checkpoint=true "
+    assert (f"continue it (it stopped at step 10 of 16; this command's trainer.max_steps=8 is reached already)"
+            f":\n    asyncgrpo train +recipe=smoke trainer.output_dir={out} trainer.resume_from_checkpoint=true "
             "trainer.max_steps=16") in text, text
     argv.append("trainer.max_steps=16")  # the earlier run's own command: continue it as it is
     text = start_problem(compose(argv[2:]).trainer, out, argv)
-    assert (f"continue it (it stopped at step 10 of 16) with: asyncgrpo train +recipe=smoke "
+    assert (f"continue it (it stopped at step 10 of 16):\n    asyncgrpo train +recipe=smoke "
             f"trainer.output_dir={out} trainer.max_steps=16 trainer.resume_from_checkpoint=true\n") in text, text
     (out / "status.json").write_text(json.dumps({"state": "finished", "step": 16}))  # a later run's status
-    assert "continue it (its newest checkpoint is at step 10 of 16) with:" in start_problem(
+    assert "continue it (its newest checkpoint is at step 10 of 16):\n    asyncgrpo train" in start_problem(
         compose(argv[2:]).trainer, out, argv)
 
 
