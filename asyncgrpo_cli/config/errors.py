@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .citations import cite_shipped
 
 
 def shown_value(key: str, value: object) -> str:
     """``value`` as an error shows it after ``key=``: a dotted (CLI) key's boolean or null in the YAML words the user
-    types (``true``, ``null``), anything else, and every value of a Python-API name, as Python's ``repr``."""
-    if "." in key and (value is None or isinstance(value, bool)):
+    types (``true``, ``null``), and its mapping or list in YAML's flow style (``{every_n_layers: 2}``); anything
+    else, and every value of a Python-API name, as Python's ``repr``."""
+    if "." not in key:
+        return repr(value)
+    if value is None or isinstance(value, bool):
         return "null" if value is None else str(value).lower()
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {shown_value(key, v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(shown_value(key, v) for v in value) + "]"
     return repr(value)
 
 

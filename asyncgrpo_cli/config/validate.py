@@ -210,6 +210,18 @@ def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str],
     seed = number("seed")
     if seed is not None and seed < 0:
         bad("seed", "must be >= 0", f"set {p('seed')}=42")
+    checkpointing = g("activation_checkpointing_kwargs") or g("gradient_checkpointing_kwargs")
+    if checkpointing:  # transformers' Trainer reads it; so does this one (`train.checkpointing`)
+        from .checkpointing_rules import checkpointing_options
+
+        try:
+            checkpointing_options(checkpointing, p("activation_checkpointing_kwargs"))
+        except ConfigError as exc:
+            errors.append(exc)
+        if g("activation_checkpointing") is False or (g("activation_checkpointing") is None
+                                                      and g("gradient_checkpointing") is False):
+            bad("activation_checkpointing_kwargs", "has no effect while activation checkpointing is off",
+                f"set {p('activation_checkpointing')}=true, or remove {p('activation_checkpointing_kwargs')}")
     bs = number("per_device_train_batch_size")
     if bs is not None and bs < 1:
         bad("per_device_train_batch_size", "must be >= 1 (it is unused: rows are filled by token budget)",

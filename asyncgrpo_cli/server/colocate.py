@@ -12,7 +12,8 @@ Memory model (bytes; estimates, printed in the plan so that a user can correct t
 - trainer: ``4 · P · itemsize(model.dtype)`` for weights, gradients and AdamW's two moments (LoRA:
   the frozen weights plus 1% of them for the adapter), ``2 · P`` for the bf16 copy handed to vLLM
   during a sync, activations ``T · L · H · 34`` bytes for a micro-batch of ``T`` tokens (``T · L · H · 4``
-  with activation checkpointing), the log-prob tiles (``2048 × 16384`` fp32, three live), and
+  with activation checkpointing, plus one layer's ``T · H · 34`` recomputed; with ``every_n_layers: N`` the
+  ``ceil(L / N)`` checkpointed layers count 4 and the others 34), the log-prob tiles (``2048 × 16384`` fp32, three live), and
   `TRAINER_OVERHEAD_BYTES` for the CUDA context and the caching allocator's slack; times
   `TRAINER_MARGIN`.
 - vLLM: weights in its dtype, a KV cache for ``staleness.max_concurrent_rollouts`` sequences of
@@ -162,17 +163,20 @@ class MemorySplit:
 
 
 def trainer_need_bytes(shape: ModelShape, *, dtype: str, token_budget: int, activation_checkpointing: bool,
-                       lora: bool, reference: bool = False) -> int:
+                       lora: bool, reference: bool = False, checkpoint_every: int = 1) -> int:
     """Estimated peak GPU memory of a single-process trainer (module docstring), bytes, margin included.
 
     ``reference``: ``loss.beta`` > 0 with full fine-tuning keeps a frozen copy of the weights (``P · itemsize``
-    more); with LoRA the reference is the base model with adapters disabled (nothing more)."""
+    more); with LoRA the reference is the base model with adapters disabled (nothing more).
+    ``checkpoint_every``: ``activation_checkpointing_kwargs.every_n_layers`` (layers 0, N, 2N, ... checkpoint;
+    the others keep their activations, as without checkpointing)."""
     item = _ITEMSIZE.get(dtype, 4)
     p = shape.parameters
     states = p * item * (1.01 if lora else 4) + (reference_copy_bytes(shape, dtype) if reference and not lora else 0)
     sync_copy = 2 * p
-    per_token_layer = 4 if activation_checkpointing else 34
-    acts = token_budget * shape.num_layers * shape.hidden_size * per_token_layer
+    checkpointed = -(-shape.num_layers // max(1, checkpoint_every)) if activation_checkpointing else 0
+    per_token = 4 * checkpointed + 34 * (shape.num_layers - checkpointed)
+    acts = token_budget * shape.hidden_size * per_token
     if activation_checkpointing:
         acts += token_budget * shape.hidden_size * 34  # the layer being recomputed
     tiles = 3 * 2048 * 16384 * 4
@@ -199,7 +203,7 @@ def _round_down(x: float, step: float = 0.01) -> float:
 
 def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float | None, dtype: str,
                 token_budget: int, max_model_len: int, max_concurrent: int, activation_checkpointing: bool,
-                lora: bool, reference: bool = False) -> MemorySplit:
+                lora: bool, reference: bool = False, checkpoint_every: int = 1) -> MemorySplit:
     """Split ``total_bytes`` of one GPU between vLLM and the trainer.
 
     Args:
@@ -210,7 +214,8 @@ def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float
         token_budget: tokens of one micro-batch (``packing.token_budget`` or ``max_model_len``).
         max_model_len: ``sampler.max_model_len`` (KV tokens per sequence).
         max_concurrent: ``staleness.max_concurrent_rollouts`` (sequences in flight at most).
-        activation_checkpointing, lora: trainer settings that change its need.
+        activation_checkpointing, lora, checkpoint_every: trainer settings that change its need
+            (``checkpoint_every``: ``activation_checkpointing_kwargs.every_n_layers``).
         reference: ``loss.beta`` > 0 (full fine-tuning adds a frozen copy of the weights to the trainer's need).
 
     Returns:
@@ -222,7 +227,8 @@ def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float
     t_need = v_need = kv_tokens = None
     if shape is not None:
         t_need = trainer_need_bytes(shape, dtype=dtype, token_budget=token_budget,
-                                    activation_checkpointing=activation_checkpointing, lora=lora, reference=reference)
+                                    activation_checkpointing=activation_checkpointing, lora=lora, reference=reference,
+                                    checkpoint_every=checkpoint_every)
         if reference and not lora:
             notes.append(f"loss.beta > 0: the trainer holds a frozen reference copy of the weights, "
                          f"~{reference_copy_bytes(shape, dtype) / GiB:.1f} GiB (included above)")
@@ -392,6 +398,19 @@ def expected_colocation(gpu_count: int, *, launch: LaunchConfig, sampler: Sample
     return None
 
 
+def _checkpoint_every(trainer: Any) -> int:
+    """``every_n_layers`` of the trainer group's ``activation_checkpointing_kwargs`` (its alias too); 1 when unset
+    or invalid (`config.checkpointing_rules` refuses an invalid one with its own message)."""
+    from ..config.checkpointing_rules import checkpointing_options
+    from ..config.errors import ConfigError
+
+    kwargs = trainer.get("activation_checkpointing_kwargs") or trainer.get("gradient_checkpointing_kwargs")
+    try:
+        return checkpointing_options(kwargs)[0]
+    except ConfigError:
+        return 1
+
+
 def decide_layout(gpu_count: int, gpu_memory: int | None = None, *, launch: LaunchConfig, sampler: SamplerConfig,
                   model: ModelConfig, trainer: TrainerConfig, packing: PackingConfig, staleness: StalenessConfig,
                   peft: PeftConfig, loss: LossConfig) -> Layout:
@@ -450,7 +469,8 @@ def decide_layout(gpu_count: int, gpu_memory: int | None = None, *, launch: Laun
                              token_budget=int(budget) if budget is not None else max_len, max_model_len=max_len,
                              max_concurrent=int(staleness.max_concurrent_rollouts),
                              activation_checkpointing=bool(trainer.get("activation_checkpointing", False)),
-                             lora=bool(peft.enabled), reference=float(loss.get("beta", 0.0) or 0.0) > 0)
+                             lora=bool(peft.enabled), reference=float(loss.get("beta", 0.0) or 0.0) > 0,
+                             checkpoint_every=_checkpoint_every(trainer))
         if mml is None:
             memory.notes.append("sampler.max_model_len is unset: the KV estimate assumes 4096 tokens a sequence")
         problems.extend(memory.problems)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from .model_loading import eos_token_ids, freeze_outside_text_model, load_policy
 from .moe_aux import MoeAuxLoss
 from .packed_loss import Reference, install_loss_head, micro_batch_sequences, row_loss
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
+from .checkpointing import enable_activation_checkpointing
 from .compile import compile_decoder_layers
 from .console_log import use_plain_lines
 from .packing import pack_row
@@ -192,14 +194,11 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             start_position = 0  # SPEC §12: a streaming dataset cannot be repositioned; it restarts
         self._num_tokens = int(saved.get("num_tokens", 0))
         self.is_in_train = True
-        if args.activation_checkpointing:
-            enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if hasattr(self.model, "enable_input_require_grads"):
-                self.model.enable_input_require_grads()
+        if args.activation_checkpointing:  # with trainer.activation_checkpointing_kwargs, as transformers' Trainer
+            on, of = enable_activation_checkpointing(self.model, args.activation_checkpointing_kwargs)
+            if on < of and self.accelerator.is_main_process:  # every_n_layers > 1
+                print(f"asyncgrpo trainer: activation checkpointing on {on} of {of} layers", file=sys.stderr,
+                      flush=True)
         state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
         self._init_training_state(state_max_steps, 1, max(1, math.ceil(args.num_train_epochs)),
                                   resume_from_checkpoint, trial)

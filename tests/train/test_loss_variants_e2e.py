@@ -59,8 +59,9 @@ CASES = {
         score_centering=False, loss_type="grpo", importance_sampling_level="sequence",
         vllm_importance_sampling_mode="sequence_truncate", mask_truncated_completions=True,
         reward_weights=[1.0, 0.5], epsilon=3e-4, epsilon_high=4e-4, learning_rate=1e-4),
-    "cispo_token_tis": dict(score_centering=False, loss_type="cispo", epsilon_high=5.0,
-                            vllm_importance_sampling_mode="token_truncate"),
+    "cispo_token_tis_every2": dict(score_centering=False, loss_type="cispo", epsilon_high=5.0,
+                                   vllm_importance_sampling_mode="token_truncate",
+                                   activation_checkpointing_kwargs={"every_n_layers": 2}),
     "centering_dr_grpo_token_tis_kl": dict(loss_type="dr_grpo", vllm_importance_sampling_mode="token_truncate",
                                            beta=0.05),
 }
@@ -96,6 +97,10 @@ def test_variant_trains(model_dir, server, tmp_path, case):
     else:
         assert not any(k.endswith("/weight") for k in keys) and "completions/masked_truncated_frac" not in keys
     assert ("kl" in keys) == (args.beta > 0)
+    from asyncgrpo_cli.train.checkpointing import checkpointed_layers
+
+    on, of = checkpointed_layers(trainer.model)  # trainer.activation_checkpointing_kwargs reached the model
+    assert of >= 2 and on == (-(-of // 2) if args.activation_checkpointing_kwargs else of), (on, of)
     if args.beta > 0:  # step 1 trains the initial policy itself: KL 0; after one update it is > 0
         assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
         assert trainer.reference.frozen is not None

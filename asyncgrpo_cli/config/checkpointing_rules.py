@@ -1,0 +1,41 @@
+"""The rules of ``trainer.activation_checkpointing_kwargs`` (transformers' ``TrainingArguments`` field, read as
+`transformers.Trainer` reads it; `asyncgrpo_cli.train.checkpointing` applies it). Pure: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["KEY", "checkpointing_options"]
+
+KEY = "trainer.activation_checkpointing_kwargs"
+
+
+def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY) -> tuple[int, bool, dict[str, Any]]:
+    """``(every_n_layers, offload, the rest for torch.utils.checkpoint)`` of ``activation_checkpointing_kwargs``
+    (a mapping, a JSON string as `TrainingArguments` takes it, or None), ``use_reentrant`` set to false when absent.
+
+    Raises:
+        ConfigError: not a mapping, ``every_n_layers`` not a whole number >= 1, or ``offload`` not a boolean
+            (each message names the key and the fix).
+    """
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else None
+        except ValueError:
+            pass  # refused below as not a mapping
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise ConfigError(f"{key}={kwargs!r}: must be a mapping. Fix: e.g. {key}={{every_n_layers: 2}}", key=key)
+    rest = dict(kwargs or {})
+    every = rest.pop("every_n_layers", 1)
+    offload = rest.pop("offload", False)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"{key}.every_n_layers={every!r}: must be a whole number >= 1 (1 checkpoints every layer, 2 "
+                          f"every other one). Fix: {key}.every_n_layers=2, or leave it out", key=key)
+    if not isinstance(offload, bool):
+        raise ConfigError(f"{key}.offload={offload!r}: must be true or false. Fix: {key}.offload=true", key=key)
+    rest.setdefault("use_reentrant", False)  # the trainer's default; transformers' too when no kwargs are given
+    return every, offload, rest

@@ -1,0 +1,96 @@
+"""``trainer.activation_checkpointing_kwargs`` as transformers' Trainer reads it (`train.checkpointing`): every
+layer or every N-th checkpoints, the same gradients whichever do (tree-packed rows, the trainer's loss), the
+older transformers without ``every_n_layers`` choosing the same layers, and the refusals (config and start)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncgrpo_cli.config.checkpointing_rules import checkpointing_options
+from asyncgrpo_cli.config.rules import ConfigError
+from asyncgrpo_cli.train.checkpointing import checkpointed_layers, enable_activation_checkpointing
+
+from test_compile import groups, rows_of, step, tiny_policy
+
+
+def _flags(model) -> list[bool]:
+    return [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+
+
+def test_every_n_layers_checkpoints_every_nth_layer_and_keeps_the_gradients():
+    rows = rows_of(groups(3, 17, [6, 2, 9]))
+    reference = tiny_policy(layers=4)  # every layer checkpoints (the helper enables it)
+    assert checkpointed_layers(reference) == (4, 4)
+    expected = step(reference, rows)
+    for kwargs, flags in ((None, [True] * 4), ({"every_n_layers": 2}, [True, False, True, False]),
+                          ('{"every_n_layers": 3}', [True, False, False, True]),
+                          ({"every_n_layers": 9}, [True, False, False, False]),
+                          ({"every_n_layers": 2, "use_reentrant": True}, [True, False, True, False])):
+        model = tiny_policy(layers=4)
+        on = enable_activation_checkpointing(model, kwargs)
+        assert _flags(model) == flags and on == (sum(flags), 4), kwargs
+        for (loss, grads), (want_loss, want_grads) in zip(step(model, rows), expected):
+            assert loss == pytest.approx(want_loss, abs=1e-6)
+            for name, grad in grads.items():
+                assert torch.allclose(grad, want_grads[name], atol=1e-6), (kwargs, name)
+
+
+def test_an_older_transformers_without_every_n_layers_gets_the_same_layers_and_refuses_offload():
+    model = tiny_policy(layers=4)
+    calls = []
+
+    def old_enable(activation_checkpointing_kwargs=None):  # transformers before every_n_layers
+        calls.append(activation_checkpointing_kwargs)
+        for layer in model.model.layers:
+            layer.gradient_checkpointing = True
+
+    model.activation_checkpointing_enable = old_enable
+    assert enable_activation_checkpointing(model, {"every_n_layers": 2, "preserve_rng_state": False}) == (2, 4)
+    assert _flags(model) == [True, False, True, False]
+    assert calls == [{"preserve_rng_state": False, "use_reentrant": False}]  # the rest reaches torch's checkpoint
+    with pytest.raises(ConfigError, match=r"offload=true: transformers .* cannot offload"):
+        enable_activation_checkpointing(model, {"offload": True})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"every_n_layers": 0}, r"every_n_layers=0: must be a whole number >= 1"),
+    ({"every_n_layers": 1.5}, r"every_n_layers=1.5"),
+    ({"offload": "yes"}, r"offload='yes': must be true or false"),
+    ("[1, 2]", r"must be a mapping"),
+])
+def test_bad_options_are_refused_with_the_key_and_the_fix(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        checkpointing_options(kwargs)
+
+
+def test_the_options_split_as_transformers_splits_them():
+    assert checkpointing_options(None) == (1, False, {"use_reentrant": False})
+    assert checkpointing_options({"every_n_layers": 2, "offload": True, "preserve_rng_state": False}) == \
+        (2, True, {"preserve_rng_state": False, "use_reentrant": False})
+
+
+def test_the_config_refuses_options_that_would_do_nothing_or_break(tmp_path):
+    from asyncgrpo_cli import AsyncGRPOConfig
+
+    with pytest.raises(ConfigError, match=r"activation_checkpointing_kwargs=\{'every_n_layers': 2\}: has no effect "
+                                          r"while activation checkpointing is off"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing=False,
+                        activation_checkpointing_kwargs={"every_n_layers": 2})
+    with pytest.raises(ConfigError, match=r"every_n_layers=0"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), gradient_checkpointing_kwargs={"every_n_layers": 0})
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing_kwargs={"every_n_layers": 2})
+    assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"every_n_layers": 2}
+
+
+def test_the_memory_plan_counts_the_layers_that_keep_their_activations():
+    from asyncgrpo_cli.server.colocate import TRAINER_MARGIN, ModelShape, trainer_need_bytes
+
+    shape = ModelShape(parameters=2_000_000_000, num_layers=28, hidden_size=2048, num_kv_heads=8, head_dim=128,
+                       vocab_size=151_936)
+    need = {every: trainer_need_bytes(shape, dtype="float32", token_budget=16384, activation_checkpointing=True,
+                                      lora=False, checkpoint_every=every) for every in (1, 2, 28)}
+    off = trainer_need_bytes(shape, dtype="float32", token_budget=16384, activation_checkpointing=False, lora=False)
+    assert need[1] < need[2] < need[28] < off + 16384 * 2048 * 34 * 2  # 28: one layer checkpoints
+    layer = 16384 * 2048 * 30  # a layer that keeps its activations instead of its input
+    assert need[2] - need[1] == pytest.approx(TRAINER_MARGIN * 14 * layer, rel=1e-6)  # 14 of 28 keep theirs
