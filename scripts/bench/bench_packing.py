@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.train.checkpointing import enable_activation_checkpointing
 from asyncgrpo_cli.train.compile import compile_decoder_layers
 from asyncgrpo_cli.train.loss import LossConfig, read_pending
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
@@ -623,9 +624,10 @@ def profile_variant(fn, tag: str, out_dir: Path, steps: int, trace: bool = False
 
 
 def setup_model(shape: str, backend: str = "auto", activation_checkpointing: bool = True, compile: bool = False,
-                dtype: torch.dtype | None = None):
+                dtype: torch.dtype | None = None, every_n_layers: int = 1):
     """Build the shape with random weights and switch it to the product's training path, as the trainer does:
-    activation checkpointing (non-reentrant; SPEC §16.4 default on), tree attention (``auto``: flex on CUDA,
+    activation checkpointing (non-reentrant; SPEC §16.4 default on; ``every_n_layers``: that key of
+    ``trainer.activation_checkpointing_kwargs``, `asyncgrpo_cli.train.checkpointing`), tree attention (``auto``: flex on CUDA,
     sdpa on the CPU), the loss head, and with ``compile`` the regional compile of ``trainer.torch_compile=true``
     (every variant of the run, the padded baseline included, then runs compiled decoder layers).
     ``model.plain_forward`` keeps the stock forward (P4's padded baseline). ``dtype``: the weights' (`build_model`).
@@ -636,7 +638,7 @@ def setup_model(shape: str, backend: str = "auto", activation_checkpointing: boo
     model = build_model(shape, dtype)
     model.plain_forward = model.forward
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, {"every_n_layers": every_n_layers})
     backend = apply_tree_attention(model, ("flex" if DEVICE == "cuda" else "sdpa") if backend == "auto" else backend)
     install_loss_head(model)
     if compile:

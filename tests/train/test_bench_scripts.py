@@ -121,6 +121,21 @@ def test_p3_runs_on_cpu_and_writes_its_json(tiny_cpu, monkeypatch, capsys):
     assert "P3" in capsys.readouterr().out
 
 
+def test_p3_checkpointing_every_other_layer_counts_half_the_recomputation(tiny_cpu, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_mfu.py", "--device", "cpu", "--shape", "tiny", "--steps", "1", "--out",
+                                      str(tiny_cpu / "out"), "--every-n-layers", "2"])
+    assert bm.main() == 0
+    r = json.loads((tiny_cpu / "out" / "P3_every2_tiny.json").read_text())
+    on, of = r["checkpointed_layers"]
+    assert r["every_n_layers"] == 2 and on == -(-of // 2) and of == r["layers"]
+    expected = bm.step_flops(r["parameters"], r["hidden"], r["vocab"], r["head_dim"], r["query_heads"], r["layers"],
+                             r["forwarded_tokens"], r["trained_tokens"], r["tree_mask_pairs"], on / of)
+    assert r["flops_per_step"] == expected
+    full = bm.step_flops(r["parameters"], r["hidden"], r["vocab"], r["head_dim"], r["query_heads"], r["layers"],
+                         r["forwarded_tokens"], r["trained_tokens"], r["tree_mask_pairs"], True)
+    assert expected["model"] == full["model"] and expected["hardware"] < full["hardware"]
+
+
 def test_completion_spread_and_padded_token_count():
     import random
 
