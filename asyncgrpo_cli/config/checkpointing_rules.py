@@ -9,9 +9,14 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["KEY", "checkpointing_options"]
+__all__ = ["CHECKPOINT_KEYS", "KEY", "OWN_KEYS", "checkpointing_options"]
 
 KEY = "trainer.activation_checkpointing_kwargs"
+OWN_KEYS = ("every_n_layers", "offload")
+"""The keys transformers takes out for itself (`transformers.Trainer`)."""
+CHECKPOINT_KEYS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+"""The keyword arguments of ``torch.utils.checkpoint.checkpoint`` (torch 2.x); in non-reentrant mode it hands any
+other key to the layer's forward, which ignores it: a misspelt key would silently do nothing."""
 
 
 def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY) -> tuple[int, bool, dict[str, Any]]:
@@ -19,8 +24,8 @@ def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY
     (a mapping, a JSON string as `TrainingArguments` takes it, or None), ``use_reentrant`` set to false when absent.
 
     Raises:
-        ConfigError: not a mapping, ``every_n_layers`` not a whole number >= 1, or ``offload`` not a boolean
-            (each message names the key and the fix).
+        ConfigError: not a mapping, a key neither transformers nor ``torch.utils.checkpoint`` reads,
+            ``every_n_layers`` not a whole number >= 1, or ``offload`` not a boolean (each names the key and the fix).
     """
     if isinstance(kwargs, str):
         try:
@@ -30,6 +35,15 @@ def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise ConfigError(f"{key}={kwargs!r}: must be a mapping. Fix: e.g. {key}={{every_n_layers: 2}}", key=key)
     rest = dict(kwargs or {})
+    unknown = [k for k in rest if k not in OWN_KEYS + CHECKPOINT_KEYS]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(str(unknown[0]), OWN_KEYS + CHECKPOINT_KEYS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"{key}.{unknown[0]}={rest[unknown[0]]!r}: not a key transformers or "
+                          f"torch.utils.checkpoint reads, so it would do nothing. Fix: {hint}the keys are "
+                          f"{', '.join(OWN_KEYS + CHECKPOINT_KEYS)}", key=key)
     every = rest.pop("every_n_layers", 1)
     offload = rest.pop("offload", False)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:

@@ -214,14 +214,16 @@ def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str],
     if checkpointing:  # transformers' Trainer reads it; so does this one (`train.checkpointing`)
         from .checkpointing_rules import checkpointing_options
 
-        try:
-            checkpointing_options(checkpointing, p("activation_checkpointing_kwargs"))
-        except ConfigError as exc:
-            errors.append(exc)
         if g("activation_checkpointing") is False or (g("activation_checkpointing") is None
                                                       and g("gradient_checkpointing") is False):
-            bad("activation_checkpointing_kwargs", "has no effect while activation checkpointing is off",
+            bad("activation_checkpointing_kwargs", f"has no effect: {p('activation_checkpointing')} is false in this "
+                "config (a recipe may turn it off, as the CPU smoke recipe does)",
                 f"set {p('activation_checkpointing')}=true, or remove {p('activation_checkpointing_kwargs')}")
+        else:
+            try:
+                checkpointing_options(checkpointing, p("activation_checkpointing_kwargs"))
+            except ConfigError as exc:
+                errors.append(exc)
     bs = number("per_device_train_batch_size")
     if bs is not None and bs < 1:
         bad("per_device_train_batch_size", "must be >= 1 (it is unused: rows are filled by token budget)",

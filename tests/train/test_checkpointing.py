@@ -58,6 +58,7 @@ def test_an_older_transformers_without_every_n_layers_gets_the_same_layers_and_r
     ({"every_n_layers": 1.5}, r"every_n_layers=1.5"),
     ({"offload": "yes"}, r"offload='yes': must be true or false"),
     ("[1, 2]", r"must be a mapping"),
+    ({"every_n_layer": 2}, r"every_n_layer=2: not a key .* Fix: did you mean every_n_layers\?"),  # the trial's typo
 ])
 def test_bad_options_are_refused_with_the_key_and_the_fix(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -73,12 +74,16 @@ def test_the_options_split_as_transformers_splits_them():
 def test_the_config_refuses_options_that_would_do_nothing_or_break(tmp_path):
     from asyncgrpo_cli import AsyncGRPOConfig
 
-    with pytest.raises(ConfigError, match=r"activation_checkpointing_kwargs=\{'every_n_layers': 2\}: has no effect "
-                                          r"while activation checkpointing is off"):
+    with pytest.raises(ConfigError, match=r"activation_checkpointing_kwargs=\{'every_n_layers': 2\}: has no effect: "
+                                          r"activation_checkpointing is false in this config"):
         AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing=False,
                         activation_checkpointing_kwargs={"every_n_layers": 2})
     with pytest.raises(ConfigError, match=r"every_n_layers=0"):
         AsyncGRPOConfig(output_dir=str(tmp_path), gradient_checkpointing_kwargs={"every_n_layers": 0})
+    with pytest.raises(ConfigError) as info:  # off: that one problem, not also the value's (the second trial)
+        AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing=False,
+                        activation_checkpointing_kwargs={"every_n_layers": 0})
+    assert "has no effect" in str(info.value) and "problems" not in str(info.value)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing_kwargs={"every_n_layers": 2})
     assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"every_n_layers": 2}
 
