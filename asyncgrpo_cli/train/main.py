@@ -116,7 +116,8 @@ def _follow_supervisor(config_path: str | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--config``, build the trainer and train. Exit status: 0 on success, 130 / 143 when SIGINT /
-    SIGTERM stopped it (after saving), 2 for a user error (printed as one message, no traceback: an
+    SIGTERM stopped it (after saving; 0 when its supervisor was gone: nobody reads it, status.json says stopped),
+    2 for a user error (printed as one message, no traceback: an
     incomplete checkpoint to resume from, an unwritable ``output_dir``, another job in the folder), 1 when
     training failed."""
     from ..config.rules import ConfigError
@@ -159,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     code = trainer.exit_code
-    if code and _supervisor_gone():  # nobody is left to add its note after the launcher's report (log_tail)
-        print(f"asyncgrpo trainer: stopped because the supervisor was gone (exit status {code}, as on SIGTERM); a "
-              "launcher traceback after this line reports only that status, not a crash. The command that resumes "
-              "the run is in status.json (resume_command)", file=sys.stderr, flush=True)
+    if code and _supervisor_gone():
+        # Nobody is left to read the status, and accelerate's launcher would end trainer.log with a traceback (and a
+        # copy of the log) reporting a 143 that is no crash: the stop is in status.json, the exit status is 0.
+        print("asyncgrpo trainer: stopped because the supervisor was gone, after saving the last completed step; "
+              "the run's state and the command that resumes it are in status.json (state, resume_command)",
+              file=sys.stderr, flush=True)
+        return 0
     return code
 
 
