@@ -685,13 +685,18 @@ def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: 
     console = console or Console()
     try:
         external = getattr(cfg.sampler.backend, "value", cfg.sampler.backend) == "external"
-        plan = build_launch_plan(cfg, gpu_count, server_running=not external and probe_health(server_url(cfg), 1.0))
+        running = not external and probe_health(server_url(cfg), 1.0)
+        plan = build_launch_plan(cfg, gpu_count, server_running=running)
     except ConfigError as exc:  # no plan to show: the refusals are all there is to say
         for problem in [*refused, exc]:
             console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
         return 2
     plan.gpus.problems.extend(str(problem) for problem in refused)  # the row says "problem" already
-    print_plan(console, cfg, plan, resolved=False, failed_keys=frozenset(str(p.key) for p in refused))
+    failed = frozenset(str(p.key) for p in refused)
+    resolved = False
+    if not failed & {"model.name", "model.gguf_file"}:  # the commands a start runs, as a plan without problems
+        cfg, plan, resolved = dry_run_resolved(cfg, plan, running)
+    print_plan(console, cfg, plan, resolved=resolved, failed_keys=failed)
     console.print(Text(f"{len(plan.problems)} problem(s): this plan cannot run.", style="bold red"))
     return 2
 

@@ -226,7 +226,12 @@ def test_the_plan_says_how_long_and_large_the_run_is():
     from asyncgrpo_cli.launch.plan import run_size
 
     assert run_size(compose(["+recipe=smoke"])) == ("8 steps | 4 completions a prompt, up to 48 tokens | reward "
-                                                   "accuracy_reward | learning rate 3e-05 | max_staleness 4")
+                                                   "accuracy_reward | learning rate 3e-05 | max_staleness 4 | "
+                                                   "activation checkpointing off")
     epochs = run_size(compose(["+recipe=smoke", "trainer.max_steps=-1", "trainer.num_train_epochs=2"]))
     assert epochs.startswith("2 epochs over the prompts | ")
-    assert "learning rate 1e-06 | max_staleness 0" in run_size(cfg_of("staleness.max_staleness=0"))
+    assert run_size(compose(["+recipe=smoke", "trainer.max_steps=0"])).startswith("0 steps | ")  # refused, not epochs
+    assert "learning rate 1e-06 | max_staleness 0 | activation checkpointing on" in run_size(
+        cfg_of("staleness.max_staleness=0"))
+    assert run_size(cfg_of("trainer.activation_checkpointing_kwargs={every_n_layers: 2}")).endswith(
+        "activation checkpointing on every 2nd layer")

