@@ -335,7 +335,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------ lifetime
     def start(self, ready_timeout_s: float | None = None) -> None:
-        """Spawn the worker and wait until it is connected to the server and set up.
+        """Spawn the worker and wait until it is connected to the server and set up, or until `begin_stop` (a stop
+        signal while it boots: the wait would last until the deadline when the server is gone too).
 
         Raises:
             RolloutWorkerError: the child failed, died, or was not ready within ``ready_timeout_s``
@@ -373,6 +374,8 @@ class RolloutWorker:
         deadline = time.monotonic() + ready_timeout_s
         while not self.ready_event.wait(0.2):
             self.check_alive()
+            if self.stopping:  # a stop began while the worker boots (its supervisor gone, a Ctrl-C): nothing it
+                return  # generates would be trained; the trainer's teardown stops it (`stop`), not up to 31 min on
             if time.monotonic() > deadline:
                 self.stop()
                 raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout_s:.0f} s "

@@ -163,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     if code and _supervisor_gone():
         # Nobody is left to read the status, and accelerate's launcher would end trainer.log with a traceback (and a
         # copy of the log) reporting a 143 that is no crash: the stop is in status.json, the exit status is 0.
-        print("asyncgrpo trainer: stopped because the supervisor was gone, after saving the last completed step; "
-              "the run's state and the command that resumes it are in status.json (state, resume_command)",
-              file=sys.stderr, flush=True)
+        step = trainer.state.global_step
+        print("asyncgrpo trainer: stopped because the supervisor was gone, " + (
+            f"after saving the last completed step (step {step}); the run's state and the command that resumes it "
+            "are in status.json (state, resume_command)" if step else
+            "before step 1 ended: nothing was trained, so no checkpoint was possible; start the run again with the "
+            "same command"), file=sys.stderr, flush=True)
         return 0
     return code
 

@@ -87,7 +87,7 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     assert f"the supervisor (pid {job.pid}) is gone" in trainer_log, trainer_log[-4000:]
     # nobody is left to read the 143, which accelerate's launcher reported with a traceback and a copy of the log
     # (the thirteenth session's trials): the trainer says why it stopped and exits 0, so the log ends there
-    assert "stopped because the supervisor was gone, after saving the last completed step" in trainer_log, \
+    assert "stopped because the supervisor was gone, after saving the last completed step (step 1)" in trainer_log, \
         trainer_log[-4000:]
     assert "CalledProcessError" not in trainer_log and "exit status 143" not in trainer_log, trainer_log[-4000:]
     checkpoint = newest_complete_checkpoint(out)
