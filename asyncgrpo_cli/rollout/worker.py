@@ -374,8 +374,8 @@ class RolloutWorker:
         deadline = time.monotonic() + ready_timeout_s
         while not self.ready_event.wait(0.2):
             self.check_alive()
-            if self.stopping:  # a stop began while the worker boots (its supervisor gone, a Ctrl-C): nothing it
-                return  # generates would be trained; the trainer's teardown stops it (`stop`), not up to 31 min on
+            if self.stopping:  # a stop began while it boots (the supervisor gone, a Ctrl-C): nothing it would
+                return  # generate is trained, and its server may be gone too; the trainer's teardown stops it
             if time.monotonic() > deadline:
                 self.stop()
                 raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout_s:.0f} s "
