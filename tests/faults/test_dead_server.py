@@ -25,9 +25,10 @@ BOOT_S = 400.0  # start-up and step 1 on two loaded cores
 STOP_BOUND_S = 90.0  # the trainer notices, saves a tiny model, the worker and the supervisor stop
 
 
-def supervised(argv: list[str], events: Path, fault: str) -> list[str]:
+def supervised(argv: list[str], events: Path, fault: str, route: str = "/update_weights@2") -> list[str]:
+    """``route``: ``/update_weights@2``, the weight sync after step 1 (version 0's push at start is the first)."""
     assert argv[1:3] == ["-m", "asyncgrpo_cli"]
-    return [sys.executable, "-m", "tests.faults.supervised_job", "--events", str(events), fault, "/update_weights@2",  # @2: after version 0's push at start
+    return [sys.executable, "-m", "tests.faults.supervised_job", "--events", str(events), fault, route,
             "--", *argv[3:]]
 
 
@@ -98,6 +99,30 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     # nobody is left to print how to continue: status.json says it
     assert final["resume_command"].endswith(f"trainer.resume_from_checkpoint={checkpoint}"), final
     assert "stopping" not in final or final["stopping"] is None
+
+
+def test_supervisor_killed_while_the_rollout_worker_boots_every_process_ends(tiny_model, prompt_file, tmp_path, jobs):
+    """The thirteenth session's suite, interrupted during a job's start: the supervisor died while the trainer waited
+    for its rollout worker to become ready, the server died with the supervisor, and the trainer's stop did not end
+    that wait (it would have lasted sampler.timeout + 60 s; without the fix this test leaves the launcher, trainer
+    and worker alive). The worker's own /v1/models read at boot (the fourth: after the doctor's and the trainer's)
+    never answers here, so the kill comes while the trainer waits for the worker."""
+    out, events = tmp_path / "run", tmp_path / "events.txt"
+    job = jobs(supervised(run_args(tiny_model, prompt_file, out), events, "--hang-on", "/v1/models@4"), "job")
+    wait_for(Path(f"{events}.hit").is_file, BOOT_S, "the rollout worker's /v1/models at boot", job)
+    job.track()
+    assert status(out).get("state") == "starting" and not metrics_steps(out)  # the trainer waits for its worker
+    os.kill(job.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job.wait(30)
+    job.assert_no_process_left(STOP_BOUND_S)
+    print(f"measured: supervisor kill -9 during the worker's boot -> gone in {time.monotonic() - killed:.1f} s")
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "before step 1 ended: nothing was trained, so no checkpoint was possible" in trainer_log, \
+        trainer_log[-4000:]
+    final = status(out)
+    assert final["state"] == "stopped" and final["step"] == 0 and not final.get("resume_command"), final
+    assert newest_complete_checkpoint(out) is None
 
 
 DOWN_TIMEOUT_S = 15.0  # sampler.timeout of the stays-down drill (backoff 1, 2, 4, 8 s: four retries in it)
