@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["CHECKPOINT_KEYS", "KEY", "OWN_KEYS", "checkpointing_options"]
+__all__ = ["CHECKPOINT_KEYS", "KEY", "OWN_KEYS", "checkpoint_every", "checkpointing_options"]
 
 KEY = "trainer.activation_checkpointing_kwargs"
 OWN_KEYS = ("every_n_layers", "offload")
@@ -53,3 +53,20 @@ def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY
         raise ConfigError(f"{key}.offload={offload!r}: must be true or false. Fix: {key}.offload=true", key=key)
     rest.setdefault("use_reentrant", False)  # the trainer's default; transformers' too when no kwargs are given
     return every, offload, rest
+
+
+def checkpoint_every(trainer: Any) -> int:
+    """How the ``trainer`` group (a mapping with ``get``) checkpoints: 0 when activation checkpointing is off,
+    else ``every_n_layers`` (1 = every layer; 1 too when the kwargs are invalid, which the rules refuse with their
+    own message). Unset (``activation_checkpointing`` and its alias null) is on, as `AsyncGRPOConfig` resolves it
+    (SPEC §16.4)."""
+    on = trainer.get("activation_checkpointing")
+    if on is None:
+        on = trainer.get("gradient_checkpointing")
+    if on is False:
+        return 0
+    try:
+        return checkpointing_options(trainer.get("activation_checkpointing_kwargs")
+                                     or trainer.get("gradient_checkpointing_kwargs"))[0]
+    except ConfigError:
+        return 1

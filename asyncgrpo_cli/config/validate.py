@@ -212,10 +212,9 @@ def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str],
         bad("seed", "must be >= 0", f"set {p('seed')}=42")
     checkpointing = g("activation_checkpointing_kwargs") or g("gradient_checkpointing_kwargs")
     if checkpointing:  # transformers' Trainer reads it; so does this one (`train.checkpointing`)
-        from .checkpointing_rules import checkpointing_options
+        from .checkpointing_rules import checkpoint_every, checkpointing_options
 
-        if g("activation_checkpointing") is False or (g("activation_checkpointing") is None
-                                                      and g("gradient_checkpointing") is False):
+        if checkpoint_every(values) == 0:
             bad("activation_checkpointing_kwargs", f"has no effect: {p('activation_checkpointing')} is false in this "
                 "config (a recipe may turn it off, as the CPU smoke recipe does)",
                 f"set {p('activation_checkpointing')}=true, or remove {p('activation_checkpointing_kwargs')}")

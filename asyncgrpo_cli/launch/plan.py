@@ -386,23 +386,15 @@ def run_size(cfg: DictConfig) -> str:
     ``8 steps | 4 completions a prompt, up to 48 tokens | reward accuracy_reward | learning rate 3e-05 |
     max_staleness 4 | activation checkpointing off`` (``3 epochs`` when ``trainer.max_steps`` is -1; checkpointing
     ``on``, or ``on every 2nd layer`` with ``activation_checkpointing_kwargs.every_n_layers``)."""
-    from ..config.checkpointing_rules import checkpointing_options
-    from ..config.errors import ConfigError
+    from ..config.checkpointing_rules import checkpoint_every
 
     t, r = cfg.trainer, cfg.rollout
     steps = int(t.max_steps)
     length = f"{steps} steps" if steps >= 0 else f"{float(t.num_train_epochs):g} epochs over the prompts"
     names = [str(f.func).replace(":", ".").rsplit(".", 1)[-1] for f in cfg.rewards]
     reward = f"reward{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "no reward function"
-    checkpointing = "off"
-    if t.get("activation_checkpointing") or (t.get("activation_checkpointing") is None
-                                              and t.get("gradient_checkpointing") is not False):
-        try:
-            every = checkpointing_options(t.get("activation_checkpointing_kwargs")
-                                          or t.get("gradient_checkpointing_kwargs"))[0]
-        except ConfigError:  # refused with its own message among the plan's problems
-            every = 1
-        checkpointing = "on" if every == 1 else f"on every {_ordinal(every)} layer"
+    every = checkpoint_every(t)
+    checkpointing = "off" if every == 0 else "on" if every == 1 else f"on every {_ordinal(every)} layer"
     return (f"{length} | {r.num_generations} completions a prompt, up to {r.max_completion_length} tokens | "
             f"{reward} | learning rate {float(t.learning_rate):g} | max_staleness {cfg.staleness.max_staleness} | "
             f"activation checkpointing {checkpointing}")

@@ -398,19 +398,6 @@ def expected_colocation(gpu_count: int, *, launch: LaunchConfig, sampler: Sample
     return None
 
 
-def _checkpoint_every(trainer: Any) -> int:
-    """``every_n_layers`` of the trainer group's ``activation_checkpointing_kwargs`` (its alias too); 1 when unset
-    or invalid (`config.checkpointing_rules` refuses an invalid one with its own message)."""
-    from ..config.checkpointing_rules import checkpointing_options
-    from ..config.errors import ConfigError
-
-    kwargs = trainer.get("activation_checkpointing_kwargs") or trainer.get("gradient_checkpointing_kwargs")
-    try:
-        return checkpointing_options(kwargs)[0]
-    except ConfigError:
-        return 1
-
-
 def decide_layout(gpu_count: int, gpu_memory: int | None = None, *, launch: LaunchConfig, sampler: SamplerConfig,
                   model: ModelConfig, trainer: TrainerConfig, packing: PackingConfig, staleness: StalenessConfig,
                   peft: PeftConfig, loss: LossConfig) -> Layout:
@@ -465,12 +452,14 @@ def decide_layout(gpu_count: int, gpu_memory: int | None = None, *, launch: Laun
         dtype = model.dtype.value if hasattr(model.dtype, "value") else str(model.dtype)
         max_len = int(mml) if mml is not None else 4096
         budget = packing.token_budget
+        from ..config.checkpointing_rules import checkpoint_every
+
+        every = checkpoint_every(trainer)  # 0: off; unset is on, as the trainer resolves it
         memory = plan_memory(int(total), shape, configured=sampler.gpu_memory_utilization, dtype=dtype,
                              token_budget=int(budget) if budget is not None else max_len, max_model_len=max_len,
                              max_concurrent=int(staleness.max_concurrent_rollouts),
-                             activation_checkpointing=bool(trainer.get("activation_checkpointing", False)),
-                             lora=bool(peft.enabled), reference=float(loss.get("beta", 0.0) or 0.0) > 0,
-                             checkpoint_every=_checkpoint_every(trainer))
+                             activation_checkpointing=every > 0, lora=bool(peft.enabled),
+                             reference=float(loss.get("beta", 0.0) or 0.0) > 0, checkpoint_every=max(1, every))
         if mml is None:
             memory.notes.append("sampler.max_model_len is unset: the KV estimate assumes 4096 tokens a sequence")
         problems.extend(memory.problems)

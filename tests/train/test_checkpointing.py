@@ -99,3 +99,31 @@ def test_the_memory_plan_counts_the_layers_that_keep_their_activations():
     assert need[1] < need[2] < need[28] < off + 16384 * 2048 * 34 * 2  # 28: one layer checkpoints
     layer = 16384 * 2048 * 30  # a layer that keeps its activations instead of its input
     assert need[2] - need[1] == pytest.approx(TRAINER_MARGIN * 14 * layer, rel=1e-6)  # 14 of 28 keep theirs
+
+
+def test_how_the_trainer_group_checkpoints_unset_is_on_as_the_trainer_resolves_it():
+    """One reading for the plan's run row and the one-GPU memory split; the split read an unset
+    ``activation_checkpointing`` (the deepmath recipe's) as off and sized the trainer for full activations."""
+    from asyncgrpo_cli.config.checkpointing_rules import checkpoint_every
+
+    assert checkpoint_every({}) == 1
+    assert checkpoint_every({"activation_checkpointing": None, "gradient_checkpointing": False}) == 0
+    assert checkpoint_every({"activation_checkpointing": False}) == 0
+    assert checkpoint_every({"activation_checkpointing_kwargs": {"every_n_layers": 3}}) == 3
+    assert checkpoint_every({"gradient_checkpointing_kwargs": '{"every_n_layers": 2}'}) == 2
+    assert checkpoint_every({"activation_checkpointing_kwargs": {"every_n_layers": 0}}) == 1  # refused elsewhere
+
+
+def test_the_memory_split_sizes_the_trainer_for_the_checkpointing_it_will_run():
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.server.colocate import decide_layout
+
+    def trainer_need(*overrides):
+        cfg = compose(["+recipe=arith_vllm_1gpu", *overrides])
+        parts = {k: cfg[k] for k in ("launch", "sampler", "model", "trainer", "packing", "staleness", "peft", "loss")}
+        return decide_layout(1, 80 * 2**30, **parts).memory.trainer_need_bytes
+
+    unset, on, off = (trainer_need(f"trainer.activation_checkpointing={v}") for v in ("null", "true", "false"))
+    every2 = trainer_need("trainer.activation_checkpointing=true",
+                          "trainer.activation_checkpointing_kwargs={every_n_layers: 2}")
+    assert unset == on < every2 < off
