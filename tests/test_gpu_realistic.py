@@ -4,6 +4,8 @@ comparison from synthetic rows, TRL's plan, and the staging of TRL's wheel (scri
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -166,3 +168,39 @@ def test_trl_accepts_the_arguments(mode, tmp_path):
     config = trl.GRPOConfig(**kw)
     assert config.generation_batch_size == 48 and config.steps_per_generation == 6
     assert config.vllm_mode == mode and config.gradient_checkpointing and config.lr_scheduler_type == "constant"
+
+
+def test_a_detached_job_outlives_its_start_and_each_follow_returns_what_it_wrote(tmp_path, monkeypatch):
+    """`realistic.py start` runs the job in a session of its own and returns after one slice with the rows written
+    so far (exit 3: still runs); `follow` returns the next slice, and the end (exit 0) with the job's files in $OUT.
+    A stand-in job writes a result, waits for a go file (no timing), then ends."""
+    out, go = tmp_path / "out", tmp_path / "go"
+    monkeypatch.setattr(realistic, "WORK", tmp_path / "work")
+    monkeypatch.setattr(realistic, "OUT", out)
+    monkeypatch.setattr(realistic, "SLICE_S", 0.5)
+    job = ("import json, os, pathlib, time\n"
+           "o = pathlib.Path(os.environ['OUT']); o.mkdir(parents=True, exist_ok=True)\n"
+           "(o / 'realistic_job_async.json').write_text(json.dumps({'rows': [{'step': 1}]}))\n"
+           f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+           "(o / 'realistic_job_async.json').write_text(json.dumps({'rows': [{'step': 1}, {'step': 2}]}))\n")
+    assert realistic.phase_follow("async") == 1  # nothing started
+    folder = realistic.detached_dir("async", tmp_path / "work")
+    try:
+        assert realistic.phase_start("async", [sys.executable, "-c", job]) == 3
+        pid = int((folder / "pid").read_text())
+        assert os.getsid(pid) == pid != os.getsid(0)  # a session of its own: the call's end does not take it
+        assert realistic.phase_start("async", [sys.executable, "-c", job]) == 1  # one at a time
+        progress = json.loads((out / "realistic_follow_async.json").read_text())
+        assert progress["state"] == "running" and progress["steps_logged"] in (0, 1) and progress["host"]
+        go.write_text("")
+        monkeypatch.setattr(realistic, "SLICE_S", 120.0)
+        assert realistic.phase_follow("async") == 0
+        assert [r["step"] for r in json.loads((out / "realistic_job_async.json").read_text())["rows"]] == [1, 2]
+        assert json.loads((out / "realistic_follow_async.json").read_text())["state"] == "exit 0"
+    finally:  # a failed assertion leaves no job behind
+        go.write_text("")
+        if (folder / "pid").exists() and realistic.finished(folder) is None:
+            try:
+                os.killpg(int((folder / "pid").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

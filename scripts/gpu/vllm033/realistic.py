@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,9 @@ def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | 
     """Our job's Hydra overrides (``sync``: on-policy). No recipe: every choice is here. One GPU shared with vLLM
     (colocated, CUDA-IPC sync); fp32 weights with bf16 autocast and activation checkpointing (the defaults, set
     so the record shows them; TRL's too); 16K-token rows, `GRAD_ACCUM` of them a step; the default staleness
-    (4) and concurrency ceiling (512) for ``async``."""
+    (4) and concurrency ceiling (512) for ``async``. No checkpoint but the one a stop writes, and that one holds
+    the weights only (6.8 GB, not 20 GB with AdamW's state): the first try on a GPU lost its machine at about the
+    time of that save (NOTES, fourteenth session)."""
     if name not in ("async", "sync"):
         raise ValueError(f"job name {name!r}: use async or sync")
     return [f"model.name={model_dir}", "model.dtype=float32", f"data.name={data_file}",
@@ -125,7 +128,7 @@ def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | 
             "trainer.bf16=true", "trainer.activation_checkpointing=true",
             *(["staleness.max_staleness=0"] if name == "sync" else []),
             f"trainer.max_steps={steps}", "trainer.logging_steps=1", "logging.dashboard=plain",
-            f"trainer.output_dir={run_dir}", "trainer.save_steps=1000000"]
+            f"trainer.output_dir={run_dir}", "trainer.save_strategy=no", "trainer.save_only_model=true"]
 
 
 def versions() -> dict:
@@ -311,6 +314,101 @@ def phase_engine() -> int:
     return 0
 
 
+
+# ---------------------------------------------------------------------------------------------- detached job
+# A call that loses its machine returns nothing, not even what its job had logged (the first GPU try of `job
+# async` did). `start` runs `job NAME` in a session of its own, which outlives the call, and returns after
+# `SLICE_S` seconds with what the job has written so far; each `follow` returns the next slice. A machine that dies
+# mid-run then costs one slice's figures, not the run's.
+SLICE_S = float(os.environ.get("REALISTIC_SLICE_S", 270))
+
+
+def detached_dir(name: str, work: Path | None = None) -> Path:
+    """Where `start` keeps the detached job's driver log, exit status and result files (under `WORK`)."""
+    return (work or WORK) / f"detached_{name}"
+
+
+def phase_start(name: str, argv: list[str] | None = None) -> int:
+    """Start `job NAME` (or ``argv``) detached (its own session; ``OUT`` under `detached_dir`; the job's deadline
+    is `DEADLINE_S` alone, as no call's end bounds it), then `phase_follow` for one slice."""
+    folder = detached_dir(name)
+    if (folder / "pid").exists() and finished(folder) is None and alive(int((folder / "pid").read_text())):
+        print(f"realistic: job {name} already runs detached: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}")
+        return 1
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "out").mkdir(parents=True)
+    env = {**os.environ, "OUT": str(folder / "out"), "REALISTIC_CALL_S": "1000000000"}
+    argv = argv or [sys.executable, str(Path(__file__).resolve()), "job", name]
+    script = f'{shlex.join(argv)}; echo $? > {shlex.quote(str(folder / "exit"))}'
+    with open(folder / "driver.log", "w") as log:
+        proc = subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+    (folder / "pid").write_text(str(proc.pid))
+    print(f"realistic: job {name} started detached (pid {proc.pid}, session of its own); its deadline "
+          f"{DEADLINE_S:.0f} s; follow it with: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}", flush=True)
+    return phase_follow(name)
+
+
+def finished(folder: Path) -> int | None:
+    """The detached job's exit status, or None while it runs."""
+    try:
+        return int((folder / "exit").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def host_report() -> list[str]:
+    """Host memory, /tmp's disk and the largest processes (what a machine that stops answering runs out of)."""
+    out = []
+    for argv in (["free", "-m"], ["df", "-h", "/tmp"], ["sh", "-c", "ps -eo pid,rss,etime,args --sort=-rss | head -8"]):
+        try:
+            out += subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(f"{argv[0]}: {exc}")
+    return [line[:200] for line in out]
+
+
+def phase_follow(name: str) -> int:
+    """Wait up to `SLICE_S` seconds for the detached job, then copy its result files to ``$OUT`` and print its
+    progress. Exit status: 0 the job ended well, 3 it still runs (follow again), 1 it failed or was never started."""
+    folder = detached_dir(name)
+    if not (folder / "pid").exists():
+        print(f"realistic: no detached job {name} on this machine: start it with run.sh realistic_start_{name}")
+        return 1
+    t0 = time.monotonic()
+    while finished(folder) is None and time.monotonic() - t0 < SLICE_S:
+        time.sleep(5)
+    rc = finished(folder)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for f in (folder / "out").glob("*"):
+        if f.is_file():
+            shutil.copy2(f, OUT / f.name)
+    result_file = folder / "out" / f"realistic_job_{name}.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    rows = result.get("rows", [])
+    job_log = WORK / f"job_{name}.log"
+    progress = {"job": name, "state": "running" if rc is None else f"exit {rc}", "steps_logged": len(rows),
+                "last_rows": rows[-3:], "job_log_tail": job_log.read_text(errors="replace").splitlines()[-15:]
+                if job_log.exists() else [], "driver_log_tail": (folder / "driver.log").read_text(
+                    errors="replace").splitlines()[-10:], "host": host_report()}
+    (OUT / f"realistic_follow_{name}.json").write_text(json.dumps(progress, indent=1))
+    print(json.dumps(progress, indent=1), flush=True)
+    if rc is None:
+        print(f"realistic: job {name} still runs: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}")
+        return 3
+    return 0 if rc == 0 else 1
+
+
 def main() -> int:
     phase = sys.argv[1] if len(sys.argv) > 1 else ""
     if phase == "build":
@@ -320,6 +418,12 @@ def main() -> int:
         return phase_engine()
     if phase == "job":
         return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
+    if phase in ("start", "follow"):
+        name = sys.argv[2] if len(sys.argv) > 2 else "async"
+        if name not in ("async", "sync"):
+            print(f"realistic.py {phase}: job name {name!r}: use async or sync")
+            return 2
+        return phase_start(name) if phase == "start" else phase_follow(name)
     if phase == "trl":
         import realistic_trl
 
@@ -331,8 +435,8 @@ def main() -> int:
                                     Path(sys.argv[3]) if len(sys.argv) > 3 else None)
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
-    print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, trl [colocate|server], "
-          "combine IN [OUT]")
+    print(f"realistic.py: unknown phase {phase!r}: use build, engine, job|start|follow async|sync, "
+          "trl [colocate|server], combine IN [OUT]")
     return 2
 
 

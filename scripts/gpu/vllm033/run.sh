@@ -20,6 +20,8 @@
 #                                                # vLLM server, then with cores of its own (e1t_shared.py, ~5 min)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
+#   bash scripts/gpu/vllm033/run.sh realistic_start_async  # the same job detached: returns after a slice (270 s)
+#   bash scripts/gpu/vllm033/run.sh realistic_follow_async # the next slice of it (exit 3: still runs; 0: ended)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl_server # issue #42: TRL's GRPOTrainer against `vllm serve` on the GPU
 #   bash scripts/gpu/vllm033/run.sh flash    # issue #43 item 4: flash-attn-4 tree attention (part p55 staged): the CUDA
@@ -52,6 +54,8 @@ case "${1:-train}" in
   rollouts_job_*) python3 scripts/gpu/vllm033/rollouts.py job "${1#rollouts_job_}" ;;
   realistic_engine) python3 scripts/gpu/vllm033/realistic.py engine ;;
   realistic_job_*) python3 scripts/gpu/vllm033/realistic.py job "${1#realistic_job_}" ;;
+  realistic_start_*) python3 scripts/gpu/vllm033/realistic.py start "${1#realistic_start_}" ;;
+  realistic_follow_*) python3 scripts/gpu/vllm033/realistic.py follow "${1#realistic_follow_}" ;;
   realistic_trl) python3 scripts/gpu/vllm033/realistic.py trl colocate ;;
   realistic_trl_server) python3 scripts/gpu/vllm033/realistic.py trl server ;;
   faults) python3 scripts/gpu/vllm033/faults.py ;;
@@ -61,5 +65,5 @@ case "${1:-train}" in
            tests/train/test_tree_attention.py -k cuda
          mkdir -p "$OUT/results" && timeout 300 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b \
            --out "$OUT/results" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, cuda_tests, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, cuda_tests, rollouts_job_NAME, realistic_engine, realistic_job|start|follow_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
 esac
