@@ -189,7 +189,8 @@ def test_a_detached_job_outlives_its_start_and_each_follow_returns_what_it_wrote
         assert realistic.phase_start("async", [sys.executable, "-c", job]) == 3
         pid = int((folder / "pid").read_text())
         assert os.getsid(pid) == pid != os.getsid(0)  # a session of its own: the call's end does not take it
-        assert realistic.phase_start("async", [sys.executable, "-c", job]) == 1  # one at a time
+        assert realistic.phase_start("async", [sys.executable, "-c", job]) == 1  # one job at a time
+        assert realistic.phase_start("sync", [sys.executable, "-c", job]) == 1  # on the GPU
         progress = json.loads((out / "realistic_follow_async.json").read_text())
         assert progress["state"] == "running" and progress["steps_logged"] in (0, 1) and progress["host"]
         go.write_text("")

@@ -332,9 +332,12 @@ def phase_start(name: str, argv: list[str] | None = None) -> int:
     """Start `job NAME` (or ``argv``) detached (its own session; ``OUT`` under `detached_dir`; the job's deadline
     is `DEADLINE_S` alone, as no call's end bounds it), then `phase_follow` for one slice."""
     folder = detached_dir(name)
-    if (folder / "pid").exists() and finished(folder) is None and alive(int((folder / "pid").read_text())):
-        print(f"realistic: job {name} already runs detached: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}")
-        return 1
+    for other in ("async", "sync"):  # one job at a time on the GPU
+        there = detached_dir(other)
+        if (there / "pid").exists() and finished(there) is None and alive(int((there / "pid").read_text())):
+            print(f"realistic: job {other} still runs detached; start {name} once it ends: "
+                  f"bash scripts/gpu/vllm033/run.sh realistic_follow_{other}")
+            return 1
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "out").mkdir(parents=True)
     env = {**os.environ, "OUT": str(folder / "out"), "REALISTIC_CALL_S": "1000000000"}
