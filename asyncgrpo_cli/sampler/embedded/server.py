@@ -150,9 +150,8 @@ class EmbeddedServer:
         self.scheduler = Scheduler(num_blocks, config.block_size, config.max_num_seqs)
         self.engine = Engine(self.runner, self.scheduler, self.runner.eos_token_ids(self.tokenizer))
         self.adapters: dict[str, str] = {}  # served LoRA names -> paths
-        self._temporary_weights_dir = not config.weights_dir
-        self.weights_dir = Path(config.weights_dir or tempfile.mkdtemp(prefix="asyncgrpo-weights-")).expanduser()
-        self.weights_dir = self.weights_dir.resolve()
+        self._temporary_weights_dir = not config.weights_dir  # made by start(), removed by stop()
+        self.weights_dir: Path | None = Path(config.weights_dir).expanduser().resolve() if config.weights_dir else None
         self.weight_version: str | None = None
         self.weight_updates = 0
         self._updating = False
@@ -169,6 +168,8 @@ class EmbeddedServer:
 
     async def start(self) -> int:
         """Start the engine and listen; returns the bound port."""
+        if self.weights_dir is None:
+            self.weights_dir = Path(tempfile.mkdtemp(prefix="asyncgrpo-weights-")).resolve()
         await self.engine.start()
         app = self.build_app()
         self._app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -186,8 +187,9 @@ class EmbeddedServer:
         await self.engine.close()
         if self._app_runner is not None:
             await self._app_runner.cleanup()
-        if self._temporary_weights_dir:
+        if self._temporary_weights_dir and self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.weights_dir = None
 
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
