@@ -196,6 +196,7 @@ def test_smoke_recipe_runs(tmp_path):
     assert not (out / ".weights").exists()  # the weight-sync folder is gone once empty
     for log in (stdout, (out / "logs" / "trainer.log").read_text(), (out / "logs" / "server.log").read_text()):
         assert "Loading weights" not in log and "Writing model shards" not in log  # no tqdm bars without a tty
+    assert "it/s]" not in (out / "logs" / "trainer.log").read_text()  # nor the training bar's redraws
 
 
 def test_two_cpu_processes_train_together(tiny, tmp_path):

@@ -4,7 +4,9 @@ transformers' dict of every metric (about 90 of them; issue #36). The whole dict
 
 `PlainProgressCallback` replaces transformers' `ProgressCallback` (the progress bar stays, the line is written
 above it) and `PlainPrinterCallback` its `PrinterCallback` (``disable_tqdm=True``); `use_plain_lines` swaps
-them in a trainer's callback handler.
+them in a trainer's callback handler. Without a terminal (under `asyncgrpo train`, the trainer writes to
+``logs/trainer.log``) the bar is dropped too: in a file it is a run of carriage-return redraws around each line,
+and the supervisor's own panel shows the progress.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class PlainPrinterCallback(PrinterCallback):
             print(line, flush=True)
 
 
-def use_plain_lines(callback_handler: Any) -> None:
+def use_plain_lines(callback_handler: Any, terminal: bool = True) -> None:
     """Replace transformers' `ProgressCallback` / `PrinterCallback` in ``callback_handler`` by the plain ones
-    (subclasses are left alone: a user's own printer stays)."""
-    for old, new in ((ProgressCallback, PlainProgressCallback), (PrinterCallback, PlainPrinterCallback)):
+    (subclasses are left alone: a user's own printer stays). ``terminal`` False (stdout is a file or a pipe): the
+    progress bar gives way to the printer, so the log holds the plain lines only."""
+    bar = PlainProgressCallback if terminal else PlainPrinterCallback
+    for old, new in ((ProgressCallback, bar), (PrinterCallback, PlainPrinterCallback)):
         if any(type(cb) is old for cb in callback_handler.callbacks):
             callback_handler.remove_callback(old)
-            callback_handler.add_callback(new)
+            if not any(type(cb) is new for cb in callback_handler.callbacks):
+                callback_handler.add_callback(new)

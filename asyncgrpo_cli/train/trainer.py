@@ -121,7 +121,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                          eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
                          optimizers=optimizers, data_collator=lambda rows: rows)
         self.train_dataset = train_dataset
-        use_plain_lines(self.callback_handler)  # the console gets the CLI's plain line, not a dict of ~90 metrics
+        use_plain_lines(self.callback_handler, terminal=sys.stdout.isatty())  # the plain line, not ~90 metrics
         if args.torch_compile:
             from accelerate.utils import DynamoBackend
 
