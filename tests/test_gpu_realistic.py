@@ -205,3 +205,21 @@ def test_a_detached_job_outlives_its_start_and_each_follow_returns_what_it_wrote
                 os.killpg(int((folder / "pid").read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_detached_runs_progress_rows_come_from_its_own_files(tmp_path, monkeypatch):
+    """`follow` reports our job's result rows, TRL's step records (its rows file) and the engine's runs; every
+    name `start` takes has a phase of realistic.py."""
+    monkeypatch.setattr(realistic, "WORK", tmp_path)
+    folder = realistic.detached_dir("sync")
+    (folder / "out").mkdir(parents=True)
+    assert realistic.progress_rows("sync", folder) == []  # nothing written yet
+    (folder / "out" / "realistic_job_sync.json").write_text('{"rows": [{"step": 1}, {"step": 2}]}')
+    assert [r["step"] for r in realistic.progress_rows("sync", folder)] == [1, 2]
+    (folder / "out" / "realistic_job_sync.json").write_text('{"rows": [{"st')  # caught mid-write
+    assert realistic.progress_rows("sync", folder) == []
+    (tmp_path / "trl_colocate_rows.jsonl").write_text('{"versions": {}}\n{"step": 1, "completions": 48}\n'
+                                                      '{"log": {"step": 1}}\n')
+    assert realistic.progress_rows("trl", realistic.detached_dir("trl")) == [{"step": 1, "completions": 48}]
+    for args, *_ in realistic.DETACHED.values():
+        assert args[0] in ("job", "engine", "trl")

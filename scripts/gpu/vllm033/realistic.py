@@ -315,45 +315,53 @@ def phase_engine() -> int:
 
 
 
-# ---------------------------------------------------------------------------------------------- detached job
-# A call that loses its machine returns nothing, not even what its job had logged (the first GPU try of `job
-# async` did). `start` runs `job NAME` in a session of its own, which outlives the call, and returns after
-# `SLICE_S` seconds with what the job has written so far; each `follow` returns the next slice. A machine that dies
-# mid-run then costs one slice's figures, not the run's.
+# ---------------------------------------------------------------------------------------------- detached runs
+# A call that loses its machine returns nothing, not even what its run had logged (the first GPU try of `job
+# async` did). `start NAME` runs a phase in a session of its own, which outlives the call, and returns after
+# `SLICE_S` seconds with what the run has written so far; each `follow NAME` returns the next slice. A machine that
+# dies mid-run then costs one slice's figures, not the run's.
 SLICE_S = float(os.environ.get("REALISTIC_SLICE_S", 270))
+DETACHED_S = float(os.environ.get("REALISTIC_DETACHED_S", 900))  # a detached run's `CALL_S`: what bounds it
+# name -> (realistic.py's arguments, its result file, its run's log under WORK, its step rows under WORK or None)
+DETACHED = {"async": (["job", "async"], "realistic_job_async.json", "job_async.log", None),
+            "sync": (["job", "sync"], "realistic_job_sync.json", "job_sync.log", None),
+            "engine": (["engine"], "realistic_engine.json", None, None),
+            "trl": (["trl", "colocate"], "realistic_trl.json", "trl_colocate.log", "trl_colocate_rows.jsonl"),
+            "trl_server": (["trl", "server"], "realistic_trl.json", "trl_server.log", "trl_server_rows.jsonl")}
 
 
 def detached_dir(name: str, work: Path | None = None) -> Path:
-    """Where `start` keeps the detached job's driver log, exit status and result files (under `WORK`)."""
+    """Where `start` keeps the detached run's driver log, exit status and result files (under `WORK`)."""
     return (work or WORK) / f"detached_{name}"
 
 
 def phase_start(name: str, argv: list[str] | None = None) -> int:
-    """Start `job NAME` (or ``argv``) detached (its own session; ``OUT`` under `detached_dir`; the job's deadline
-    is `DEADLINE_S` alone, as no call's end bounds it), then `phase_follow` for one slice."""
+    """Start the phase of `DETACHED` ``name`` (or ``argv``) detached: its own session, ``OUT`` under
+    `detached_dir`, ``CALL_S`` = `DETACHED_S` (our job's deadline stays `DEADLINE_S`); then `phase_follow` for one
+    slice. Refused (exit 1) while another detached run is alive: they would share the GPU."""
     folder = detached_dir(name)
-    for other in ("async", "sync"):  # one job at a time on the GPU
+    for other in DETACHED:
         there = detached_dir(other)
         if (there / "pid").exists() and finished(there) is None and alive(int((there / "pid").read_text())):
-            print(f"realistic: job {other} still runs detached; start {name} once it ends: "
+            print(f"realistic: {other} still runs detached; start {name} once it ends: "
                   f"bash scripts/gpu/vllm033/run.sh realistic_follow_{other}")
             return 1
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "out").mkdir(parents=True)
-    env = {**os.environ, "OUT": str(folder / "out"), "REALISTIC_CALL_S": "1000000000"}
-    argv = argv or [sys.executable, str(Path(__file__).resolve()), "job", name]
+    env = {**os.environ, "OUT": str(folder / "out"), "REALISTIC_CALL_S": str(DETACHED_S)}
+    argv = argv or [sys.executable, str(Path(__file__).resolve()), *DETACHED[name][0]]
     script = f'{shlex.join(argv)}; echo $? > {shlex.quote(str(folder / "exit"))}'
     with open(folder / "driver.log", "w") as log:
         proc = subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)
     (folder / "pid").write_text(str(proc.pid))
-    print(f"realistic: job {name} started detached (pid {proc.pid}, session of its own); its deadline "
-          f"{DEADLINE_S:.0f} s; follow it with: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}", flush=True)
+    print(f"realistic: {name} started detached (pid {proc.pid}, a session of its own, at most {DETACHED_S:.0f} s); "
+          f"follow it with: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}", flush=True)
     return phase_follow(name)
 
 
 def finished(folder: Path) -> int | None:
-    """The detached job's exit status, or None while it runs."""
+    """The detached run's exit status, or None while it runs."""
     try:
         return int((folder / "exit").read_text().strip())
     except (OSError, ValueError):
@@ -381,12 +389,27 @@ def host_report() -> list[str]:
     return [line[:200] for line in out]
 
 
+def progress_rows(name: str, folder: Path) -> list[dict]:
+    """The step rows written so far: our job's result ``rows``, TRL's step records, the engine's ``runs``."""
+    _args, result_name, _log, rows_name = DETACHED.get(name, (None, f"realistic_job_{name}.json", None, None))
+    if rows_name:
+        path = WORK / rows_name
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [r for r in (json.loads(x) for x in lines if x.strip().startswith("{")) if "step" in r]
+    result_file = folder / "out" / result_name
+    try:
+        result = json.loads(result_file.read_text())
+    except (OSError, ValueError):  # not written yet, or caught mid-write
+        return []
+    return result.get("rows") or result.get("runs") or []
+
+
 def phase_follow(name: str) -> int:
-    """Wait up to `SLICE_S` seconds for the detached job, then copy its result files to ``$OUT`` and print its
-    progress. Exit status: 0 the job ended well, 3 it still runs (follow again), 1 it failed or was never started."""
+    """Wait up to `SLICE_S` seconds for the detached run, then copy its result files to ``$OUT`` and print its
+    progress. Exit status: 0 the run ended well, 3 it still runs (follow again), 1 it failed or was never started."""
     folder = detached_dir(name)
     if not (folder / "pid").exists():
-        print(f"realistic: no detached job {name} on this machine: start it with run.sh realistic_start_{name}")
+        print(f"realistic: no detached {name} on this machine: start it with run.sh realistic_start_{name}")
         return 1
     t0 = time.monotonic()
     while finished(folder) is None and time.monotonic() - t0 < SLICE_S:
@@ -396,18 +419,17 @@ def phase_follow(name: str) -> int:
     for f in (folder / "out").glob("*"):
         if f.is_file():
             shutil.copy2(f, OUT / f.name)
-    result_file = folder / "out" / f"realistic_job_{name}.json"
-    result = json.loads(result_file.read_text()) if result_file.exists() else {}
-    rows = result.get("rows", [])
-    job_log = WORK / f"job_{name}.log"
-    progress = {"job": name, "state": "running" if rc is None else f"exit {rc}", "steps_logged": len(rows),
-                "last_rows": rows[-3:], "job_log_tail": job_log.read_text(errors="replace").splitlines()[-15:]
-                if job_log.exists() else [], "driver_log_tail": (folder / "driver.log").read_text(
+    rows = progress_rows(name, folder)
+    log_name = DETACHED.get(name, (None, None, f"job_{name}.log", None))[2]
+    run_log = WORK / log_name if log_name else None
+    progress = {"run": name, "state": "running" if rc is None else f"exit {rc}", "steps_logged": len(rows),
+                "last_rows": rows[-3:], "log_tail": run_log.read_text(errors="replace").splitlines()[-15:]
+                if run_log and run_log.exists() else [], "driver_log_tail": (folder / "driver.log").read_text(
                     errors="replace").splitlines()[-10:], "host": host_report()}
     (OUT / f"realistic_follow_{name}.json").write_text(json.dumps(progress, indent=1))
     print(json.dumps(progress, indent=1), flush=True)
     if rc is None:
-        print(f"realistic: job {name} still runs: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}")
+        print(f"realistic: {name} still runs: bash scripts/gpu/vllm033/run.sh realistic_follow_{name}")
         return 3
     return 0 if rc == 0 else 1
 
@@ -423,8 +445,8 @@ def main() -> int:
         return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
     if phase in ("start", "follow"):
         name = sys.argv[2] if len(sys.argv) > 2 else "async"
-        if name not in ("async", "sync"):
-            print(f"realistic.py {phase}: job name {name!r}: use async or sync")
+        if name not in DETACHED:
+            print(f"realistic.py {phase}: {name!r}: use one of {', '.join(DETACHED)}")
             return 2
         return phase_start(name) if phase == "start" else phase_follow(name)
     if phase == "trl":
@@ -438,7 +460,7 @@ def main() -> int:
                                     Path(sys.argv[3]) if len(sys.argv) > 3 else None)
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
-    print(f"realistic.py: unknown phase {phase!r}: use build, engine, job|start|follow async|sync, "
+    print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, start|follow NAME, "
           "trl [colocate|server], combine IN [OUT]")
     return 2
 

@@ -146,10 +146,11 @@ def run_mode(mode: str, plan: dict) -> dict:
         if mode == "server":
             argv = serve_argv()
             out["server_command"] = "VLLM_SERVER_DEV_MODE=1 " + " ".join(argv)
-            server, out["server_start_s"] = start_server(argv, R.WORK / "trl_server.log")
+            server_log = R.WORK / "trl_vllm_server.log"  # not trl_server.log: the trainer's log in this mode
+            server, out["server_start_s"] = start_server(argv, server_log)
             if out["server_start_s"] is None:
                 out["error"] = "the server did not answer /health"
-                out["server_log_tail"] = (R.WORK / "trl_server.log").read_text(errors="replace").splitlines()[-40:]
+                out["server_log_tail"] = server_log.read_text(errors="replace").splitlines()[-40:]
                 return out
             url = f"http://127.0.0.1:{SERVER_PORT}"
         argv = trl_argv(mode, rows, plan, url)

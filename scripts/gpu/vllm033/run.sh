@@ -20,7 +20,8 @@
 #                                                # vLLM server, then with cores of its own (e1t_shared.py, ~5 min)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
 #   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
-#   bash scripts/gpu/vllm033/run.sh realistic_start_async  # the same job detached: returns after a slice (270 s)
+#   bash scripts/gpu/vllm033/run.sh realistic_start_async  # the same job detached: returns after a slice (270 s);
+#                                                         # also _sync, _engine, _trl, _trl_server (realistic.DETACHED)
 #   bash scripts/gpu/vllm033/run.sh realistic_follow_async # the next slice of it (exit 3: still runs; 0: ended)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl        # issue #42: TRL's GRPOTrainer, colocated vLLM (server if it fails)
 #   bash scripts/gpu/vllm033/run.sh realistic_trl_server # issue #42: TRL's GRPOTrainer against `vllm serve` on the GPU
@@ -65,5 +66,5 @@ case "${1:-train}" in
            tests/train/test_tree_attention.py -k cuda
          mkdir -p "$OUT/results" && timeout 300 python3 scripts/bench/bench_attention.py --shape qwen3-1.7b \
            --out "$OUT/results" ;;
-  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, cuda_tests, rollouts_job_NAME, realistic_engine, realistic_job|start|follow_async|sync, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
+  *) echo "run.sh: unknown phase $1 (train, masks, bench, p9, speed_*, rollouts_engine, rollouts_screen, rollouts_two, e1t_shared, cuda_tests, rollouts_job_NAME, realistic_engine, realistic_job_async|sync, realistic_start|follow_NAME, realistic_trl, realistic_trl_server, faults, flash)"; exit 2 ;;
 esac
