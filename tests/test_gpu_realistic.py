@@ -219,7 +219,29 @@ def test_a_detached_runs_progress_rows_come_from_its_own_files(tmp_path, monkeyp
     (folder / "out" / "realistic_job_sync.json").write_text('{"rows": [{"st')  # caught mid-write
     assert realistic.progress_rows("sync", folder) == []
     (tmp_path / "trl_colocate_rows.jsonl").write_text('{"versions": {}}\n{"step": 1, "completions": 48}\n'
-                                                      '{"log": {"step": 1}}\n')
+                                                      '{"log": {"step": 1}}\n{"step": 2, "compl')
     assert realistic.progress_rows("trl", realistic.detached_dir("trl")) == [{"step": 1, "completions": 48}]
     for args, *_ in realistic.DETACHED.values():
         assert args[0] in ("job", "engine", "trl")
+
+
+def test_a_follow_of_a_killed_detached_run_says_so_at_once(tmp_path, monkeypatch):
+    """A driver killed without writing its exit status ends the follow at once (exit 1, state `exit -9`), not after
+    a slice of waiting, and a new start is then allowed."""
+    monkeypatch.setattr(realistic, "WORK", tmp_path / "work")
+    monkeypatch.setattr(realistic, "OUT", tmp_path / "out")
+    monkeypatch.setattr(realistic, "SLICE_S", 0.2)
+    folder = realistic.detached_dir("sync")
+    assert realistic.phase_start("sync", [sys.executable, "-c", "import time; time.sleep(600)"]) == 3
+    pid = int((folder / "pid").read_text())
+    os.killpg(pid, signal.SIGKILL)
+    while realistic.alive(pid):
+        try:  # reap it: the test process is its parent
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            break
+    monkeypatch.setattr(realistic, "SLICE_S", 600.0)
+    assert realistic.phase_follow("sync") == 1
+    assert json.loads((tmp_path / "out" / "realistic_follow_sync.json").read_text())["state"] == "exit -9"
+    assert realistic.phase_start("sync", [sys.executable, "-c", "pass"]) in (0, 3)
+    realistic.phase_follow("sync")

@@ -314,7 +314,6 @@ def phase_engine() -> int:
     return 0
 
 
-
 # ---------------------------------------------------------------------------------------------- detached runs
 # A call that loses its machine returns nothing, not even what its run had logged (the first GPU try of `job
 # async` did). `start NAME` runs a phase in a session of its own, which outlives the call, and returns after
@@ -394,8 +393,15 @@ def progress_rows(name: str, folder: Path) -> list[dict]:
     _args, result_name, _log, rows_name = DETACHED.get(name, (None, f"realistic_job_{name}.json", None, None))
     if rows_name:
         path = WORK / rows_name
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return [r for r in (json.loads(x) for x in lines if x.strip().startswith("{")) if "step" in r]
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:  # the line being written
+                continue
+            if isinstance(record, dict) and "step" in record:
+                out.append(record)
+        return out
     result_file = folder / "out" / result_name
     try:
         result = json.loads(result_file.read_text())
@@ -411,10 +417,12 @@ def phase_follow(name: str) -> int:
     if not (folder / "pid").exists():
         print(f"realistic: no detached {name} on this machine: start it with run.sh realistic_start_{name}")
         return 1
-    t0 = time.monotonic()
-    while finished(folder) is None and time.monotonic() - t0 < SLICE_S:
-        time.sleep(5)
+    t0, pid = time.monotonic(), int((folder / "pid").read_text())
+    while finished(folder) is None and alive(pid) and time.monotonic() - t0 < SLICE_S:
+        time.sleep(max(0.05, min(1.0, SLICE_S - (time.monotonic() - t0))))
     rc = finished(folder)
+    if rc is None and not alive(pid):
+        rc = -9  # its driver is gone without an exit status (killed)
     OUT.mkdir(parents=True, exist_ok=True)
     for f in (folder / "out").glob("*"):
         if f.is_file():
