@@ -750,7 +750,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
-        problem = start_problem(cfg.trainer, plan.output_dir)
+        problem = start_problem(cfg.trainer, Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer)))
+                                .expanduser())  # the folder as the user wrote it, as a real start names it
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run:  # the commands the start runs, also next to a problem (a used folder planned the package name)

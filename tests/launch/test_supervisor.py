@@ -467,6 +467,27 @@ def test_the_used_folder_refusal_prints_whole_commands(tmp_path):
     assert f"or remove {out} to start over" in text
 
 
+def test_the_dry_run_names_a_relative_used_folder_as_a_start_does(tmp_path, monkeypatch):
+    """A relative trainer.output_dir holding a run: the dry run's refusal names it, and the folder it suggests, as
+    typed (it named the absolute path while a real start named the relative one)."""
+    from asyncgrpo_cli.config.compose import compose
+
+    from .conftest import base_overrides
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "run").mkdir(parents=True)
+    (tmp_path / "outputs" / "run" / "model.safetensors").write_bytes(b"x")
+    cfg = compose(base_overrides(Path("outputs/run"), free_port()))
+    texts = []
+    for dry in (True, False):
+        console = record_console()
+        assert run_train(cfg, dry_run=dry, console=console, gpu_count=0, timeouts=FAST) == 2
+        texts.append(console.export_text())
+    for text in texts:
+        assert "trainer.output_dir=outputs/run already holds an earlier run" in text
+        assert "trainer.output_dir=outputs/run-2" in text and str(tmp_path) not in text.split("problem")[-1]
+
+
 def test_the_used_folder_refusal_says_how_the_earlier_run_really_ended(tmp_path):
     """A run stopped at step 10 of 16 is not one that "ended at max_steps": the refusal says it stopped at step
     10 of 16 (its status.json, its checkpoint's max_steps), and continues it to its own max_steps when this
