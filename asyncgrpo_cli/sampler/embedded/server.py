@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,9 @@ class EmbeddedServer:
 
     async def start(self) -> int:
         """Start the engine and listen; returns the bound port."""
-        if self.weights_dir is None:
+        if self.weights_dir is None:  # removed by stop(), or at exit for a server never stopped (a test's)
             self.weights_dir = Path(tempfile.mkdtemp(prefix="asyncgrpo-weights-")).resolve()
+            self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, str(self.weights_dir), True)
         await self.engine.start()
         app = self.build_app()
         self._app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -188,7 +190,7 @@ class EmbeddedServer:
         if self._app_runner is not None:
             await self._app_runner.cleanup()
         if self._temporary_weights_dir and self.weights_dir is not None:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self._remove_weights_dir()
             self.weights_dir = None
 
     def build_app(self) -> web.Application:
