@@ -116,6 +116,9 @@ def _drop_stderr_copy(out: list[str]) -> None:
     while j and not out[j - 1].strip():
         j -= 1
     del out[j:]
+    if j and out[j - 1] == _STDERR_COPY.rstrip(": "):  # the copy of an empty stderr: a bare "RuntimeError"
+        del out[j - 1:]
+        return
     for r in range(j):
         # The copy's first line may be glued to the progress bar it follows ("  0%|...]RuntimeError: "), which
         # is then the original of the copy's last line.
@@ -197,16 +200,51 @@ def launcher_reported_status(path: str | Path) -> int | None:
 
 def note_requested_stop(path: str | Path) -> bool:
     """After the supervisor asked the trainer to stop: when the launcher's report ends the log with the trainer's
-    exit status 130 or 143 (`STOPPED_STATUSES`), add a line saying so, since a bare ``CalledProcessError``
-    traceback reads as a crash (fresh-user trial). Returns whether the line was added; the log is otherwise left
-    as it is."""
+    exit status 130 or 143 (`STOPPED_STATUSES`), remove that report (its ``CalledProcessError`` traceback and
+    accelerate's ``RuntimeError:`` copy of the trainer's stderr read as a crash: two fresh-user trials) and end the
+    log with a line saying the trainer stopped as asked. Returns whether it did; other logs are left as they are."""
     status = launcher_reported_status(path)
     if status not in STOPPED_STATUSES:
         return False
+    _remove_launcher_report(Path(path))
     with open(path, "a", encoding="utf-8") as log:
-        log.write(f"asyncgrpo: the trainer stopped as asked (exit status {status}); the launcher's traceback above "
-                  "reports only that status, not a crash\n")
+        log.write(f"asyncgrpo: the trainer stopped as asked (exit status {status}; accelerate's report of that "
+                  "status, no crash, was removed from this log)\n")
     return True
+
+
+_REWRITE_BYTES = 4 * 1024 * 1024  # the report and accelerate's copy (<= 512 KiB) with the lines it copied
+
+
+def _remove_launcher_report(path: Path) -> None:
+    """Cut `launcher_report_removed`'s lines out of the end of ``path`` in place (its last `_REWRITE_BYTES`;
+    the file is opened for appending by its writers, so a late write still lands at the end)."""
+    try:
+        size = path.stat().st_size
+        start = max(0, size - _REWRITE_BYTES)
+        with path.open("rb") as fh:
+            fh.seek(start)
+            data = fh.read()
+    except OSError:
+        return
+    if start:
+        cut = data.find(b"\n") + 1
+        start, data = start + cut, data[cut:]
+    lines: list[str] = []
+    for line in data.decode("utf-8", errors="replace").split("\n"):
+        at = line.find(_TRACEBACK)  # a traceback glued to a progress bar starts a line of its own (`tail_lines`)
+        lines += [line[:at], line[at:]] if at > 0 else [line]
+    kept = launcher_report_removed(lines)
+    if kept == lines:
+        return
+    text = "\n".join(kept).rstrip("\n")
+    try:
+        with path.open("r+b") as fh:
+            fh.seek(start)
+            fh.truncate()
+            fh.write((text + "\n" if text else "").encode("utf-8"))
+    except OSError:
+        pass
 
 
 def failure_cause(lines: list[str]) -> str | None:

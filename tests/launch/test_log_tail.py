@@ -192,8 +192,21 @@ def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tm
     assert rc == 1 and "CalledProcessError" in log.read_text()  # accelerate's own exit and report
     assert launcher_reported_status(log) == 130
     assert note_requested_stop(log)
-    assert log.read_text().splitlines()[-1] == ("asyncgrpo: the trainer stopped as asked (exit status 130); the "
-                                                "launcher's traceback above reports only that status, not a crash")
+    text = log.read_text()
+    assert text.splitlines()[-1] == ("asyncgrpo: the trainer stopped as asked (exit status 130; accelerate's "
+                                     "report of that status, no crash, was removed from this log)")
+    # second trial: the report and accelerate's `RuntimeError:` copy of the trainer's stderr are gone, its lines stay
+    assert "Traceback" not in text and "CalledProcessError" not in text and "RuntimeError" not in text
+    assert text.count("checkpoint saved") == 1
+    noisy = tmp_path / "noisy.py"  # lines on stderr too: accelerate copies them after "RuntimeError: "
+    noisy.write_text("import sys\nprint('sampler: retrying (retry 1)', file=sys.stderr)\nprint('step 2 saved')\n"
+                     "print('sampler: retrying (retry 2)', file=sys.stderr)\nsys.exit(143)\n")
+    log = tmp_path / "noisy.log"
+    assert accelerate_launch(noisy, log) == 1 and "RuntimeError: sampler: retrying (retry 1)" in log.read_text()
+    assert note_requested_stop(log)
+    lines = log.read_text().splitlines()
+    assert [ln for ln in lines if "retry" in ln] == ["sampler: retrying (retry 1)", "sampler: retrying (retry 2)"]
+    assert "step 2 saved" in lines and "exit status 143;" in lines[-1] and "Traceback" not in "\n".join(lines)
     crashed = tmp_path / "crashed.log"
     crashed.write_text("\n".join(["RuntimeError: boom", "subprocess.CalledProcessError: Command '['python', "
                                   "'-m', 'x']' returned non-zero exit status 1."]) + "\n")
