@@ -153,6 +153,7 @@ class Dashboard:
         self._waiting_printed_at = 0.0
         self._waiting_from_step = 0  # status.json's step when the waiting began (a resumed run's start step)
         self._worker_silent_printed_at: float | None = None  # the last "rollout worker not answering" line
+        self._stopping = False  # the supervisor is stopping the run (`begin_stop`)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -236,6 +237,12 @@ class Dashboard:
         self.outcome = outcome
         self.poll(processes)
 
+    def begin_stop(self) -> None:
+        """The supervisor is stopping the run (a signal, a dead server) and has said why: the trainer's outage
+        line (``server unreachable, retrying (1800 s left)``) no longer describes what happens, so plain mode
+        prints it no more (second fresh-user trial: it followed "the server was killed: stopping the trainer")."""
+        self._stopping = True
+
     def _print_server_status(self, status: dict[str, Any]) -> None:
         """Plain mode: the trainer's ``server_status`` line (an outage, a silent server, a re-push) when it
         appears or changes kind, then every `SERVER_STATUS_EVERY_S` s while it lasts (not every second: the
@@ -245,6 +252,9 @@ class Dashboard:
         line = status.get("server_status")
         kind = re.sub(r"\d+", "N", str(line)) if line else None
         now = time.monotonic()
+        if self._stopping:
+            self._outage_kind = kind
+            return
         if self.mode == "plain" and line and (kind != self._outage_kind or
                                               now - self._outage_printed_at >= SERVER_STATUS_EVERY_S):
             self.console.print(str(line), markup=False, highlight=False, soft_wrap=True)

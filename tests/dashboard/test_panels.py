@@ -383,6 +383,23 @@ def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_
                        "server unreachable, retrying (20 s left)"], printed
 
 
+def test_plain_mode_prints_no_outage_line_once_the_supervisor_is_stopping_the_run(tmp_path):
+    """Second fresh-user trial: after "the server (pid N) was killed by SIGKILL: stopping the trainer", the
+    trainer's "server unreachable, retrying (1800 s left)" followed; once the stop has begun it is not printed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    (out / "status.json").write_text(json.dumps({"state": "running", "step": 2, "server_status": None}))
+    dash.poll()
+    dash.begin_stop()
+    for state, line in (("running", "server unreachable, retrying (1800 s left)"), ("saving", None),
+                        ("stopped", None)):
+        (out / "status.json").write_text(json.dumps({"state": state, "step": 2, "server_status": line}))
+        dash.poll()
+    assert not [ln for ln in console.export_text().splitlines() if ln.strip()]
+
+
 def test_plain_mode_says_when_the_rollout_worker_stops_beating(tmp_path, monkeypatch):
     """A stopped (SIGSTOP) worker: the trainer trains what is queued, then waits; the console said nothing until the
     worker timeout ended the run 5 minutes later (fresh-user trial). Now a line from 20 s of silence, every 10 s
