@@ -126,18 +126,20 @@ def _reward_text(reward: float | None, zero_std_frac: float | None) -> str:
     none was kept for training: ``frac_reward_zero_std`` 1) says so, since what trained in it came from groups
     scored before (the line's ``train`` part counts them)."""
     if reward is None:
-        return "reward — (no group scored since the last log)"
-    return f"reward {fmt(reward, '.4g')}" + (" (every group alike: none kept)" if zero_std_frac == 1.0 else "")
+        return "reward — (no group scored in this window)"
+    return f"reward {fmt(reward, '.4g')}" + (" (the groups scored in this window all alike: none kept)"
+                                             if zero_std_frac == 1.0 else "")
 
 
-def _train_text(tokens_per_s: float | None, groups_per_step: float | None) -> str:
+def _train_text(tokens_per_s: float | None, groups_per_step: float | None, scored_earlier: bool = False) -> str:
     """``train 3.4k tok/s``, with the groups a step trained when known: ``train 3.4k tok/s (64 groups)``, ``(1 group)``
-    (a mean over a window of several steps can be fractional: ``(1.5 groups)``)."""
+    (a mean over a window of several steps can be fractional: ``(1.5 groups)``); ``scored_earlier`` (no group of
+    this window was kept) adds that the trained ones were scored before it: ``(2 groups, scored earlier)``."""
     text = f"train {fmt_rate(tokens_per_s)} tok/s"
     if not groups_per_step:
         return text
     shown = f"{groups_per_step:.0f}" if abs(groups_per_step - round(groups_per_step)) < 0.05 else f"{groups_per_step:.1f}"
-    return text + f" ({shown} {'group' if shown == '1' else 'groups'})"
+    return text + f" ({shown} {'group' if shown == '1' else 'groups'}{', scored earlier' if scored_earlier else ''})"
 
 
 def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, diagnosis: str | None = None) -> str:
@@ -154,11 +156,13 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     silent = num(metrics, "server/silent_s")  # the server stalled through part of the step (`ServerWatch`)
     # A weight sync that took a good part of the step (a slow or hung server: it counts as busy) is shown.
     long_sync = sync_s is not None and step_s and sync_s >= max(1.0, SYNC_SHOWN_FRAC * step_s)
+    reward, zero_std = num(metrics, "reward"), num(metrics, "frac_reward_zero_std")
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             _reward_text(num(metrics, "reward"), num(metrics, "frac_reward_zero_std")),
+             _reward_text(reward, zero_std),
              _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s"),
                        num(metrics, "rollout/concurrency")),
-             _train_text(num(metrics, "perf/wall_clock_trained_tokens_per_s"), num(metrics, "batch/groups_per_step")),
+             _train_text(num(metrics, "perf/wall_clock_trained_tokens_per_s"), num(metrics, "batch/groups_per_step"),
+                         reward is None or zero_std == 1.0),
              f"step {fmt(step_s, '.2f')} s",
              *([f"server silent {silent:.0f} s of it"] if silent is not None and silent >= 1.0 else []),
              *([f"weight sync {sync_s:.2f} s"] if long_sync else []),

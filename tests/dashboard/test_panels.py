@@ -120,7 +120,7 @@ def test_plain_line_and_formats():
     line = plain_line(window(2), None, max_steps=10)
     assert line.startswith("step 2/10 | reward 0.2 | gen 12.3k tok/s | train 4.32k tok/s | step 10.00 s")
     unscored = {k: v for k, v in window(3).items() if k != "reward"}  # SPEC §15.1: no rollout scored in it
-    assert plain_line(unscored).startswith("step 3 | reward — (no group scored since the last log) | gen ")
+    assert plain_line(unscored).startswith("step 3 | reward — (no group scored in this window) | gen ")
     # stale drops show in the line only when a window had some (fresh-user trial: 92% of a step's generated
     # tokens dropped while the line read 'stale 1.00')
     assert "dropped" not in plain_line({**window(4), "sample/dropped_stale_count": 0})

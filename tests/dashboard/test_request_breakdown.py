@@ -111,10 +111,13 @@ def test_the_plain_line_says_what_trained_beside_a_reward_of_zero():
     window = {"step": 3, "reward": 0.0, "frac_reward_zero_std": 1.0, "perf/step_s": 2.0, "perf/rollout_wait_s": 0.0,
               "perf/wall_clock_trained_tokens_per_s": 1200.0, "batch/groups_per_step": 8.0}
     line = metrics_line(window, 10)
-    assert "| reward 0 (every group alike: none kept) |" in line, line
-    assert "| train 1.2k tok/s (8 groups) |" in line and "busy 100%" in line
+    assert "| reward 0 (the groups scored in this window all alike: none kept) |" in line, line
+    assert "| train 1.2k tok/s (8 groups, scored earlier) |" in line and "busy 100%" in line
     some_kept = metrics_line(dict(window, frac_reward_zero_std=0.75, reward=0.1))
     assert "| reward 0.1 |" in some_kept and "none kept" not in some_kept
+    assert "| train 1.2k tok/s (8 groups) |" in some_kept  # the second trial: say which groups trained
+    unscored = metrics_line({k: v for k, v in window.items() if k not in ("reward", "frac_reward_zero_std")})
+    assert "| reward — (no group scored in this window) |" in unscored and "(8 groups, scored earlier)" in unscored
     assert "| train 1.2k tok/s |" in metrics_line({k: v for k, v in window.items() if k != "batch/groups_per_step"})
-    assert "| train 1.2k tok/s (1 group) |" in metrics_line(dict(window, **{"batch/groups_per_step": 1.0}))
-    assert "(1.5 groups)" in metrics_line(dict(window, **{"batch/groups_per_step": 1.5}))  # a window's mean
+    assert "| train 1.2k tok/s (1 group, scored earlier) |" in metrics_line(dict(window, **{"batch/groups_per_step": 1.0}))
+    assert "(1.5 groups, scored earlier)" in metrics_line(dict(window, **{"batch/groups_per_step": 1.5}))  # a window's mean
