@@ -69,14 +69,15 @@ def _add_resume_command(output_dir: str | Path, status: dict) -> bool:
 
 def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> None:
     """Give ``status.json`` a final state when the trainer left it running (killed, or stopped mid-save):
-    ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``. A final state is kept, except
+    ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``, and ``outcome`` its one word
+    (`run.state.outcome_of`). A final state is kept, except
     a trainer's ``stopped`` when the job failed (rc 1: it was stopped because its server
     died): the job's ``failed: <failure>`` then, the trainer's state in ``trainer_state``, so that the
     file, the console and the exit status agree. A run that did not finish and has a complete checkpoint gets
     ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none, its own final state kept or not
     (a resumed run stopped before it saved anything: the console's ``resume with:`` names the checkpoint it
     resumed from). An absent file stays absent (nothing ran)."""
-    from ..run.state import write_json_atomic
+    from ..run.state import outcome_of, write_json_atomic
 
     status = read_status(output_dir)
     if not status:
@@ -84,7 +85,9 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     state = str(status.get("state", ""))
     if state.startswith("failed") or state == "finished" or (state == "stopped" and (rc in (0, 130, 143)
                                                                                      or not failure)):
-        if state != "finished" and rc != 0 and _add_resume_command(output_dir, status):
+        added = state != "finished" and rc != 0 and _add_resume_command(output_dir, status)
+        if added or status.get("outcome") != outcome_of(state):
+            status["outcome"] = outcome_of(state)
             try:
                 write_json_atomic(Path(output_dir) / "status.json", status)
             except OSError:
@@ -105,7 +108,7 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     status.pop("stopping", None)  # the stop is over: its "saving ... and stopping" no longer holds
     if rc != 0:
         _add_resume_command(output_dir, status)
-    status.update(state=final, updated_at=time.time())
+    status.update(state=final, outcome=outcome_of(final), updated_at=time.time())
     try:
         write_json_atomic(Path(output_dir) / "status.json", status)
     except OSError:

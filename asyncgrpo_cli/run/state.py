@@ -160,6 +160,17 @@ def load_rollout_state(checkpoint_dir: str | Path) -> int:
     return int(read_rollout_state(checkpoint_dir)["dataset_start_index"])
 
 
+FINAL_STATES = ("finished", "stopped", "failed")
+
+
+def outcome_of(state: str) -> str | None:
+    """The one word of a final ``status.json`` ``state`` (its ``outcome``: ``finished``, ``stopped`` or ``failed``;
+    ``state`` of a failure is a sentence, ``failed: the server ...``), for a program that reads the file; None for
+    a state that is not final (``running``, ``saving``)."""
+    word = str(state).split(":", 1)[0].strip()
+    return word if word in FINAL_STATES else None
+
+
 class LiveFiles:
     """`status.json` (rewritten at most once per ``min_interval_s``) and `metrics.jsonl` (one line per log)."""
 
@@ -177,6 +188,8 @@ class LiveFiles:
         """Merge ``fields`` into the status and rewrite ``status.json`` if due (or ``force``). Thread-safe."""
         with self._lock:
             self.status.update(fields)
+            if "state" in fields:
+                self.status["outcome"] = outcome_of(self.status["state"])
             now = time.monotonic()
             if force or now - self._last >= self.min_interval_s:
                 self._last = now

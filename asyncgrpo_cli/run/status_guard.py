@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .state import _pid_alive, _process_started  # the one liveness test of a pid (same start time)
+from .state import FINAL_STATES, _pid_alive, _process_started  # the one liveness test of a pid (same start time)
 
 POLL_S = 0.25
 """Seconds between the guard's checks that the trainer still runs."""
 
-FINAL_PREFIXES = ("finished", "stopped", "failed")
+FINAL_PREFIXES = FINAL_STATES
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -71,6 +71,7 @@ def close_cut_status(output_dir: str | Path, pid: int, why: str) -> dict[str, An
     kept = (f"the newest complete checkpoint is {newest} (step {saved})" if newest is not None
             else "there is no complete checkpoint")
     status["state"] = f"failed: the trainer (pid {pid}) died after {why}: {cut}; {kept}"[:300]
+    status["outcome"] = "failed"
     status["note"] = (f"the trainer (pid {pid}) ended without writing its final state ({cut}); nothing else of the "
                       f"job was left to write it; {kept}" + ("" if newest is not None else
                                                              ": start over, or resume from an earlier run's"))

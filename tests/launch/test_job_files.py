@@ -35,10 +35,18 @@ def test_finalize_status(tmp_path):
     finalize_status(tmp_path, 1, "the server (pid 7) was killed by SIGKILL during training")
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "failed: the server (pid 7) was killed by SIGKILL during training"
-    assert status["trainer_state"] == "stopped"
+    assert status["trainer_state"] == "stopped" and status["outcome"] == "failed"  # one word for programs
     write(tmp_path, state="stopped", step=1)
     finalize_status(tmp_path, 130, None)
-    assert json.loads((tmp_path / "status.json").read_text())["state"] == "stopped"
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "stopped" and status["outcome"] == "stopped"
+    write(tmp_path, state="finished")
+    finalize_status(tmp_path, 0, None)
+    assert json.loads((tmp_path / "status.json").read_text())["outcome"] == "finished"
+    write(tmp_path, state="failed: the rollout worker died")  # the trainer's own final state: only outcome added
+    finalize_status(tmp_path, 1, "x")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed: the rollout worker died" and status["outcome"] == "failed"
 
 
 def test_the_stop_reason_the_supervisor_writes_is_what_the_trainer_reports(tmp_path):
@@ -94,3 +102,15 @@ def test_a_resumed_run_stopped_before_its_first_save_keeps_its_state_and_gets_th
     write(tmp_path, state="finished", step=2)  # finished: nothing to resume
     finalize_status(tmp_path, 0, None)
     assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())
+
+
+def test_the_trainers_status_carries_the_one_word_outcome_of_its_final_state(tmp_path):
+    """status.json's `state` of a failure is a sentence; `outcome` is its one word once the state is final (second
+    fresh-user trial: a program had to match `state` on a prefix), and absent (null) before."""
+    from asyncgrpo_cli.run.state import LiveFiles, outcome_of
+
+    live = LiveFiles(tmp_path)
+    for state, outcome in (("running", None), ("saving", None), ("failed: the server (pid 7) died", "failed"),
+                           ("stopped", "stopped"), ("finished", "finished")):
+        live.update(force=True, state=state)
+        assert json.loads((tmp_path / "status.json").read_text())["outcome"] == outcome == outcome_of(state)
