@@ -246,7 +246,9 @@ def check_groups(cfg: Any) -> None:
             errors.append(_err(key, value, problem, fix))
 
     s, pe, la, lo, r = cfg.sampler, cfg.peft, cfg.launch, cfg.logging, cfg.rollout
-    rule(1 <= s.port <= 65535, "sampler.port", s.port, "a TCP port lies in 1..65535", "set sampler.port=8000")
+    if not 1 <= s.port <= 65535:  # the fix names a port free here now (8000, the default, may be taken)
+        rule(False, "sampler.port", s.port, "a TCP port lies in 1..65535", f"use a free port, e.g. "
+             f"sampler.port={_free_port()}")
     rule(s.gpu_memory_utilization is None or 0 < s.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization",
          s.gpu_memory_utilization, "a share of the GPU memory lies in (0, 1]", "set it to 0.9, or null for vLLM's default")
     rule(s.kv_cache_tokens is None or s.kv_cache_tokens >= 1, "sampler.kv_cache_tokens", s.kv_cache_tokens,
@@ -352,3 +354,15 @@ def start_warnings(repetition_penalty: float, uses_candidate_sets: bool, fallbac
                    "the full vocabulary and every importance ratio is biased (SPEC §7); watch the importance ratio "
                    "in the panels (sampling/importance_sampling_ratio/mean should stay near 1)")
     return [cite_shipped(w) for w in out]
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine right now (for a fix's example; 8000 when none can be bound here)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    except OSError:
+        return 8000

@@ -251,7 +251,8 @@ CLI_CASES = [
     ("tracker_typo", [R, "trainer.report_to=tensorbord"], "trainer.report_to", "Fix: trainer.report_to=tensorboard"),
     ("tracker_typo_in_a_list", [R, "trainer.report_to=[tensorboard,wandbb]"], "trainer.report_to",
      "Fix: trainer.report_to=[tensorboard,wandb]"),
-    ("port_out_of_range", [R, "sampler.port=70000"], "sampler.port", "1..65535"),
+    # the fix names a port free here, not the default 8000 (which may be taken; second fresh-user trial)
+    ("port_out_of_range", [R, "sampler.port=70000"], "sampler.port", "use a free port, e.g. sampler.port="),
     ("gpu_memory_above_one", [R, "sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization", ""),
     ("device_unknown", [R, "sampler.device=tpu"], "sampler.device", "cuda:N"),
     ("lora_dropout_one", [R, "peft.lora_dropout=1.0"], "peft.lora_dropout", ""),
