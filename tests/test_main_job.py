@@ -198,6 +198,8 @@ def test_smoke_recipe_runs(tmp_path):
     for log in (stdout, (out / "logs" / "trainer.log").read_text(), (out / "logs" / "server.log").read_text()):
         assert "Loading weights" not in log and "Writing model shards" not in log  # no tqdm bars without a tty
     assert "it/s]" not in (out / "logs" / "trainer.log").read_text()  # nor the training bar's redraws
+    summary = (out / "logs" / "summary.txt").read_text()  # the console's summary, kept with the run
+    assert summary.startswith("asyncgrpo train: summary") and "final model" in summary
 
 
 def test_two_cpu_processes_train_together(tiny, tmp_path):

@@ -113,3 +113,13 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
         write_json_atomic(Path(output_dir) / "status.json", status)
     except OSError:
         pass
+
+
+def write_summary_file(output_dir: str | Path, lines: list[str]) -> None:
+    """``logs/summary.txt``: the end-of-run summary as the plain console prints it (second fresh-user trial: after
+    the fact the run folder held no summary). A write that fails is skipped: the console has printed it."""
+    try:
+        (Path(output_dir) / "logs").mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "logs" / "summary.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    except OSError:
+        pass

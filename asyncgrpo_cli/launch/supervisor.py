@@ -62,7 +62,7 @@ from ..run.stop_reason import clear_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem, train_command
 from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
                    output_dir_of, resolved_config, run_size)
-from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
+from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace, write_summary_file
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
@@ -662,6 +662,7 @@ class Supervisor:
             self.console.print(Text(f"could not draw the training curves: {exc}", style="yellow"))
         summary = summarize(rows, time.time() - self.started, self.plan.output_dir, outcome, plot,
                             final_eval=getattr(self.dashboard, "eval", None))
+        write_summary_file(self.plan.output_dir, summary_lines(summary))  # logs/summary.txt: kept with the run
         if self.console.is_terminal:
             self.console.print(summary_panel(summary))
         else:  # no box: a box of the console's width would cut long paths
