@@ -368,13 +368,10 @@ def finished(folder: Path) -> int | None:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether ``pid`` runs (the project's one liveness test of a pid)."""
+    from asyncgrpo_cli.run.state import _pid_alive
+
+    return _pid_alive(pid, None)
 
 
 def host_report() -> list[str]:
