@@ -42,10 +42,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown  # noqa: F401 - busy_share re-exported
+from ..run.metrics_line import (breakdown_text, busy_share, fmt, num,  # noqa: F401 - busy_share re-exported
+                                request_breakdown)
 from .findings import (  # noqa: F401 - re-exported: the rules' shared types
     ALERT, DEFAULT_THRESHOLDS, INFO, OK, REWARD_NAMES, SEVERITY_RANK, WARN, Diagnosis, MetricsHistory, RunSettings,
-    Thresholds, _level, _pct, _wait_text)
+    Thresholds, _level, _pct, _wait_text, held_shares)
 from .idle import IDLE_CAUSES, trainer_idle  # noqa: F401 - IDLE_CAUSES re-exported
 from .overrides import _bare_ok, _hydra_str, _list_override  # noqa: F401 - re-exported
 
@@ -56,7 +57,10 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
 
     Reads ``perf/rollout_wait_s``, ``rollout/backpressure_s``, ``perf/step_s``, ``rollout/queue_size``,
     ``batch/samples_per_step``, ``sample/staleness_mean`` and ``perf/weight_sync_s``. Returns None when neither
-    wait is logged.
+    wait is logged. ``rollout/backpressure_s`` counts the producer's waits at every gate; where
+    ``rollout/held_{gate}_frac`` says another gate than the staleness limit held it longest (the concurrency cap,
+    the on-policy round, deadline admission, the scoring queue), trainer-bound names that gate (second trial of
+    2026-12-05: it blamed the staleness limit while the cap of 16 held generation 95% of the window).
     """
     wait, bp = num(m, "perf/rollout_wait_s"), num(m, "rollout/backpressure_s")
     if wait is None and bp is None:
@@ -83,6 +87,11 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
                          f"{_wait_text(wait, step_s)} for samples ({q}){paused}; check rollout/generated_tokens_per_s, "
                          "rollout/concurrency, rollout/score_queue_size", WARN)
     if bl == "high":
+        held = _holding_gate(m)
+        if held is not None and held[0] != "allowance":  # another gate held the producer: name it, not staleness
+            return Diagnosis("trainer_bound",
+                             f"trainer-bound: generation waits {bp:.2f} s {_GATE_TEXT[held[0]](m, settings)} (held "
+                             f"{held[1]:.0%} of the window; expected when inference is faster than training)", INFO)
         stale = num(m, "sample/staleness_mean")
         full = queue is not None and per_step is not None \
             and queue >= th.queue_full_frac * settings.max_staleness * per_step
@@ -96,6 +105,25 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
     return Diagnosis("balanced",
                      f"balanced (small waits: trainer {_wait_text(wait, step_s)}, generation "
                      f"{'?' if bp is None else f'{bp:.2f} s'})", OK)
+
+
+#: What holds the producer at each gate of `asyncgrpo_cli.rollout.holds` (``rollout/held_{gate}_frac``), in words.
+_GATE_TEXT = {
+    "round": lambda m, s: "for the on-policy round to close (staleness.max_staleness=0)",
+    "allowance": lambda m, s: "for the staleness limit",
+    "deadline": lambda m, s: "for deadline admission (on since the first stale drop)",
+    "cap": lambda m, s: "for a free slot: the rollouts in flight are at their cap "
+                        f"({fmt(num(m, 'rollout/concurrency_cap') or s.max_concurrent_rollouts, '.0f')}, "
+                        f"staleness.max_concurrent_rollouts={s.max_concurrent_rollouts})",
+    "score": lambda m, s: "for room in the scoring queue (rewards are behind)",
+}
+
+
+def _holding_gate(m: Mapping[str, Any]) -> tuple[str, float] | None:
+    """The gate that held the producer longest in the window and its share (`held_shares`); None when none is
+    logged or none held it."""
+    shares = [(gate, share) for gate, share in held_shares(m) if share > 0 and gate in _GATE_TEXT]
+    return shares[0] if shares else None
 
 
 def active_limit(m: Mapping[str, Any], settings: RunSettings = RunSettings(),

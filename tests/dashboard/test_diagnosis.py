@@ -610,3 +610,19 @@ def test_idle_cause_a_busy_rollout_worker_comes_before_the_engine_core():
     # any backend: the worker paces the embedded sampler's requests too
     alone = {**_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2}), "rollout/worker_main_cpu": 0.92}
     assert trainer_idle(history_of(alone), dataclasses.replace(VLLM, backend="embedded")).rule == "trainer_idle_worker"
+
+
+def test_trainer_bound_names_the_gate_that_held_generation():
+    """Second trial of 2026-12-05: "generation waits 3.64 s for the staleness limit, staleness 1.0/4" while the cap
+    of 16 rollouts held the producer 95% of the window (allowance 5%). The finding names the gate that held it."""
+    base = {"perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 3.64, "perf/step_s": 5.44,
+            "sample/staleness_mean": 1.0, "rollout/concurrency_cap": 16.0}
+    settings = RunSettings(max_concurrent_rollouts=16)
+    capped = bottleneck({**base, "rollout/held_cap_frac": 0.953, "rollout/held_allowance_frac": 0.046}, settings)
+    assert capped.rule == "trainer_bound" and "staleness limit" not in capped.text
+    assert "at their cap (16, staleness.max_concurrent_rollouts=16)" in capped.text and "95%" in capped.text
+    allowance = bottleneck({**base, "rollout/held_cap_frac": 0.1, "rollout/held_allowance_frac": 0.8}, settings)
+    assert "for the staleness limit, staleness 1.0/4" in allowance.text
+    assert "for the staleness limit" in bottleneck(base, settings).text  # no hold shares logged: as before
+    on_policy = bottleneck({**base, "rollout/held_round_frac": 0.9}, settings)
+    assert "on-policy round" in on_policy.text
