@@ -115,11 +115,17 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
         pass
 
 
-def write_summary_file(output_dir: str | Path, lines: list[str]) -> None:
-    """``logs/summary.txt``: the end-of-run summary as the plain console prints it (second fresh-user trial: after
-    the fact the run folder held no summary). A write that fails is skipped: the console has printed it."""
+def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = False) -> None:
+    """``logs/summary.txt``: the end-of-run summary as the plain console prints it (first fresh-user trial of
+    2026-12-05: after the fact the run folder held no summary); ``append``: lines after it (a failure's error, the
+    resume command: the second trial), added only where the summary was written. A write that fails is skipped:
+    the console has printed it."""
+    path = Path(output_dir) / "logs" / "summary.txt"
+    if append and (not lines or not path.is_file()):
+        return
     try:
-        (Path(output_dir) / "logs").mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "logs" / "summary.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a" if append else "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
     except OSError:
         pass

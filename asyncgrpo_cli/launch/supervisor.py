@@ -245,6 +245,8 @@ class Supervisor:
                 self.lock.release()
         self._print_failures()
         newest = self._newest_checkpoint() if self.lock is not None and rc not in (0, 2) else None
+        write_summary_file(self.plan.output_dir, [f"  error: {m}" for m, *_ in self._failures] + (
+            [f"  resume with: {resume_command(newest)}"] if newest else []), append=True)
         if newest:  # every stop and failure path that left a complete checkpoint
             self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
         elif self.trainer is not None and rc not in (0, 2) and (again := train_command([])):

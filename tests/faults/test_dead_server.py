@@ -63,8 +63,12 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     assert f"trainer.resume_from_checkpoint={checkpoint}" in text
     final = status(out)
     assert final["state"].startswith("failed: the server") and "SIGKILL" in final["state"], final
+    assert final["outcome"] == "failed"
+    summary = (out / "logs" / "summary.txt").read_text()  # kept with the run: the error and how to resume
+    assert "  error: the server" in summary and f"trainer.resume_from_checkpoint={checkpoint}" in summary, summary
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "its weight sync was abandoned by the stop" in trainer_log, trainer_log[-4000:]
+    assert "CalledProcessError" not in trainer_log  # the launcher's report of the stop is cut (second trial)
     assert f"SIGINT: the server (pid {server_pid}) was killed by SIGKILL" in trainer_log
 
 
