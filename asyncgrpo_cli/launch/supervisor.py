@@ -576,8 +576,8 @@ class Supervisor:
         step, trained = checkpoint_step(newest), read_status(self.plan.output_dir).get("step")
         trained = trained if isinstance(trained, int) and not isinstance(trained, bool) else None
         new = newest != (self._checkpoints_before if before is False else before)
-        if new and (trained is None or step is None or step >= trained):
-            return f"checkpoint saved: {newest}"
+        if new and (trained is None or step is None or step >= trained):  # the step it holds: a later one was not done
+            return f"checkpoint saved: {newest}" + (f" (step {step}, the last completed step)" if step else "")
         if not new and trained is not None and trained == step:
             return f"no new checkpoint was needed: {newest} holds the last completed step ({step})"
         cut = " (the second signal stopped the trainer before its save ended)" if self._escalate.is_set() else ""

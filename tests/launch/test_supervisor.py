@@ -726,7 +726,8 @@ def test_the_checkpoint_report_names_what_a_stop_left(tmp_path):
     assert report(sup, None) == (f"the last completed step (2) was not saved; the newest complete checkpoint is "
                                  f"{out / 'checkpoint-1'} (step 1)")  # step 1's save ended after the stop began
     (out / "status.json").write_text(json.dumps({"state": "stopped", "step": 1}))
-    assert report(sup, None) == f"checkpoint saved: {out / 'checkpoint-1'}"
+    # the step it holds (second trial of 2026-12-05: a Ctrl-C during step 2 saved checkpoint-1 and said nothing of 2)
+    assert report(sup, None) == f"checkpoint saved: {out / 'checkpoint-1'} (step 1, the last completed step)"
     assert report(sup, str(out / "checkpoint-1")) == \
         f"no new checkpoint was needed: {out / 'checkpoint-1'} holds the last completed step (1)"
     sup._escalate.set()
