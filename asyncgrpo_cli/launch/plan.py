@@ -391,6 +391,7 @@ def run_size(cfg: DictConfig) -> str:
     t, r = cfg.trainer, cfg.rollout
     steps = int(t.max_steps)
     length = f"{steps} steps" if steps >= 0 else f"{float(t.num_train_epochs):g} epochs over the prompts"
+    length += _resumed_from(t)
     names = [str(f.func).replace(":", ".").rsplit(".", 1)[-1] for f in cfg.rewards]
     reward = f"reward{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "no reward function"
     every = checkpoint_every(t)
@@ -398,6 +399,23 @@ def run_size(cfg: DictConfig) -> str:
     return (f"{length} | {r.num_generations} completions a prompt, up to {r.max_completion_length} tokens | "
             f"{reward} | learning rate {float(t.learning_rate):g} | max_staleness {cfg.staleness.max_staleness} | "
             f"activation checkpointing {checkpointing}")
+
+
+def _resumed_from(trainer: Any) -> str:
+    """``, resumed from checkpoint-2 (step 2)`` for a run that resumes (``trainer.resume_from_checkpoint``; a dry run
+    of a resume command said nothing of it: second trial of 2026-12-05), else ``""``. A checkpoint that cannot be
+    resolved is named as given: the start refuses it with the reason."""
+    from ..run.checkpoints import CheckpointError, checkpoint_step, resolve_resume
+
+    resume = trainer.get("resume_from_checkpoint") if hasattr(trainer, "get") else None
+    if not resume:
+        return ""
+    try:
+        folder = resolve_resume(True if str(resume).lower() == "true" else str(resume), output_dir_of(trainer))
+    except (CheckpointError, OSError, ValueError):
+        return f", resumed from {resume}"
+    step = checkpoint_step(folder)
+    return f", resumed from {folder.name}" + (f" (step {step})" if step is not None else "")
 
 
 def _ordinal(n: int) -> str:

@@ -235,3 +235,17 @@ def test_the_plan_says_how_long_and_large_the_run_is():
         cfg_of("staleness.max_staleness=0"))
     assert run_size(cfg_of("trainer.activation_checkpointing_kwargs={every_n_layers: 2}")).endswith(
         "activation checkpointing on every 2nd layer")
+
+
+def test_the_run_row_of_a_resumed_run_names_its_checkpoint(tmp_path):
+    """Second trial of 2026-12-05: a dry run of the resume command said only ``16 steps``."""
+    from asyncgrpo_cli.launch.plan import run_size
+
+    from .fake_trainer import write_checkpoint
+
+    write_checkpoint(str(tmp_path), 2)
+    resumed = run_size(compose(["+recipe=smoke", f"trainer.output_dir={tmp_path}", "trainer.max_steps=16",
+                                "trainer.resume_from_checkpoint=true"]))
+    assert resumed.startswith("16 steps, resumed from checkpoint-2 (step 2) | "), resumed
+    named = run_size(compose(["+recipe=smoke", f"trainer.resume_from_checkpoint={tmp_path}/checkpoint-9"]))
+    assert named.startswith(f"8 steps, resumed from {tmp_path}/checkpoint-9 | ")  # unresolved: as given
