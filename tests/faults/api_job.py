@@ -50,7 +50,8 @@ def main() -> int:
             return super()._save_rng_state(output_dir)
 
     server = ServerThread(ServerConfig(model=ns.model, port=0, device="cpu", dtype="float32", max_model_len=128,
-                                       max_logprobs=4)).start()
+                                       max_logprobs=4,  # the run's folder: a kill -9 leaves nothing in /tmp
+                                       weights_dir=str(Path(ns.out) / ".weights"))).start()
     try:
         args = AsyncGRPOConfig(output_dir=ns.out, max_steps=ns.max_steps, save_steps=ns.save_steps, num_generations=4,
                                max_completion_length=8, num_sampler_logprobs=3, vllm_server_base_url=server.url,
