@@ -248,7 +248,7 @@ def check_groups(cfg: Any) -> None:
     s, pe, la, lo, r = cfg.sampler, cfg.peft, cfg.launch, cfg.logging, cfg.rollout
     if not 1 <= s.port <= 65535:  # the fix names a port free here now (8000, the default, may be taken)
         rule(False, "sampler.port", s.port, "a TCP port lies in 1..65535", f"use a free port, e.g. "
-             f"sampler.port={_free_port()}")
+             f"sampler.port={free_port()}")
     rule(s.gpu_memory_utilization is None or 0 < s.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization",
          s.gpu_memory_utilization, "a share of the GPU memory lies in (0, 1]", "set it to 0.9, or null for vLLM's default")
     rule(s.kv_cache_tokens is None or s.kv_cache_tokens >= 1, "sampler.kv_cache_tokens", s.kv_cache_tokens,
@@ -356,8 +356,9 @@ def start_warnings(repetition_penalty: float, uses_candidate_sets: bool, fallbac
     return [cite_shipped(w) for w in out]
 
 
-def _free_port() -> int:
-    """A TCP port free on this machine right now (for a fix's example; 8000 when none can be bound here)."""
+def free_port() -> int:
+    """A TCP port free on this machine right now (a fix's example, the single-machine rendezvous; 8000 when none can
+    be bound here)."""
     import socket
 
     try:

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from ..config.compose import sampler_url
 from ..config.rules import ConfigError
+from ..config.validate import free_port  # noqa: F401 - the one free-port pick (re-exported for the supervisor)
 
 if TYPE_CHECKING:
     from ..config.schema import SamplerConfig
@@ -39,13 +40,6 @@ def health_refused(url: str, timeout: float = 2.0) -> bool:
     except httpx.HTTPError:
         return False
     return False
-
-
-def free_port() -> int:
-    """A TCP port free on this machine right now (for the single-machine rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def port_in_use(host: str, port: int) -> bool:
