@@ -732,6 +732,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     url = server_url(cfg)
     running = backend != "external" and probe_health(url, timeout=1.0)
+    typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()  # as the user wrote it
     if not dry_run and int(cfg.launch.machine_rank) == 0:
         try:
             _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
@@ -739,9 +740,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
         except ConfigError as exc:
             console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
             return 2
-        # a used folder: refused before the plan and the model, named as the user wrote it
-        typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
-        problem = start_problem(cfg.trainer, typed)
+        problem = start_problem(cfg.trainer, typed)  # a used folder: refused before the plan and the model
         if problem:
             console.print(Text(f"error: {problem}", style="bold red"), soft_wrap=True)
             return 2
@@ -755,8 +754,7 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
             check_server_port(cfg.sampler, answering=running)
         except ConfigError as exc:
             plan.gpus.problems.append(str(exc))
-        problem = start_problem(cfg.trainer, Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer)))
-                                .expanduser())  # the folder as the user wrote it, as a real start names it
+        problem = start_problem(cfg.trainer, typed)  # named as a real start names it
         if problem:
             plan.gpus.problems.append(problem)
     if dry_run:  # the commands the start runs, also next to a problem (a used folder planned the package name)
