@@ -52,16 +52,39 @@ def sampler_problem(url: str, timeout_s: float = SAMPLER_PROBE_S) -> str | None:
             "sampler answer 200 there)")
 
 
+def _training_owner(url: str) -> Any:
+    """The `run.port_owner.PortOwner` of an ``asyncgrpo train`` job whose server listens at ``url`` on this
+    machine, else None."""
+    from urllib.parse import urlsplit
+
+    from ..run.port_owner import training_owner
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return training_owner(parts.hostname or "", port)
+
+
 def check_external_sampler(cfg: Any, timeout_s: float | None = None) -> None:
     """``sampler.backend=external``: a sampler answers at ``sampler.url`` now (the run starts none).
 
     Raises:
-        ConfigError: naming ``sampler.url``, what went wrong and the fix (start it with ``asyncgrpo serve``).
+        ConfigError: naming ``sampler.url``, what went wrong and the fix (start it with ``asyncgrpo serve``):
+            nothing answers there, or the server there belongs to another ``asyncgrpo train`` job on this machine
+            (`run.port_owner`; its trainer changes its weights).
     """
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend != "external" or not cfg.sampler.url:
         return
     wait = min(float(cfg.sampler.timeout), SAMPLER_PROBE_S if timeout_s is None else timeout_s)
+    owner = _training_owner(str(cfg.sampler.url))
+    if owner is not None:
+        raise _err("sampler.url", str(cfg.sampler.url), f"that server belongs to {owner.describe()}, whose trainer "
+                   "changes its weights at every sync: this run would score and train on another policy's completions",
+                   "start a server for this run in another shell with `asyncgrpo serve` and the same "
+                   "model/sampler/rollout overrides, and point sampler.url at it; or drop sampler.backend=external")
     problem = sampler_problem(str(cfg.sampler.url), wait)
     if problem:
         raise _err("sampler.url", str(cfg.sampler.url), f"sampler.backend=external starts no server, and none "

@@ -486,11 +486,15 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         ConfigError: from the server command builder (e.g. ``model.name`` unset).
     """
     from ..config.compose import sampler_url
+    from ..run.port_owner import training_owner
 
     backend = _backend(cfg.sampler)
     url = sampler_url(cfg.sampler)
     if backend == "external":
         reason = f"sampler.backend=external: using the server at {url}"
+    elif server_running and (owner := training_owner(str(cfg.sampler.host), int(cfg.sampler.port))) is not None:
+        reason = (f"{url} is the server of {owner.describe()}, whose trainer changes its weights: the run refuses it "
+                  f"(a free sampler.port)")
     elif server_running:
         reason = (f"a server this job did not start already answers at {url}/health: the run refuses it (a free "
                   f"sampler.port, or sampler.backend=external sampler.url={url} to train against it)")

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from ..config.compose import sampler_url
 from ..config.rules import ConfigError
 from ..config.validate import free_port  # noqa: F401 - the one free-port pick (re-exported for the supervisor)
+from ..run.port_owner import asyncgrpo_owner
 
 if TYPE_CHECKING:
     from ..config.schema import SamplerConfig
@@ -90,7 +91,9 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
     Raises:
         ConfigError: a server this job did not start already answers there (use it with
             ``sampler.backend=external sampler.url=URL``), or another process holds the port; the
-            message names ``sampler.port`` and suggests a free port.
+            message names ``sampler.port`` and suggests a free port. A server another ``asyncgrpo train`` job
+            started (`run.port_owner`) is named, and never offered as an external sampler: its trainer changes
+            its weights.
     """
     backend = getattr(sampler.backend, "value", sampler.backend)
     if backend == "external":
@@ -98,12 +101,18 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
     host, port, url = str(sampler.host), int(sampler.port), sampler_url(sampler)
     if answering is None:
         answering = probe_health(url, timeout=1.0)
+    owner = asyncgrpo_owner(host, port) if answering or port_in_use(host, port) else None
+    if owner is not None and owner.command == "train":
+        raise ConfigError(f"sampler.port={port}: {url} is the server of {owner.describe()}. That job's trainer "
+                          f"changes the server's weights, so this one can neither share it nor start its own there. "
+                          f"Fix: use a free port, e.g. sampler.port={free_port()}, or stop that job first")
     if answering and command == "serve":
         raise ConfigError(f"sampler.port={port}: a server already answers at {url}/health. Fix: to check it serves "
                           f"this config, run asyncgrpo doctor with the same overrides; to start another, use a free "
                           f"port, e.g. sampler.port={free_port()}")
     if answering:
-        raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health. "
+        whose = f" ({owner.describe()} started it)" if owner is not None else ""
+        raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health{whose}. "
                           f"Fix: to train against it, add sampler.backend=external sampler.url={url} (asyncgrpo "
                           f"doctor checks it matches the config); to start a new one, use a free port, e.g. "
                           f"sampler.port={free_port()}")
