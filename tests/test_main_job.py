@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,7 +198,12 @@ def test_smoke_recipe_runs(tmp_path):
     assert not (out / ".weights").exists()  # the weight-sync folder is gone once empty
     for log in (stdout, (out / "logs" / "trainer.log").read_text(), (out / "logs" / "server.log").read_text()):
         assert "Loading weights" not in log and "Writing model shards" not in log  # no tqdm bars without a tty
-    assert "it/s]" not in (out / "logs" / "trainer.log").read_text()  # nor the training bar's redraws
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "it/s]" not in trainer_log  # nor the training bar's redraws
+    # Each step line starts with its time; the log ends with the trainer's closing line.
+    assert re.search(r"^\d\d:\d\d:\d\d step 2/2 \|", trainer_log, re.M), trainer_log[-3000:]
+    assert re.search(rf"^\d\d:\d\d:\d\d training finished: step 2 in \d+ s; the final model is in {re.escape(str(out))}$",
+                     trainer_log, re.M), trainer_log[-3000:]
     summary = (out / "logs" / "summary.txt").read_text()  # the console's summary, kept with the run
     assert summary.startswith("asyncgrpo train: summary") and "final model" in summary
 

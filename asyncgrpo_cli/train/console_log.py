@@ -6,11 +6,12 @@ transformers' dict of every metric (about 90 of them; issue #36). The whole dict
 above it) and `PlainPrinterCallback` its `PrinterCallback` (``disable_tqdm=True``); `use_plain_lines` swaps
 them in a trainer's callback handler. Without a terminal (under `asyncgrpo train`, the trainer writes to
 ``logs/trainer.log``) the bar is dropped too: in a file it is a run of carriage-return redraws around each line,
-and the supervisor's own panel shows the progress.
+and the supervisor's own panel shows the progress; each line then starts with the time it was written.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -34,22 +35,36 @@ class PlainProgressCallback(ProgressCallback):
             self.training_bar.write(line)
 
 
+def stamped(line: str) -> str:
+    """``line`` after the local wall-clock time, ``23:14:05 step 3/8 | ...``: how a line reads in a log file."""
+    return f"{time.strftime('%H:%M:%S')} {line}"
+
+
 class PlainPrinterCallback(PrinterCallback):
-    """transformers' printer (no progress bar), printing the plain line instead of the metrics dict."""
+    """transformers' printer (no progress bar), printing the plain line instead of the metrics dict.
+
+    Args:
+        timestamps: start each line with the wall-clock time (`stamped`; for ``logs/trainer.log``).
+    """
+
+    def __init__(self, timestamps: bool = False) -> None:
+        super().__init__()
+        self.timestamps = timestamps
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102 - transformers' hook
         line = _line(args, state, logs)
         if state.is_local_process_zero and line:
-            print(line, flush=True)
+            print(stamped(line) if self.timestamps else line, flush=True)
 
 
 def use_plain_lines(callback_handler: Any, terminal: bool = True) -> None:
     """Replace transformers' `ProgressCallback` / `PrinterCallback` in ``callback_handler`` by the plain ones
     (subclasses are left alone: a user's own printer stays). ``terminal`` False (stdout is a file or a pipe): the
-    progress bar gives way to the printer, so the log holds the plain lines only."""
+    progress bar gives way to the printer, so the log holds the plain lines only, each after its time (`stamped`)."""
     bar = PlainProgressCallback if terminal else PlainPrinterCallback
     for old, new in ((ProgressCallback, bar), (PrinterCallback, PlainPrinterCallback)):
         if any(type(cb) is old for cb in callback_handler.callbacks):
             callback_handler.remove_callback(old)
             if not any(type(cb) is new for cb in callback_handler.callbacks):
-                callback_handler.add_callback(new)
+                callback_handler.add_callback(PlainPrinterCallback(timestamps=not terminal)
+                                              if new is PlainPrinterCallback else new)

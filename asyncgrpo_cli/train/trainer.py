@@ -33,7 +33,7 @@ from .packed_loss import Reference, install_loss_head, micro_batch_sequences, ro
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .checkpointing import enable_activation_checkpointing
 from .compile import compile_decoder_layers
-from .console_log import use_plain_lines
+from .console_log import stamped, use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, SpanClock, step_flops
 from ..run.state import LiveFiles, TrainedPosition
@@ -266,6 +266,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                                                else {"resume_command": None}))  # finished: nothing to resume
         self.is_in_train = False
         runtime = time.time() - start
+        if self.is_world_process_zero() and not self._stop_requested:  # the log's closing line (a stop has its own)
+            print(stamped(f"training finished: step {self.state.global_step} in {runtime:.0f} s; the final model "
+                          f"is in {args.output_dir}"), flush=True)
         return TrainOutput(self.state.global_step, float(self._last_loss),
                            {"train_runtime": runtime, "total_steps": self.state.global_step,
                             "dataset_start_index": self.position.value if self.position else start_position})

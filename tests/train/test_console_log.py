@@ -3,6 +3,7 @@ is not a terminal (trainer.log under `asyncgrpo train`)."""
 
 from __future__ import annotations
 
+import re
 import types
 
 from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
@@ -32,7 +33,16 @@ def test_without_a_terminal_the_bar_gives_way_to_the_plain_printer(capsys):
     state = types.SimpleNamespace(global_step=3, is_local_process_zero=True, is_world_process_zero=True)
     handler.callbacks[0].on_log(args, state, None, logs={"loss": 0.5, "reward": 0.25})
     out = capsys.readouterr().out
-    assert out.startswith("step 3/8") and "\r" not in out and "it/s" not in out
+    assert re.match(r"\d\d:\d\d:\d\d step 3/8 \|", out) and "\r" not in out and "it/s" not in out
+
+
+def test_the_printer_stamps_lines_only_for_a_log_file(capsys):
+    args = types.SimpleNamespace(max_steps=0)
+    state = types.SimpleNamespace(global_step=2, is_local_process_zero=True, is_world_process_zero=True)
+    PlainPrinterCallback().on_log(args, state, None, logs={"reward": 0.5})
+    PlainPrinterCallback(timestamps=True).on_log(args, state, None, logs={"reward": 0.5})
+    plain, stamped = capsys.readouterr().out.splitlines()
+    assert plain.startswith("step 2 |") and stamped.endswith(plain) and re.fullmatch(r"\d\d:\d\d:\d\d ", stamped[:9])
 
 
 def test_one_printer_only_and_a_users_own_callback_stays():
