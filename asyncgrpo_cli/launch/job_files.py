@@ -77,16 +77,18 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none, its own final state kept or not
     (a resumed run stopped before it saved anything: the console's ``resume with:`` names the checkpoint it
     resumed from). An absent file stays absent (nothing ran)."""
-    from ..run.state import outcome_of, write_json_atomic
+    from ..run.state import ALWAYS_KEYS, outcome_of, with_always_keys, write_json_atomic
 
     status = read_status(output_dir)
     if not status:
         return
+    complete = all(key in status for key in ALWAYS_KEYS)
+    with_always_keys(status)
     state = str(status.get("state", ""))
     if state.startswith("failed") or state == "finished" or (state == "stopped" and (rc in (0, 130, 143)
                                                                                      or not failure)):
         added = state != "finished" and rc != 0 and _add_resume_command(output_dir, status)
-        if added or status.get("outcome") != outcome_of(state):
+        if added or not complete or status.get("outcome") != outcome_of(state):
             status["outcome"] = outcome_of(state)
             try:
                 write_json_atomic(Path(output_dir) / "status.json", status)
@@ -105,7 +107,7 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
         kept = newest_checkpoint(output_dir)
         status["note"] = (f"the trainer was stopped while {state or 'starting'}; "
                           + (f"newest complete checkpoint: {kept}" if kept else "no complete checkpoint"))
-    status.pop("stopping", None)  # the stop is over: its "saving ... and stopping" no longer holds
+    status["stopping"] = None  # the stop is over: its "saving ... and stopping" no longer holds
     if rc != 0:
         _add_resume_command(output_dir, status)
     status.update(state=final, outcome=outcome_of(final), updated_at=time.time())

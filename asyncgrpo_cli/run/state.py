@@ -171,13 +171,28 @@ def outcome_of(state: str) -> str | None:
     return word if word in FINAL_STATES else None
 
 
+ALWAYS_KEYS = ("outcome", "stopping", "note", "trainer_state", "resume_command")
+"""Keys `status.json` holds from its first write to its last, null when they do not apply (a program reading the
+file finds the same keys whatever the outcome): ``outcome`` (the final state's one word), ``stopping`` (a stop in
+progress: why, and the step being saved), ``note`` (how the run ended, when that needs saying), ``trainer_state``
+(the trainer's own final state, when the job's differs) and ``resume_command``."""
+
+
+def with_always_keys(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` with every key of `ALWAYS_KEYS` present (null where unset); the same dict, returned."""
+    for key in ALWAYS_KEYS:
+        status.setdefault(key, None)
+    return status
+
+
 class LiveFiles:
     """`status.json` (rewritten at most once per ``min_interval_s``) and `metrics.jsonl` (one line per log)."""
 
     def __init__(self, output_dir: str | Path, min_interval_s: float = 1.0) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.status: dict[str, Any] = {"state": "starting", "started_at": time.time(), "pid": os.getpid()}
+        self.status: dict[str, Any] = with_always_keys({"state": "starting", "started_at": time.time(),
+                                                        "pid": os.getpid()})
         self.min_interval_s = min_interval_s
         self._last = 0.0
         self._lock = threading.Lock()

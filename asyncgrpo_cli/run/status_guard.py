@@ -52,7 +52,7 @@ def close_cut_status(output_dir: str | Path, pid: int, why: str) -> dict[str, An
     """
     from .checkpoints import checkpoint_step, newest_complete_checkpoint
     from .folder import resume_command_from_env
-    from .state import write_json_atomic
+    from .state import with_always_keys, write_json_atomic
 
     path = Path(output_dir) / "status.json"
     status = _read(path)
@@ -75,7 +75,7 @@ def close_cut_status(output_dir: str | Path, pid: int, why: str) -> dict[str, An
     status["note"] = (f"the trainer (pid {pid}) ended without writing its final state ({cut}); nothing else of the "
                       f"job was left to write it; {kept}" + ("" if newest is not None else
                                                              ": start over, or resume from an earlier run's"))
-    status.pop("stopping", None)
+    status["stopping"] = None
     status["server_status"] = None
     if newest is not None:
         status["resume_command"] = resume_command_from_env(newest)
@@ -84,7 +84,7 @@ def close_cut_status(output_dir: str | Path, pid: int, why: str) -> dict[str, An
         status["resume_command"] = None
     status["updated_at"] = time.time()
     try:
-        write_json_atomic(path, status)
+        write_json_atomic(path, with_always_keys(status))
     except OSError:
         return None
     return status

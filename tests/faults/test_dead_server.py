@@ -102,7 +102,7 @@ def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_e
     assert final["note"] == f"stopped by SIGTERM: the supervisor (pid {job.pid}) is gone", final
     # nobody is left to print how to continue: status.json says it
     assert final["resume_command"].endswith(f"trainer.resume_from_checkpoint={checkpoint}"), final
-    assert "stopping" not in final or final["stopping"] is None
+    assert final["stopping"] is None
 
 
 def test_supervisor_killed_while_the_rollout_worker_boots_every_process_ends(tiny_model, prompt_file, tmp_path, jobs):

@@ -24,7 +24,7 @@ def test_finalize_status(tmp_path):
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "stopped" and "stopped while saving" in status["note"]
     # fresh-user trial: a double Ctrl-C left "newest complete checkpoint: None" and the stop's "saving ..." line
-    assert status["note"].endswith("no complete checkpoint") and "stopping" not in status
+    assert status["note"].endswith("no complete checkpoint") and status["stopping"] is None
     write(tmp_path, state="running")
     finalize_status(tmp_path, 1, "the trainer exited with code -9")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed: the trainer exited with code -9"
@@ -78,7 +78,7 @@ def test_a_failed_run_without_a_save_of_its_own_gets_the_resume_command(tmp_path
     assert json.loads((tmp_path / "status.json").read_text())["resume_command"] == "asyncgrpo train mine"
     write(tmp_path, state="running", step=3)
     finalize_status(tmp_path, 0, None)  # finished: nothing to resume
-    assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())
+    assert json.loads((tmp_path / "status.json").read_text())["resume_command"] is None
 
 
 def test_a_resumed_run_stopped_before_its_first_save_keeps_its_state_and_gets_the_resume_command(tmp_path,
@@ -101,7 +101,7 @@ def test_a_resumed_run_stopped_before_its_first_save_keeps_its_state_and_gets_th
     assert json.loads((tmp_path / "status.json").read_text())["last_checkpoint"] == ckpt
     write(tmp_path, state="finished", step=2)  # finished: nothing to resume
     finalize_status(tmp_path, 0, None)
-    assert "resume_command" not in json.loads((tmp_path / "status.json").read_text())
+    assert json.loads((tmp_path / "status.json").read_text())["resume_command"] is None
 
 
 def test_the_trainers_status_carries_the_one_word_outcome_of_its_final_state(tmp_path):
@@ -114,3 +114,39 @@ def test_the_trainers_status_carries_the_one_word_outcome_of_its_final_state(tmp
                            ("stopped", "stopped"), ("finished", "finished")):
         live.update(force=True, state=state)
         assert json.loads((tmp_path / "status.json").read_text())["outcome"] == outcome == outcome_of(state)
+
+
+def test_status_keeps_the_same_keys_whatever_the_outcome(tmp_path):
+    """`run.state.ALWAYS_KEYS` are in status.json from the first write to the last, null where they do not apply,
+    whichever writer ends the file: the trainer (`LiveFiles`), the supervisor (`finalize_status`) or the status
+    guard (`close_cut_status`)."""
+    from asyncgrpo_cli.run.state import ALWAYS_KEYS, LiveFiles
+    from asyncgrpo_cli.run.status_guard import close_cut_status
+
+    def keys(folder):
+        return json.loads((folder / "status.json").read_text())
+
+    live = LiveFiles(tmp_path / "live")
+    live.update(force=True, state="running", step=1)
+    assert all(keys(tmp_path / "live")[k] is None for k in ALWAYS_KEYS)
+    live.update(force=True, state="finished", step=2)
+    final = keys(tmp_path / "live")
+    assert final["outcome"] == "finished" and all(k in final for k in ALWAYS_KEYS)
+
+    for rc, failure in ((0, None), (130, None), (1, "the server died")):
+        folder = tmp_path / f"sup{rc}"
+        folder.mkdir()
+        write(folder, state="running", step=1)  # an old trainer's file, without the keys
+        finalize_status(folder, rc, failure)
+        assert all(k in keys(folder) for k in ALWAYS_KEYS), (rc, keys(folder))
+    folder = tmp_path / "done"
+    folder.mkdir()
+    write(folder, state="finished", outcome="finished", step=2)  # final already: the keys are added all the same
+    finalize_status(folder, 0, None)
+    assert all(k in keys(folder) for k in ALWAYS_KEYS) and keys(folder)["state"] == "finished"
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    write(folder, state="running", step=1)
+    close_cut_status(folder, 4321, "the supervisor (pid 1) is gone")
+    assert keys(folder)["outcome"] == "failed" and all(k in keys(folder) for k in ALWAYS_KEYS)
