@@ -654,7 +654,9 @@ def validate_config(cfg: DictConfig) -> None:
 
     Raises:
         ConfigError: naming the Hydra path, the value and the fix.
+        ConfigErrors: several independent problems, each so (all of them, so that one try names every one).
     """
+    from .errors import Collector
     from .loss_rules import check_reward_weights_count
     from .override_errors import added_unknown_keys, unknown_key_message
     from .secrets import check_no_secrets
@@ -666,10 +668,22 @@ def validate_config(cfg: DictConfig) -> None:
         shown = str(value) if isinstance(value, (str, int, float, bool)) else None
         raise ConfigError(unknown_key_message(key, shown).replace("Fix:", "Nothing reads it. Fix:", 1), key=key)
     check_no_secrets(cfg)  # before anything could print or save them
-    check_fields(_flat_fields(cfg), hydra_path)
-    check_reward_weights_count(cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights", "rewards")
-    check_groups(cfg)
-    check_generator_keys(cfg.data)
+    found = Collector()  # independent rules: every problem is named at once
+    found.run(check_fields, _flat_fields(cfg), hydra_path)
+    found.run(check_reward_weights_count, cfg.rollout.reward_weights, len(cfg.rewards), "rollout.reward_weights",
+              "rewards")
+    found.run(check_groups, cfg)
+    found.run(check_generator_keys, cfg.data)
+    found.run(_cross_group_rules, cfg)
+    found.raise_if_any()
+
+
+def _cross_group_rules(cfg: DictConfig) -> None:
+    """`validate_config`'s rules across groups (LoRA, the sampler's limits and seeds, GPUs).
+
+    Raises:
+        ConfigError: the first rule broken, naming the keys, the values and the fix.
+    """
     if cfg.peft.enabled:
         check_lora_rank(cfg.peft.r, "peft.r")
         tm = cfg.peft.target_modules

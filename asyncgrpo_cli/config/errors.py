@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .citations import cite_shipped
 
@@ -60,3 +61,39 @@ class ConfigErrors(ConfigError):
             f"{len(self.errors)} problems:\n" + "\n".join(f"- {e}" for e in self.errors)
         super().__init__(text, key=self.errors[0].key)
         self.keys = [e.key for e in self.errors]
+
+
+class Collector:
+    """Runs independent checks and keeps every configuration problem they raise, so that one run of the checks names
+    them all (a user fixes them in one go, not one per try).
+
+    Attributes:
+        errors: the problems found, in order (a `ConfigErrors` contributes each of its own).
+        warnings: notes a caller may add (returned, not raised).
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+        self.warnings: list[str] = []
+
+    def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``check(*args, **kwargs)``; its `ConfigError` / `ConfigErrors` / `ConfigTypeError` are kept, not raised.
+        Returns what the check returned, or None when it raised one of them."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigErrors as exc:
+            self.errors.extend(exc.errors)
+        except ConfigError as exc:
+            self.errors.append(exc)
+        except ConfigTypeError as exc:
+            self.errors.append(ConfigError(str(exc), key=exc.key))
+        return None
+
+    def raise_if_any(self) -> None:
+        """Raise what was kept: the one `ConfigError`, or a `ConfigErrors` of them all.
+
+        Raises:
+            ConfigError | ConfigErrors: when any problem was kept.
+        """
+        if self.errors:
+            raise ConfigErrors(self.errors) if len(self.errors) > 1 else self.errors[0]

@@ -49,124 +49,143 @@ def check_fields(values: Mapping[str, Any], path_of: Callable[[str], str] = lamb
         path_of: maps a field name to the name the user typed (e.g. ``rollout.top_p``).
 
     Raises:
-        ConfigError: on the first invalid value, naming ``path_of(field)``, the value and the fix.
+        ConfigError: the one invalid value, naming ``path_of(field)``, the value and the fix.
+        ConfigErrors: several, each so (the first problem of each key; the loss fields' rules run once the others
+            pass, since they read those fields as valid).
     """
-    p = path_of
-    g = values.get
-    if g("num_generations", 8) < 2:
-        _fail(p("num_generations"), g("num_generations"), "GRPO needs at least 2 rollouts per group to compute "
-              "a group-relative advantage", f"set {p('num_generations')} to 2 or more (4-16 is usual)")
-    if g("max_completion_length", 1) < 1:
-        _fail(p("max_completion_length"), g("max_completion_length"), "must be >= 1 token",
-              f"set {p('max_completion_length')} to the longest reply you want, e.g. 2048")
-    temperature = g("temperature", 1.0)
-    if temperature is None or temperature <= 0:
-        _fail(p("temperature"), temperature, "must be > 0 (a greedy sampler makes every group identical and "
-              "its log-probs are not a distribution)", f"set {p('temperature')}=1.0")
-    top_p, top_k, min_p = g("top_p", 1.0), g("top_k", 0), g("min_p", None)
-    if not 0 < top_p <= 1:
-        _fail(p("top_p"), top_p, "must lie in (0, 1]", f"set {p('top_p')}=1.0 to disable nucleus filtering")
-    if top_k < 0:
-        _fail(p("top_k"), top_k, "must be >= 0 (0 disables top-k)", f"set {p('top_k')}=0")
-    if min_p is not None and not 0 <= min_p <= 1:
-        _fail(p("min_p"), min_p, "must lie in [0, 1]", f"set {p('min_p')}=null to disable it")
-    if top_p < 1 and top_k <= 0:
-        _fail(p("top_p"), top_p, f"nucleus filtering needs {p('top_k')} > 0: vLLM bounds the candidate set "
-              "with top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('top_p')}=1.0")
-    if min_p is not None and min_p > 0 and top_k <= 0:
-        _fail(p("min_p"), min_p, f"min-p filtering needs {p('top_k')} > 0: vLLM bounds the candidate set with "
-              "top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('min_p')}=null")
-    if g("repetition_penalty", 1.0) <= 0:
-        _fail(p("repetition_penalty"), g("repetition_penalty"), "must be > 0", f"set {p('repetition_penalty')}=1.0")
-    nlp = g("num_sampler_logprobs", 8)
-    if nlp < 0:
-        _fail(p("num_sampler_logprobs"), nlp, "must be >= 0", f"set {p('num_sampler_logprobs')}=8")
-    if g("score_centering", True) and nlp < 1:
-        _fail(p("num_sampler_logprobs"), nlp, "score centering needs the sampler's top log-probs to take the "
-              "expectation over (README: Log-probabilities and the loss)",
-              f"set {p('num_sampler_logprobs')}=8, or {p('score_centering')}=false for the clipped objective")
-    if g("epsilon", 0.2) < 0:
-        _fail(p("epsilon"), g("epsilon"), "must be >= 0", f"set {p('epsilon')}=0.2")
-    eh = g("epsilon_high", None)
-    if eh is not None and eh < 0:
-        _fail(p("epsilon_high"), eh, "must be >= 0", f"set {p('epsilon_high')}=0.28 or null")
-    cmin, cmax = g("vllm_importance_sampling_clip_min", 0.5), g("vllm_importance_sampling_clip_max", 5.0)
-    if cmin is not None and cmin < 0:
-        _fail(p("vllm_importance_sampling_clip_min"), cmin, "must be >= 0, or null for no lower bound",
-              f"set {p('vllm_importance_sampling_clip_min')}=0.5 (the default) or null")
-    if cmax is not None and cmax <= 0:
-        _fail(p("vllm_importance_sampling_clip_max"), cmax, "must be > 0, or null for no upper bound",
-              f"set {p('vllm_importance_sampling_clip_max')}=5.0 (the default) or null")
-    if cmin is not None and cmax is not None and not cmin < cmax:
-        _fail(p("vllm_importance_sampling_clip_min"), cmin,
-              f"needs clip_min < {p('vllm_importance_sampling_clip_max')} (= {cmax})",
-              "use the defaults 0.5 and 5.0, or leave one of them null for a one-sided bound")
-    tb = g("token_budget", None)
-    if tb is not None and tb < 1:
-        _fail(p("token_budget"), tb, "must be >= 1 token", f"set {p('token_budget')}=null to use the server's max_model_len")
-    mgs = g("max_groups_per_step", None)
-    if mgs is not None and (isinstance(mgs, bool) or not isinstance(mgs, int) or mgs < 1):
-        _fail(p("max_groups_per_step"), mgs, "must be >= 1 group, or null for no bound beyond the token budget",
-              f"set {p('max_groups_per_step')}=null, or a count of groups such as 64")
-    ga = g("gradient_accumulation_steps", 1)
-    if mgs is not None and isinstance(ga, int) and ga > 1 and mgs % ga:
-        _fail(p("max_groups_per_step"), mgs, f"must be a multiple of {p('gradient_accumulation_steps')} (= {ga}): "
-              f"each of a step's {ga} micro-batches holds {p('max_groups_per_step')} / {ga} groups",
-              f"set {p('max_groups_per_step')}={max(ga, mgs // ga * ga)}")
-    if g("max_concurrent_rollouts", 512) < 1:
-        _fail(p("max_concurrent_rollouts"), g("max_concurrent_rollouts"), "must be >= 1",
-              f"set {p('max_concurrent_rollouts')}=512")
-    if g("max_staleness", 4) < 0:
-        _fail(p("max_staleness"), g("max_staleness"), "must be >= 0 weight updates (0 = on-policy)",
-              f"set {p('max_staleness')}=4")
-    if g("weight_sync_steps", 1) < 1:
-        _fail(p("weight_sync_steps"), g("weight_sync_steps"), "must be >= 1 optimizer step",
-              f"set {p('weight_sync_steps')}=1")
-    ife = g("in_flight_estimate", "mean")
-    if ife not in IN_FLIGHT_ESTIMATES:
-        _fail(p("in_flight_estimate"), ife, "must be mean (a rollout in flight counts as the mean sample tokens per "
-              "finished rollout, the default) or kept (as the mean sample tokens finished rollouts put into the "
-              "rollout queue, dropped groups counting zero)",
-              f"set {p('in_flight_estimate')}={_word('mean', p)}, or {p('in_flight_estimate')}={_word('kept', p)} "
-              "(README: Staleness and concurrency)")
-    release = g("deadline_release_versions", None)
-    if release is not None and (isinstance(release, bool) or not isinstance(release, int) or release < 1):
-        _fail(p("deadline_release_versions"), release, "must be null (deadline admission stays on from the first "
-              "stale drop) or a whole number of weight updates >= 1",
-              f"set {p('deadline_release_versions')}=4 to try it, or null (README: Staleness and concurrency)")
-    if g("rollout_worker_timeout", 300.0) <= 0:
-        _fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
-              f"set {p('rollout_worker_timeout')}=300")
-    if g("vllm_server_timeout", 1800.0) <= 0:
-        _fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
-              f"set {p('vllm_server_timeout')}=1800")
-    url = g("vllm_server_base_url", None)
-    if url is not None and not _is_http_url(url):
-        _fail(p("vllm_server_base_url"), url, "not an http(s) URL of the sampler",
-              f"set {p('vllm_server_base_url')}=http://HOST:PORT (e.g. http://127.0.0.1:8000)")
-    wtp = g("weight_transfer_port", None)
-    if wtp is not None and not 0 < wtp < 65536:
-        _fail(p("weight_transfer_port"), wtp, "must be a TCP port in 1..65535",
-              f"set {p('weight_transfer_port')}=null to pick a free port, or e.g. {p('weight_transfer_port')}=29600")
-    dtype = g("dtype", "float32")
-    if dtype not in ("auto", "bfloat16", "float16", "float32"):
-        _fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
-    mg = g("max_groups_without_signal", 64)
-    if mg is not None and mg < 0:
-        _fail(p("max_groups_without_signal"), mg, "must be >= 0 groups (0 never stops)",
-              f"set {p('max_groups_without_signal')}=64")
-    if g("use_liger_kernel", False):
-        _fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (README: Supported setups)",
-              f"set {p('use_liger_kernel')}=false")
-    if g("remove_unused_columns", False):
-        _fail(p("remove_unused_columns"), True, "every dataset column must reach the reward functions (README: Supported setups)",
-              f"set {p('remove_unused_columns')}=false")
-    if g("deepspeed", None):
-        _fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (README: Supported setups)",
-              f"remove {p('deepspeed')}")
+    from .errors import Collector
     from .loss_rules import check_loss_fields
 
-    check_loss_fields(values, p)
+    found = Collector()
+    try:
+        found.run(_field_rules, values, path_of, found)
+    except (TypeError, ValueError):  # a value of the wrong type behind a problem already found: report that one
+        if not found.errors:
+            raise
+    if not found.errors:  # the loss rules read the fields above as valid
+        found.run(check_loss_fields, values, path_of)
+    found.raise_if_any()
+
+
+def _field_rules(values: Mapping[str, Any], p: Callable[[str], str], found: Any) -> None:
+    """`check_fields`' rules: each problem goes to ``found`` (an `errors.Collector`), the first of each key only."""
+
+    def fail(key: str, value: Any, problem: str, fix: str) -> None:
+        if all(err.key != key for err in found.errors):
+            found.run(_fail, key, value, problem, fix)
+
+    g = values.get
+    if g("num_generations", 8) < 2:
+        fail(p("num_generations"), g("num_generations"), "GRPO needs at least 2 rollouts per group to compute "
+             "a group-relative advantage", f"set {p('num_generations')} to 2 or more (4-16 is usual)")
+    if g("max_completion_length", 1) < 1:
+        fail(p("max_completion_length"), g("max_completion_length"), "must be >= 1 token",
+             f"set {p('max_completion_length')} to the longest reply you want, e.g. 2048")
+    temperature = g("temperature", 1.0)
+    if temperature is None or temperature <= 0:
+        fail(p("temperature"), temperature, "must be > 0 (a greedy sampler makes every group identical and "
+             "its log-probs are not a distribution)", f"set {p('temperature')}=1.0")
+    top_p, top_k, min_p = g("top_p", 1.0), g("top_k", 0), g("min_p", None)
+    if not 0 < top_p <= 1:
+        fail(p("top_p"), top_p, "must lie in (0, 1]", f"set {p('top_p')}=1.0 to disable nucleus filtering")
+    if top_k < 0:
+        fail(p("top_k"), top_k, "must be >= 0 (0 disables top-k)", f"set {p('top_k')}=0")
+    if min_p is not None and not 0 <= min_p <= 1:
+        fail(p("min_p"), min_p, "must lie in [0, 1]", f"set {p('min_p')}=null to disable it")
+    if top_p < 1 and top_k <= 0:
+        fail(p("top_p"), top_p, f"nucleus filtering needs {p('top_k')} > 0: vLLM bounds the candidate set "
+             "with top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('top_p')}=1.0")
+    if min_p is not None and min_p > 0 and top_k <= 0:
+        fail(p("min_p"), min_p, f"min-p filtering needs {p('top_k')} > 0: vLLM bounds the candidate set with "
+             "top_k (README: Sampling filters)", f"also set {p('top_k')}=512, or set {p('min_p')}=null")
+    if g("repetition_penalty", 1.0) <= 0:
+        fail(p("repetition_penalty"), g("repetition_penalty"), "must be > 0", f"set {p('repetition_penalty')}=1.0")
+    nlp = g("num_sampler_logprobs", 8)
+    if nlp < 0:
+        fail(p("num_sampler_logprobs"), nlp, "must be >= 0", f"set {p('num_sampler_logprobs')}=8")
+    if g("score_centering", True) and nlp < 1:
+        fail(p("num_sampler_logprobs"), nlp, "score centering needs the sampler's top log-probs to take the "
+             "expectation over (README: Log-probabilities and the loss)",
+             f"set {p('num_sampler_logprobs')}=8, or {p('score_centering')}=false for the clipped objective")
+    if g("epsilon", 0.2) < 0:
+        fail(p("epsilon"), g("epsilon"), "must be >= 0", f"set {p('epsilon')}=0.2")
+    eh = g("epsilon_high", None)
+    if eh is not None and eh < 0:
+        fail(p("epsilon_high"), eh, "must be >= 0", f"set {p('epsilon_high')}=0.28 or null")
+    cmin, cmax = g("vllm_importance_sampling_clip_min", 0.5), g("vllm_importance_sampling_clip_max", 5.0)
+    if cmin is not None and cmin < 0:
+        fail(p("vllm_importance_sampling_clip_min"), cmin, "must be >= 0, or null for no lower bound",
+             f"set {p('vllm_importance_sampling_clip_min')}=0.5 (the default) or null")
+    if cmax is not None and cmax <= 0:
+        fail(p("vllm_importance_sampling_clip_max"), cmax, "must be > 0, or null for no upper bound",
+             f"set {p('vllm_importance_sampling_clip_max')}=5.0 (the default) or null")
+    if cmin is not None and cmax is not None and not cmin < cmax:
+        fail(p("vllm_importance_sampling_clip_min"), cmin,
+             f"needs clip_min < {p('vllm_importance_sampling_clip_max')} (= {cmax})",
+             "use the defaults 0.5 and 5.0, or leave one of them null for a one-sided bound")
+    tb = g("token_budget", None)
+    if tb is not None and tb < 1:
+        fail(p("token_budget"), tb, "must be >= 1 token", f"set {p('token_budget')}=null to use the server's max_model_len")
+    mgs = g("max_groups_per_step", None)
+    if mgs is not None and (isinstance(mgs, bool) or not isinstance(mgs, int) or mgs < 1):
+        fail(p("max_groups_per_step"), mgs, "must be >= 1 group, or null for no bound beyond the token budget",
+             f"set {p('max_groups_per_step')}=null, or a count of groups such as 64")
+    ga = g("gradient_accumulation_steps", 1)
+    if mgs is not None and isinstance(ga, int) and ga > 1 and mgs % ga:
+        fail(p("max_groups_per_step"), mgs, f"must be a multiple of {p('gradient_accumulation_steps')} (= {ga}): "
+             f"each of a step's {ga} micro-batches holds {p('max_groups_per_step')} / {ga} groups",
+             f"set {p('max_groups_per_step')}={max(ga, mgs // ga * ga)}")
+    if g("max_concurrent_rollouts", 512) < 1:
+        fail(p("max_concurrent_rollouts"), g("max_concurrent_rollouts"), "must be >= 1",
+             f"set {p('max_concurrent_rollouts')}=512")
+    if g("max_staleness", 4) < 0:
+        fail(p("max_staleness"), g("max_staleness"), "must be >= 0 weight updates (0 = on-policy)",
+             f"set {p('max_staleness')}=4")
+    if g("weight_sync_steps", 1) < 1:
+        fail(p("weight_sync_steps"), g("weight_sync_steps"), "must be >= 1 optimizer step",
+             f"set {p('weight_sync_steps')}=1")
+    ife = g("in_flight_estimate", "mean")
+    if ife not in IN_FLIGHT_ESTIMATES:
+        fail(p("in_flight_estimate"), ife, "must be mean (a rollout in flight counts as the mean sample tokens per "
+             "finished rollout, the default) or kept (as the mean sample tokens finished rollouts put into the "
+             "rollout queue, dropped groups counting zero)",
+             f"set {p('in_flight_estimate')}={_word('mean', p)}, or {p('in_flight_estimate')}={_word('kept', p)} "
+             "(README: Staleness and concurrency)")
+    release = g("deadline_release_versions", None)
+    if release is not None and (isinstance(release, bool) or not isinstance(release, int) or release < 1):
+        fail(p("deadline_release_versions"), release, "must be null (deadline admission stays on from the first "
+             "stale drop) or a whole number of weight updates >= 1",
+             f"set {p('deadline_release_versions')}=4 to try it, or null (README: Staleness and concurrency)")
+    if g("rollout_worker_timeout", 300.0) <= 0:
+        fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
+             f"set {p('rollout_worker_timeout')}=300")
+    if g("vllm_server_timeout", 1800.0) <= 0:
+        fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
+             f"set {p('vllm_server_timeout')}=1800")
+    url = g("vllm_server_base_url", None)
+    if url is not None and not _is_http_url(url):
+        fail(p("vllm_server_base_url"), url, "not an http(s) URL of the sampler",
+             f"set {p('vllm_server_base_url')}=http://HOST:PORT (e.g. http://127.0.0.1:8000)")
+    wtp = g("weight_transfer_port", None)
+    if wtp is not None and not 0 < wtp < 65536:
+        fail(p("weight_transfer_port"), wtp, "must be a TCP port in 1..65535",
+             f"set {p('weight_transfer_port')}=null to pick a free port, or e.g. {p('weight_transfer_port')}=29600")
+    dtype = g("dtype", "float32")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        fail(p("dtype"), dtype, "must be one of auto, bfloat16, float16, float32", f"set {p('dtype')}=float32")
+    mg = g("max_groups_without_signal", 64)
+    if mg is not None and mg < 0:
+        fail(p("max_groups_without_signal"), mg, "must be >= 0 groups (0 never stops)",
+             f"set {p('max_groups_without_signal')}=64")
+    if g("use_liger_kernel", False):
+        fail(p("use_liger_kernel"), True, "the Liger kernel is not supported by the async GRPO trainer (README: Supported setups)",
+             f"set {p('use_liger_kernel')}=false")
+    if g("remove_unused_columns", False):
+        fail(p("remove_unused_columns"), True, "every dataset column must reach the reward functions (README: Supported setups)",
+             f"set {p('remove_unused_columns')}=false")
+    if g("deepspeed", None):
+        fail(p("deepspeed"), g("deepspeed"), "DeepSpeed is not supported; sharded training uses FSDP2 (README: Supported setups)",
+             f"remove {p('deepspeed')}")
 
 
 def _is_http_url(url: Any) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from .errors import Collector as _Collector
 from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
@@ -25,29 +26,6 @@ from .start_checks import check_agent_imports, check_external_sampler, check_fla
 from .validate import check_environment_column, check_lengths, check_training_arguments, start_warnings
 
 __all__ = ["check_training_args_build", "validate_run", "validate_trainer_inputs"]
-
-
-class _Collector:
-    """Runs independent checks and keeps every `ConfigError` they raise."""
-
-    def __init__(self) -> None:
-        self.errors: list[ConfigError] = []
-        self.warnings: list[str] = []
-
-    def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return check(*args, **kwargs)
-        except ConfigErrors as exc:
-            self.errors.extend(exc.errors)
-        except ConfigError as exc:
-            self.errors.append(exc)
-        except ConfigTypeError as exc:
-            self.errors.append(ConfigError(str(exc), key=exc.key))
-        return None
-
-    def raise_if_any(self) -> None:
-        if self.errors:
-            raise ConfigErrors(self.errors) if len(self.errors) > 1 else self.errors[0]
 
 
 # ------------------------------------------------------------------------------------------ the CLI pass

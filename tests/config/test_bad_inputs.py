@@ -589,3 +589,21 @@ def test_errors_show_booleans_and_null_as_the_command_line_writes_them():
     assert str(config_error("data.eval_name", None, "p", "f")).startswith("data.eval_name=null: p")
     assert str(config_error("bf16", True, "p", "f")).startswith("bf16=True: p")
     assert str(config_error("trainer.optim", "adamw", "p", "f")).startswith("trainer.optim='adamw': p")
+
+
+def test_independent_mistakes_are_all_named_in_one_try():
+    """Three mistakes in three groups: one `config --check` names each (key, value, fix), not only the first; a key
+    with two problems is named once; the Python API's config does the same."""
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.rules import ConfigErrors
+
+    result = runner.invoke(app, ["config", "+recipe=smoke", "rollout.num_generations=1", "rollout.temperature=0",
+                                 "sampler.port=99999", "peft.enabled=true", "peft.r=1000", "--check"])
+    assert result.exit_code == 2, result.output
+    text = result.output[result.output.index("config error:"):]
+    assert text.startswith("config error: 4 problems:"), text
+    for shown in ("rollout.num_generations=1:", "rollout.temperature=0.0:", "sampler.port=99999:", "peft.r=1000:"):
+        assert text.count(f"- {shown}") == 1 and "Fix:" in text.split(f"- {shown}")[1].split("\n")[0], (shown, text)
+    with pytest.raises(ConfigErrors) as err:
+        AsyncGRPOConfig(output_dir="/tmp/x", num_generations=1, top_p=-1.0, num_sampler_logprobs=-1)
+    assert [e.key for e in err.value.errors] == ["num_generations", "top_p", "num_sampler_logprobs"], str(err.value)
