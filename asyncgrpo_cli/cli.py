@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .config.rules import ConfigError
+from .config.rules import ConfigError, ConfigErrors
 
 app = typer.Typer(
     name="asyncgrpo",
@@ -75,15 +75,55 @@ def _print_error(exc: BaseException, label: str = "config error") -> None:
     err.print(f"[bold red]{label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
 
 
-def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None):
+def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None, early: bool = False):
+    """The composed config, or exit 2 naming every problem of its values. ``early`` (``train``, ``config
+    --check``): with them, what `train` refuses before it loads anything (`launch.preflight.early_refusal`: a used
+    folder, another job there, a busy port), so that one try names it too."""
     from .config.compose import compose, refuse_repeated_keys
 
     try:
         refuse_repeated_keys(list(overrides or []))
         return compose(overrides or [], extra_recipe_dirs=recipes_dirs)
     except ConfigError as exc:
-        _print_error(exc)
+        deep, also = _more_problems_unchecked(exc, overrides, recipes_dirs) if early else ([], None)
+        _print_error(ConfigErrors([*(exc.errors if isinstance(exc, ConfigErrors) else [exc]), *deep]) if deep
+                     else exc)
+        if also:
+            label, _, text = also.partition(": ")
+            err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def _more_problems_unchecked(found: ConfigError, overrides: list[str] | None,
+                             recipes_dirs: list[Path] | None) -> tuple[list[ConfigError], str | None]:
+    """The other problems `train` would name, on the config composed without the value checks that ``found``
+    came from: the deep pass's (model, data, rewards, imports: `config.run_checks.validate_run`) whose keys
+    ``found`` does not name, and `launch.preflight.early_refusal`'s (a used folder, another job there, a busy
+    port). Empty when the config cannot be checked that way (a value they need is the one at fault)."""
+    from .config.compose import compose, with_values_without
+    from .config.run_checks import validate_run
+    from .launch.preflight import early_refusal
+
+    known = set(found.keys if isinstance(found, ConfigErrors) else [found.key])
+    try:
+        cfg = compose(overrides or [], extra_recipe_dirs=recipes_dirs, validate=False)
+    except Exception:  # noqa: BLE001 - an extra: the config's own errors are printed all the same
+        return [], None
+    deep: list[ConfigError] = []
+    if cfg.model.name:
+        try:
+            validate_run(cfg, "train")
+        except ConfigError as exc:
+            exc = with_values_without(exc, list(overrides or []), recipes_dirs)
+            deep = [e for e in (exc.errors if isinstance(exc, ConfigErrors) else [exc])  # a key without a dot is
+                    if e.key not in known and "." in str(e.key)]  # the Python API's name of a rule named above
+        except Exception:  # noqa: BLE001
+            deep = []
+    try:
+        also = early_refusal(cfg)
+    except Exception:  # noqa: BLE001
+        also = None
+    return deep, also
 
 
 def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False, overrides: list[str] | None = None,
@@ -95,7 +135,6 @@ def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False, 
     from rich.markup import escape
 
     from .config.compose import with_values_without
-    from .config.rules import ConfigErrors
     from .config.run_checks import validate_run
 
     try:
@@ -314,7 +353,7 @@ def config_cmd(
             sys.stdout.write(f"# job {job.num}: {' '.join(job.swept) or '(no swept key)'}\n")
             sys.stdout.write((documented_yaml(cfg) if doc else to_yaml(cfg)) + "---\n")
         return
-    cfg = _compose(hargs.overrides, recipes_dir)
+    cfg = _compose(hargs.overrides, recipes_dir, early=check and cfg_kind is None)
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         return
@@ -496,7 +535,7 @@ def train_cmd(
     hargs = _hydra_args(overrides, multirun=multirun, command="train")
     if multirun:
         raise typer.Exit(_train_sweep(hargs, recipes_dir, dry_run, cfg_kind))
-    cfg = _compose(hargs.overrides, recipes_dir)
+    cfg = _compose(hargs.overrides, recipes_dir, early=cfg_kind is None)
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         raise typer.Exit(0)

@@ -159,3 +159,32 @@ def early_refusal(cfg: DictConfig) -> str | None:
     except ConfigError as exc:
         return f"config error: {exc}"
     return None
+
+
+def dry_run_refusals(cfg: DictConfig, running: bool) -> list[str]:
+    """What a real start would refuse before loading anything, as problems of a dry run's plan: a busy
+    ``sampler.port`` (`check_server_port`) and a folder that holds an earlier run (`run.folder.start_problem`,
+    named as the start names it). Machine 0 only (the others share its folder and server).
+
+    Args:
+        cfg: the composed config.
+        running: whether a server already answers at the sampler's URL.
+
+    Returns:
+        The problems, each one line (empty when none).
+    """
+    from ..run.folder import start_problem
+    from .plan import output_dir_of
+
+    if int(cfg.launch.machine_rank) != 0:
+        return []
+    problems = []
+    try:
+        check_server_port(cfg.sampler, answering=running)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()  # as the user wrote it
+    problem = start_problem(cfg.trainer, typed)
+    if problem:
+        problems.append(problem)
+    return problems

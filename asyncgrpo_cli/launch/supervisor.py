@@ -66,8 +66,8 @@ from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
-from .preflight import (_check_run_lock, check_server_port, free_port, health_refused, port_in_use,  # noqa: F401
-                        probe_health)
+from .preflight import (_check_run_lock, check_server_port, dry_run_refusals, free_port,  # noqa: F401
+                        health_refused, port_in_use, probe_health)
 from ..server.command import ServerCommand, resolve_vllm_program
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
@@ -697,6 +697,7 @@ def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: 
             console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
         return 2
     plan.gpus.problems.extend(str(problem) for problem in refused)  # the row says "problem" already
+    plan.gpus.problems.extend(dry_run_refusals(cfg, running))  # as the dry run of a config without them shows
     failed = frozenset(str(p.key) for p in refused)
     resolved = False
     if not failed & {"model.name", "model.gguf_file"}:  # the commands a start runs, as a plan without problems
@@ -749,14 +750,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     except ConfigError as exc:
         console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
         return 2
-    if dry_run and int(cfg.launch.machine_rank) == 0:
-        try:  # what the real run would refuse before loading anything
-            check_server_port(cfg.sampler, answering=running)
-        except ConfigError as exc:
-            plan.gpus.problems.append(str(exc))
-        problem = start_problem(cfg.trainer, typed)  # named as a real start names it
-        if problem:
-            plan.gpus.problems.append(problem)
+    if dry_run:  # what the real run would refuse before loading anything
+        plan.gpus.problems.extend(dry_run_refusals(cfg, running))
     if dry_run:  # the commands the start runs, also next to a problem (a used folder planned the package name)
         cfg, plan, resolved = dry_run_resolved(cfg, plan, running)
     else:

@@ -607,3 +607,24 @@ def test_independent_mistakes_are_all_named_in_one_try():
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig(output_dir="/tmp/x", num_generations=1, top_p=-1.0, num_sampler_logprobs=-1)
     assert [e.key for e in err.value.errors] == ["num_generations", "top_p", "num_sampler_logprobs"], str(err.value)
+
+
+def test_one_try_names_a_rule_a_deep_check_and_a_used_folder_together(tmp_path):
+    """A fresh-user trial (fifteenth session) needed three tries for three mistakes: a rule broken at composition
+    (`rollout.num_generations=1`), one the deep pass finds (`trainer.learning_rate=-1`) and a folder that holds an
+    earlier run. `train`, its dry run and `config --check` now name all three at once."""
+    from asyncgrpo_cli.launch.preflight import free_port
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"x")  # a finished run's final model
+    args = ["+recipe=smoke", "rollout.num_generations=1", "trainer.learning_rate=-1", f"sampler.port={free_port()}",
+            f"trainer.output_dir={used}"]
+    for command in (["train", *args], ["train", *args, "--dry-run"], ["config", *args, "--check"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        text = result.output
+        assert "config error: 2 problems:" in text and "- rollout.num_generations=1:" in text, (command, text)
+        assert "- trainer.learning_rate=-1.0: must be a finite number >= 0" in text, (command, text)
+        assert f"\nerror: trainer.output_dir={used} already holds an earlier run" in text, (command, text)
+        assert "num_generations=1: GRPO" not in text.replace("rollout.num_generations=1: GRPO", ""), text  # once
