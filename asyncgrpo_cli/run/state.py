@@ -185,6 +185,17 @@ def with_always_keys(status: dict[str, Any]) -> dict[str, Any]:
     return status
 
 
+def _job_pids() -> dict[str, int | None]:
+    """``job_pid``: the ``asyncgrpo train`` process that started this trainer (SIGINT to it stops the whole run with a
+    checkpoint; null under the Python API, where ``pid``, this process, is the one); ``server_pid``: the sampler
+    server it started (null for an external server, or none). Read from `LOCK_OWNER_ENV` and `SERVER_PID_ENV`."""
+    def pid(name: str) -> int | None:
+        raw = os.environ.get(name, "").strip()
+        return int(raw) if raw.isdigit() else None
+
+    return {"job_pid": pid(LOCK_OWNER_ENV), "server_pid": pid(SERVER_PID_ENV)}
+
+
 class LiveFiles:
     """`status.json` (rewritten at most once per ``min_interval_s``) and `metrics.jsonl` (one line per log)."""
 
@@ -192,7 +203,7 @@ class LiveFiles:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status: dict[str, Any] = with_always_keys({"state": "starting", "started_at": time.time(),
-                                                        "pid": os.getpid()})
+                                                        "pid": os.getpid(), **_job_pids()})
         self.min_interval_s = min_interval_s
         self._last = 0.0
         self._lock = threading.Lock()

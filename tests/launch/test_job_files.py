@@ -150,3 +150,20 @@ def test_status_keeps_the_same_keys_whatever_the_outcome(tmp_path):
     write(folder, state="running", step=1)
     close_cut_status(folder, 4321, "the supervisor (pid 1) is gone")
     assert keys(folder)["outcome"] == "failed" and all(k in keys(folder) for k in ALWAYS_KEYS)
+
+
+def test_status_names_the_job_and_server_pids(tmp_path, monkeypatch):
+    """A fresh-user trial (fifteenth session) signalled status.json's `pid`, the training process, for the job:
+    the file names the supervisor (`job_pid`) and the server it started (`server_pid`) too."""
+    from asyncgrpo_cli.run.state import LOCK_OWNER_ENV, SERVER_PID_ENV, LiveFiles
+
+    monkeypatch.setenv(LOCK_OWNER_ENV, "4242")
+    monkeypatch.setenv(SERVER_PID_ENV, "4343")
+    LiveFiles(tmp_path / "a").update(force=True, state="running")
+    status = json.loads((tmp_path / "a" / "status.json").read_text())
+    assert (status["job_pid"], status["server_pid"]) == (4242, 4343) and status["pid"] != 4242
+    monkeypatch.delenv(LOCK_OWNER_ENV)
+    monkeypatch.setenv(SERVER_PID_ENV, "")  # an external server; the Python API: no supervisor
+    LiveFiles(tmp_path / "b").update(force=True, state="running")
+    status = json.loads((tmp_path / "b" / "status.json").read_text())
+    assert status["job_pid"] is None and status["server_pid"] is None
