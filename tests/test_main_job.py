@@ -206,6 +206,9 @@ def test_smoke_recipe_runs(tmp_path):
                      trainer_log, re.M), trainer_log[-3000:]
     summary = (out / "logs" / "summary.txt").read_text()  # the console's summary, kept with the run
     assert summary.startswith("asyncgrpo train: summary") and "final model" in summary
+    assert re.search(r"^  written +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", summary, re.M), summary
+    assert re.search(r"^  command +.*asyncgrpo\S* train \+recipe=smoke trainer.max_steps=2 ", summary, re.M), summary
+    assert re.search(r"^\$ .*  # started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", trainer_log, re.M), trainer_log[:2000]
 
 
 def test_two_cpu_processes_train_together(tiny, tmp_path):

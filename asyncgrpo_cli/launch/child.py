@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from ..run.orphans import die_with_parent
@@ -40,7 +41,8 @@ class Child:
         pid itself (`train.main`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            log.write(f"\n$ {' '.join(self.argv)}\n".encode())
+            # when it started (the lines of a trainer log carry the time only): a resume appends to the same log
+            log.write(f"\n$ {' '.join(self.argv)}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode())
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env={**os.environ, **self.env}, start_new_session=True,

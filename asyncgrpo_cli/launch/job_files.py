@@ -120,11 +120,18 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
 def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = False) -> None:
     """``logs/summary.txt``: the end-of-run summary as the plain console prints it (first fresh-user trial of
     2026-12-05: after the fact the run folder held no summary); ``append``: lines after it (a failure's error, the
-    resume command: the second trial), added only where the summary was written. A write that fails is skipped:
-    the console has printed it."""
+    resume command: the second trial), added only where the summary was written; the summary ends with the time it
+    was written and the command that ran (`run.folder.train_command`). A write that fails is skipped: the console
+    has printed it."""
     path = Path(output_dir) / "logs" / "summary.txt"
     if append and (not lines or not path.is_file()):
         return
+    if not append:  # when, and what ran (a resume rewrites it)
+        from ..run.folder import train_command
+
+        command = train_command([])
+        lines = [*lines, f"  {'written':<21} {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+                 *([f"  {'command':<21} {command}"] if command else [])]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a" if append else "w", encoding="utf-8") as fh:
