@@ -248,7 +248,7 @@ def check_groups(cfg: Any) -> None:
     s, pe, la, lo, r = cfg.sampler, cfg.peft, cfg.launch, cfg.logging, cfg.rollout
     if not 1 <= s.port <= 65535:  # the fix names a port free here now (8000, the default, may be taken)
         rule(False, "sampler.port", s.port, "a TCP port lies in 1..65535", f"use a free port, e.g. "
-             f"sampler.port={free_port()}")
+             f"sampler.port={free_port(near=7999)}")
     rule(s.gpu_memory_utilization is None or 0 < s.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization",
          s.gpu_memory_utilization, "a share of the GPU memory lies in (0, 1]", "set it to 0.9, or null for vLLM's default")
     rule(s.kv_cache_tokens is None or s.kv_cache_tokens >= 1, "sampler.kv_cache_tokens", s.kv_cache_tokens,
@@ -356,11 +356,28 @@ def start_warnings(repetition_penalty: float, uses_candidate_sets: bool, fallbac
     return [cite_shipped(w) for w in out]
 
 
-def free_port() -> int:
+def free_port(near: int | None = None) -> int:
     """A TCP port free on this machine right now (a fix's example, the single-machine rendezvous; 8000 when none can
-    be bound here)."""
+    be bound here).
+
+    Args:
+        near: a port to stay close to (a user kept to a range of ports reads ``sampler.port=8172`` after a busy
+            8171 better than a random high port): the first free one of the 100 after it, else any.
+    """
     import socket
 
+    def binds(port: int) -> bool:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+    if near is not None and 1 <= near <= 65535:
+        for port in range(max(near + 1, 1024), min(near + 101, 65536)):
+            if binds(port):
+                return port
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))

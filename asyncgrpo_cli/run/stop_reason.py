@@ -14,16 +14,21 @@ own_reason: list[str] = []
 
 
 def stop_reason(output_dir: str | Path, signum: int) -> str:
-    """Why the trainer was asked to stop: the supervisor's line (`STOP_REASON_FILE`) or the signal's name."""
+    """Why the trainer was asked to stop: its own reason (``SIGTERM: the supervisor (pid P) is gone``), the
+    supervisor's line (`STOP_REASON_FILE`: ``SIGINT from the supervisor: the server (pid N) was killed by SIGKILL``;
+    a fresh-user trial read the bare ``SIGINT: ... SIGKILL`` as two signals to the same process), or the signal's
+    name."""
     try:
         name = signal.Signals(signum).name
     except ValueError:
         name = f"signal {signum}"
+    if own_reason:
+        return f"{name}: {own_reason[-1]}"
     try:
-        text = own_reason[-1] if own_reason else (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
+        text = (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
     except OSError:
         text = ""
-    return f"{name}: {text}" if text else name
+    return f"{name} from the supervisor: {text}" if text else name
 
 
 def write_stop_reason(output_dir: str | Path, reason: str) -> None:

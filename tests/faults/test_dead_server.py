@@ -69,7 +69,7 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "its weight sync was abandoned by the stop" in trainer_log, trainer_log[-4000:]
     assert "CalledProcessError" not in trainer_log  # the launcher's report of the stop is cut (second trial)
-    assert f"SIGINT: the server (pid {server_pid}) was killed by SIGKILL" in trainer_log
+    assert f"SIGINT from the supervisor: the server (pid {server_pid}) was killed by SIGKILL" in trainer_log
 
 
 def test_supervisor_killed_while_the_trainer_waits_on_the_server_every_process_ends(

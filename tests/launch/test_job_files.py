@@ -56,7 +56,7 @@ def test_the_stop_reason_the_supervisor_writes_is_what_the_trainer_reports(tmp_p
 
     assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT"  # no reason written: the signal alone
     stopping.write_stop_reason(tmp_path, "the server (pid 7) was killed by SIGKILL")
-    assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT: the server (pid 7) was killed by SIGKILL"
+    assert stopping.stop_reason(tmp_path, signal.SIGINT) == "SIGINT from the supervisor: the server (pid 7) was killed by SIGKILL"
     stopping.clear_stop_reason(tmp_path)  # a new job starts without the last one's reason
     assert stopping.stop_reason(tmp_path, signal.SIGTERM) == "SIGTERM"
 

@@ -4,6 +4,7 @@ sampler when a trainer changes that server's weights."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,3 +113,22 @@ def test_a_port_nobody_holds_has_no_owner():
     from asyncgrpo_cli.launch.preflight import free_port
 
     assert asyncgrpo_owner("127.0.0.1", free_port()) is None
+
+
+def test_the_suggested_free_port_stays_near_the_busy_one():
+    """A user kept to a range of ports (the fifteenth session's trial: 8170-8199) was offered 38725."""
+    import socket
+
+    from asyncgrpo_cli.launch.preflight import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        if busy > 65000:
+            pytest.skip("the kernel gave a port at the top of the range")
+        with pytest.raises(ConfigError, match=r"sampler.port=(\d+)") as err:
+            check_server_port(compose(["+recipe=smoke", f"sampler.port={busy}"]).sampler)
+    suggested = int(re.search(r"e\.g\. sampler\.port=(\d+)", str(err.value)).group(1))
+    assert busy < suggested <= busy + 100, str(err.value)
+    assert 7999 < free_port(near=7999) <= 8099
