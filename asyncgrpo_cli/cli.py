@@ -88,8 +88,9 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None, early
         deep, also = _more_problems_unchecked(exc, overrides, recipes_dirs) if early else ([], None)
         _print_error(ConfigErrors([*(exc.errors if isinstance(exc, ConfigErrors) else [exc]), *deep]) if deep
                      else exc)
-        if also:
+        if also:  # its commands repeat this command line: they run once the problems above are fixed
             label, _, text = also.partition(": ")
+            text = text.replace("Fix:", "Fix (once the problems above are fixed):", 1)
             err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 

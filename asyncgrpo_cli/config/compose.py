@@ -265,7 +265,8 @@ def refuse_repeated_keys(overrides: list[str]) -> None:
             continue
         if key in seen and seen[key] != value:
             raise ConfigError(f"{key} is set twice on the command line ({key}={seen[key]}, then {key}={value}); "
-                              f"Hydra would silently keep the last. Fix: give it once, e.g. {key}={value}", key=key)
+                              f"Hydra would silently keep the last. Fix: give it once: keep {key}={seen[key]} or "
+                              f"{key}={value}, and drop the other", key=key)
         seen[key] = value
 
 

@@ -42,7 +42,8 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             # when it started (the lines of a trainer log carry the time only): a resume appends to the same log
-            log.write(f"\n$ {' '.join(self.argv)}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode())
+            blank = "\n" if log.tell() else ""  # a blank line before a resume's part of the log, none at its top
+            log.write(f"{blank}$ {' '.join(self.argv)}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode())
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env={**os.environ, **self.env}, start_new_session=True,

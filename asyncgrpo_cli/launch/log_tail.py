@@ -13,6 +13,7 @@ already holds, with a first line that is not an error. It goes too.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 LOG_TAIL_LINES = 30
@@ -198,18 +199,21 @@ def launcher_reported_status(path: str | Path) -> int | None:
     return None
 
 
-def note_requested_stop(path: str | Path) -> bool:
+def note_requested_stop(path: str | Path, why: str | None = None) -> bool:
     """After the supervisor asked the trainer to stop: when the launcher's report ends the log with the trainer's
     exit status 130 or 143 (`STOPPED_STATUSES`), remove that report (its ``CalledProcessError`` traceback and
     accelerate's ``RuntimeError:`` copy of the trainer's stderr read as a crash: two fresh-user trials) and end the
-    log with a line saying the trainer stopped as asked. Returns whether it did; other logs are left as they are."""
+    log with a line, after the time, saying the trainer stopped as asked and ``why`` the supervisor asked (a third
+    trial read "stopped as asked" alone at the end of a run whose server had been killed). Returns whether it did;
+    other logs are left as they are."""
     status = launcher_reported_status(path)
     if status not in STOPPED_STATUSES:
         return False
     _remove_launcher_report(Path(path))
+    because = f", because {why}" if why else ""
     with open(path, "a", encoding="utf-8") as log:
-        log.write(f"asyncgrpo: the trainer stopped as asked (exit status {status}; accelerate's report of that "
-                  "status, no crash, was removed from this log)\n")
+        log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: the trainer stopped as asked{because} (exit status "
+                  f"{status}; accelerate's report of that status, no crash, was removed from this log)\n")
     return True
 
 

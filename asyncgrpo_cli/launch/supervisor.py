@@ -58,7 +58,7 @@ from rich.text import Text
 
 from ..config.compose import server_url, to_yaml
 from ..config.rules import ConfigError
-from ..run.stop_reason import clear_stop_reason, write_stop_reason
+from ..run.stop_reason import clear_stop_reason, read_stop_reason, write_stop_reason
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem, train_command
 from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
                    output_dir_of, resolved_config, run_size)
@@ -627,7 +627,7 @@ class Supervisor:
                     except subprocess.TimeoutExpired:
                         pass
             if child is self.trainer and child.poll() is not None:
-                note_requested_stop(child.log_path)
+                note_requested_stop(child.log_path, read_stop_reason(self.plan.output_dir))
         # The leader and the ranks are gone: give the rest of the group a moment, then kill it.
         if child.group_alive():
             child.signal_group(signal.SIGTERM)

@@ -24,11 +24,16 @@ def stop_reason(output_dir: str | Path, signum: int) -> str:
         name = f"signal {signum}"
     if own_reason:
         return f"{name}: {own_reason[-1]}"
-    try:
-        text = (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
-    except OSError:
-        text = ""
+    text = read_stop_reason(output_dir)
     return f"{name} from the supervisor: {text}" if text else name
+
+
+def read_stop_reason(output_dir: str | Path) -> str | None:
+    """The supervisor's line (`STOP_REASON_FILE`), None when it wrote none."""
+    try:
+        return (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def write_stop_reason(output_dir: str | Path, reason: str) -> None:

@@ -627,4 +627,5 @@ def test_one_try_names_a_rule_a_deep_check_and_a_used_folder_together(tmp_path):
         assert "config error: 2 problems:" in text and "- rollout.num_generations=1:" in text, (command, text)
         assert "- trainer.learning_rate=-1.0: must be a finite number >= 0" in text, (command, text)
         assert f"\nerror: trainer.output_dir={used} already holds an earlier run" in text, (command, text)
+        assert "Fix (once the problems above are fixed):" in text, (command, text)  # its commands repeat them
         assert "num_generations=1: GRPO" not in text.replace("rollout.num_generations=1: GRPO", ""), text  # once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -191,10 +192,12 @@ def test_a_trainer_stopped_as_asked_gets_a_line_after_the_launchers_traceback(tm
     rc = accelerate_launch(script, log)
     assert rc == 1 and "CalledProcessError" in log.read_text()  # accelerate's own exit and report
     assert launcher_reported_status(log) == 130
-    assert note_requested_stop(log)
+    assert note_requested_stop(log, "the server (pid 7) was killed by SIGKILL")
     text = log.read_text()
-    assert text.splitlines()[-1] == ("asyncgrpo: the trainer stopped as asked (exit status 130; accelerate's "
-                                     "report of that status, no crash, was removed from this log)")
+    last = text.splitlines()[-1]
+    assert re.fullmatch(r"\d\d:\d\d:\d\d ", last[:9]), last
+    assert last[9:] == ("asyncgrpo: the trainer stopped as asked, because the server (pid 7) was killed by SIGKILL "
+                        "(exit status 130; accelerate's report of that status, no crash, was removed from this log)")
     # second trial: the report and accelerate's `RuntimeError:` copy of the trainer's stderr are gone, its lines stay
     assert "Traceback" not in text and "CalledProcessError" not in text and "RuntimeError" not in text
     assert text.count("checkpoint saved") == 1
