@@ -127,7 +127,8 @@ def test_sigint_saves_a_checkpoint_and_leaves_no_process(tiny, tmp_path):
     assert proc.returncode == 130, stdout
     # accelerate's CalledProcessError for the trainer's 130 is replaced by a line that says it is no crash
     log = (out / "logs" / "trainer.log").read_text()
-    assert "the trainer stopped as asked (exit status 130;" in log and "CalledProcessError" not in log
+    assert "the trainer stopped as asked, because asyncgrpo train got SIGINT (exit status 130;" in log \
+        and "CalledProcessError" not in log
     deadline = time.monotonic() + deadline_s(60)
     while descendants_alive(children):
         assert time.monotonic() < deadline, f"left alive: {descendants_alive(children)}"
