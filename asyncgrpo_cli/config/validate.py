@@ -366,21 +366,13 @@ def free_port(near: int | None = None) -> int:
     """
     import socket
 
-    def binds(port: int) -> bool:
+    def bound(port: int) -> int | None:  # the port bound (the kernel's pick for 0), None when taken
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind(("127.0.0.1", port))
-            return True
+                return int(sock.getsockname()[1])
         except OSError:
-            return False
+            return None
 
-    if near is not None and 1 <= near <= 65535:
-        for port in range(max(near + 1, 1024), min(near + 101, 65536)):
-            if binds(port):
-                return port
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
-    except OSError:
-        return 8000
+    near_ones = range(max(near + 1, 1024), min(near + 101, 65536)) if near is not None and 1 <= near <= 65535 else ()
+    return next((got for port in (*near_ones, 0) if (got := bound(port)) is not None), 8000)

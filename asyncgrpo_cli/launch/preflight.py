@@ -101,22 +101,23 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
     host, port, url = str(sampler.host), int(sampler.port), sampler_url(sampler)
     if answering is None:
         answering = probe_health(url, timeout=1.0)
-    owner = asyncgrpo_owner(host, port) if answering or port_in_use(host, port) else None
+    busy = answering or port_in_use(host, port)
+    owner = asyncgrpo_owner(host, port) if busy else None
+    whose = f" ({owner.describe()} started it)" if owner is not None else ""
     if owner is not None and owner.command == "train":
         raise ConfigError(f"sampler.port={port}: {url} is the server of {owner.describe()}. That job's trainer "
                           f"changes the server's weights, so this one can neither share it nor start its own there. "
                           f"Fix: use a free port, e.g. sampler.port={free_port(near=port)}, or stop that job first")
     if answering and command == "serve":
-        raise ConfigError(f"sampler.port={port}: a server already answers at {url}/health. Fix: to check it serves "
+        raise ConfigError(f"sampler.port={port}: a server already answers at {url}/health{whose}. Fix: to check it serves "
                           f"this config, run asyncgrpo doctor with the same overrides; to start another, use a free "
                           f"port, e.g. sampler.port={free_port(near=port)}")
     if answering:
-        whose = f" ({owner.describe()} started it)" if owner is not None else ""
         raise ConfigError(f"sampler.port={port}: a server this job did not start already answers at {url}/health{whose}. "
                           f"Fix: to train against it, add sampler.backend=external sampler.url={url} (asyncgrpo "
                           f"doctor checks it matches the config); to start a new one, use a free port, e.g. "
                           f"sampler.port={free_port(near=port)}")
-    if port_in_use(host, port):
+    if busy:
         raise ConfigError(f"sampler.port={port}: another process already listens on {host}:{port}. Fix: use a free "
                           f"port, e.g. sampler.port={free_port(near=port)}, or stop that process")
     engines = int(sampler.get("engines", 1) if hasattr(sampler, "get") else getattr(sampler, "engines", 1))
