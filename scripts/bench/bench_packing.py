@@ -76,6 +76,8 @@ SHAPES = {  # Qwen3 shapes unless LLAMA_SHAPES names them (random weights are fi
 LLAMA_SHAPES = {"smollm2-135m": dict(rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)}
 VOCAB = 151936
 TINY_VOCAB = 512
+# P1's target per shape, as issue #43 sets it (an earlier issue asked >= 3.2 at every shape)
+P1_TARGETS = {"qwen3-1.7b": ">= 3.0", "qwen3-0.6b": ">= 2.5"}
 VOCABS = {"tiny": TINY_VOCAB, "smollm2-135m": 49152}  # any other shape: 151936 (Qwen3)
 # Workload defaults per shape: (completion, prompt_ratio, groups, token_budget); tiny keeps a CPU check to seconds.
 WORKLOAD_DEFAULTS = {"tiny": (16, 4.0, 3, 512)}
@@ -728,7 +730,7 @@ def main() -> int:
                                plain_forwarded_tokens=sum(r.num_tokens for r in plain_split),
                                tree_trained_tokens_per_s=trained / t_tree, plain_trained_tokens_per_s=trained / t_plain,
                                ratio=t_plain / t_tree, loss_tree=l_tree, loss_plain=l_plain_split,
-                               target=">= 3.2" if shared else ">= 0.97")
+                               target=P1_TARGETS.get(ns.shape, ">= 3.0") if shared else ">= 0.97")
         if shared and prof_dir is not None:
             for variant, rows in (("tree", tree_rows), ("plain", plain_split)):
                 profile_variant(packed_step(model, rows, cfg), f"{ns.shape}_P1_{variant}{'_compiled' * ns.compile}", prof_dir,
