@@ -144,7 +144,8 @@ def test_an_external_server_that_stays_down_fails_the_run_within_the_timeout_wit
     events, port = tmp_path / "events.txt", free_port()
     server = jobs([sys.executable, str(Path(__file__).with_name("outage_program.py")), "server", "--events",
                    str(events), "--die-on", "/update_weights@2", "--", "--model", str(tiny_model), "--port", str(port),
-                   "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-logprobs", "8"], "server")
+                   "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-logprobs", "8",
+                   "--weights-dir", str(tmp_path / "weights")], "server")  # killed -9: its folder stays in tmp_path
     wait_for(lambda: "serving" in server.output(), 120, "the server to listen", server)
     out = tmp_path / "run"
     argv = [a for a in cli_argv(tiny_model, prompt_file, out, "trainer.max_steps=50",

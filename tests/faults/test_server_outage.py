@@ -492,7 +492,8 @@ def model_dir(tmp_path_factory):
 def start_server(procs: Processes, model_dir: Path, port: int, events: Path, log: Path) -> subprocess.Popen:
     server = procs.start(["server", "--events", str(events), "--", "--model", str(model_dir), "--port", str(port),
                           "--device", "cpu", "--dtype", "float32", "--max-model-len", "96", "--max-logprobs", "8",
-                          "--log-level", "WARNING"], log)
+                          "--weights-dir", str(events.parent / "weights"),  # a server killed -9 leaves its folder
+                          "--log-level", "WARNING"], log)                   # here, not in /tmp
     wait_for(lambda: "serving" in log.read_text() or server.poll() is not None, 120, "the server to start")
     assert server.poll() is None, log.read_text()
     return server
