@@ -106,20 +106,32 @@ def _more_problems_unchecked(found: ConfigError, overrides: list[str] | None,
     from .launch.preflight import early_refusal
 
     known = set(found.keys if isinstance(found, ConfigErrors) else [found.key])
-    try:
-        cfg = compose(overrides or [], extra_recipe_dirs=recipes_dirs, validate=False)
-    except Exception:  # noqa: BLE001 - an extra: the config's own errors are printed all the same
-        return [], None
     deep: list[ConfigError] = []
+    kept = list(overrides or [])
+    try:
+        cfg = compose(kept, extra_recipe_dirs=recipes_dirs, validate=False)
+    except Exception:  # noqa: BLE001 - Hydra refused overrides (unknown keys, types): the value rules never ran,
+        kept = [o for o in kept if o.split("=", 1)[0].lstrip("+~") not in known]  # so run them on the rest
+        try:
+            compose(kept, extra_recipe_dirs=recipes_dirs)
+        except ConfigError as exc:
+            deep = [e for e in (exc.errors if isinstance(exc, ConfigErrors) else [exc]) if e.key not in known]
+        except Exception:  # noqa: BLE001
+            pass
+        known |= {e.key for e in deep}
+        try:
+            cfg = compose(kept, extra_recipe_dirs=recipes_dirs, validate=False)
+        except Exception:  # noqa: BLE001 - an extra: the config's own errors are printed all the same
+            return deep, None
     if cfg.model.name:
         try:
             validate_run(cfg, "train")
         except ConfigError as exc:
-            exc = with_values_without(exc, list(overrides or []), recipes_dirs)
-            deep = [e for e in (exc.errors if isinstance(exc, ConfigErrors) else [exc])  # a key without a dot is
-                    if e.key not in known and "." in str(e.key)]  # the Python API's name of a rule named above
+            exc = with_values_without(exc, kept, recipes_dirs)
+            deep += [e for e in (exc.errors if isinstance(exc, ConfigErrors) else [exc])  # a key without a dot is
+                     if e.key not in known and "." in str(e.key)]  # the Python API's name of a rule named above
         except Exception:  # noqa: BLE001
-            deep = []
+            pass
     try:
         also = early_refusal(cfg)
     except Exception:  # noqa: BLE001

@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .errors import ConfigErrors
 from .rules import ConfigError, check_fields, check_lora_rank
 
 DEFAULT_OUTPUT_DIR = "outputs/run"
@@ -190,8 +191,6 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
         ConfigError: on an unknown key, a wrong type, a missing recipe, or a value that breaks a rule;
             the message names the key, the value and the fix.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -203,10 +202,9 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
         if name in broken:
             raise broken[name]
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
+        cfg = _hydra_compose(overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_explain_hydra_error(exc, overrides, extra_recipe_dirs)) from exc
+        raise _every_override_error(exc, overrides, extra_recipe_dirs) from exc
     except (TypeError, ValueError, KeyError) as exc:  # Hydra fails this way on some malformed group overrides
         raise ConfigError(f"the overrides {' '.join(overrides)} could not be composed ({type(exc).__name__}: {exc}). "
                           "Fix: a group (model, data, rewards, rollout, ...) is selected with group=option; to set "
@@ -222,6 +220,66 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
         except ConfigError as exc:
             raise with_values_without(exc, overrides, extra_recipe_dirs) from None
     return cfg
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
+    """Hydra's compose of `conf/config.yaml` with ``overrides`` (its own exceptions pass through)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="asyncgrpo"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+MAX_OVERRIDE_ERRORS = 20
+"""At most this many faulty overrides are named in one try (each costs one more compose, ~50 ms)."""
+
+
+def _every_override_error(first: Exception, overrides: list[str],
+                          recipe_dirs: list[str | Path] | None) -> ConfigError:
+    """Hydra stops at the first unknown key or wrong type; a command line with three typos would take three tries.
+    So: explain ``first``, drop the override it names, compose again, and so on until the rest composes or an
+    error names no override of the command line (a recipe's own key, a malformed group). Returns one
+    `ConfigError`, or a `ConfigErrors` naming each override at fault, in command-line order."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    found: list[tuple[int, ConfigError]] = []
+    remaining = list(enumerate(overrides))
+    exc: Exception = first
+    while True:
+        rest = [o for _, o in remaining]
+        at = _override_at_fault(exc, rest)
+        key = rest[at].split("=", 1)[0].lstrip("+~") if at is not None else None
+        found.append((remaining[at][0] if at is not None else len(overrides),
+                      ConfigError(_explain_hydra_error(exc, rest, recipe_dirs), key=key)))
+        if at is None or len(found) >= MAX_OVERRIDE_ERRORS:
+            break
+        del remaining[at]
+        try:
+            _hydra_compose([o for _, o in remaining])
+            break
+        except (HydraException, OmegaConfBaseException) as again:
+            exc = again
+        except Exception:  # noqa: BLE001 - the rest fails otherwise: the problems found so far are the answer
+            break
+    errors = [e for _, e in sorted(found, key=lambda pair: pair[0])]
+    return errors[0] if len(errors) == 1 else ConfigErrors(errors)
+
+
+def _override_at_fault(exc: Exception, overrides: list[str]) -> int | None:
+    """The index of the override a Hydra/OmegaConf error is about (an unknown key, a value of the wrong type), or
+    None when it names none of them (a recipe's key, a missing option, a parse error)."""
+    msg = f"{exc}\n{exc.__cause__ or exc.__context__ or ''}"
+    cause = exc.__cause__ or exc.__context__
+    names = {str(k) for k in (getattr(exc, "full_key", None), getattr(cause, "full_key", None)) if k}
+    names |= set(re.findall(r"Could not (?:override|append to) '([^']+)'", msg)) | set(_UNKNOWN_KEY.findall(msg))
+    names |= {re.sub(r"\[\d+\]$", "", n) for n in names}
+    for i, o in enumerate(overrides):
+        key, sep, _ = o.partition("=")
+        if sep and key.lstrip("+~") in names:
+            return i
+    return None
 
 
 def with_values_without(exc: ConfigError, overrides: list[str],

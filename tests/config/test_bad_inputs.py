@@ -629,3 +629,52 @@ def test_one_try_names_a_rule_a_deep_check_and_a_used_folder_together(tmp_path):
         assert f"\nerror: trainer.output_dir={used} already holds an earlier run" in text, (command, text)
         assert "Fix (once the problems above are fixed):" in text, (command, text)  # its commands repeat them
         assert "num_generations=1: GRPO" not in text.replace("rollout.num_generations=1: GRPO", ""), text  # once
+
+
+def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
+    """Hydra stops at its first unknown key or wrong type: two typos and a bad number took three tries. Each is
+    named now, in command-line order, with the value rules and the deep pass run on the rest (the learning rate,
+    with its value without the override) and the used folder after them."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.config.rules import ConfigErrors
+    from asyncgrpo_cli.launch.preflight import free_port
+
+    with pytest.raises(ConfigErrors) as err:
+        compose(["+recipe=smoke", "rollout.tmperature=1", "rollout.top_k=abc", "trainer.max_step=3"])
+    assert err.value.keys == ["rollout.tmperature", "rollout.top_k", "trainer.max_step"], str(err.value)
+    assert "did you mean rollout.temperature?" in str(err.value) and "did you mean trainer.max_steps" in str(err.value)
+    assert "rollout.top_k=0" in str(err.value)  # the type error's own fix
+    with pytest.raises(ConfigError) as one:  # one mistake: one error, as before
+        compose(["+recipe=smoke", "rollout.tmperature=1"])
+    assert not isinstance(one.value, ConfigErrors) and one.value.key == "rollout.tmperature"
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"x")
+    args = ["+recipe=smoke", "trainer.max_step=3", "trainer.learning_rate=-1", "rollout.top_p=7", "rollout.tmperature=1",
+            f"sampler.port={free_port()}", f"trainer.output_dir={used}"]
+    for command in (["train", *args], ["config", *args, "--check"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        text = result.output
+        assert "config error: 4 problems:" in text, (command, text)
+        assert text.index("- unknown key 'trainer.max_step'") < text.index("- unknown key 'rollout.tmperature'"), text
+        assert "- rollout.top_p=7.0: must lie in (0, 1]" in text, (command, text)
+        assert "- trainer.learning_rate=-1.0: must be a finite number >= 0" in text, (command, text)
+        assert "trainer.learning_rate=3e-05, its value without this override" in text, (command, text)
+        assert f"trainer.output_dir={used} already holds an earlier run" in text, (command, text)
+
+
+def test_the_python_api_names_training_argument_and_grpo_problems_together():
+    """`AsyncGRPOConfig` ran the `TrainingArguments` rules, then the GRPO ones, and stopped at the first pass that
+    failed: a bad learning rate hid a bad group size. Both passes' problems come out in one try, each key once."""
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+    from asyncgrpo_cli.config.rules import ConfigErrors
+
+    with pytest.raises(ConfigErrors) as err:
+        AsyncGRPOConfig(output_dir="/tmp/x", learning_rate=-1.0, num_generations=1, top_p=-1.0)
+    assert sorted(err.value.keys) == ["learning_rate", "num_generations", "top_p"], str(err.value)
+    assert len(err.value.keys) == len(set(err.value.keys))
+    with pytest.raises(ConfigError) as one:
+        AsyncGRPOConfig(output_dir="/tmp/x", learning_rate=-1.0)
+    assert not isinstance(one.value, ConfigErrors) and one.value.key == "learning_rate"
