@@ -214,7 +214,10 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ConfigError(f"output_dir={self.output_dir!r}: an empty folder name (transformers fails on it "
                               "with FileNotFoundError: ''). Fix: output_dir='outputs/run' (or leave it out for "
                               "transformers' default, trainer_output)", key="output_dir")
-        check_training_arguments({f.name: getattr(self, f.name) for f in fields(self) if f.init})
+        from .errors import Collector
+
+        found = Collector()  # both passes' problems come out in one try, the first of each key
+        found.run(check_training_arguments, {f.name: getattr(self, f.name) for f in fields(self) if f.init})
 
         if self.bf16 is None:
             # SPEC §16.4: bf16 unless fp16. Without CUDA, TrainingArguments refuses bf16 unless use_cpu,
@@ -225,7 +228,14 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.optim == "adamw_torch_fused" and not torch.cuda.is_available():
             self.optim = "adamw_torch"
         self.ignore_data_skip = True  # SPEC §12: the live rollout queue cannot be skipped and replayed.
-        check_fields({f.name: getattr(self, f.name) for f in fields(self) if f.init})
+        try:
+            found.run(check_fields, {f.name: getattr(self, f.name) for f in fields(self) if f.init})
+        except Exception:  # a value the first pass refused broke a rule's arithmetic: its problem is the answer
+            if not found.errors:
+                raise
+        seen: set[str | None] = set()
+        found.errors = [e for e in found.errors if e.key is None or not (e.key in seen or seen.add(e.key))]
+        found.raise_if_any()
         super().__post_init__()
 
     def __getstate__(self) -> dict[str, Any]:
