@@ -121,8 +121,8 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
     """``logs/summary.txt``: the end-of-run summary as the plain console prints it (first fresh-user trial of
     2026-12-05: after the fact the run folder held no summary); ``append``: lines after it (a failure's error, the
     resume command: the second trial), added only where the summary was written; the summary ends with the time it
-    was written and the command that ran (`run.folder.train_command`). A write that fails is skipped: the console
-    has printed it."""
+    was written and the command that ran (`run.folder.train_command`); a resume's summary keeps the earlier ones
+    below it, after `EARLIER_HEADER`. A write that fails is skipped: the console has printed it."""
     path = Path(output_dir) / "logs" / "summary.txt"
     if append and (not lines or not path.is_file()):
         return
@@ -133,8 +133,17 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
         lines = [*lines, f"  {'written':<21} {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
                  *([f"  {'command':<21} {command}"] if command else [])]
     try:
+        old = path.read_text(encoding="utf-8", errors="replace").rstrip("\n") if path.is_file() else ""
+        if append:  # this attempt's lines go before the earlier attempts' summaries
+            head, sep, earlier = old.partition(f"\n\n{EARLIER_HEADER}\n")
+            text = "\n".join([head, *lines]) + (f"{sep}{earlier}" if sep else "")
+        else:  # a resume: the earlier attempts' summaries stay below this one
+            text = "\n".join([*lines, *(["", EARLIER_HEADER, old] if old else [])])
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a" if append else "w", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
+        path.write_text(text + "\n", encoding="utf-8")
     except OSError:
         pass
+
+
+EARLIER_HEADER = "--- an earlier attempt of this run (it was resumed after it) ---"
+"""The line between a resumed run's summary and the one it replaced (`write_summary_file`)."""

@@ -167,3 +167,25 @@ def test_status_names_the_job_and_server_pids(tmp_path, monkeypatch):
     LiveFiles(tmp_path / "b").update(force=True, state="running")
     status = json.loads((tmp_path / "b" / "status.json").read_text())
     assert status["job_pid"] is None and status["server_pid"] is None
+
+
+def test_a_resume_keeps_the_earlier_summaries_below_its_own(tmp_path):
+    """`logs/summary.txt` was rewritten by a resume, losing the attempt that failed (its error and resume command).
+    Each attempt's summary now comes first, its appended lines (a failure's error) right below it, and the earlier
+    attempts after `EARLIER_HEADER`, newest first."""
+    from asyncgrpo_cli.launch.job_files import EARLIER_HEADER, write_summary_file
+
+    path = tmp_path / "logs" / "summary.txt"
+    write_summary_file(tmp_path, ["one"], append=True)  # nothing to append to: nothing written
+    assert not path.exists()
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (1)"])
+    write_summary_file(tmp_path, ["  error: the server died"], append=True)
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (2)"])
+    write_summary_file(tmp_path, ["  error: stopped again"], append=True)
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (3)"])
+    text = path.read_text()
+    assert text.startswith("asyncgrpo train: summary (3)\n  written ") and text.count(EARLIER_HEADER) == 2, text
+    third, second, first = text.split(f"\n\n{EARLIER_HEADER}\n")
+    assert second.startswith("asyncgrpo train: summary (2)") and second.endswith("  error: stopped again"), second
+    assert first.startswith("asyncgrpo train: summary (1)") and first.endswith("  error: the server died\n"), first
+    assert "error" not in third
