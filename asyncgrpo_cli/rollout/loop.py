@@ -659,9 +659,10 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         if getattr(self.config, "mask_truncated_completions", False):
             m.add_many("completions/masked_truncated_frac", [0.0 if k else 1.0 for k in trained])
         samples: list[TrainingSequence] = []
-        for seqs, adv, keep in zip(group.completions_sequences, advantages, trained):
+        for seqs, adv, keep, reward in zip(group.completions_sequences, advantages, trained, group.rewards):
             for s in seqs:
                 s.advantage = 0.0 if math.isnan(adv) else float(adv)
+                s.reward = None if math.isnan(reward) else float(reward)
                 samples.append(s if keep else untrained_stub(s))  # a cut one still counts as a sequence (TRL)
         if not all(trained):
             tokens = sum(s.num_tokens for s in samples)

@@ -67,6 +67,8 @@ class TrainingSequence:
         advantage: the rollout's advantage (SPEC §3.2), the same for every token.
         group_id, row_index, model_version, rollout_id: provenance, for staleness and debugging.
         queued_at: ``time.monotonic()`` when the sample entered the rollout queue (seconds).
+        reward: the rollout's total reward (the sum over reward functions, SPEC §10), set when its group is
+            kept; the trainer logs the mean over the samples a step trained as ``reward_trained``.
     """
 
     input_ids: list[int]
@@ -81,6 +83,7 @@ class TrainingSequence:
     sampler_top_logprobs: list[list[float]] | None = None
     sampling_mask: list[list[int] | None] | None = None
     queued_at: float = 0.0
+    reward: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

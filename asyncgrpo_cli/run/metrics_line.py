@@ -121,12 +121,14 @@ def _gen_text(tokens_per_s: float | None, rollouts_per_s: float | None, in_fligh
     return text
 
 
-def _reward_text(reward: float | None, zero_std_frac: float | None) -> str:
+def _reward_text(reward: float | None, zero_std_frac: float | None, trained: float | None = None) -> str:
     """``reward 0.25``; a window whose every scored group had one reward for all its completions (no spread, so
     none was kept for training: ``frac_reward_zero_std`` 1) says so, since what trained in it came from groups
-    scored before (the line's ``train`` part counts them)."""
+    scored before (the line's ``train`` part counts them). A window that scored no group gives what the groups it
+    trained had scored (``reward_trained``, their samples' mean), so that the step still shows a reward."""
     if reward is None:
-        return "reward — (no group scored in this window)"
+        return "reward — (no group scored in this window" + (
+            f"; the trained groups had scored {fmt(trained, '.4g')})" if trained is not None else ")")
     return f"reward {fmt(reward, '.4g')}" + (" (the groups scored in this window all alike: none kept)"
                                              if zero_std_frac == 1.0 else "")
 
@@ -158,7 +160,7 @@ def metrics_line(metrics: Mapping[str, Any], max_steps: float | None = None, dia
     long_sync = sync_s is not None and step_s and sync_s >= max(1.0, SYNC_SHOWN_FRAC * step_s)
     reward, zero_std = num(metrics, "reward"), num(metrics, "frac_reward_zero_std")
     parts = [f"step {fmt(step, '.0f')}" + (f"/{max_steps:.0f}" if max_steps and max_steps > 0 else ""),
-             _reward_text(reward, zero_std),
+             _reward_text(reward, zero_std, num(metrics, "reward_trained")),
              _gen_text(num(metrics, "rollout/generated_tokens_per_s"), num(metrics, "rollout/rollouts_per_s"),
                        num(metrics, "rollout/concurrency")),
              _train_text(num(metrics, "perf/wall_clock_trained_tokens_per_s"), num(metrics, "batch/groups_per_step"),

@@ -641,6 +641,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             w.add("sample/forwarded_tokens_mean", s.num_tokens)
             w.add("sample/forwarded_tokens_max", s.num_tokens)
             w.add("sample/trained_tokens_mean", s.num_trained_tokens)
+            if s.reward is not None:  # the trained groups' score, whenever scored (`reward`: this window's groups)
+                w.add("reward_trained", s.reward)
             staleness = trained_version - s.model_version
             w.add("sample/staleness_mean", staleness)
             w.add("sample/staleness_max", staleness)

@@ -121,6 +121,11 @@ def test_plain_line_and_formats():
     assert line.startswith("step 2/10 | reward 0.2 | gen 12.3k tok/s | train 4.32k tok/s | step 10.00 s")
     unscored = {k: v for k, v in window(3).items() if k != "reward"}  # SPEC §15.1: no rollout scored in it
     assert plain_line(unscored).startswith("step 3 | reward — (no group scored in this window) | gen ")
+    # ... and with what the groups it trained had scored (a trial: the step showed no reward at all)
+    trained = plain_line({**unscored, "reward_trained": 0.4375})
+    assert trained.startswith("step 3 | reward — (no group scored in this window; the trained groups had scored "
+                              "0.4375) | gen "), trained
+    assert "trained groups" not in plain_line({**window(3), "reward_trained": 0.4})  # a scored window: its own
     # stale drops show in the line only when a window had some (fresh-user trial: 92% of a step's generated
     # tokens dropped while the line read 'stale 1.00')
     assert "dropped" not in plain_line({**window(4), "sample/dropped_stale_count": 0})

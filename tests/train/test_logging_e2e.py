@@ -155,6 +155,14 @@ def test_every_spec_metric_is_logged(run):
     assert not unexpected, f"logged although their condition does not hold here: {unexpected}"
 
 
+def test_each_window_logs_what_its_trained_groups_scored(run):
+    """``reward_trained``: the mean total reward of the samples a window trained (scored in it or before), so that a
+    window that scored no group still says a reward; it lies within the rewards' range (0 to 1 here)."""
+    lines = windows(run["out"])
+    assert all("reward_trained" in w for w in lines), [sorted(w) for w in lines]
+    assert all(0.0 <= w["reward_trained"] <= 1.0 for w in lines), [w["reward_trained"] for w in lines]
+
+
 def test_what_held_the_rollout_producer_is_logged_as_shares_of_the_window(run):
     # issue #41: rollout/held_{gate}_frac for every gate (rollout/holds.py), each a share of wall time, at most 1
     # in all; rollout/deadline_admission says whether the staleness schedule's deadline rule is on.
