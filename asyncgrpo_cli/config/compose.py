@@ -268,13 +268,15 @@ def _every_override_error(first: Exception, overrides: list[str],
 
 
 def _override_at_fault(exc: Exception, overrides: list[str]) -> int | None:
-    """The index of the override a Hydra/OmegaConf error is about (an unknown key, a value of the wrong type), or
-    None when it names none of them (a recipe's key, a missing option, a parse error)."""
+    """The index of the override a Hydra/OmegaConf error is about (an unknown key, a value of the wrong type, a
+    group's missing option), or None when it names none of them (a recipe's key, a missing recipe, a parse
+    error)."""
     msg = f"{exc}\n{exc.__cause__ or exc.__context__ or ''}"
     cause = exc.__cause__ or exc.__context__
     names = {str(k) for k in (getattr(exc, "full_key", None), getattr(cause, "full_key", None)) if k}
     names |= set(re.findall(r"Could not (?:override|append to) '([^']+)'", msg)) | set(_UNKNOWN_KEY.findall(msg))
     names |= {re.sub(r"\[\d+\]$", "", n) for n in names}
+    names |= {g for g in re.findall(r"Could not (?:find|load) '([a-z_]+)/[^']+'", msg) if g != "recipe"}  # group=?
     for i, o in enumerate(overrides):
         key, sep, _ = o.partition("=")
         if sep and key.lstrip("+~") in names:

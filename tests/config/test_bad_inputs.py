@@ -644,6 +644,9 @@ def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
     assert err.value.keys == ["rollout.tmperature", "rollout.top_k", "trainer.max_step"], str(err.value)
     assert "did you mean rollout.temperature?" in str(err.value) and "did you mean trainer.max_steps" in str(err.value)
     assert "rollout.top_k=0" in str(err.value)  # the type error's own fix
+    with pytest.raises(ConfigErrors) as group:  # a group's missing option is one of them too
+        compose(["+recipe=smoke", "model=nosuch", "rollout.tmperature=1"])
+    assert group.value.keys == ["model", "rollout.tmperature"] and "Fix: model=default" in str(group.value)
     with pytest.raises(ConfigError) as one:  # one mistake: one error, as before
         compose(["+recipe=smoke", "rollout.tmperature=1"])
     assert not isinstance(one.value, ConfigErrors) and one.value.key == "rollout.tmperature"
