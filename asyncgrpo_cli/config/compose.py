@@ -194,7 +194,14 @@ def compose(overrides: list[str] | None = None, extra_recipe_dirs: list[str | Pa
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    _refuse_loose_bools(list(overrides or []))
+    loose = _loose_bools(list(overrides or []))
+    if loose:  # named with the rest's problems: compose what remains for them
+        errors = [err for _, err in loose]
+        try:
+            compose([o for i, o in enumerate(overrides or []) if i not in dict(loose)], extra_recipe_dirs, validate)
+        except ConfigError as exc:
+            errors += exc.errors if isinstance(exc, ConfigErrors) else [exc]
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     overrides, lists = _list_overrides(list(overrides or []))
     overrides, maps = _map_overrides(overrides)
     broken = _register(extra_recipe_dirs)
@@ -330,29 +337,31 @@ def refuse_repeated_keys(overrides: list[str]) -> None:
         seen[key] = value
 
 
-def _refuse_loose_bools(overrides: list[str]) -> None:
+def _loose_bools(overrides: list[str]) -> list[tuple[int, ConfigError]]:
     """A true/false field set on the command line takes ``true`` or ``false`` (``null`` where None is allowed):
     OmegaConf would read ``2``, ``yes`` or ``on`` as true, so ``rollout.group_requests=2`` passed unnoticed.
 
-    Raises:
-        ConfigError: naming the field, the value and the two values it takes.
+    Returns:
+        (index of the override, a `ConfigError` naming the field, the value and the two values it takes) for each.
     """
     from .override_errors import _unwrap, describe_type, field_at, type_error_message
 
-    for o in overrides:
+    found = []
+    for i, o in enumerate(overrides):
         key, sep, value = o.partition("=")
         key = key.lstrip("+")
         if not sep or key.startswith("~") or key.startswith("hydra."):
             continue
-        found = field_at(key)
-        if found is None:
+        field = field_at(key)
+        if field is None:
             continue
-        tp, optional = _unwrap(found[0])
+        tp, optional = _unwrap(field[0])
         allowed = {"true", "false"} | ({"null"} if optional else set())
         parts = [v.strip().strip("'\"").lower() for v in value.split(",")]  # a sweep: true,false
         if tp is bool and not value.strip().startswith("${") and not all(v in allowed for v in parts):
-            raise ConfigError(type_error_message(key, value) or f"{key}={value}: not {describe_type(found[0])}",
-                              key=key)
+            found.append((i, ConfigError(type_error_message(key, value) or
+                                         f"{key}={value}: not {describe_type(field[0])}", key=key)))
+    return found
 
 
 LIST_GROUPS = ("rewards", "tools")

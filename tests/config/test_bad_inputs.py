@@ -647,6 +647,9 @@ def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
     with pytest.raises(ConfigErrors) as group:  # a group's missing option is one of them too
         compose(["+recipe=smoke", "model=nosuch", "rollout.tmperature=1"])
     assert group.value.keys == ["model", "rollout.tmperature"] and "Fix: model=default" in str(group.value)
+    with pytest.raises(ConfigErrors) as loose:  # a true/false field given 2 or yes: named beside the others
+        compose(["+recipe=smoke", "rollout.group_requests=2", "trainer.bf16=yes", "rollout.tmperature=1"])
+    assert loose.value.keys == ["rollout.group_requests", "trainer.bf16", "rollout.tmperature"], str(loose.value)
     with pytest.raises(ConfigError) as one:  # one mistake: one error, as before
         compose(["+recipe=smoke", "rollout.tmperature=1"])
     assert not isinstance(one.value, ConfigErrors) and one.value.key == "rollout.tmperature"
