@@ -145,5 +145,5 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
         pass
 
 
-EARLIER_HEADER = "--- an earlier attempt of this run (it was resumed after it) ---"
+EARLIER_HEADER = "--- an earlier attempt in this folder (a resume, or a run before it) ---"
 """The line between a resumed run's summary and the one it replaced (`write_summary_file`)."""
