@@ -17,6 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import ConfigErrors
+from .override_checks import (MAX_OVERRIDE_ERRORS, _UNKNOWN_KEY, _loose_bools, _override_at_fault,
+                              refuse_repeated_keys)
 from .rules import ConfigError, check_fields, check_lora_rank
 
 DEFAULT_OUTPUT_DIR = "outputs/run"
@@ -238,10 +240,6 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-MAX_OVERRIDE_ERRORS = 20
-"""At most this many faulty overrides are named in one try (each costs one more compose, ~50 ms)."""
-
-
 def _every_override_error(first: Exception, overrides: list[str],
                           recipe_dirs: list[str | Path] | None) -> ConfigError:
     """Hydra stops at the first unknown key or wrong type; a command line with three typos would take three tries.
@@ -274,29 +272,13 @@ def _every_override_error(first: Exception, overrides: list[str],
     return errors[0] if len(errors) == 1 else ConfigErrors(errors)
 
 
-def _override_at_fault(exc: Exception, overrides: list[str]) -> int | None:
-    """The index of the override a Hydra/OmegaConf error is about (an unknown key, a value of the wrong type, a
-    group's missing option), or None when it names none of them (a recipe's key, a missing recipe, a parse
-    error)."""
-    msg = f"{exc}\n{exc.__cause__ or exc.__context__ or ''}"
-    cause = exc.__cause__ or exc.__context__
-    names = {str(k) for k in (getattr(exc, "full_key", None), getattr(cause, "full_key", None)) if k}
-    names |= set(re.findall(r"Could not (?:override|append to) '([^']+)'", msg)) | set(_UNKNOWN_KEY.findall(msg))
-    names |= {re.sub(r"\[\d+\]$", "", n) for n in names}
-    names |= {g for g in re.findall(r"Could not (?:find|load) '([a-z_]+)/[^']+'", msg) if g != "recipe"}  # group=?
-    for i, o in enumerate(overrides):
-        key, sep, _ = o.partition("=")
-        if sep and key.lstrip("+~") in names:
-            return i
-    return None
-
-
 def with_values_without(exc: ConfigError, overrides: list[str],
                          recipe_dirs: list[str | Path] | None) -> ConfigError:
     """``exc`` with, for each of its problems whose key an override set, that key's value without the override
-    (the recipe's) as a second fix when the first names another value: a rule's fix is a generic default
-    (``trainer.learning_rate=1e-6``), which would silently change a recipe's own value (3e-5)."""
-    from .errors import ConfigErrors
+    (the recipe's) as a fix beside the rule's when that names another value: a rule's fix is a generic default
+    (``trainer.learning_rate=1e-6``), which would silently change a recipe's own value (3e-5). A number's comes first
+    (``Fix: trainer.learning_rate=3e-05 (its value without this override), or set ...``: a trial took the generic
+    one); any other value's second, after the rule's (for a misspelt name the closest accepted one)."""
     from .override_errors import _MISSING
 
     parts = list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
@@ -309,59 +291,14 @@ def with_values_without(exc: ConfigError, overrides: list[str],
         shown = str(value).lower() if isinstance(value, bool) else value
         text = str(err)
         if "Fix:" in text and f"{err.key}={shown}" not in text:
-            text += f"; or {err.key}={shown}, its value without this override"
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                text = text.replace("Fix: ", f"Fix: {err.key}={shown} (its value without this override), or ", 1)
+            else:
+                text += f"; or {err.key}={shown}, its value without this override"
         changed.append(ConfigError(text, key=err.key))
     if all(a is b for a, b in zip(parts, changed)):
         return exc
     return ConfigErrors(changed) if isinstance(exc, ConfigErrors) else changed[0]
-
-
-def refuse_repeated_keys(overrides: list[str]) -> None:
-    """A key set twice on the command line with different values (``trainer.max_steps=5 ... trainer.max_steps=7``):
-    Hydra would silently keep the last one, which is rarely what a long command line meant. The CLI calls it on
-    what the user typed; `compose` itself keeps Hydra's rule (code that adds overrides to a list relies on it).
-
-    Raises:
-        ConfigError: naming the key, both values and the fix (give it once).
-    """
-    seen: dict[str, str] = {}
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        key = key.lstrip("+")
-        if not sep or not key or key.startswith("~") or key.startswith("hydra."):
-            continue
-        if key in seen and seen[key] != value:
-            raise ConfigError(f"{key} is set twice on the command line ({key}={seen[key]}, then {key}={value}); "
-                              f"Hydra would silently keep the last. Fix: give it once: keep {key}={seen[key]} or "
-                              f"{key}={value}, and drop the other", key=key)
-        seen[key] = value
-
-
-def _loose_bools(overrides: list[str]) -> list[tuple[int, ConfigError]]:
-    """A true/false field set on the command line takes ``true`` or ``false`` (``null`` where None is allowed):
-    OmegaConf would read ``2``, ``yes`` or ``on`` as true, so ``rollout.group_requests=2`` passed unnoticed.
-
-    Returns:
-        (index of the override, a `ConfigError` naming the field, the value and the two values it takes) for each.
-    """
-    from .override_errors import _unwrap, describe_type, field_at, type_error_message
-
-    found = []
-    for i, o in enumerate(overrides):
-        key, sep, value = o.partition("=")
-        key = key.lstrip("+")
-        if not sep or key.startswith("~") or key.startswith("hydra."):
-            continue
-        field = field_at(key)
-        if field is None:
-            continue
-        tp, optional = _unwrap(field[0])
-        allowed = {"true", "false"} | ({"null"} if optional else set())
-        parts = [v.strip().strip("'\"").lower() for v in value.split(",")]  # a sweep: true,false
-        if tp is bool and not value.strip().startswith("${") and not all(v in allowed for v in parts):
-            found.append((i, ConfigError(type_error_message(key, value) or
-                                         f"{key}={value}: not {describe_type(field[0])}", key=key)))
-    return found
 
 
 LIST_GROUPS = ("rewards", "tools")
@@ -602,7 +539,6 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
     return f"{msg}\n(overrides: {' '.join(overrides) or 'none'})"
 
 
-_UNKNOWN_KEY = re.compile(r"full_key: ([\w.]+(?:\[\d+\])?)")
 _CLOSERS = {"[": "]", "{": "}", "(": ")"}
 
 
