@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import re
 import types
 import typing
 from typing import Any
@@ -167,8 +168,30 @@ def type_error_message(full_key: str, value: Any, current: Any = _MISSING) -> st
     tp, default = found
     shown = f"'{value}'" if isinstance(value, str) else str(value)
     example = _example(full_key, tp, default, current)
-    return (f"field {full_key}: value {shown} is not {describe_type(tp)}. Fix: {example} "
-            "(`asyncgrpo config --doc` describes every key)")
+    inner, _ = _unwrap(tp)  # an enum's or a bool's values are the description already
+    plain = not (inner is bool or (isinstance(inner, type) and issubclass(inner, enum.Enum)))
+    about = field_summary(full_key) if plain else None
+    return (f"field {full_key}: value {shown} is not {describe_type(tp)}{f' ({about})' if about else ''}. "
+            f"Fix: {example} (`asyncgrpo config --doc` describes every key)")
+
+
+def field_summary(full_key: str, limit: int = 160) -> str | None:
+    """The first sentence of the description `asyncgrpo config --doc` gives ``full_key`` (``Top-k filter; 0 disables
+    it``), without its full stop; None when there is none or it is longer than ``limit`` characters (a fix such as
+    ``rollout.top_k=0`` says nothing about what 0 means without it: a trial)."""
+    from .field_docs import field_docs
+    from .schema import AppConfig
+
+    *groups, name = [p for p in full_key.split(".") if not p.isdigit()]
+    try:
+        cls: type | None = AppConfig
+        for group in groups:
+            cls = _dataclass_of(_hints(cls).get(group)) if cls is not None else None
+        doc = field_docs(cls).get(name, "") if cls is not None and groups else ""
+    except Exception:  # noqa: BLE001 - a description is an extra
+        return None
+    first = re.split(r"(?<=[.!?])\s", " ".join(doc.split()), maxsplit=1)[0].rstrip(".") if doc else ""
+    return first if first and len(first) <= limit else None
 
 
 def unknown_key_message(user_key: str, value: str | None = None) -> str:

@@ -193,9 +193,12 @@ def test_unknown_key_suggests_the_nearest_real_key_by_path(override, suggestion,
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("rollout.num_generations=abc", "field rollout.num_generations: value 'abc' is not an integer. Fix: "
-                                    "rollout.num_generations=8 (its default)"),
-    ("rollout.temperature=hot", "field rollout.temperature: value 'hot' is not a number. Fix: rollout.temperature="),
+    ("rollout.num_generations=abc", "field rollout.num_generations: value 'abc' is not an integer (Rollouts per "
+                                    "prompt (G)). Fix: rollout.num_generations=8 (its default)"),
+    ("rollout.temperature=hot", "field rollout.temperature: value 'hot' is not a number (Sampling temperature). Fix: "
+                                "rollout.temperature="),
+    ("rollout.top_k=abc", "field rollout.top_k: value 'abc' is not an integer (Top-k filter; 0 disables it). Fix: "
+                          "rollout.top_k=0 (its default)"),  # what 0 means (a trial)
     ("trainer.bf16=maybe", "field trainer.bf16: value 'maybe' is not true or false"),
     ("sampler.backend=foo", "field sampler.backend: value 'foo' is not one of vllm, embedded, external. Fix: "
                             "sampler.backend=vllm or"),
