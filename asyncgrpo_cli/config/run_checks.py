@@ -80,6 +80,9 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
         return c.warnings
     if not c.errors:
         c.run(check_training_args_build, cfg)
+    else:  # the build would stop at those problems: its enum-valued fields are checked all the same
+        named = {e.key for e in c.errors}
+        c.errors += [e for e in _enum_refusals(cfg) if e.key not in named]
     c.run(check_output_dir, cfg.trainer.get("output_dir"))
     c.run(check_flash_kernel, cfg.packing.attention)
     if probe:
@@ -173,22 +176,61 @@ def _listed_values(text: str) -> list[str]:
     return re.findall(r"'([^']*)'", found.group(1)) if found else []
 
 
+_ENUM_FIELDS = {"lr_scheduler_type": "SchedulerType", "optim": "OptimizerNames", "save_strategy": "SaveStrategy",
+                "eval_strategy": "IntervalStrategy", "logging_strategy": "IntervalStrategy",
+                "hub_strategy": "HubStrategy"}
+"""`TrainingArguments` fields whose value must be one of a transformers enum's (checked all at once, before the build
+stops at the first)."""
+
+
+def _enum_refusals(cfg: Any) -> list[ConfigError]:
+    """One `ConfigError` per ``trainer.`` field of `_ENUM_FIELDS` whose value its transformers enum does not hold
+    (transformers' own check stops at the first: two such typos took two tries)."""
+    import transformers.trainer_utils as trainer_utils
+    import transformers.training_args as training_args
+
+    found = []
+    for name, enum_name in _ENUM_FIELDS.items():
+        enum = getattr(trainer_utils, enum_name, None) or getattr(training_args, enum_name, None)
+        value = cfg.trainer.get(name)
+        if enum is None or not isinstance(value, str):
+            continue
+        accepted = [str(e.value) for e in enum]
+        if value in accepted:
+            continue
+        close = difflib.get_close_matches(value, accepted, n=LISTED_SHOWN, cutoff=0.0)
+        more = f" (the {LISTED_SHOWN} closest of {len(accepted)})" if len(accepted) > LISTED_SHOWN else ""
+        found.append(_err(f"trainer.{name}", value, f"transformers accepts one of {', '.join(close)}{more}",
+                          f"trainer.{name}={close[0]}"))
+    return found
+
+
 def check_training_args_build(cfg: Any) -> None:
     """Build the `AsyncGRPOConfig` the trainer process will build, so transformers' own refusals (an unknown
     optimizer or schedule, bf16 without a GPU, ...) come now, with the key, instead of from the trainer;
-    and check ``trainer.report_to``, which transformers checks only when the trainer is built.
+    and check ``trainer.report_to``, which transformers checks only when the trainer is built. The enum-valued
+    fields (`_ENUM_FIELDS`) are checked first, each of them, and named with the build's own problems.
 
     Raises:
         ConfigError: naming the ``trainer.`` key transformers refused (guessed from its message), its value
             and the fix (the closest accepted value where transformers lists them).
+        ConfigErrors: several such problems.
     """
     from .compose import to_training_args
 
+    enums = _enum_refusals(cfg)
     try:
         args = to_training_args(cfg)
-    except (ConfigError, ConfigTypeError):
-        raise
+    except (ConfigError, ConfigTypeError) as exc:
+        if not enums:
+            raise
+        named = {e.key for e in enums}
+        rest = [e for e in (exc.errors if isinstance(exc, ConfigErrors) else [ConfigError(str(exc), key=exc.key)])
+                if e.key not in named and f"trainer.{e.key}" not in named]
+        raise ConfigErrors([*rest, *enums]) if len(rest) + len(enums) > 1 else enums[0] from None
     except (ValueError, TypeError) as exc:
+        if enums:  # transformers refused one of them (its first)
+            raise (ConfigErrors(enums) if len(enums) > 1 else enums[0]) from None
         text = str(exc)
         name = next((k for enum, k in _ENUM_KEYS.items() if f"valid {enum}" in text), None)
         if name is None:
