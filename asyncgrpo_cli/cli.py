@@ -133,7 +133,7 @@ def _more_problems_unchecked(found: ConfigError, overrides: list[str] | None,
         except Exception:  # noqa: BLE001
             pass
     try:
-        also = early_refusal(cfg)
+        also = early_refusal(cfg, whole_commands=False)  # this command line has problems: the overrides to add
     except Exception:  # noqa: BLE001
         also = None
     return deep, also
@@ -532,7 +532,8 @@ def doctor_cmd(
     except ConfigError as exc:
         _print_error(exc)
         raise typer.Exit(2) from None
-    raise typer.Exit(run_doctor(cfg, as_json=as_json))
+    typed = [*(a for d in recipes_dir or [] for a in ("--recipes-dir", str(d))), *(overrides or [])]
+    raise typer.Exit(run_doctor(cfg, as_json=as_json, serve_args=typed))  # serve_args: its fix, as typed
 
 
 @app.command("train")

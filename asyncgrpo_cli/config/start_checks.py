@@ -23,16 +23,28 @@ default, is for a server that loads, not for an address that drops packets)."""
 
 # ------------------------------------------------------------------------------------------ the sampler
 def sampler_problem(url: str, timeout_s: float = SAMPLER_PROBE_S) -> str | None:
-    """Why no sampler answers at ``url`` (one ``GET /health`` of at most ``timeout_s`` s), None when one does.
+    """Why no sampler answers at ``url`` (one ``GET /health`` of at most ``timeout_s`` s), as a clause ("none
+    answers there (...)", or "a server answers there but it is not an inference server (...)"); None when one does.
 
     A refused connection, a name that does not resolve, an address that drops packets (no answer in
     ``timeout_s``) and an HTTP server without a ``/health`` route are problems; a 5xx answer is not (a server
     that is starting or recovering: the run waits for it).
     """
+    answer = _health_answer(url, timeout_s)
+    if isinstance(answer, str):
+        return f"none answers there ({answer})"
+    if answer.status_code == 200 or answer.status_code >= 500:
+        return None
+    return (f"a server answers there but it is not an inference server (GET /health answered HTTP "
+            f"{answer.status_code}; vLLM and the embedded sampler answer 200 there)")
+
+
+def _health_answer(url: str, timeout_s: float) -> Any:
+    """The answer to ``GET {url}/health`` (an ``httpx.Response``), or why there is none (a str)."""
     import httpx
 
     try:
-        answer = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
     except httpx.TimeoutException:
         return (f"no answer within {timeout_s:g} s: the address drops packets (a firewall, or no machine with that "
                 "address on this network)")
@@ -46,10 +58,6 @@ def sampler_problem(url: str, timeout_s: float = SAMPLER_PROBE_S) -> str | None:
         return f"the connection failed ({text[:160]})"
     except httpx.HTTPError as exc:
         return f"the request failed ({type(exc).__name__}: {str(exc)[:160]})"
-    if answer.status_code == 200 or answer.status_code >= 500:
-        return None
-    return (f"it answers GET /health with HTTP {answer.status_code}: not an inference server (vLLM and the embedded "
-            "sampler answer 200 there)")
 
 
 def _training_owner(url: str) -> Any:
@@ -72,8 +80,8 @@ def check_external_sampler(cfg: Any, timeout_s: float | None = None) -> None:
 
     Raises:
         ConfigError: naming ``sampler.url``, what went wrong and the fix (start it with ``asyncgrpo serve``):
-            nothing answers there, or the server there belongs to another ``asyncgrpo train`` job on this machine
-            (`run.port_owner`; its trainer changes its weights).
+            nothing answers there, what answers is not an inference server, or the server there belongs to
+            another ``asyncgrpo train`` job on this machine (`run.port_owner`; its trainer changes its weights).
     """
     backend = getattr(cfg.sampler.backend, "value", cfg.sampler.backend)
     if backend != "external" or not cfg.sampler.url:
@@ -87,8 +95,8 @@ def check_external_sampler(cfg: Any, timeout_s: float | None = None) -> None:
                    "model/sampler/rollout overrides, and point sampler.url at it; or drop sampler.backend=external")
     problem = sampler_problem(str(cfg.sampler.url), wait)
     if problem:
-        raise _err("sampler.url", str(cfg.sampler.url), f"sampler.backend=external starts no server, and none "
-                   f"answers there ({problem})", "start it in another shell with `asyncgrpo serve` and the same "
+        raise _err("sampler.url", str(cfg.sampler.url), f"sampler.backend=external starts no server; {problem}",
+                   "start it in another shell with `asyncgrpo serve` and the same "
                    "model/sampler/rollout overrides (it prints the command it runs), then run this again; or fix "
                    "sampler.url")
 

@@ -4,6 +4,7 @@ stop grace, closed with a final state when the trainer could not), and the newes
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -138,11 +139,23 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
             head, sep, earlier = old.partition(f"\n\n{EARLIER_HEADER}\n")
             text = "\n".join([head, *lines]) + (f"{sep}{earlier}" if sep else "")
         else:  # a resume: the earlier attempts' summaries stay below this one
-            text = "\n".join([*lines, *(["", EARLIER_HEADER, old] if old else [])])
+            text = "\n".join([*lines, *(["", EARLIER_HEADER, _removed_marked(old, Path(output_dir))] if old else [])])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n", encoding="utf-8")
     except OSError:
         pass
+
+
+def _removed_marked(text: str, output_dir: Path) -> str:
+    """``text`` with ``(since removed)`` after each line that names a checkpoint folder no longer there (checkpoint
+    rotation deletes the old ones: an earlier attempt's ``resume with:`` would be refused)."""
+    out = []
+    for line in text.splitlines():
+        gone = [m for m in re.findall(r"[^\s=]*checkpoint-\d+", line)
+                if not (Path(m).is_dir() or (output_dir / Path(m).name).is_dir())]
+        out.append(f"{line}  ({', '.join(Path(m).name for m in gone)} since removed)"
+                   if gone and "since removed" not in line else line)
+    return "\n".join(out)
 
 
 EARLIER_HEADER = "--- an earlier attempt in this folder (a resume, or a run before it) ---"

@@ -129,11 +129,15 @@ def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, 
                               f"sampler.port={free_port(near=port + engines)}, or stop that process")
 
 
-def early_refusal(cfg: DictConfig) -> str | None:
+def early_refusal(cfg: DictConfig, whole_commands: bool = True) -> str | None:
     """What ``asyncgrpo train`` refuses without the model, the data or transformers, so it comes in a second
     (it came after the deep checks: 60-90 s on a loaded 2-core machine): another job in ``trainer.output_dir``,
     a busy ``sampler.port``, a folder that holds an earlier run, an unwritable folder, an external sampler that
     does not answer. Machine 0 only (the others share its folder and server).
+
+    ``whole_commands``: a used folder's fixes are whole ``asyncgrpo train`` commands (this command line with the
+    override added); false gives the override alone, for a command line with other problems (a trial pasted such a
+    command and got the same problems again).
 
     Returns:
         The message to print (with its ``config error:`` / ``error:`` label), or None when none applies.
@@ -151,7 +155,7 @@ def early_refusal(cfg: DictConfig) -> str | None:
     except ConfigError as exc:
         return f"config error: {exc}"
     typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
-    problem = start_problem(cfg.trainer, typed)
+    problem = start_problem(cfg.trainer, typed, None if whole_commands else [])
     if problem:
         return f"error: {problem}"
     try:
@@ -162,7 +166,7 @@ def early_refusal(cfg: DictConfig) -> str | None:
     return None
 
 
-def dry_run_refusals(cfg: DictConfig, running: bool) -> list[str]:
+def dry_run_refusals(cfg: DictConfig, running: bool, whole_commands: bool = True) -> list[str]:
     """What a real start would refuse before loading anything, as problems of a dry run's plan: a busy
     ``sampler.port`` (`check_server_port`) and a folder that holds an earlier run (`run.folder.start_problem`,
     named as the start names it). Machine 0 only (the others share its folder and server).
@@ -170,6 +174,7 @@ def dry_run_refusals(cfg: DictConfig, running: bool) -> list[str]:
     Args:
         cfg: the composed config.
         running: whether a server already answers at the sampler's URL.
+        whole_commands: as `early_refusal`'s (false when the plan has other problems).
 
     Returns:
         The problems, each one line (empty when none).
@@ -185,7 +190,7 @@ def dry_run_refusals(cfg: DictConfig, running: bool) -> list[str]:
     except ConfigError as exc:
         problems.append(str(exc))
     typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()  # as the user wrote it
-    problem = start_problem(cfg.trainer, typed)
+    problem = start_problem(cfg.trainer, typed, None if whole_commands else [])
     if problem:
         problems.append(problem)
     return problems

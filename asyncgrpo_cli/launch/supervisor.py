@@ -245,7 +245,8 @@ class Supervisor:
                 self.lock.release()
         self._print_failures()
         newest = self._newest_checkpoint() if self.lock is not None and rc not in (0, 2) else None
-        write_summary_file(self.plan.output_dir, [f"  error: {m}" for m, *_ in self._failures] + (
+        write_summary_file(self.plan.output_dir, [f"  {w}: {t}" for m, lines, _, known in self._failures for w, t in (
+            ("error", m), ("cause", failure_cause(lines) or known)) if t] + (
             [f"  resume with: {resume_command(newest)}"] if newest else []), append=True)
         if newest:  # every stop and failure path that left a complete checkpoint
             self.console.print(Text(f"resume with: {resume_command(newest)}", style="cyan"), soft_wrap=True)
@@ -697,7 +698,7 @@ def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: 
             console.print(Text(f"config error: {problem}", style="bold red"), soft_wrap=True)
         return 2
     plan.gpus.problems.extend(str(problem) for problem in refused)  # the row says "problem" already
-    plan.gpus.problems.extend(dry_run_refusals(cfg, running))  # as the dry run of a config without them shows
+    plan.gpus.problems.extend(dry_run_refusals(cfg, running, whole_commands=False))  # the overrides to add
     failed = frozenset(str(p.key) for p in refused)
     resolved = False
     if not failed & {"model.name", "model.gguf_file"}:  # the commands a start runs, as a plan without problems

@@ -667,7 +667,7 @@ def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
         assert text.index("- unknown key 'trainer.max_step'") < text.index("- unknown key 'rollout.tmperature'"), text
         assert "- rollout.top_p=7.0: must lie in (0, 1]" in text, (command, text)
         assert "- trainer.learning_rate=-1.0: must be a finite number >= 0" in text, (command, text)
-        assert "trainer.learning_rate=3e-05, its value without this override" in text, (command, text)
+        assert "Fix: trainer.learning_rate=3e-05 (its value without this override), or set" in text, (command, text)
         assert f"trainer.output_dir={used} already holds an earlier run" in text, (command, text)
 
 

@@ -165,7 +165,7 @@ def test_an_external_sampler_that_does_not_answer(world, tripwire, monkeypatch):
                            "no answer within 1 s: the address drops packets")
     with http_server(404) as url:
         refused_everywhere(world, tripwire, [*external, f"sampler.url={url}"], "sampler.url",
-                           "HTTP 404: not an inference server")
+                           "a server answers there but it is not an inference server (GET /health answered HTTP 404")
     with http_server(200) as url:
         for command in COMMANDS:
             assert cli(world, command, *external, f"sampler.url={url}").exit_code == 0

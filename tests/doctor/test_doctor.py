@@ -67,6 +67,42 @@ def test_doctor_unreachable_server(model_dir):
     assert "Start the server with:" in table.stdout and "Restart" not in table.stdout
 
 
+def test_doctor_without_a_server_shows_the_serve_command_with_the_same_overrides(tmp_path):
+    """A fresh-user trial: the fix said "start it with `asyncgrpo serve` (same overrides)", then "Start the server
+    with:" printed a raw ``python3 -m asyncgrpo_cli.sampler.embedded ...`` line. The first command shown is now
+    ``asyncgrpo serve`` with the overrides as typed; the raw command follows as "(it runs: ...)"."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["+recipe=smoke", f"sampler.port={port}", f"trainer.output_dir={tmp_path}"]
+    table = runner.invoke(app, ["doctor", *args])
+    assert table.exit_code == 1, table.output
+    after = table.stdout.split("Start the server with:", 1)[1].strip().splitlines()
+    assert after[0] == f"asyncgrpo serve +recipe=smoke sampler.port={port} trainer.output_dir={tmp_path}", after
+    assert after[1].startswith("(it runs: ") and "asyncgrpo_cli.sampler.embedded" in after[1]
+    assert f"--port {port}" in after[1]
+    code, report = doctor_json(*args)
+    assert code == 1 and report["serve_command"] == after[0] and "--port" in report["restart_command"]
+
+
+def test_the_serve_command_hides_secrets_and_starts_the_server_at_sampler_url():
+    from asyncgrpo_cli.doctor.report import hidden_shell_line, serve_line
+    from asyncgrpo_cli.server.command import ServerCommand
+
+    sampler = compose(["+recipe=smoke", "sampler.port=8000", "sampler.url=http://localhost:8139"]).sampler
+    line = serve_line(["+recipe=smoke", "sampler.port=8000", "sampler.url=http://localhost:8139", "x.hub_token=sekrit",
+                       "sampler.extra_args=[--api-key,sekrit]", "a b=c"], sampler=sampler)
+    assert "sekrit" not in line and "'x.hub_token=***'" in line and "'sampler.extra_args=[--api-key,***]'" in line
+    assert line.startswith("asyncgrpo serve +recipe=smoke sampler.port=8139 sampler.url=http://localhost:8139 ")
+    assert line.count("sampler.port=") == 1  # `serve` refuses a key given twice
+    assert line.endswith("'a b=c' sampler.host=localhost")
+    raw = ServerCommand(argv=["python3", "-m", "x", "--api-key", "sekrit", "--port", "8"],
+                        env={"HF_TOKEN": "sekrit", "A": "1"})
+    assert hidden_shell_line(raw) == "HF_TOKEN=*** A=1 python3 -m x --api-key '***' --port 8"
+
+
 def test_bare_doctor_without_a_server_suggests_a_recipe_not_the_same_overrides():
     """Issue #45: bare ``asyncgrpo doctor`` (no model, no server) said "start it with `asyncgrpo serve` (same
     overrides)", and bare ``asyncgrpo serve`` refuses for want of a model. It names +recipe=NAME instead."""

@@ -189,3 +189,19 @@ def test_a_resume_keeps_the_earlier_summaries_below_its_own(tmp_path):
     assert second.startswith("asyncgrpo train: summary (2)") and second.endswith("  error: stopped again"), second
     assert first.startswith("asyncgrpo train: summary (1)") and first.endswith("  error: the server died\n"), first
     assert "error" not in third
+
+
+def test_an_earlier_attempts_checkpoint_since_removed_is_marked(tmp_path):
+    """Checkpoint rotation deletes the checkpoint an earlier attempt's `resume with:` names (a trial ran it and was
+    refused): the kept summary says so; a checkpoint still there is left as it is."""
+    from asyncgrpo_cli.launch.job_files import write_summary_file
+
+    (tmp_path / "checkpoint-8").mkdir()
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (1)"])
+    gone = f"trainer.resume_from_checkpoint={tmp_path}/checkpoint-2"
+    write_summary_file(tmp_path, ["  error: the server died", "  cause: the server got SIGKILL from outside this job",
+                                  f"  resume with: asyncgrpo train {gone}"], append=True)
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (2)", f"  checkpoint   {tmp_path}/checkpoint-8"])
+    text = (tmp_path / "logs" / "summary.txt").read_text()
+    assert f"resume_from_checkpoint={tmp_path}/checkpoint-2  (checkpoint-2 since removed)\n" in text, text
+    assert f"checkpoint   {tmp_path}/checkpoint-8\n" in text and "cause: the server got SIGKILL" in text, text

@@ -128,8 +128,8 @@ def test_a_refusal_of_an_overridden_key_also_offers_the_recipes_value(tmp_path):
         result = CliRunner().invoke(app, [*args, "+recipe=smoke", "trainer.learning_rate=-1", port,
                                           f"trainer.output_dir={out}"])
         assert result.exit_code == 2, result.output
-        assert ("trainer.learning_rate=-1.0: must be a finite number >= 0. Fix: set trainer.learning_rate=1e-6; or "
-                "trainer.learning_rate=3e-05, its value without this override") in result.output, result.output
+        assert ("trainer.learning_rate=-1.0: must be a finite number >= 0. Fix: trainer.learning_rate=3e-05 (its "
+                "value without this override), or set trainer.learning_rate=1e-6") in result.output, result.output
         if args[0] == "train":  # the row's label says "problem", with no "config error:" after it
             assert "problem    trainer.learning_rate=-1.0: must" in result.output, result.output
             # the commands a start runs, as in a plan without problems: the exported folder, not the package
@@ -138,11 +138,11 @@ def test_a_refusal_of_an_overridden_key_also_offers_the_recipes_value(tmp_path):
     from asyncgrpo_cli.config.compose import compose
     from asyncgrpo_cli.config.rules import ConfigError
 
-    with pytest.raises(ConfigError, match=r"; or rollout.num_generations=4, its value without this override$"):
+    with pytest.raises(ConfigError, match=r"Fix: rollout.num_generations=4 \(its value without this override\), or "):
         compose(["+recipe=smoke", "rollout.num_generations=1"])
     with pytest.raises(ConfigError) as info:  # no recipe: the value without the override is the default (8)
         compose(["rollout.num_generations=1"])
-    assert "rollout.num_generations=8, its value" in str(info.value)
+    assert "rollout.num_generations=8 (its value" in str(info.value)
     assert not out.exists()
 
 
