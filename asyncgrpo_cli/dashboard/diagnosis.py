@@ -395,34 +395,81 @@ def diagnose(history: MetricsHistory, settings: RunSettings = RunSettings(),
     return _shown(best, limit)
 
 
+def _family(rule: str) -> str:
+    """The finding a rule belongs to when counting holds: an idle trainer is one finding whether a window names its
+    cause or not."""
+    return "idle" if rule.startswith("trainer_idle") or rule == "generation_bound" else rule
+
+
+def _words(d: Diagnosis) -> str:
+    """A finding in words, as the settling line names it: its text up to the first ``(`` or ``;``."""
+    return re.split(r"[(;]", d.text, maxsplit=1)[0].strip() or d.rule  # its words, not its rule id
+
+
+def _span(rows: list[dict[str, Any]], first: int, last: int) -> str:
+    """``steps 4-6`` for the windows ``rows[first..last]``; when a step is not logged, ``the last N windows`` (they
+    end with the newest) or ``N windows``."""
+    a, b = num(rows[first], "step"), num(rows[last], "step")
+    if a is not None and b is not None:
+        return f"steps {a:.0f}-{b:.0f}"
+    return f"{'the last ' if last == len(rows) - 1 else ''}{last - first + 1} windows"
+
+
+def _forgot_windows(history: MetricsHistory) -> bool:
+    """Whether ``history`` is full, so it may have forgotten the run's first windows."""
+    maxlen = getattr(getattr(history, "_rows", None), "maxlen", None)
+    return maxlen is not None and len(history) >= maxlen
+
+
 def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSettings(),
                      th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis:
     """The dashboard's line: `diagnose` of the newest window when it is ok; otherwise the most severe warning
     (info and above) found in each of the newest ``th.hold_windows`` windows, each finding counted on its own
     (one that held while a worse one came and went is shown; an idle trainer holds with or without its cause named
-    in each window), its text then ending with the steps it held over (``held over steps 4-6``). Until one has
-    held, the line says that no finding has held yet, naming the newest one, with severity ok."""
-    def _family(rule: str) -> str:  # an idle trainer is one finding whether a window names its cause or not
-        return "idle" if rule.startswith("trainer_idle") or rule == "generation_bound" else rule
+    in each window), its text then ending with the steps it held over (``held over steps 4-6``).
+
+    While none holds, the line (severity ok) names the newest finding and says that no finding has held: ``no steady
+    finding yet (newest: ...)`` while none has held in the kept windows of the run, and once one has, ``no steady
+    finding now (the last one held over steps 4-7: <its words>; newest: ...)``, the steps being the whole run of
+    windows that found it. A full `MetricsHistory` may have forgotten a finding that held early in the run: its line
+    says ``now`` without naming one."""
     current = diagnose(history, settings, th)
     if current.severity == OK or th.hold_windows <= 1:
         return current
     rows = history.rows
     hold = th.hold_windows
-    steps = [num(r, "step") for r in rows[-hold:]]
-    if len(rows) >= hold:
-        found, limit = _findings(history, settings, th)
-        held = {_family(d.rule) for d in found if d.severity != OK}
-        for back in range(1, hold):
+    findings: dict[int, tuple[list[Diagnosis], Diagnosis | None]] = {}  # `_findings` of the windows up to each
+
+    def found_up_to(end: int) -> tuple[list[Diagnosis], Diagnosis | None]:
+        if end not in findings:
             past = MetricsHistory(maxlen=len(rows))
-            for r in rows[:-back]:
+            for r in rows[:end + 1]:
                 past.push(r)
-            held &= {_family(d.rule) for d in _findings(past, settings, th)[0] if d.severity != OK}
-        steady = [d for d in found if _family(d.rule) in held]
-        if steady:
-            best = _shown(max(steady, key=lambda d: d.rank), limit)
-            span = (f"steps {steps[0]:.0f}-{steps[-1]:.0f}" if steps[0] is not None and steps[-1] is not None
-                    else f"the last {hold} windows")
-            return Diagnosis(best.rule, f"{best.text} (held over {span})", best.severity)
-    newest = re.split(r"[(;]", current.text, maxsplit=1)[0].strip() or current.rule  # its words, not its rule id
-    return Diagnosis("settling", f"no steady finding yet (newest: {newest}; shown once it holds over {hold} windows)", OK)
+            findings[end] = _findings(past, settings, th)
+        return findings[end]
+
+    def families(end: int) -> set[str]:
+        return {_family(d.rule) for d in found_up_to(end)[0] if d.severity != OK}
+
+    def held(end: int) -> list[Diagnosis]:  # the warnings of window ``end`` that held over the ``hold`` up to it
+        fams = families(end)
+        for back in range(1, hold):
+            fams &= families(end - back)
+        return [d for d in findings[end][0] if _family(d.rule) in fams]
+
+    last = len(rows) - 1
+    if len(rows) >= hold and (steady := held(last)):
+        best = _shown(max(steady, key=lambda d: d.rank), findings[last][1])
+        return Diagnosis(best.rule, f"{best.text} (held over {_span(rows, last - hold + 1, last)})", best.severity)
+    tail = f"newest: {_words(current)}; shown once it holds over {hold} windows"
+    for end in range(last - 1, hold - 2, -1):  # the newest earlier window where a finding had held
+        if steady := held(end):
+            best = max(steady, key=lambda d: d.rank)
+            first = end - hold + 1
+            while first > 0 and _family(best.rule) in families(first - 1):
+                first -= 1
+            return Diagnosis("settling", f"no steady finding now (the last one held over {_span(rows, first, end)}: "
+                             f"{_words(best)}; {tail})", OK)
+    if _forgot_windows(history):
+        return Diagnosis("settling", f"no steady finding now ({tail})", OK)
+    return Diagnosis("settling", f"no steady finding yet ({tail})", OK)

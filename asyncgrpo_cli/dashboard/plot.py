@@ -154,18 +154,34 @@ def reward_curves(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[li
     return curves
 
 
+def _agree(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]]) -> bool:
+    """Whether ``a`` and ``b`` have the same value at every step where both have one, and share at least one
+    such step (a step where either has no value says nothing against folding them)."""
+    both = [(x, y) for x, y in zip(a[1], b[1]) if not math.isnan(x) and not math.isnan(y)]
+    return a[0] == b[0] and bool(both) and all(x == y for x, y in both)
+
+
+def _union(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
+    """The points of ``a`` and ``b`` together (they `_agree`): ``a``'s value where it has one, else ``b``'s."""
+    return a[0], [y if math.isnan(x) else x for x, y in zip(a[1], b[1])]
+
+
 def fold_identical(curves: list[tuple[str, tuple[list[float], list[float]]]]
                    ) -> list[tuple[str, tuple[list[float], list[float]]]]:
-    """One curve per distinct series: curves with the same values at every step (``sample/trained_frac_short``,
-    ``_medium`` and ``_long`` are all 1.0 while nothing goes stale) are drawn once, labelled ``a = b = c``,
-    instead of as lines hidden under each other."""
+    """One curve per distinct series: curves with the same values at every step where both have one
+    (``sample/trained_frac_short``, ``_medium`` and ``_long`` are all 1.0 while nothing goes stale, each logged
+    only in windows where a completion of its length had its verdict) are drawn once, as the union of their
+    points, labelled ``a = b = c``, instead of as lines hidden under each other. Curves fold only when they share
+    at least one step with a value; a curve joins a fold when it agrees with the fold's union of points, so the
+    drawn line holds every member's values."""
     folded: list[tuple[list[str], tuple[list[float], list[float]]]] = []
     for label, series in curves:
-        twin = next((f for f in folded if f[1][0] == series[0] and _same(f[1], series)), None)
-        if twin is None:
+        i = next((i for i, f in enumerate(folded) if _agree(f[1], series)), None)
+        if i is None:
             folded.append(([label], series))
         else:
-            twin[0].append(label)
+            labels, union = folded[i]
+            folded[i] = ([*labels, label], _union(union, series))
     return [(" = ".join(labels), series) for labels, series in folded]
 
 

@@ -542,6 +542,40 @@ def test_an_idle_trainer_holds_while_its_cause_flickers():
     assert steady_diagnosis(history_of(plain, ceiling, plain), VLLM).rule == "generation_bound"
 
 
+def test_the_settling_line_says_yet_only_until_a_finding_has_held():
+    """Fresh-user trial: after a finding had held over earlier steps and stopped holding, the line said "no steady
+    finding yet"; once one has held it says "now" and names the last one and the steps it held over."""
+    healthy = {"perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 0.0, "perf/step_s": 1.0,
+               "frac_reward_zero_std": 0.1, "completions/duplicate_frac": 0.0}
+    mix = {**healthy, "frac_reward_zero_std": 0.7, "reward": 0.5, "reward_dropped": 0.5}
+    copies = {**healthy, "completions/duplicate_frac": 0.86}
+    newest = diagnose(history_of(copies), SETTINGS).text.split("(")[0].split(";")[0].strip()
+    tail = f"; newest: {newest}; shown once it holds over 3 windows)"
+    # nothing has held yet
+    assert steady_diagnosis(history_of(mix, copies, mix, copies), SETTINGS).text.startswith("no steady finding yet (")
+    # "mix" held over steps 2-4, then a new finding has not held yet
+    d = steady_diagnosis(history_of(healthy, mix, mix, mix, copies), SETTINGS)
+    assert d.rule == "settling" and d.severity == OK
+    assert d.text.startswith("no steady finding now (the last one held over steps 2-4: mix: in 70% of groups"), d.text
+    assert d.text.endswith(tail), d.text
+    # the steps are every window that found it, not only the three that made it hold
+    d = steady_diagnosis(history_of(mix, mix, mix, mix, copies, mix, copies), SETTINGS)
+    assert d.text.startswith("no steady finding now (the last one held over steps 1-4: mix:"), d.text
+    # an ok window between them changes nothing
+    d = steady_diagnosis(history_of(mix, mix, mix, healthy, copies), SETTINGS)
+    assert d.text.startswith("no steady finding now (the last one held over steps 1-3: mix:"), d.text
+    # without steps: counted in windows
+    h = MetricsHistory()
+    for w in (mix, mix, mix, copies):
+        h.push(w)
+    assert steady_diagnosis(h, SETTINGS).text.startswith("no steady finding now (the last one held over 3 windows: ")
+    # a full history may have forgotten a finding that held early in the run: "now", naming none
+    h = MetricsHistory(maxlen=4)
+    for i, w in enumerate((mix, mix, mix, copies, mix, copies), start=1):
+        h.push({"step": i, **w})
+    assert steady_diagnosis(h, SETTINGS).text == "no steady finding now (" + tail[2:]
+
+
 def test_the_settling_line_names_the_newest_finding_in_words():
     """Fresh-user trial: 'no steady finding yet (newest: limit resource; ...)' named a rule id nobody had seen."""
     d = steady_diagnosis(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2})), VLLM)

@@ -474,6 +474,40 @@ def test_curves_with_the_same_values_are_drawn_once_with_every_name():
                                              "sample/trained_frac_long"]
 
 
+def test_curves_with_gaps_that_agree_where_both_have_values_are_drawn_once_over_all_their_points():
+    """Fresh-user trial: the trained shares by length were all 1.0 wherever they had values, but some steps had no
+    value for some of them (no completion of that length had its verdict), and the panel drew three lines on top of
+    each other. They fold into one line through the union of their points; a gap says nothing against folding."""
+    import math
+
+    from asyncgrpo_cli.dashboard.plot import curve_panels, fold_identical
+
+    def panel(rows):
+        return next(curves for title, _, curves in curve_panels(rows) if title == "stale drops by length")
+
+    rows = [{"step": s, "sample/dropped_stale_token_frac": 0.0} for s in (1, 2, 3, 4)]
+    for s, name in ((1, "short"), (2, "short"), (4, "short"), (1, "medium"), (3, "medium"), (3, "long"),
+                    (4, "long")):
+        rows[s - 1][f"sample/trained_frac_{name}"] = 1.0
+    curves = panel(rows)
+    assert [label for label, _ in curves] == [
+        "sample/dropped_stale_token_frac",
+        "sample/trained_frac_short = sample/trained_frac_medium = sample/trained_frac_long"]
+    assert curves[1][1] == ([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0])  # the union of the three curves' points
+    rows[3]["sample/trained_frac_long"] = 0.5  # long completions dropped at step 4, where short ones logged 1.0
+    assert [label for label, _ in panel(rows)] == ["sample/dropped_stale_token_frac",
+                                                   "sample/trained_frac_short = sample/trained_frac_medium",
+                                                   "sample/trained_frac_long"]
+    nan = math.nan
+    # No step where both have a value: nothing says they are the same curve.
+    a, b = ([1, 2], [1.0, nan]), ([1, 2], [nan, 1.0])
+    assert [label for label, _ in fold_identical([("a", a), ("b", b)])] == ["a", "b"]
+    # c agrees with a (step 1) but not with the fold a = b (b has 0.5 at step 2): c is its own line.
+    a, b, c = ([1, 2], [1.0, nan]), ([1, 2], [1.0, 0.5]), ([1, 2], [1.0, 1.0])
+    folded = fold_identical([("a", a), ("b", b), ("c", c)])
+    assert [label for label, _ in folded] == ["a = b", "c"] and folded[0][1] == ([1, 2], [1.0, 0.5])
+
+
 def test_a_silent_server_and_a_stopped_server_process_show_in_the_panels():
     """status.json's server_status (here a hung server's) is a red row of the panels, full and compact; the
     supervisor's process table marks a server stopped with SIGSTOP."""
