@@ -66,7 +66,7 @@ def test_server_killed_during_a_sync_the_trainer_saves_the_step_and_the_run_fail
     assert final["outcome"] == "failed"
     summary = (out / "logs" / "summary.txt").read_text()  # kept with the run: the error and how to resume
     assert "  error: the server" in summary and f"trainer.resume_from_checkpoint={checkpoint}" in summary, summary
-    assert "\n  cause: the server got SIGKILL from outside this job\n" in summary, summary  # as the console said
+    assert "\n  cause: the server got SIGKILL from outside this job" in summary, summary  # as the console said
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "its weight sync was abandoned by the stop" in trainer_log, trainer_log[-4000:]
     assert "CalledProcessError" not in trainer_log  # the launcher's report of the stop is cut (second trial)
