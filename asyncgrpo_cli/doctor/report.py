@@ -80,8 +80,9 @@ def run_doctor(cfg: DictConfig, as_json: bool = False, facts: ServerFacts | None
 
 
 def serve_line(serve_args: Sequence[str], *, sampler: Any) -> str:
-    """The ``asyncgrpo serve`` line that starts the server doctor looked for: the user's own arguments as typed
-    (shell-quoted, secret values hidden: `run.redact.redact_argv`), plus ``sampler.host``/``sampler.port``
+    """The ``asyncgrpo serve`` line that starts the server doctor looked for, after this shell's `USER_ENV`
+    settings (``ASYNCGRPO_CACHE=...``: a fresh shell would look for the model elsewhere): the user's own arguments
+    as typed (shell-quoted, secret values hidden: `run.redact.redact_argv`), plus ``sampler.host``/``sampler.port``
     from ``sampler.url`` when it names another address (``serve`` starts a vLLM or embedded server at
     ``sampler.host:sampler.port``; an external one is looked for at ``sampler.url`` already).
 
@@ -100,7 +101,9 @@ def serve_line(serve_args: Sequence[str], *, sampler: Any) -> str:
             _set_override(args, "sampler.host", parts.hostname)
         if port and port != int(sampler.port):
             _set_override(args, "sampler.port", str(port))
-    return " ".join(["asyncgrpo", "serve", *(shlex.quote(_hide_in_list(a)) for a in redact_argv(args))])
+    from ..run.folder import env_words  # ASYNCGRPO_CACHE=... as this shell has it, as `resume with:` lines do
+
+    return " ".join([*env_words(), "asyncgrpo", "serve", *(shlex.quote(_hide_in_list(a)) for a in redact_argv(args))])
 
 
 def _set_override(args: list[str], key: str, value: str) -> None:

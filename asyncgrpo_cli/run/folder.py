@@ -32,7 +32,7 @@ cache, the math-verify worker count, the Gated DeltaNet kernel): a printed comma
 sets those this process had, so it runs as this one did (not secrets: nothing else of the environment is printed)."""
 
 
-def _env_words(environ: dict[str, str] | None = None) -> list[str]:
+def env_words(environ: dict[str, str] | None = None) -> list[str]:
     """``NAME=value`` (value shell-quoted) for every `USER_ENV` setting in ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
     return [f"{name}={shlex.quote(env[name])}" for name in USER_ENV if env.get(name)]
@@ -41,7 +41,7 @@ def _env_words(environ: dict[str, str] | None = None) -> list[str]:
 def _command(words: list[str], environ: dict[str, str] | None = None) -> str:
     """``words`` as one shell line, after the `USER_ENV` settings of ``environ`` (``NAME=value`` stays an
     assignment: only its value is quoted)."""
-    return " ".join([*_env_words(environ), shlex.join(words)])
+    return " ".join([*env_words(environ), shlex.join(words)])
 
 
 NOT_REPEATED = ("--dry-run", "--check", "--doc")

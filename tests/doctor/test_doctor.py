@@ -67,12 +67,16 @@ def test_doctor_unreachable_server(model_dir):
     assert "Start the server with:" in table.stdout and "Restart" not in table.stdout
 
 
-def test_doctor_without_a_server_shows_the_serve_command_with_the_same_overrides(tmp_path):
+def test_doctor_without_a_server_shows_the_serve_command_with_the_same_overrides(tmp_path, monkeypatch):
     """A fresh-user trial: the fix said "start it with `asyncgrpo serve` (same overrides)", then "Start the server
     with:" printed a raw ``python3 -m asyncgrpo_cli.sampler.embedded ...`` line. The first command shown is now
     ``asyncgrpo serve`` with the overrides as typed; the raw command follows as "(it runs: ...)"."""
     import socket
 
+    from asyncgrpo_cli.run.folder import USER_ENV
+
+    for name in USER_ENV:  # set here, they would lead the line (the next test)
+        monkeypatch.delenv(name, raising=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -87,9 +91,17 @@ def test_doctor_without_a_server_shows_the_serve_command_with_the_same_overrides
     assert code == 1 and report["serve_command"] == after[0] and "--port" in report["restart_command"]
 
 
-def test_the_serve_command_hides_secrets_and_starts_the_server_at_sampler_url():
+def test_the_serve_command_hides_secrets_and_starts_the_server_at_sampler_url(monkeypatch):
     from asyncgrpo_cli.doctor.report import hidden_shell_line, serve_line
+    from asyncgrpo_cli.run.folder import USER_ENV
     from asyncgrpo_cli.server.command import ServerCommand
+
+    for name in USER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ASYNCGRPO_CACHE", "/tmp/a cache")  # a second trial: a fresh shell would miss the model
+    sampler0 = compose(["+recipe=smoke"]).sampler
+    assert serve_line(["+recipe=smoke"], sampler=sampler0) == "ASYNCGRPO_CACHE='/tmp/a cache' asyncgrpo serve +recipe=smoke"
+    monkeypatch.delenv("ASYNCGRPO_CACHE")
 
     sampler = compose(["+recipe=smoke", "sampler.port=8000", "sampler.url=http://localhost:8139"]).sampler
     line = serve_line(["+recipe=smoke", "sampler.port=8000", "sampler.url=http://localhost:8139", "x.hub_token=sekrit",
