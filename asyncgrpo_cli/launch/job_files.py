@@ -149,11 +149,13 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
 def _removed_marked(text: str, output_dir: Path) -> str:
     """``text`` with ``(since removed)`` after each line that names a checkpoint folder no longer there (checkpoint
     rotation deletes the old ones: an earlier attempt's ``resume with:`` would be refused)."""
+    newest = newest_checkpoint(output_dir)
+    instead = f"; the newest is {Path(newest).name}: trainer.resume_from_checkpoint=true" if newest else ""
     out = []
     for line in text.splitlines():
         gone = [m for m in re.findall(r"[^\s=]*checkpoint-\d+", line)
                 if not (Path(m).is_dir() or (output_dir / Path(m).name).is_dir())]
-        out.append(f"{line}  ({', '.join(Path(m).name for m in gone)} since removed)"
+        out.append(f"{line}  ({', '.join(Path(m).name for m in gone)} since removed{instead})"
                    if gone and "since removed" not in line else line)
     return "\n".join(out)
 

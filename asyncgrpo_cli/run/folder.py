@@ -168,8 +168,15 @@ def start_problem(trainer: Any, output_dir: Path, argv: list[str] | None = None)
 
 def _fix(what: str, command: str | None, overrides: str) -> str:
     """One fix of `start_problem`: ``what`` then the whole command alone on the next line, ready to paste;
-    ``what with: overrides`` on one line when there is no command (the Python API)."""
-    return f"{what}:\n    {command}" if command else f"{what} with: {overrides}"
+    ``what with: overrides`` on one line when there is no command (the Python API, or a command line with other
+    problems), saying that each replaces a value of its key already given (a second trial added
+    ``trainer.max_steps=16`` beside its own and was refused for a key given twice)."""
+    if command:
+        return f"{what}:\n    {command}"
+    keys = [o.split("=", 1)[0] for o in overrides.split()]
+    note = (f"it replaces your own {keys[0]}=..., if any" if len(keys) == 1
+            else "each replaces your own value of its key, if any")
+    return f"{what} with: {overrides} ({note})"
 
 
 def how_it_ended(output_dir: Path, checkpoint: Path) -> tuple[str, int | None]:

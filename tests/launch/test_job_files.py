@@ -191,7 +191,7 @@ def test_a_resume_keeps_the_earlier_summaries_below_its_own(tmp_path):
     assert "error" not in third
 
 
-def test_an_earlier_attempts_checkpoint_since_removed_is_marked(tmp_path):
+def test_an_earlier_attempts_checkpoint_since_removed_is_marked(tmp_path, monkeypatch):
     """Checkpoint rotation deletes the checkpoint an earlier attempt's `resume with:` names (a trial ran it and was
     refused): the kept summary says so; a checkpoint still there is left as it is."""
     from asyncgrpo_cli.launch.job_files import write_summary_file
@@ -203,5 +203,14 @@ def test_an_earlier_attempts_checkpoint_since_removed_is_marked(tmp_path):
                                   f"  resume with: asyncgrpo train {gone}"], append=True)
     write_summary_file(tmp_path, ["asyncgrpo train: summary (2)", f"  checkpoint   {tmp_path}/checkpoint-8"])
     text = (tmp_path / "logs" / "summary.txt").read_text()
-    assert f"resume_from_checkpoint={tmp_path}/checkpoint-2  (checkpoint-2 since removed)\n" in text, text
+    assert f"resume_from_checkpoint={tmp_path}/checkpoint-2  (checkpoint-2 since removed)\n" in text, text  # no
+    import asyncgrpo_cli.launch.job_files as job_files  # complete checkpoint is left: nothing to point to
+
+    monkeypatch.setattr(job_files, "newest_checkpoint", lambda out: str(tmp_path / "checkpoint-8"))
+    write_summary_file(tmp_path, ["  error: stopped", f"  resume with: asyncgrpo train {gone[:-1]}3"], append=True)
+    write_summary_file(tmp_path, ["asyncgrpo train: summary (3)"])
+    text = (tmp_path / "logs" / "summary.txt").read_text()
+    assert "checkpoint-3  (checkpoint-3 since removed; the newest is checkpoint-8: trainer.resume_from_checkpoint=" \
+           "true)\n" in text, text
+    assert text.count("since removed") == 2  # a line marked before is not marked again
     assert f"checkpoint   {tmp_path}/checkpoint-8\n" in text and "cause: the server got SIGKILL" in text, text
