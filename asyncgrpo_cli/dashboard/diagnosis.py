@@ -457,17 +457,22 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
             fams &= families(end - back)
         return [d for d in findings[end][0] if _family(d.rule) in fams]
 
+    def start(rule: str, end: int) -> int:  # the first of the run of windows up to ``end`` that found ``rule``
+        first = end - hold + 1
+        while first > 0 and _family(rule) in families(first - 1):
+            first -= 1
+        return first
+
     last = len(rows) - 1
-    if len(rows) >= hold and (steady := held(last)):
+    if len(rows) >= hold and (steady := held(last)):  # the whole run it held over, as the line after it says
         best = _shown(max(steady, key=lambda d: d.rank), findings[last][1])
-        return Diagnosis(best.rule, f"{best.text} (held over {_span(rows, last - hold + 1, last)})", best.severity)
+        return Diagnosis(best.rule, f"{best.text} (held over {_span(rows, start(best.rule, last), last)})",
+                         best.severity)
     tail = f"newest: {_words(current)}; shown once it holds over {hold} windows"
     for end in range(last - 1, hold - 2, -1):  # the newest earlier window where a finding had held
         if steady := held(end):
             best = max(steady, key=lambda d: d.rank)
-            first = end - hold + 1
-            while first > 0 and _family(best.rule) in families(first - 1):
-                first -= 1
+            first = start(best.rule, end)
             return Diagnosis("settling", f"no steady finding now (the last one held over {_span(rows, first, end)}: "
                              f"{_words(best)}; {tail})", OK)
     if _forgot_windows(history):
