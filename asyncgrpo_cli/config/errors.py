@@ -72,21 +72,29 @@ class Collector:
         warnings: notes a caller may add (returned, not raised).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, first_per_key: bool = False) -> None:
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
+        self.first_per_key = first_per_key
+
+    def add(self, error: ConfigError) -> None:
+        """Keep ``error``; with ``first_per_key``, not when a problem of its key is kept already (two passes that
+        check one field name it once)."""
+        if not (self.first_per_key and error.key is not None and any(e.key == error.key for e in self.errors)):
+            self.errors.append(error)
 
     def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``check(*args, **kwargs)``; its `ConfigError` / `ConfigErrors` / `ConfigTypeError` are kept, not raised.
-        Returns what the check returned, or None when it raised one of them."""
+        """``check(*args, **kwargs)``; its `ConfigError` / `ConfigErrors` / `ConfigTypeError` are kept (`add`), not
+        raised. Returns what the check returned, or None when it raised one of them."""
         try:
             return check(*args, **kwargs)
         except ConfigErrors as exc:
-            self.errors.extend(exc.errors)
+            for error in exc.errors:
+                self.add(error)
         except ConfigError as exc:
-            self.errors.append(exc)
+            self.add(exc)
         except ConfigTypeError as exc:
-            self.errors.append(ConfigError(str(exc), key=exc.key))
+            self.add(ConfigError(str(exc), key=exc.key))
         return None
 
     def raise_if_any(self) -> None:

@@ -216,7 +216,7 @@ class AsyncGRPOConfig(TrainingArguments):
                               "transformers' default, trainer_output)", key="output_dir")
         from .errors import Collector
 
-        found = Collector()  # both passes' problems come out in one try, the first of each key
+        found = Collector(first_per_key=True)  # both passes' problems come out in one try
         found.run(check_training_arguments, {f.name: getattr(self, f.name) for f in fields(self) if f.init})
 
         if self.bf16 is None:
@@ -233,8 +233,6 @@ class AsyncGRPOConfig(TrainingArguments):
         except Exception:  # a value the first pass refused broke a rule's arithmetic: its problem is the answer
             if not found.errors:
                 raise
-        seen: set[str | None] = set()
-        found.errors = [e for e in found.errors if e.key is None or not (e.key in seen or seen.add(e.key))]
         found.raise_if_any()
         super().__post_init__()
 

@@ -15,7 +15,6 @@ MAX_OVERRIDE_ERRORS = 20
 """At most this many faulty overrides are named in one try (each costs one more compose, ~50 ms)."""
 
 
-
 def _override_at_fault(exc: Exception, overrides: list[str]) -> int | None:
     """The index of the override a Hydra/OmegaConf error is about (an unknown key, a value of the wrong type, a
     group's missing option), or None when it names none of them (a recipe's key, a missing recipe, a parse

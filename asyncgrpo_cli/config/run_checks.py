@@ -44,7 +44,7 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
     Raises:
         ConfigErrors: every problem found (model, lengths, TrainingArguments, imports, dataset, rewards).
     """
-    c = _Collector()
+    c = _Collector(first_per_key=True)  # a key two checks refuse is named once, by the first
     trainer_values = {k: v for k, v in cfg.trainer.items()}
     if command == "train":
         c.run(check_training_arguments, trainer_values, lambda n: f"trainer.{n}")
@@ -81,8 +81,8 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
     if not c.errors:
         c.run(check_training_args_build, cfg)
     else:  # the build would stop at those problems: its enum-valued fields are checked all the same
-        named = {e.key for e in c.errors}
-        c.errors += [e for e in _enum_refusals(cfg) if e.key not in named]
+        for error in _enum_refusals(cfg):
+            c.add(error)
     c.run(check_output_dir, cfg.trainer.get("output_dir"))
     c.run(check_flash_kernel, cfg.packing.attention)
     if probe:

@@ -133,6 +133,8 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
         command = train_command([])
         lines = [*lines, f"  {'written':<21} {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
                  *([f"  {'command':<21} {command}"] if command else [])]
+    from ..run.state import write_text_atomic
+
     try:
         old = path.read_text(encoding="utf-8", errors="replace").rstrip("\n") if path.is_file() else ""
         if append:  # this attempt's lines go before the earlier attempts' summaries
@@ -140,8 +142,7 @@ def write_summary_file(output_dir: str | Path, lines: list[str], append: bool = 
             text = "\n".join([head, *lines]) + (f"{sep}{earlier}" if sep else "")
         else:  # a resume: the earlier attempts' summaries stay below this one
             text = "\n".join([*lines, *(["", EARLIER_HEADER, _removed_marked(old, Path(output_dir))] if old else [])])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n", encoding="utf-8")
+        write_text_atomic(path, text + "\n")  # it holds the earlier attempts too: never half-written
     except OSError:
         pass
 

@@ -18,12 +18,22 @@ ROLLOUT_STATE_NAME = "rollout_state.json"
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    write_text_atomic(path, json.dumps(data, indent=1, default=_jsonable))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in its folder and ``os.replace``: a reader, or a
+    process killed mid-write, sees the old file or the new one, never half of it.
+
+    Raises:
+        OSError: the folder cannot be made or written (the temporary file is removed).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=_jsonable)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

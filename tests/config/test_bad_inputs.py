@@ -684,3 +684,28 @@ def test_the_python_api_names_training_argument_and_grpo_problems_together():
     with pytest.raises(ConfigError) as one:
         AsyncGRPOConfig(output_dir="/tmp/x", learning_rate=-1.0)
     assert not isinstance(one.value, ConfigErrors) and one.value.key == "learning_rate"
+
+
+def test_a_collector_of_first_problems_names_each_key_once():
+    """`errors.Collector(first_per_key=True)`: two passes that check one field (TrainingArguments' rules, then the
+    GRPO ones; the deep pass's checks) name it once, by the first problem found; a plain one keeps every problem."""
+    from asyncgrpo_cli.config.errors import Collector
+    from asyncgrpo_cli.config.rules import ConfigErrors
+
+    def refuse(*errors):
+        raise ConfigErrors(list(errors)) if len(errors) > 1 else errors[0]
+
+    a1, a2, b = ConfigError("a: first", key="a"), ConfigError("a: second", key="a"), ConfigError("b", key="b")
+    first = Collector(first_per_key=True)
+    first.run(refuse, a1)
+    first.run(refuse, a2, b)
+    first.add(ConfigError("no key"))
+    first.add(ConfigError("no key again"))  # problems without a key are all kept
+    assert [str(e) for e in first.errors] == ["a: first", "b", "no key", "no key again"]
+    every = Collector()
+    every.run(refuse, a1)
+    every.run(refuse, a2, b)
+    assert [str(e) for e in every.errors] == ["a: first", "a: second", "b"]
+    with pytest.raises(ConfigErrors) as err:
+        first.raise_if_any()
+    assert err.value.keys == ["a", "b", None, None]
