@@ -162,10 +162,6 @@ def check_cli_eval(cfg: Any, imported: Any = None) -> None:
     check_eval_dataset(ds, funcs, key, lambda i: f"rewards[{i}].func (on {key})", paths)
 
 
-_ENUM_KEYS = {"SchedulerType": "lr_scheduler_type", "OptimizerNames": "optim", "SaveStrategy": "save_strategy",
-              "IntervalStrategy": "eval_strategy", "HubStrategy": "hub_strategy", "FSDPOption": "fsdp"}
-
-
 #: How many of the values a transformers refusal lists are shown (the closest to the value given).
 LISTED_SHOWN = 8
 
@@ -181,6 +177,11 @@ _ENUM_FIELDS = {"lr_scheduler_type": "SchedulerType", "optim": "OptimizerNames",
                 "hub_strategy": "HubStrategy"}
 """`TrainingArguments` fields whose value must be one of a transformers enum's (checked all at once, before the build
 stops at the first)."""
+
+_ENUM_KEYS = {**{enum: name for name, enum in reversed(_ENUM_FIELDS.items())}, "FSDPOption": "fsdp"}
+"""The field a transformers refusal ("... is not a valid <enum>") names, by its enum: `_ENUM_FIELDS` turned round
+(the first field of a shared enum: ``eval_strategy`` for ``IntervalStrategy``), and ``fsdp`` (a list of options,
+not one value, so not checked by `_enum_refusals`)."""
 
 
 def _enum_refusals(cfg: Any) -> list[ConfigError]:
