@@ -40,6 +40,20 @@ ASYNC_GRPO_FIELDS = (
 )
 
 
+def _resolve_checkpointing_aliases(args: Any) -> None:
+    """Resolve ``gradient_checkpointing(_kwargs)`` into ``activation_checkpointing(_kwargs)`` as transformers 5.2x
+    does (the old name counts only where the new one is unset; then the old mirrors the new), whatever the installed
+    transformers: before it, ``TrainingArguments`` had only the old names, and ``gradient_checkpointing=True`` left
+    the new name unset (no checkpointing at all; the trainer reads the new names). Both unset: on (SPEC §16.4)."""
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
+        setattr(args, old, getattr(args, new))
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = args.gradient_checkpointing = True  # SPEC §16.4
+
+
 @dataclass
 class AsyncGRPOConfig(TrainingArguments):
     """Training arguments of the asynchronous GRPO trainer (SPEC §16.2; defaults of §16.4).
@@ -60,6 +74,12 @@ class AsyncGRPOConfig(TrainingArguments):
     logging_steps: float = 1
     gradient_checkpointing: bool | None = None  # deprecated alias of activation_checkpointing in transformers 5
     activation_checkpointing: bool | None = None  # None (both unset) resolves to True (SPEC §16.4)
+    # transformers before ~5.2x has only gradient_checkpointing(_kwargs): both names are declared here and resolved
+    # in __post_init__ (`_resolve_checkpointing_aliases`), so either spelling works on every transformers we accept.
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None  # deprecated alias of the next
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "Options of activation checkpointing: every_n_layers (checkpoint every Nth layer), offload, and "
+                "torch.utils.checkpoint's own (use_reentrant); None = every layer, non-reentrant."})
     bf16: bool | None = None
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "constant"
@@ -223,8 +243,7 @@ class AsyncGRPOConfig(TrainingArguments):
             # SPEC §16.4: bf16 unless fp16. Without CUDA, TrainingArguments refuses bf16 unless use_cpu,
             # so a CPU machine resolves to fp32 unless the user asks for bf16 with use_cpu=True.
             self.bf16 = not self.fp16 and (torch.cuda.is_available() or self.use_cpu)
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # SPEC §16.4 (gradient_checkpointing=True)
+        _resolve_checkpointing_aliases(self)
         if self.optim == "adamw_torch_fused" and not torch.cuda.is_available():
             self.optim = "adamw_torch"
         self.ignore_data_skip = True  # SPEC §12: the live rollout queue cannot be skipped and replayed.

@@ -127,3 +127,32 @@ def test_the_memory_split_sizes_the_trainer_for_the_checkpointing_it_will_run():
     every2 = trainer_need("trainer.activation_checkpointing=true",
                           "trainer.activation_checkpointing_kwargs={every_n_layers: 2}")
     assert unset == on < every2 < off
+
+
+def test_the_old_names_reach_the_trainer_on_a_transformers_that_has_only_them():
+    """transformers 5.17 (the H200 image's) has only ``gradient_checkpointing(_kwargs)``: ``AsyncGRPOConfig``
+    declares both spellings and resolves them itself, so the trainer's reads of the new names never fail (the
+    first GPU run of issue #42 died on ``args.activation_checkpointing_kwargs``) and ``gradient_checkpointing=True``
+    is not silently dropped. `_resolve_checkpointing_aliases` is run on bare objects with 5.17's defaults."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig, _resolve_checkpointing_aliases
+
+    def resolved(**given):
+        args = SimpleNamespace(**{"gradient_checkpointing": None, "activation_checkpointing": None,
+                                  "gradient_checkpointing_kwargs": None, "activation_checkpointing_kwargs": None,
+                                  **given})
+        _resolve_checkpointing_aliases(args)
+        return (args.activation_checkpointing, args.activation_checkpointing_kwargs, args.gradient_checkpointing,
+                args.gradient_checkpointing_kwargs)
+
+    assert resolved() == (True, None, True, None)  # SPEC §16.4: on unless asked off
+    assert resolved(gradient_checkpointing=False) == (False, None, False, None)
+    assert resolved(gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 2}) == (
+        True, {"every_n_layers": 2}, True, {"every_n_layers": 2})
+    assert resolved(activation_checkpointing=False, gradient_checkpointing=True) == (False, None, False, None)
+    own = AsyncGRPOConfig.__dict__["__annotations__"]  # declared here, whatever TrainingArguments holds
+    assert {"activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing",
+            "gradient_checkpointing_kwargs"} <= set(own)
+    args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 3})
+    assert args.activation_checkpointing is True and args.activation_checkpointing_kwargs == {"every_n_layers": 3}
