@@ -212,6 +212,11 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                                       f"({type(exc).__name__}: {exc}). Fix: resume from another checkpoint, with "
                                       "the model.name and peft.* of the run that saved it") from exc
         model, _ = self._prepare_for_training(state_max_steps, None, resume_from_checkpoint)
+        # from_pretrained leaves the model in eval mode and transformers' Trainer sets train mode in its own loop,
+        # which `_loop` replaces: without this, checkpointing layers skip their checkpoint (they check
+        # self.training) and dropout (peft.lora_dropout) never applies. The first 1.7B job on a GPU ran out of
+        # memory for it (NOTES, seventeenth session).
+        model.train()
         if checkpoint is not None:
             self._load_rng_state(resume_from_checkpoint)
             note = check_restored(self, checkpoint)

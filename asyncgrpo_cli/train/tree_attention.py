@@ -522,7 +522,8 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
     kernels (``gated_deltanet.prepare_gated_deltanet``).
 
     Raises:
-        ValueError: unknown backend, a model without ``config``, or one that refuses the implementation.
+        ValueError: unknown backend, a model without ``config``, or one that refuses the implementation;
+            ``flex`` for a model with ``attention_dropout`` > 0 (the trainer runs in train mode, where it applies).
         TreeAttentionUnavailable: ``flash`` on a non-CUDA model or without a loadable kernel.
         UnsupportedModelFeature: attention sinks or logit soft-capping (``model_features``, SPEC §2.8).
         UnsupportedTokenMixer: a token-mixing layer tree packing does not support (SPEC §2.8).
@@ -537,6 +538,14 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
     asked = backend
     backend = resolve_backend(backend, device)
     check_model_features(model, model_id)  # before the token mixers: named by the feature itself
+    if backend == "flex":  # the trainer trains in train mode: a model's attention dropout applies, as in TRL
+        from asyncgrpo_cli.train.model_features import model_configs
+
+        dropout = max((float(getattr(c, "attention_dropout", 0.0) or 0.0) for c in model_configs(model)), default=0.0)
+        if dropout > 0:
+            raise ValueError(f"{model_id or type(model).__name__} has attention_dropout={dropout:g} in its config, "
+                             "which the flex tree attention backend cannot apply (training would run without it). "
+                             "Fix: packing.attention=sdpa, or set the model's attention_dropout to 0")
     prepare_gated_deltanet(model, model_id, device=device)
     line = f"tree attention: {backend}" + (f" (packing.attention=auto on {device.type})" if asked == "auto" else "")
     if backend == "flash":

@@ -68,7 +68,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_variant_trains(model_dir, server, tmp_path, case):
+def test_variant_trains(model_dir, server, tmp_path, case, monkeypatch):
+    import transformers.modeling_utils
+
+    recomputed = []  # layer calls that went through torch's checkpoint: the model trains in train mode
+
+    def counting_checkpoint(function, *args, **kwargs):
+        recomputed.append(1)
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", counting_checkpoint)
     out = tmp_path / case
     options = dict(output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=8,
                    num_sampler_logprobs=3, vllm_server_base_url=server.url, learning_rate=1e-2,
@@ -101,6 +110,7 @@ def test_variant_trains(model_dir, server, tmp_path, case):
 
     on, of = checkpointed_layers(trainer.model)  # trainer.activation_checkpointing_kwargs reached the model
     assert of >= 2 and on == (-(-of // 2) if args.activation_checkpointing_kwargs else of), (on, of)
+    assert trainer.model.training and len(recomputed) >= 2 * on, (len(recomputed), on)  # each step, each layer on
     if args.beta > 0:  # step 1 trains the initial policy itself: KL 0; after one update it is > 0
         assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
         assert trainer.reference.frozen is not None

@@ -356,6 +356,11 @@ def test_errors_are_clear(model_dir):
     with pytest.raises(TreeAttentionUnavailable, match="flash"):
         apply_tree_attention(model, "flash")  # CPU model
     assert tree_attention_backend(model) is None
+    model.config.attention_dropout = 0.1  # the trainer runs in train mode, where it applies: flex cannot
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1 .*Fix: packing.attention=sdpa"):
+        apply_tree_attention(model, "flex")
+    assert tree_attention_backend(model) is None
+    assert apply_tree_attention(model, "sdpa") == "sdpa"  # sdpa applies it
 
 
 @pytest.mark.gpu
