@@ -777,8 +777,20 @@ def training_args_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return kwargs
 
 
-def to_training_args(cfg: DictConfig):
-    """Build the `AsyncGRPOConfig` (a `transformers.TrainingArguments`) of a composed config."""
+def to_training_args(cfg: DictConfig, *, open_no_device: bool = False):
+    """Build the `AsyncGRPOConfig` (a `transformers.TrainingArguments`) of a composed config.
+
+    ``open_no_device``: for the checks of a process that does not train (the supervisor, ``serve``, ``doctor``):
+    on a CUDA machine the arguments are built with ``use_cpu=True``, because ``TrainingArguments`` otherwise sets
+    up its device (``torch.cuda.set_device``) and checks bf16 on it, which opens a CUDA context: the supervisor
+    then held 518 MiB of the GPU it shares with vLLM and the trainer for the whole run (seventeenth session). Only
+    the GPU's own bf16 support goes unchecked; the trainer's build checks it."""
     from .grpo_config import AsyncGRPOConfig
 
-    return AsyncGRPOConfig(**training_args_kwargs(cfg))
+    kwargs = training_args_kwargs(cfg)
+    if open_no_device and not kwargs.get("use_cpu"):
+        import torch
+
+        if torch.cuda.is_available():  # a device count, no context
+            kwargs["use_cpu"] = True
+    return AsyncGRPOConfig(**kwargs)

@@ -221,7 +221,7 @@ def check_training_args_build(cfg: Any) -> None:
 
     enums = _enum_refusals(cfg)
     try:
-        args = to_training_args(cfg)
+        args = to_training_args(cfg, open_no_device=True)  # no CUDA context in this process
     except (ConfigError, ConfigTypeError) as exc:
         if not enums:
             raise

@@ -117,3 +117,27 @@ def test_config_doc_states_the_differences_from_trl():
     scale = " ".join(rollout["scale_rewards"].split())
     assert "Bessel-corrected std + 1e-4" in scale and "sqrt((n-1)/n)" in scale and "population std" in scale
     assert "null = no lower bound" in " ".join(loss["vllm_importance_sampling_clip_min"].split())
+
+
+def test_the_checks_build_the_training_arguments_without_a_cuda_context(tmp_path, monkeypatch):
+    """The supervisor's own build of the arguments (`check_training_args_build`) must not set up a CUDA device:
+    on the H100 it held a 518 MiB context for the whole run beside vLLM and the trainer (seventeenth session).
+    On a CUDA machine it builds with ``use_cpu=True``; the trainer's own build (no flag) keeps the device."""
+    import torch
+
+    import asyncgrpo_cli.config.grpo_config as grpo_config
+    from asyncgrpo_cli.config.run_checks import check_training_args_build
+
+    built = []
+    real = grpo_config.AsyncGRPOConfig
+
+    def spy(**kwargs):
+        built.append(kwargs.get("use_cpu"))
+        return real(**{**kwargs, "use_cpu": True})  # this machine has no GPU: keep the build itself on the CPU
+
+    monkeypatch.setattr(grpo_config, "AsyncGRPOConfig", spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose(["+recipe=smoke", f"trainer.output_dir={tmp_path / 'run'}"])
+    check_training_args_build(cfg)
+    to_training_args(cfg)
+    assert built == [True, cfg.trainer.get("use_cpu")]
