@@ -72,11 +72,15 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # Changed TrainingArguments defaults (SPEC §16.4).
     logging_steps: float = 1
-    gradient_checkpointing: bool | None = None  # deprecated alias of activation_checkpointing in transformers 5
-    activation_checkpointing: bool | None = None  # None (both unset) resolves to True (SPEC §16.4)
-    # transformers before ~5.2x has only gradient_checkpointing(_kwargs): both names are declared here and resolved
-    # in __post_init__ (`_resolve_checkpointing_aliases`), so either spelling works on every transformers we accept.
-    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None  # deprecated alias of the next
+    # transformers before 5.2x has only gradient_checkpointing(_kwargs): all four names are declared here and
+    # resolved in __post_init__ (`_resolve_checkpointing_aliases`), so either spelling works on every transformers.
+    gradient_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Deprecated alias of activation_checkpointing (used only when that is unset)."})
+    activation_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Recompute each checkpointed layer in the backward instead of keeping its activations (less memory, "
+                "~20-30% more compute); unset (with gradient_checkpointing) = on (SPEC §16.4)."})
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "Deprecated alias of activation_checkpointing_kwargs (used only when that is unset)."})
     activation_checkpointing_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
         "help": "Options of activation checkpointing: every_n_layers (checkpoint every Nth layer), offload, and "
                 "torch.utils.checkpoint's own (use_reentrant); None = every layer, non-reentrant."})
