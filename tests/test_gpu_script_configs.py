@@ -379,6 +379,24 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
     assert cfg.trainer.activation_checkpointing and cfg.launch.colocate and cfg.sampler.backend.value == "vllm"
 
 
+def test_the_realistic_preflight_is_the_gpu_job_on_the_cpu(realistic_assets):
+    """`realistic.py preflight` runs the GPU job's own overrides with only what a CPU needs changed: the embedded
+    sampler, fp32, short completions and rows, no colocation; the rest (checkpointing, staleness, the reward,
+    the step's rows) stays, and it passes train's checks on this machine."""
+    import realistic
+
+    job = realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic_cpu", "sync")
+    cpu = realistic.cpu_overrides(job, port=8151)
+    changed = sorted(set(cpu) - set(job))
+    assert changed == ["packing.token_budget=256", "rollout.max_completion_length=16", "sampler.backend=embedded",
+                       "sampler.max_model_len=128", "sampler.port=8151", "trainer.bf16=false"]
+    assert sorted(set(job) - set(cpu)) == sorted(o for o in job if o.split("=", 1)[0] in (
+        "packing.token_budget", "rollout.max_completion_length", "sampler.backend", "sampler.max_model_len",
+        "trainer.bf16", "launch.colocate"))
+    assert "staleness.max_staleness=0" in cpu and "trainer.activation_checkpointing=true" in cpu
+    check(cpu, "train")
+
+
 def test_the_realistic_job_check_bites(realistic_assets):
     """A max_model_len that a prompt plus 512 completion tokens does not fit is refused on CPU too."""
     import realistic

@@ -7,6 +7,7 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
+    python3 scripts/gpu/vllm033/realistic.py preflight async   # here, no GPU: the job at a tiny shape, 2 CPU steps
 
 The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
 Qwen3-1.7B shape (``scripts/bench``'s ``qwen3-1.7b``, Qwen3-1.7B's vocabulary of 151,936 and tied embeddings; bf16
@@ -255,6 +256,29 @@ def phase_job(name: str) -> int:
     return 0 if result["exit"] in (0, 130) and rows else 1
 
 
+def cpu_overrides(overrides: list[str], port: int = 8150) -> list[str]:
+    """A job's overrides (`job_overrides`) for the tiny stand-in on this machine's CPU: the embedded sampler in
+    vLLM's place, fp32, 16-token completions and 256-token rows; every other choice as the GPU job's."""
+    swap = {"sampler.backend": "embedded", "trainer.bf16": "false", "rollout.max_completion_length": "16",
+            "packing.token_budget": "256", "sampler.max_model_len": "128"}
+    out = [f"{o.split('=', 1)[0]}={swap[o.split('=', 1)[0]]}" if o.split("=", 1)[0] in swap else o
+           for o in overrides if not o.startswith("launch.colocate=")]
+    return [*out, f"sampler.port={port}"]
+
+
+def phase_preflight(name: str, work: Path = Path("/tmp/asyncgrpo_realistic_cpu")) -> int:
+    """Issue #42's job at the tiny shape, 2 steps on CPU through the embedded sampler, before a GPU session:
+    with ``PYTHONPATH`` holding the device image's transformers (5.17: ``pip install --no-deps --target DIR
+    transformers==5.17.0 'huggingface-hub<2' 'tokenizers<0.24'``) it finds what CI's newer transformers hides
+    (the seventeenth session's first GPU run died at start on such a difference). Exit status: the job's."""
+    build(work, shape="tiny", device="cpu", rows=64)
+    run_dir = work / f"job_{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = [*CLI, "train", *cpu_overrides(job_overrides(*paths(work), run_dir, name, steps=2))]
+    print("realistic preflight:", shlex.join(argv[3:]), flush=True)
+    return subprocess.run(argv, env={**child_env(), "ASYNCGRPO_CACHE": str(work / "cache")}).returncode
+
+
 # ---------------------------------------------------------------------------------------------- engine
 def rendered_prompts(model_dir: Path, data_file: Path, groups: int) -> list[list[int]]:
     """The first ``groups`` prompts as token ids, through the chat template with a generation prompt (as the
@@ -454,6 +478,8 @@ def main() -> int:
             print(f"realistic.py {phase}: {name!r}: use one of {', '.join(DETACHED)}")
             return 2
         return phase_start(name) if phase == "start" else phase_follow(name)
+    if phase == "preflight":
+        return phase_preflight(sys.argv[2] if len(sys.argv) > 2 else "async")
     if phase == "trl":
         import realistic_trl
 
@@ -466,7 +492,7 @@ def main() -> int:
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
     print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, start|follow NAME, "
-          "trl [colocate|server], combine IN [OUT]")
+          "trl [colocate|server], combine IN [OUT], preflight async|sync")
     return 2
 
 
