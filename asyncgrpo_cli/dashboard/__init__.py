@@ -272,7 +272,8 @@ class Dashboard:
         if self.mode != "plain":
             return
         age = num(status, "worker_heartbeat_age_s")
-        ended = str(status.get("state", "")).startswith(("finished", "stopped", "failed"))
+        # A stop ends generation (`RolloutWorker.begin_stop`): a silent worker is then expected, not news
+        ended = str(status.get("state", "")).startswith(("finished", "stopped", "failed")) or bool(status.get("stopping"))
         now = time.monotonic()
         if age is not None and age >= WORKER_SILENT_AFTER_S and not ended:
             if self._worker_silent_printed_at is None or now - self._worker_silent_printed_at >= SERVER_STATUS_EVERY_S:

@@ -430,6 +430,16 @@ def test_plain_mode_says_when_the_rollout_worker_stops_beating(tmp_path, monkeyp
               "checkpoint at staleness.rollout_worker_timeout=300 s ({} s left)")
     assert printed == [silent.format(21, 279), silent.format(32, 268), "rollout worker: answering again",
                        silent.format(40, 260)], printed
+    console = record_console()  # a stop ends generation: the worker's silence then says nothing new
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(rollout_worker_timeout=300.0),
+                     started_at=time.time() - 5)
+    for age in (25.0, 40.0, 60.0):
+        (out / "status.json").write_text(json.dumps({"state": "running", "step": 3, "worker_heartbeat_age_s": age,
+                                                     "worker_pid": 4242, "stopping": "SIGINT: saving the last "
+                                                     "completed step (step 3) and stopping"}))
+        dash.poll()
+        now["t"] += 10.0
+    assert not [ln for ln in console.export_text().splitlines() if ln.startswith("rollout worker")]
 
 
 def test_the_summary_of_a_stopped_run_does_not_claim_an_earlier_runs_final_model(tmp_path):
