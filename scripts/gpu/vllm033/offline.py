@@ -197,8 +197,11 @@ def lora_overrides(run_dir: Path | str, steps: int = 16, learning_rate: float | 
 
 def moe_overrides(model_dir: Path | str, run_dir: Path | str, steps: int = 6) -> list[str]:
     """The small Qwen3-MoE on the one-GPU arith recipe: a sync every step (max_staleness 0 syncs before each
-    generation round), the router's aux loss in the loss, the weight-sync check (its probe after every sync)."""
+    generation round), the router's aux loss in the loss, the weight-sync check (its probe after every sync), and
+    `number_reward` next to the recipe's `accuracy_reward`: a random model scores 0 on every problem, and a run of
+    groups with no signal stops the job (found on CPU, seventeenth session) before its first step."""
     return ["+recipe=arith_vllm_1gpu", f"model.name={model_dir}", "model.gguf_file=null", "model.dtype=bfloat16",
+            "rewards=[{func:asyncgrpo_cli.rewards:accuracy_reward},{func:offline:number_reward}]",
             f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", "staleness.max_staleness=0",
             "model.router_aux_loss_coef=0.01",
             "logging.dashboard=plain", "sampler.check_weight_sync=true"]
