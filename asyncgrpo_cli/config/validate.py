@@ -214,15 +214,23 @@ def check_training_arguments(values: Mapping[str, Any], path_of: Callable[[str],
     if checkpointing:  # transformers' Trainer reads it; so does this one (`train.checkpointing`)
         from .checkpointing_rules import checkpoint_every, checkpointing_options
 
-        if checkpoint_every(values) == 0:
-            bad("activation_checkpointing_kwargs", f"has no effect: {p('activation_checkpointing')} is false in this "
-                "config (a recipe may turn it off, as the CPU smoke recipe does)",
-                f"set {p('activation_checkpointing')}=true, or remove {p('activation_checkpointing_kwargs')}")
-        else:
-            try:
-                checkpointing_options(checkpointing, p("activation_checkpointing_kwargs"))
-            except ConfigError as exc:
-                errors.append(exc)
+        try:
+            checkpointing_options(checkpointing, p("activation_checkpointing_kwargs"))
+            invalid = None
+        except ConfigError as exc:
+            invalid = exc
+        if checkpoint_every(values) == 0:  # both problems at once: one round to fix them (fresh-user trial)
+            off = (f"{p('activation_checkpointing')} is false in this config (a recipe may turn it off, as the CPU "
+                   "smoke recipe does)")
+            if invalid is None:
+                bad("activation_checkpointing_kwargs", f"has no effect: {off}",
+                    f"set {p('activation_checkpointing')}=true, or remove {p('activation_checkpointing_kwargs')}")
+            else:
+                errors.append(ConfigError(f"{str(invalid).rstrip('.')}. It would also have no effect: {off}; set "
+                                          f"{p('activation_checkpointing')}=true as well, or remove "
+                                          f"{p('activation_checkpointing_kwargs')}", key=invalid.key))
+        elif invalid is not None:
+            errors.append(invalid)
     bs = number("per_device_train_batch_size")
     if bs is not None and bs < 1:
         bad("per_device_train_batch_size", "must be >= 1 (it is unused: rows are filled by token budget)",

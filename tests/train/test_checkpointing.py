@@ -80,10 +80,12 @@ def test_the_config_refuses_options_that_would_do_nothing_or_break(tmp_path):
                         activation_checkpointing_kwargs={"every_n_layers": 2})
     with pytest.raises(ConfigError, match=r"every_n_layers=0"):
         AsyncGRPOConfig(output_dir=str(tmp_path), gradient_checkpointing_kwargs={"every_n_layers": 0})
-    with pytest.raises(ConfigError) as info:  # off: that one problem, not also the value's (the second trial)
-        AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing=False,
+    with pytest.raises(ConfigError) as info:  # off and a bad value: one problem naming both (two trials asked for
+        AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing=False,  # one line, then for the value)
                         activation_checkpointing_kwargs={"every_n_layers": 0})
-    assert "has no effect" in str(info.value) and "problems" not in str(info.value)
+    text = str(info.value)
+    assert "problems" not in text and "every_n_layers=0: must be a whole number >= 1" in text, text
+    assert "It would also have no effect: activation_checkpointing is false" in text, text
     args = AsyncGRPOConfig(output_dir=str(tmp_path), activation_checkpointing_kwargs={"every_n_layers": 2})
     assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"every_n_layers": 2}
 
