@@ -631,6 +631,25 @@ def test_one_try_names_a_rule_a_deep_check_and_a_used_folder_together(tmp_path):
         assert "num_generations=1: GRPO" not in text.replace("rollout.num_generations=1: GRPO", ""), text  # once
 
 
+def test_a_deep_check_alone_is_named_beside_a_used_folder_by_train(tmp_path):
+    """A mistake only the deep pass finds, with nothing wrong at composition: `train` refused the used folder
+    alone, with commands that repeated the mistake (fresh-user trial, seventeenth session). Both come out now, and
+    the folder's fix gives only the override to add."""
+    from asyncgrpo_cli.launch.preflight import free_port
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"x")
+    result = runner.invoke(app, ["train", "+recipe=smoke", "trainer.activation_checkpointing=true",
+                                 "trainer.activation_checkpointing_kwargs={every_n_layers:0}",
+                                 f"sampler.port={free_port()}", f"trainer.output_dir={used}"])
+    assert result.exit_code == 2, result.output
+    text = result.output
+    assert "activation_checkpointing_kwargs.every_n_layers=0: must be a whole number >= 1" in text, text
+    assert f"error: trainer.output_dir={used} already holds an earlier run" in text, text
+    assert "Fix (once the problems above are fixed):" in text and "every_n_layers:0}' " not in text, text
+
+
 def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
     """Hydra stops at its first unknown key or wrong type: two typos and a bad number took three tries. Each is
     named now, in command-line order, with the value rules and the deep pass run on the rest (the learning rate,
