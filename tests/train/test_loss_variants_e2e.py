@@ -68,7 +68,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_variant_trains(model_dir, server, tmp_path, case, monkeypatch):
+def test_variant_trains(model_dir, server, tmp_path, case, monkeypatch, capfd):
     import transformers.modeling_utils
 
     recomputed = []  # layer calls that went through torch's checkpoint: the model trains in train mode
@@ -111,6 +111,7 @@ def test_variant_trains(model_dir, server, tmp_path, case, monkeypatch):
     on, of = checkpointed_layers(trainer.model)  # trainer.activation_checkpointing_kwargs reached the model
     assert of >= 2 and on == (-(-of // 2) if args.activation_checkpointing_kwargs else of), (on, of)
     assert trainer.model.training and len(recomputed) >= 2 * on, (len(recomputed), on)  # each step, each layer on
+    assert f"asyncgrpo trainer: activation checkpointing on {on} of {of} layers" in capfd.readouterr().err
     if args.beta > 0:  # step 1 trains the initial policy itself: KL 0; after one update it is > 0
         assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
         assert trainer.reference.frozen is not None
