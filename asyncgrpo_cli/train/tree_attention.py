@@ -544,7 +544,7 @@ def apply_tree_attention(model: torch.nn.Module, backend: str = "auto", model_id
         dropout = max((float(getattr(c, "attention_dropout", 0.0) or 0.0) for c in model_configs(model)), default=0.0)
         if dropout > 0:
             raise ValueError(f"{model_id or type(model).__name__} has attention_dropout={dropout:g} in its config, "
-                             "which the flex tree attention backend cannot apply (training would run without it). "
+                             "which the flex tree attention backend cannot apply (its first step would stop on it). "
                              "Fix: packing.attention=sdpa, or set the model's attention_dropout to 0")
     prepare_gated_deltanet(model, model_id, device=device)
     line = f"tree attention: {backend}" + (f" (packing.attention=auto on {device.type})" if asked == "auto" else "")
