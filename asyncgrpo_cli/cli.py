@@ -569,26 +569,22 @@ def train_cmd(
 def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Path] | None = None) -> None:
     """`train`: exit 2 at once on what needs no model (`launch.preflight.early_refusal`: another job in the
     folder, a busy port, a used or unwritable folder, an external sampler that does not answer), before the
-    deep checks import transformers and load the data. When it refuses, the deep checks run all the same, so
-    that one try names their problems too (a bad ``activation_checkpointing_kwargs`` in a used folder took two),
-    and the refusal's fix then gives only the overrides to add, not a command that repeats the faulty ones."""
+    deep checks import transformers and load the data. When it refuses, the `TrainingArguments` rules (no heavy
+    import) run all the same, so that one try names their problems too (a bad ``activation_checkpointing_kwargs``
+    in a used folder took two), and the refusal's fix then gives only the overrides to add, not a command that
+    repeats the faulty ones."""
     from .launch.preflight import early_refusal
 
     message = early_refusal(cfg)
     if message:
-        deep: list[ConfigError] = []
-        try:
-            from .config.compose import with_values_without
-            from .config.run_checks import validate_run
+        from .config.compose import with_values_without
+        from .config.validate import check_training_arguments
 
-            validate_run(cfg, "train")
+        try:
+            check_training_arguments({k: v for k, v in cfg.trainer.items()}, lambda n: f"trainer.{n}")
         except ConfigError as exc:
             exc = with_values_without(exc, list(overrides or []), recipes_dirs)
-            deep = list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
-        except Exception:  # noqa: BLE001 - the refusal is the answer; the deep pass runs again after its fix
-            pass
-        if deep:
-            _print_error(ConfigErrors(deep) if len(deep) > 1 else deep[0])
+            _print_error(exc)
             message = (early_refusal(cfg, whole_commands=False) or message).replace(
                 "Fix:", "Fix (once the problems above are fixed):", 1)
         label, _, text = message.partition(": ")

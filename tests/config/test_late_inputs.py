@@ -362,6 +362,10 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
     # with train's label: the thirteenth session's trial read "config error:" there and "error:" in train
     assert f"\nerror: trainer.output_dir={used} already holds" in "\n" + checked.output, checked.output
     assert f"error: trainer.output_dir={used}" in proc.stderr and "config error: trainer.output_dir" not in proc.stderr
+    proc = _train_subprocess(["+recipe=smoke", "trainer.activation_checkpointing_kwargs={every_n_layers:0}",
+                              f"sampler.port={free_port()}", f"trainer.output_dir={used}"])  # a TrainingArguments
+    assert "every_n_layers=0: must be a whole number" in proc.stderr, proc.stderr  # rule is named beside it, and
+    assert "EXIT 2 False False" in proc.stderr, proc.stderr  # still before the heavy imports (seventeenth session)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
