@@ -632,9 +632,10 @@ def test_one_try_names_a_rule_a_deep_check_and_a_used_folder_together(tmp_path):
 
 
 def test_a_deep_check_alone_is_named_beside_a_used_folder_by_train(tmp_path):
-    """A mistake only the deep pass finds, with nothing wrong at composition: `train` refused the used folder
-    alone, with commands that repeated the mistake (fresh-user trial, seventeenth session). Both come out now, and
-    the folder's fix gives only the override to add."""
+    """A mistake only the deep pass's `TrainingArguments` rules find, with nothing wrong at composition: `train`
+    refused the used folder alone, with commands that repeated the mistake (fresh-user trial, seventeenth session).
+    Both come out now (those rules run beside the refusal; they import nothing heavy), and the folder's fix gives
+    only the override to add."""
     from asyncgrpo_cli.launch.preflight import free_port
 
     used = tmp_path / "used"
