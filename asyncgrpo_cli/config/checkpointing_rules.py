@@ -48,9 +48,9 @@ def checkpointing_options(kwargs: Mapping[str, Any] | str | None, key: str = KEY
     offload = rest.pop("offload", False)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ConfigError(f"{key}.every_n_layers={every!r}: must be a whole number >= 1 (1 checkpoints every layer, 2 "
-                          f"every other one). Fix: {key}.every_n_layers=2, or leave it out", key=key)
-    if not isinstance(offload, bool):
-        raise ConfigError(f"{key}.offload={offload!r}: must be true or false. Fix: {key}.offload=true", key=key)
+                          f"every other one). Fix: {key}={{every_n_layers: 2}}, or leave it out", key=key)
+    if not isinstance(offload, bool):  # the fix sets the whole mapping: a dotted key into it is no override
+        raise ConfigError(f"{key}.offload={offload!r}: must be true or false. Fix: {key}={{offload: true}}", key=key)
     rest.setdefault("use_reentrant", False)  # the trainer's default; transformers' too when no kwargs are given
     return every, offload, rest
 

@@ -196,9 +196,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.is_in_train = True
         if args.activation_checkpointing:  # with trainer.activation_checkpointing_kwargs, as transformers' Trainer
             on, of = enable_activation_checkpointing(self.model, args.activation_checkpointing_kwargs)
-            if self.accelerator.is_main_process:  # the log says what runs (the plan says what was asked)
-                print(f"asyncgrpo trainer: activation checkpointing on {on} of {of} layers", file=sys.stderr,
-                      flush=True)
+        if self.accelerator.is_main_process:  # the log says what runs (the plan says what was asked)
+            print("asyncgrpo trainer: activation checkpointing " + (f"on {on} of {of} layers" if
+                  args.activation_checkpointing else "off"), file=sys.stderr, flush=True)
         state_max_steps = args.max_steps if args.max_steps > 0 else 10**9
         self._init_training_state(state_max_steps, 1, max(1, math.ceil(args.num_train_epochs)),
                                   resume_from_checkpoint, trial)

@@ -158,3 +158,18 @@ def test_the_old_names_reach_the_trainer_on_a_transformers_that_has_only_them():
             "gradient_checkpointing_kwargs"} <= set(own)
     args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, gradient_checkpointing_kwargs={"every_n_layers": 3})
     assert args.activation_checkpointing is True and args.activation_checkpointing_kwargs == {"every_n_layers": 3}
+
+
+def test_the_fixes_are_overrides_that_compose():
+    """The trial copied `Fix: trainer.activation_checkpointing_kwargs.every_n_layers=2` and got an unknown key: a
+    dotted key into a mapping the user gave is no override. The fixes set the whole mapping, and it composes."""
+    from asyncgrpo_cli.config.compose import compose
+
+    key = "trainer.activation_checkpointing_kwargs"
+    for bad, fix in (({"every_n_layers": 0}, f"{key}={{every_n_layers: 2}}"), ({"offload": "yes"},
+                                                                               f"{key}={{offload: true}}")):
+        with pytest.raises(ConfigError) as info:
+            checkpointing_options(bad, key)
+        assert f"Fix: {fix}" in str(info.value), str(info.value)
+        cfg = compose(["+recipe=smoke", "trainer.activation_checkpointing=true", fix])
+        assert checkpointing_options(cfg.trainer.activation_checkpointing_kwargs, key)[:2] in ((2, False), (1, True))
