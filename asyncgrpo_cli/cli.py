@@ -88,11 +88,18 @@ def _compose(overrides: list[str] | None, recipes_dirs: list[Path] | None, early
         deep, also = _more_problems_unchecked(exc, overrides, recipes_dirs) if early else ([], None)
         _print_error(ConfigErrors([*(exc.errors if isinstance(exc, ConfigErrors) else [exc]), *deep]) if deep
                      else exc)
-        if also:  # its commands repeat this command line: they run once the problems above are fixed
-            label, _, text = also.partition(": ")
-            text = text.replace("Fix:", "Fix (once the problems above are fixed):", 1)
-            err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
+        if also:  # its overrides apply once the problems above are fixed
+            _print_refusal(also, after_problems=True)
         raise typer.Exit(2) from None
+
+
+def _print_refusal(message: str, after_problems: bool = False) -> None:
+    """An early refusal (``label: text``, `launch.preflight.early_refusal`) with its label in bold red; after
+    problems printed above it, its fix says it applies once they are fixed."""
+    label, _, text = message.partition(": ")
+    if after_problems:
+        text = text.replace("Fix:", "Fix (once the problems above are fixed):", 1)
+    err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
 
 
 def _more_problems_unchecked(found: ConfigError, overrides: list[str] | None,
@@ -401,8 +408,7 @@ def _check_plan(cfg) -> None:
     if early:
         problems.append(early)  # with train's own label ("error:" for a used folder), so both read alike
     for problem in problems:
-        label, _, text = problem.partition(": ")
-        err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
+        _print_refusal(problem)
     if problems:
         raise typer.Exit(2)
 
@@ -573,22 +579,21 @@ def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Pa
     import) run all the same, so that one try names their problems too (a bad ``activation_checkpointing_kwargs``
     in a used folder took two), and the refusal's fix then gives only the overrides to add, not a command that
     repeats the faulty ones."""
+    from .config.validate import check_training_arguments
     from .launch.preflight import early_refusal
 
-    message = early_refusal(cfg)
+    problem = None
+    try:  # pure and cheap; the deep pass runs them again when nothing is refused here
+        check_training_arguments({k: v for k, v in cfg.trainer.items()}, lambda n: f"trainer.{n}")
+    except ConfigError as exc:
+        problem = exc
+    message = early_refusal(cfg, whole_commands=problem is None)
     if message:
-        from .config.compose import with_values_without
-        from .config.validate import check_training_arguments
+        if problem is not None:
+            from .config.compose import with_values_without
 
-        try:
-            check_training_arguments({k: v for k, v in cfg.trainer.items()}, lambda n: f"trainer.{n}")
-        except ConfigError as exc:
-            exc = with_values_without(exc, list(overrides or []), recipes_dirs)
-            _print_error(exc)
-            message = (early_refusal(cfg, whole_commands=False) or message).replace(
-                "Fix:", "Fix (once the problems above are fixed):", 1)
-        label, _, text = message.partition(": ")
-        err.print(Text.assemble((f"{label}: ", "bold red"), text), highlight=False, soft_wrap=True)
+            _print_error(with_values_without(problem, list(overrides or []), recipes_dirs))
+        _print_refusal(message, after_problems=problem is not None)
         raise typer.Exit(2)
 
 
