@@ -57,6 +57,20 @@ def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the lm_head GEMMs, the same in the forward and the backward: the operands' common dtype, or
+    autocast's dtype when autocast is on for their device and they are float32 (float32 weights trained under
+    bf16 autocast, the default). Autocast casts the forward's GEMM but is off in the backward, so without this
+    the backward's three GEMMs ran in float32 (at the 1.7B shape, 32K tokens: ~6·10^13 FLOPs, an estimated 0.9 s
+    at an H100's float32 rate, about the 1.0 s by which that job's backward exceeded 3x its forward; NOTES,
+    eighteenth session), and their softmax was taken against the bf16 forward's log-sum-exp."""
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    device = hidden.device.type
+    if cdt == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return cdt
+
+
 def _tile_forward(z_mm, bias, temperature: float, acc: torch.dtype, run_max, run_sum, run_wsum, col):
     """One ``[nc, vc]`` logits tile of the forward's online log-sum-exp (a streaming softmax).
 
@@ -178,7 +192,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n, _ = hidden.shape
         v = weight.shape[0]
         acc = _acc_dtype(hidden, weight, bias)
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        cdt = _compute_dtype(hidden, weight)
         dev = hidden.device
         k = top_ids.shape[1]
         m_cols = cand_ids.shape[1] if cand_ids is not None else 0
@@ -233,6 +247,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, bias, target_ids, top_ids, top_valid, cand_ids, has_cand, lse)
         ctx.temperature = temperature
+        ctx.compute_dtype = cdt  # the backward runs without autocast: it recomputes in the forward's dtype
         ctx.token_chunk = token_chunk
         ctx.vocab_chunk = vocab_chunk
         ctx.compile_backend = compile_backend
@@ -247,7 +262,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n, hdim = hidden.shape
         v = weight.shape[0]
         acc = lse.dtype
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        cdt = ctx.compute_dtype
         dev = hidden.device
         k = top_ids.shape[1]
         m_cols = cand_ids.shape[1] if cand_ids is not None else 0
@@ -398,6 +413,10 @@ def chunked_token_logprobs(
 
     Returns:
         :class:`TokenLogProbs`; float dtype is float64 when any float input is float64, else float32.
+
+    Precision: the lm_head GEMMs run in the common dtype of ``hidden`` and ``lm_head_weight``, or in autocast's
+    dtype (bf16) when autocast is on for their device and both are float32; the backward recomputes in that same
+    dtype (`_compute_dtype`: autocast does not reach the backward). Reductions accumulate in float32.
 
     Memory: nothing of size ``N × V`` is ever allocated. Forward transient peak ≈ 3 tiles of
     ``Nc × Vc`` in fp32 (plus the matmul output in the model dtype) and ``O(N (K + M))`` per-token state.
