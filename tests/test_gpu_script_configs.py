@@ -364,7 +364,7 @@ def realistic_assets(tmp_path_factory) -> Path:
     return work
 
 
-@pytest.mark.parametrize("name", ["async", "sync"])
+@pytest.mark.parametrize("name", ["async", "sync", "async_clip", "sync_clip", "async_mps", "async_clip_mps"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
@@ -375,8 +375,26 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
     check(overrides, "train")
     cfg = compose(on_cpu(overrides))
     assert cfg.rollout.num_generations == 8 and cfg.rollout.max_completion_length == 512
-    assert (cfg.staleness.max_staleness == 0) == (name == "sync")
+    assert (cfg.staleness.max_staleness == 0) == name.startswith("sync")
     assert cfg.trainer.activation_checkpointing and cfg.launch.colocate and cfg.sampler.backend.value == "vllm"
+    clip = "clip" in name.split("_")
+    assert cfg.loss.score_centering is not clip and (cfg.rollout.num_sampler_logprobs == 0) is clip
+
+
+def test_a_realistic_job_names_its_mode_and_tags_or_is_refused():
+    """`realistic.py job|start|follow NAME`: ``async``/``sync`` with the `JOB_TAGS` (each once); anything else is
+    refused with the names it takes, before a GPU call is spent on it."""
+    import realistic
+
+    assert realistic.job_variant("async") == ("async", [])
+    assert realistic.job_variant("sync_clip_mps") == ("sync", ["clip", "mps"])
+    assert realistic.detached_spec("async_mps")[:3] == (["job", "async_mps"], "realistic_job_async_mps.json",
+                                                        "job_async_mps.log")
+    assert realistic.detached_spec("trl") == realistic.DETACHED["trl"]
+    for bad in ("fast", "async_turbo", "async_clip_clip", "clip"):
+        with pytest.raises(ValueError, match="use async or sync"):
+            realistic.job_variant(bad)
+        assert realistic.detached_spec(bad) is None
 
 
 def test_the_realistic_preflight_is_the_gpu_job_on_the_cpu(realistic_assets):

@@ -4,6 +4,7 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py engine        # builds the stand-in, then vLLM's offline LLM.generate
     python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
+    python3 scripts/gpu/vllm033/realistic.py job async_clip_mps  # a variant (`JOB_TAGS`: _clip, _mps)
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
@@ -110,6 +111,25 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
     return {"model": str(model), "data": str(data), "build_s": round(time.monotonic() - t0, 1)}
 
 
+# A job name is ``async`` or ``sync`` with optional tags: ``_clip`` = the clipped objective, whose requests ask
+# vLLM for no top log-probs (the sampled token's only, as TRL asks; the engine's offline rate was 3.3x higher
+# without them on 2026-12-06), ``_mps`` = the job under CUDA MPS (the trainer's and vLLM's kernels may then run
+# at once; without it the two processes take turns on the GPU).
+JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": []}
+
+
+def job_variant(name: str) -> tuple[str, list[str]]:
+    """``(mode, tags)`` of a job name such as ``async``, ``sync_clip`` or ``async_clip_mps``.
+
+    Raises:
+        ValueError: the mode is not async/sync, or a tag is not in `JOB_TAGS`.
+    """
+    mode, *tags = name.split("_")
+    if mode not in ("async", "sync") or any(t not in JOB_TAGS for t in tags) or len(set(tags)) != len(tags):
+        raise ValueError(f"job name {name!r}: use async or sync, with optional tags {', '.join('_' + t for t in JOB_TAGS)}")
+    return mode, tags
+
+
 def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | str, name: str = "async",
                   steps: int = STEPS) -> list[str]:
     """Our job's Hydra overrides (``sync``: on-policy). No recipe: every choice is here. One GPU shared with vLLM
@@ -118,8 +138,7 @@ def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | 
     (4) and concurrency ceiling (512) for ``async``. No checkpoint but the one a stop writes, and that one holds
     the weights only (6.8 GB, not 20 GB with AdamW's state): the first try on a GPU lost its machine at about the
     time of that save (NOTES, fourteenth session)."""
-    if name not in ("async", "sync"):
-        raise ValueError(f"job name {name!r}: use async or sync")
+    mode, tags = job_variant(name)
     return [f"model.name={model_dir}", "model.dtype=float32", f"data.name={data_file}",
             "rewards=[{func:offline:number_reward}]", f"rollout.num_generations={G}",
             f"rollout.max_completion_length={COMPLETION}", "sampler.backend=vllm",
@@ -127,7 +146,8 @@ def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | 
             "launch.colocate=true", f"packing.token_budget={TOKEN_BUDGET}",
             f"trainer.gradient_accumulation_steps={GRAD_ACCUM}", f"trainer.learning_rate={LEARNING_RATE}",
             "trainer.bf16=true", "trainer.activation_checkpointing=true",
-            *(["staleness.max_staleness=0"] if name == "sync" else []),
+            *(["staleness.max_staleness=0"] if mode == "sync" else []),
+            *(o for t in tags for o in JOB_TAGS[t]),
             f"trainer.max_steps={steps}", "trainer.logging_steps=1", "logging.dashboard=plain",
             f"trainer.output_dir={run_dir}", "trainer.save_strategy=no", "trainer.save_only_model=true"]
 
@@ -224,6 +244,17 @@ def phase_job(name: str) -> int:
     result.update({"command": "PYTHONPATH=scripts/gpu/vllm033:$PYTHONPATH asyncgrpo " + " ".join(argv[3:]),
                    "deadline_s": round(deadline, 1), "poll_s": POLL_S})
     log = WORK / f"job_{name}.log"
+    env = child_env()
+    if "mps" in job_variant(name)[1]:
+        import rollouts
+
+        result["mps"] = rollouts.start_mps()
+        if not result["mps"]["ok"]:
+            result["mps"]["control_log_after"] = rollouts.stop_mps()
+            write(f"realistic_job_{name}.json", result)
+            print(json.dumps(result["mps"]), flush=True)
+            return 1
+        env = {**env, **rollouts.mps_env()}
     poller = gpu_memory.Poller(POLL_S).start()
 
     def tick() -> None:
@@ -231,8 +262,14 @@ def phase_job(name: str) -> int:
         result["rows"] = step_rows(rows, poller.samples, poller.processes)
         write(f"realistic_job_{name}.json", result)
 
-    result.update(run_until(argv, log, deadline, GRACE_S, tick, child_env()))
-    poller.stop()
+    try:
+        result.update(run_until(argv, log, deadline, GRACE_S, tick, env))
+    finally:
+        poller.stop()
+        if "mps" in result:
+            import rollouts
+
+            result["mps"]["control_log_after"] = rollouts.stop_mps()
     rows = bench_e2e.read_metrics(run_dir)
     text = log.read_text(errors="replace")
     result["rows"] = step_rows(rows, poller.samples, poller.processes)
@@ -353,6 +390,18 @@ DETACHED = {"async": (["job", "async"], "realistic_job_async.json", "job_async.l
             "trl_server": (["trl", "server"], "realistic_trl.json", "trl_server.log", "trl_server_rows.jsonl")}
 
 
+def detached_spec(name: str) -> tuple[list[str], str, str | None, str | None] | None:
+    """`DETACHED`'s entry for ``name``, or a job variant's (`job_variant`: ``async_clip``, ``sync_mps``, ...);
+    None for an unknown name."""
+    if name in DETACHED:
+        return DETACHED[name]
+    try:
+        job_variant(name)
+    except ValueError:
+        return None
+    return ["job", name], f"realistic_job_{name}.json", f"job_{name}.log", None
+
+
 def detached_dir(name: str, work: Path | None = None) -> Path:
     """Where `start` keeps the detached run's driver log, exit status and result files (under `WORK`)."""
     return (work or WORK) / f"detached_{name}"
@@ -363,8 +412,8 @@ def phase_start(name: str, argv: list[str] | None = None) -> int:
     `detached_dir`, ``CALL_S`` = `DETACHED_S` (our job's deadline stays `DEADLINE_S`); then `phase_follow` for one
     slice. Refused (exit 1) while another detached run is alive: they would share the GPU."""
     folder = detached_dir(name)
-    for other in DETACHED:
-        there = detached_dir(other)
+    for there in sorted(WORK.glob("detached_*")):  # job variants too
+        other = there.name[len("detached_"):]
         if (there / "pid").exists() and finished(there) is None and alive(int((there / "pid").read_text())):
             print(f"realistic: {other} still runs detached; start {name} once it ends: "
                   f"bash scripts/gpu/vllm033/run.sh realistic_follow_{other}")
@@ -372,7 +421,7 @@ def phase_start(name: str, argv: list[str] | None = None) -> int:
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "out").mkdir(parents=True)
     env = {**os.environ, "OUT": str(folder / "out"), "REALISTIC_CALL_S": str(DETACHED_S)}
-    argv = argv or [sys.executable, str(Path(__file__).resolve()), *DETACHED[name][0]]
+    argv = argv or [sys.executable, str(Path(__file__).resolve()), *detached_spec(name)[0]]
     script = f'{shlex.join(argv)}; echo $? > {shlex.quote(str(folder / "exit"))}'
     with open(folder / "driver.log", "w") as log:
         proc = subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -411,7 +460,7 @@ def host_report() -> list[str]:
 
 def progress_rows(name: str, folder: Path) -> list[dict]:
     """The step rows written so far: our job's result ``rows``, TRL's step records, the engine's ``runs``."""
-    _args, result_name, _log, rows_name = DETACHED.get(name, (None, f"realistic_job_{name}.json", None, None))
+    _args, result_name, _log, rows_name = detached_spec(name) or (None, f"realistic_job_{name}.json", None, None)
     if rows_name:
         path = WORK / rows_name
         out = []
@@ -449,7 +498,7 @@ def phase_follow(name: str) -> int:
         if f.is_file():
             shutil.copy2(f, OUT / f.name)
     rows = progress_rows(name, folder)
-    log_name = DETACHED.get(name, (None, None, f"job_{name}.log", None))[2]
+    log_name = (detached_spec(name) or (None, None, f"job_{name}.log", None))[2]
     run_log = WORK / log_name if log_name else None
     progress = {"run": name, "state": "running" if rc is None else f"exit {rc}", "steps_logged": len(rows),
                 "last_rows": rows[-3:], "log_tail": run_log.read_text(errors="replace").splitlines()[-15:]
@@ -474,8 +523,9 @@ def main() -> int:
         return phase_job(sys.argv[2] if len(sys.argv) > 2 else "async")
     if phase in ("start", "follow"):
         name = sys.argv[2] if len(sys.argv) > 2 else "async"
-        if name not in DETACHED:
-            print(f"realistic.py {phase}: {name!r}: use one of {', '.join(DETACHED)}")
+        if detached_spec(name) is None:
+            print(f"realistic.py {phase}: {name!r}: use one of {', '.join(DETACHED)}, or a job variant "
+                  f"(async or sync with tags {', '.join('_' + t for t in JOB_TAGS)}: async_clip, sync_mps, ...)")
             return 2
         return phase_start(name) if phase == "start" else phase_follow(name)
     if phase == "preflight":

@@ -19,7 +19,8 @@
 #   bash scripts/gpu/vllm033/run.sh e1t_shared   # issues #41/#43: E1t on the job's stack, beside an idle and a busy
 #                                                # vLLM server, then with cores of its own (e1t_shared.py, ~5 min)
 #   bash scripts/gpu/vllm033/run.sh realistic_engine     # issue #42: builds the 1.7B stand-in, vLLM's offline LLM.generate
-#   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy)
+#   bash scripts/gpu/vllm033/run.sh realistic_job_async  # issue #42: our job, asynchronous (realistic_job_sync: on-policy;
+#                                                       # variants: realistic_job_async_clip, _async_mps, _sync_clip_mps...)
 #   bash scripts/gpu/vllm033/run.sh realistic_start_async  # the same job detached: returns after a slice (270 s);
 #                                                         # also _sync, _engine, _trl, _trl_server (realistic.DETACHED)
 #   bash scripts/gpu/vllm033/run.sh realistic_follow_async # the next slice of it (exit 3: still runs; 0: ended)
