@@ -245,3 +245,24 @@ def test_a_follow_of_a_killed_detached_run_says_so_at_once(tmp_path, monkeypatch
     assert json.loads((tmp_path / "out" / "realistic_follow_sync.json").read_text())["state"] == "exit -9"
     assert realistic.phase_start("sync", [sys.executable, "-c", "pass"]) in (0, 3)
     realistic.phase_follow("sync")
+
+
+def test_a_model_built_on_a_device_is_built_in_a_child_process(tmp_path, monkeypatch):
+    """`realistic.build` on a device other than the CPU builds the stand-in in a child, so the driver holds no
+    device memory beside the job (``cpu:0`` takes that path on a machine without a GPU); a kept model is not
+    built again."""
+    import subprocess
+
+    calls = []
+    real_run = subprocess.run
+
+    def recording_run(argv, *args, **kwargs):
+        calls.append(argv)
+        return real_run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(realistic.subprocess, "run", recording_run)
+    out = realistic.build(tmp_path, shape="tiny", device="cpu:0", rows=8)
+    assert len(calls) == 1 and calls[0][1] == "-c" and "make_model" in calls[0][2]
+    assert (Path(out["model"]) / "config.json").exists() and Path(out["data"]).exists()
+    realistic.build(tmp_path, shape="tiny", device="cpu:0", rows=8)
+    assert len(calls) == 1
