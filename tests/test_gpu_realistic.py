@@ -266,3 +266,26 @@ def test_a_model_built_on_a_device_is_built_in_a_child_process(tmp_path, monkeyp
     assert (Path(out["model"]) / "config.json").exists() and Path(out["data"]).exists()
     realistic.build(tmp_path, shape="tiny", device="cpu:0", rows=8)
     assert len(calls) == 1
+
+
+def test_combine_compares_the_runs_over_their_common_steps(tmp_path):
+    """Runs of 6, 4 and 5 steps compare over steps 2-4, from their rows' times (the whole-run figures stay beside)."""
+    def ours_rows(n, step_s, tokens):
+        return [{"step": k, "t_since_step1_s": step_s * (k - 1), "trained_tokens": tokens, "busy_frac": 0.9}
+                for k in range(1, n + 1)]
+
+    ours = {"summary": {"trained_tokens_per_s": 9999.0, "trainer_busy_frac": 0.9}, "rows": ours_rows(6, 2.0, 4000)}
+    sync = {"summary": {"trained_tokens_per_s": 1.0}, "rows": ours_rows(4, 4.0, 4000)}
+    trl = {"figures": {"trained_tokens_per_s": 1.0, "rows": [
+        {"step": k, "time": 50.0 + 8.0 * k, "completion_tokens": 4000} for k in range(1, 6)]}}
+    for name, data in {"realistic_job_async.json": ours, "realistic_job_sync.json": sync,
+                       "realistic_trl.json": trl}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    out = realistic_trl.combine(tmp_path, tmp_path / "out")
+    window = out["figures"]["same_steps"]
+    assert window["steps"] == "2-4"
+    assert (window["async_trained_tokens_per_s"], window["sync_trained_tokens_per_s"],
+            window["trl_trained_tokens_per_s"]) == (2000.0, 1000.0, 500.0)
+    assert out["ours_over_trl"] == 4.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
+    assert out["targets"]["ours_over_trl_trained_tok_s"]["measured"] == 4.0
+    assert realistic_trl.same_steps(ours_rows(2, 1.0, 1), ours_rows(6, 1.0, 1), ours_rows(6, 1.0, 1)) is None

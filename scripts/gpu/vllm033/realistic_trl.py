@@ -235,6 +235,34 @@ def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
             "peak_mib_by_role": (run.get("gpu_memory") or {}).get("peak_mib_by_role")}
 
 
+def _window_tok_s(rows: list[dict], last: int, tokens_key: str, time_key: str) -> float | None:
+    """Trained tokens per second of steps 2..``last`` of one run's rows (wall clock from step 1's end)."""
+    by_step = {r.get("step"): r for r in rows}
+    if 1 not in by_step or last not in by_step or any(by_step[k].get(time_key) is None for k in (1, last)):
+        return None
+    span = by_step[last][time_key] - by_step[1][time_key]
+    tokens = sum(by_step[k].get(tokens_key) or 0 for k in range(2, last + 1) if k in by_step)
+    return round(tokens / span, 1) if span > 0 else None
+
+
+def same_steps(async_rows: list[dict], sync_rows: list[dict], trl_rows: list[dict]) -> dict | None:
+    """Each run's trained tok/s over the same steps, 2..N with N the last step all three logged (steps slow down as
+    a policy learns, so runs of different lengths compare over their common range); None when a run has fewer
+    than 3 steps or lacks the rows' times."""
+    steps = [max((r.get("step") or 0 for r in rows), default=0) for rows in (async_rows, sync_rows, trl_rows)]
+    last = min(steps)
+    if last < 3:
+        return None
+    a = _window_tok_s(async_rows, last, "trained_tokens", "t_since_step1_s")
+    s = _window_tok_s(sync_rows, last, "trained_tokens", "t_since_step1_s")
+    t = _window_tok_s(trl_rows, last, "completion_tokens", "time")
+    if None in (a, s, t):
+        return None
+    return {"steps": f"2-{last}", "async_trained_tokens_per_s": a, "sync_trained_tokens_per_s": s,
+            "trl_trained_tokens_per_s": t, "async_over_sync_trained_tok_s": _ratio(a, s),
+            "ours_over_trl_trained_tok_s": _ratio(a, t), "sync_over_trl_trained_tok_s": _ratio(s, t)}
+
+
 def combine(folder: Path, out_dir: Path | None = None) -> dict:
     """The issue's comparison from the fetched JSONs (module docstring). Raises FileNotFoundError naming a missing
     result and the phase that writes it."""
@@ -255,12 +283,17 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
     engine_tok_s = (engine or {}).get("engine_generated_tok_s")
     fa, fs = ours_figures(a, engine_tok_s), ours_figures(s, engine_tok_s)
     ft = {k: v for k, v in (trl.get("figures") or {}).items() if k != "rows"}
-    ours_over_trl = _ratio(fa["trained_tokens_per_s"], ft.get("trained_tokens_per_s"))
+    window = same_steps(a.get("rows") or [], s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [])
     figures = {"async": fa, "sync": fs, "trl": {**ft, "mode": trl.get("mode_measured")},
                "engine_generated_tokens_per_s": engine_tok_s,
                "async_over_sync_trained_tok_s": _ratio(fa["trained_tokens_per_s"], fs["trained_tokens_per_s"]),
-               "ours_over_trl_trained_tok_s": ours_over_trl,
-               "sync_over_trl_trained_tok_s": _ratio(fs["trained_tokens_per_s"], ft.get("trained_tokens_per_s"))}
+               "ours_over_trl_trained_tok_s": _ratio(fa["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
+               "sync_over_trl_trained_tok_s": _ratio(fs["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
+               "same_steps": window}
+    if window:  # the ratios the targets take: over the same steps when every run has its rows' times
+        figures.update({k: window[k] for k in ("async_over_sync_trained_tok_s", "ours_over_trl_trained_tok_s",
+                                               "sync_over_trl_trained_tok_s")})
+    ours_over_trl = figures["ours_over_trl_trained_tok_s"]
     measured = {"async_over_sync_trained_tok_s": figures["async_over_sync_trained_tok_s"],
                 "ours_over_trl_trained_tok_s": ours_over_trl, "async_busy_frac": fa["busy_frac"],
                 "generation_frac_of_engine": fa["generation_frac_of_engine"]}
