@@ -364,7 +364,8 @@ def realistic_assets(tmp_path_factory) -> Path:
     return work
 
 
-@pytest.mark.parametrize("name", ["async", "sync", "async_clip", "sync_clip", "async_mps", "async_clip_mps"])
+@pytest.mark.parametrize("name", ["async", "sync", "async_clip", "sync_clip", "async_mps", "async_clip_mps",
+                                  "async_compile", "sync_compile"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
@@ -379,6 +380,7 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
     assert cfg.trainer.activation_checkpointing and cfg.launch.colocate and cfg.sampler.backend.value == "vllm"
     clip = "clip" in name.split("_")
     assert cfg.loss.score_centering is not clip and (cfg.rollout.num_sampler_logprobs == 0) is clip
+    assert cfg.trainer.torch_compile is ("compile" in name.split("_"))
 
 
 def test_a_realistic_job_names_its_mode_and_tags_or_is_refused():
