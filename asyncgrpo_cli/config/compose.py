@@ -50,6 +50,7 @@ FIELD_PATHS: dict[str, str] = {
     "tree_attention": "packing.attention",
     "vllm_server_base_url": "sampler.url",
     "vllm_server_timeout": "sampler.timeout",
+    "vllm_server_hang_timeout": "sampler.hang_timeout",
     "weight_transfer_address": "sampler.weight_transfer_address",
     "weight_transfer_port": "sampler.weight_transfer_port",
     "check_weight_sync": "sampler.check_weight_sync",

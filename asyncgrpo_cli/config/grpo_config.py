@@ -23,7 +23,7 @@ ASYNC_GRPO_FIELDS = (
     "log_completions", "num_completions_to_print",
     # Extensions of this project (not in SPEC §16.2's signature):
     "tree_attention", "tool_call_timeout", "sampling_mask_fallback", "max_groups_without_signal",
-    "weight_transfer_address", "weight_transfer_port", "max_groups_per_step",
+    "weight_transfer_address", "weight_transfer_port", "max_groups_per_step", "vllm_server_hang_timeout",
     # The algorithm menu of TRL's GRPOConfig (issue #27; defaults = SPEC §3.2, §3.3):
     "loss_type", "importance_sampling_level", "vllm_importance_sampling_mode", "mask_truncated_completions",
     "reward_weights", "beta", "scale_rewards", "multi_objective_aggregation",
@@ -124,6 +124,9 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "Base URL of the sampler."})
     vllm_server_timeout: float = field(default=1800.0, metadata={
         "help": "Seconds: readiness wait, each generation request (then retried) and each weight-sync call."})
+    vllm_server_hang_timeout: float = field(default=120.0, metadata={
+        "help": "Seconds a server that has answered may leave GET /health unanswered (hung) before the run saves and "
+                "stops; the lower of this and vllm_server_timeout applies (extension)."})
     # Extensions: where the vLLM server's workers reach the trainer for NCCL weight transfer (multi-node).
     weight_transfer_address: str | None = field(default=None, metadata={
         "help": "Address of the trainer's rank-0 process that the vLLM server's workers connect to for the NCCL "

@@ -162,6 +162,9 @@ def _field_rules(values: Mapping[str, Any], p: Callable[[str], str], found: Any)
     if g("vllm_server_timeout", 1800.0) <= 0:
         fail(p("vllm_server_timeout"), g("vllm_server_timeout"), "must be > 0 seconds",
              f"set {p('vllm_server_timeout')}=1800")
+    if g("vllm_server_hang_timeout", 120.0) <= 0:
+        fail(p("vllm_server_hang_timeout"), g("vllm_server_hang_timeout"), "must be > 0 seconds",
+             f"set {p('vllm_server_hang_timeout')}=120")
     url = g("vllm_server_base_url", None)
     if url is not None and not _is_http_url(url):
         fail(p("vllm_server_base_url"), url, "not an http(s) URL of the sampler",

@@ -8,12 +8,14 @@ waits its whole timeout, and nothing else shows it. `ServerWatch` probes ``GET /
 
 - after `REPORT_AFTER_S` seconds without an answer it reports the silence (`status`, shown by the trainer
   in ``status.json`` ``server_status`` and so in the panels and the plain log);
-- while the server is silent, `budget` is what is left of ``vllm_server_timeout`` (CLI: ``sampler.timeout``):
-  the trainer's requests (a weight sync) wait at most that, so a hang costs the timeout once, not once per
-  request and attempt;
-- once the silence has lasted ``vllm_server_timeout`` it sets `problem`, which stops the run like a failed
-  rollout worker: the last completed step is saved and the run fails with `ServerHungError` (the URL, how
-  long, what a hang is and the fix).
+- while the server is silent, `budget` is what is left of the hang limit (below): the trainer's requests (a
+  weight sync) wait at most that, so a hang costs the limit once, not once per request and attempt;
+- once the silence has lasted the hang limit (`hang_limit`: ``vllm_server_hang_timeout``, CLI
+  ``sampler.hang_timeout``, 120 s by default, or ``vllm_server_timeout`` when that is lower) it sets `problem`,
+  which stops the run like a failed rollout worker: the last completed step is saved and the run fails with
+  `ServerHungError` (the URL, how long, what a hang is and the fix). Before the hang limit existed a hung server
+  kept the run for the whole ``sampler.timeout``, 30 minutes by default (a fresh user's SIGSTOP trial, NOTES,
+  seventeenth session).
 
 Any HTTP answer, whatever its status, ends the silence; a refused connection is not a hang (the server is
 gone: the outage clock of B.17 handles it), so it ends the silence too.
@@ -49,7 +51,20 @@ def server_pid_from_env(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 class ServerHungError(RuntimeError):
-    """The sampler server stopped answering (not refusing) for ``vllm_server_timeout`` seconds."""
+    """The sampler server stopped answering (not refusing) for the hang limit (`hang_limit`)."""
+
+
+#: The CLI key of each `AsyncGRPOConfig` field a hang limit can come from.
+LIMIT_KEYS = {"vllm_server_timeout": "sampler.timeout", "vllm_server_hang_timeout": "sampler.hang_timeout"}
+
+
+def hang_limit(args) -> tuple[float, str]:
+    """``(seconds, field)``: the silence after which a server that has answered counts as hung, and the
+    `AsyncGRPOConfig` field it comes from: ``vllm_server_hang_timeout``, or ``vllm_server_timeout`` when that is
+    lower (a user who lowered the whole timeout waits no longer for a hang). ``args``: the `AsyncGRPOConfig`."""
+    hang = float(getattr(args, "vllm_server_hang_timeout", 120.0))
+    whole = float(args.vllm_server_timeout)
+    return (whole, "vllm_server_timeout") if whole <= hang else (hang, "vllm_server_hang_timeout")
 
 
 def probe_health(url: str, timeout_s: float) -> tuple[str, str]:
@@ -71,7 +86,9 @@ class ServerWatch:
 
     Args:
         url: the server's base URL.
-        timeout_s: ``vllm_server_timeout``: the silence after which the run stops.
+        timeout_s: the silence after which the run stops, seconds (`hang_limit`).
+        limit_field: the `AsyncGRPOConfig` field ``timeout_s`` comes from (a key of `LIMIT_KEYS`): the lines name
+            it and its CLI key.
         probe: ``(url, timeout_s) -> (outcome, why)`` (default `probe_health`; tests pass their own).
         on_problem: called once with `problem` when it is set (the trainer abandons its client's waits).
         clock: monotonic clock, seconds.
@@ -84,8 +101,10 @@ class ServerWatch:
     def __init__(self, url: str, timeout_s: float, *, probe: Callable[[str, float], tuple[str, str]] | None = None,
                  clock: Callable[[], float] = time.monotonic, every_s: float = PROBE_EVERY_S,
                  probe_timeout_s: float = PROBE_TIMEOUT_S, report_after_s: float = REPORT_AFTER_S,
-                 on_problem: Callable[[str], None] | None = None, server_pid: int | None = None) -> None:
+                 on_problem: Callable[[str], None] | None = None, server_pid: int | None = None,
+                 limit_field: str = "vllm_server_timeout") -> None:
         self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
+        self.limit_field, self.limit_key = limit_field, LIMIT_KEYS[limit_field]
         self.server_pid = server_pid
         self.on_problem = on_problem
         self.probe = probe or probe_health
@@ -195,18 +214,18 @@ class ServerWatch:
         return (f"server not answering: no answer to GET /health{f' from the server (pid {pid})' if pid else ''} "
                 f"for {silent:.0f} s (hung or stopped? a busy server still answers it"
                 f"{f'; if stopped, kill -CONT -- -{pid} continues its process group' if pid else ''}); the run "
-                f"stops with a checkpoint at sampler.timeout={self.timeout_s:g} s ({left:.0f} s left)")
+                f"stops with a checkpoint at {self.limit_key}={self.timeout_s:g} s ({left:.0f} s left)")
 
     def hung_message(self, silent_s: float, gave_up: bool = True) -> str:
         """The failure: the URL, how long, what it means and the fix (``gave_up``: the silence reached the
         timeout; else another failure ended the wait first, e.g. a weight sync)."""
-        limit = (f"gave up after vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout)" if gave_up else
-                 f"the run stops before vllm_server_timeout={self.timeout_s:g} s (CLI: sampler.timeout) because a "
-                 "request to it failed")
+        named = f"{self.limit_field}={self.timeout_s:g} s (CLI: {self.limit_key})"
+        limit = (f"gave up after {named}" if gave_up else
+                 f"the run stops before {named} because a request to it failed")
         pid = self.server_pid
         cont = f"`kill -CONT -- -{pid}` continues its process group" if pid else "`kill -CONT PID`"
         return (f"the sampler server at {self.url}{f' (pid {pid})' if pid else ''} has not answered for "
                 f"{silent_s:.0f} s: it accepts connections but GET /health times out "
                 f"({self.last_failure or 'no answer'}), so it is hung (stopped with SIGSTOP or Ctrl-Z, deadlocked, "
                 f"or swapping), not dead; {limit}. Fix: look at the server (its log; {cont} if it was stopped), "
-                "restart it if needed, and resume from the last checkpoint; raise sampler.timeout to wait longer")
+                f"restart it if needed, and resume from the last checkpoint; raise {self.limit_key} to wait longer")

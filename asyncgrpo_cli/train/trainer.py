@@ -294,7 +294,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         from ..rollout.worker import RolloutWorker
         from ..sampler.client import SyncSamplerClient
         from .liveness import WorkerWatch
-        from .server_watch import ServerWatch, server_pid_from_env
+        from .server_watch import ServerWatch, hang_limit, server_pid_from_env
 
         args = self.args
         self.position = None
@@ -303,10 +303,10 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
             budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
-            self.server_watch = ServerWatch(args.vllm_server_base_url, args.vllm_server_timeout,
-                                            on_problem=self.sampler.outage.abandon,
-                                            server_pid=server_pid_from_env()).start()
-            self.sampler.silence_budget = self.server_watch.budget  # a hung server costs the timeout once
+            limit_s, limit_field = hang_limit(args)
+            self.server_watch = ServerWatch(args.vllm_server_base_url, limit_s, on_problem=self.sampler.outage.abandon,
+                                            server_pid=server_pid_from_env(), limit_field=limit_field).start()
+            self.sampler.silence_budget = self.server_watch.budget  # a hung server costs the hang limit once
             self.live.update(force=True, state="starting", max_steps=args.max_steps if args.max_steps > 0 else None,
                              num_train_epochs=args.num_train_epochs if self._prompts_have_length else None,
                              num_processes=self.accelerator.num_processes,

@@ -14,7 +14,14 @@ import time
 from asyncgrpo_cli.sampler.retry import ServerOutage
 from asyncgrpo_cli.train.liveness import WorkerWatch
 from asyncgrpo_cli.run.state import SERVER_PID_ENV
-from asyncgrpo_cli.train.server_watch import ANSWERED, REFUSED, SILENT, ServerWatch, server_pid_from_env
+from asyncgrpo_cli.train.server_watch import (
+    ANSWERED,
+    REFUSED,
+    SILENT,
+    ServerWatch,
+    hang_limit,
+    server_pid_from_env,
+)
 
 from .conftest import cli_argv, metrics_steps, status, wait_for
 
@@ -58,6 +65,32 @@ def test_a_silent_server_is_reported_after_15_s_and_fails_the_run_at_the_timeout
     assert "hung (stopped with SIGSTOP or Ctrl-Z" in problem and "vllm_server_timeout=60 s (CLI: sampler.timeout)" \
         in problem and "Fix:" in problem and "kill -CONT" in problem
     assert calls[0] == ("http://127.0.0.1:8000", 5.0)  # each probe waits at most 5 s
+
+
+def test_a_hung_server_stops_the_run_at_the_hang_limit_not_the_whole_sampler_timeout():
+    """A fresh user's trial (NOTES, seventeenth session): a SIGSTOPped server was named within 15 s, then the run
+    waited out ``sampler.timeout=1800`` s. The hang limit is ``sampler.hang_timeout`` (120 s by default), or
+    ``sampler.timeout`` when that is lower; the lines name the one that applies."""
+    from asyncgrpo_cli.config.grpo_config import AsyncGRPOConfig
+
+    defaults = AsyncGRPOConfig(output_dir="/tmp/x", use_cpu=True)
+    assert (defaults.vllm_server_timeout, defaults.vllm_server_hang_timeout) == (1800.0, 120.0)
+    assert hang_limit(defaults) == (120.0, "vllm_server_hang_timeout")
+    lowered = AsyncGRPOConfig(output_dir="/tmp/x", use_cpu=True, vllm_server_timeout=60.0)
+    assert hang_limit(lowered) == (60.0, "vllm_server_timeout")
+    clock = Clock()
+    limit_s, field = hang_limit(defaults)
+    watch = ServerWatch("http://h:1", limit_s, limit_field=field, probe=scripted([ANSWERED, SILENT])[0], clock=clock)
+    watch.check()
+    clock.now += 20
+    watch.check()
+    assert watch.status().endswith("the run stops with a checkpoint at sampler.hang_timeout=120 s (100 s left)")
+    clock.now += 99
+    assert watch.check() is None
+    clock.now += 1
+    problem = watch.check()
+    assert "gave up after vllm_server_hang_timeout=120 s (CLI: sampler.hang_timeout)" in problem, problem
+    assert problem.endswith("raise sampler.hang_timeout to wait longer"), problem
 
 
 def test_the_lines_name_the_server_this_job_started():
