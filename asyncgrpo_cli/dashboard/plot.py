@@ -24,6 +24,7 @@ REWARD_CURVES = ("reward", "reward_kept")
 THROUGHPUT_CURVES = ("rollout/generated_tokens_per_s", "perf/fwd_bwd_forwarded_tokens_per_s",
                      "perf/wall_clock_trained_tokens_per_s")
 RESUME_EVENT = "resume"
+START_EVENT = "start"  # a start from step 0 in a folder an earlier attempt logged into (`LiveFiles.mark_start`)
 EVAL_EVENT = "eval"  # one record per eval round (train/evaluation.py; README "Evaluation")
 KV_METRIC = "rollout/vllm_kv_cache_usage_frac"
 #: ``sampler.backend`` -> what the KV usage curve is (the metric keeps its SPEC name, the legend says what it is).
@@ -78,9 +79,9 @@ def is_event(record: Mapping[str, Any]) -> bool:
 def run_history(records: Sequence[Mapping[str, Any]]) -> RunHistory:
     """The latest run of a ``metrics.jsonl`` file, across its resumes.
 
-    A resume marker at step N drops the kept windows after step N (the resumed run logs them again); a
-    window whose step does not grow without a marker before it starts a new run (a reused folder), so
-    everything before it is dropped.
+    A resume marker at step N drops the kept windows after step N (the resumed run logs them again); a start
+    marker, or a window whose step does not grow without a marker before it, starts a new run (a reused folder),
+    so everything before it is dropped.
     """
     out = RunHistory()
     last_step: float | None = None
@@ -88,6 +89,8 @@ def run_history(records: Sequence[Mapping[str, Any]]) -> RunHistory:
         if is_event(rec):
             if rec.get("event") == EVAL_EVENT:  # kept in place (a resume drops the rounds after its step)
                 out.rows.append(dict(rec))
+            elif rec.get("event") == START_EVENT:
+                out, last_step = RunHistory(), None
             elif rec.get("event") == RESUME_EVENT:
                 at = num(rec, "step") or 0.0
                 out.rows = [r for r in out.rows if (num(r, "step") or 0.0) <= at]

@@ -264,6 +264,19 @@ class LiveFiles:
         self.append_metrics({"event": "resume", "step": int(step), "from": Path(str(checkpoint)).name,
                              "path": str(checkpoint), "time": time.time()})
 
+    def mark_start(self, step: int, checkpoint: str | None) -> None:
+        """The marker of a training start in ``metrics.jsonl``: `mark_resume` from ``checkpoint``; without one, a
+        ``{"event": "start", "step": 0, "time": ..., "note": ...}`` line when the file already holds lines (an
+        earlier attempt that saved no checkpoint, started again in the same folder), so that its windows are not
+        read as this run's; nothing for a first start."""
+        if checkpoint is not None:
+            self.mark_resume(step, checkpoint)
+            return
+        path = self.dir / "metrics.jsonl"
+        if path.exists() and path.stat().st_size > 0:
+            self.append_metrics({"event": "start", "step": int(step), "time": time.time(),
+                                 "note": "a start from step 0: the lines above belong to an earlier attempt"})
+
     def append_completions(self, records: list[dict[str, Any]]) -> None:
         """Append completion records to ``completions.jsonl``, one JSON line each (NaN written as null), in one
         write: a reader (`dashboard.JsonlTail`) sees whole lines only."""

@@ -231,8 +231,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.live = LiveFiles(args.output_dir) if self.is_world_process_zero() else None
         self.position = None
         self._last_loss = 0.0
-        if self.live is not None and checkpoint is not None:
-            self.live.mark_resume(self.state.global_step, resume_from_checkpoint)
+        if self.live is not None:
+            self.live.mark_start(self.state.global_step, resume_from_checkpoint if checkpoint is not None else None)
         start = time.time()
         if args.max_steps > 0 and self.state.global_step >= args.max_steps:
             if self.live is not None:

@@ -109,6 +109,26 @@ def test_resume_keeps_the_whole_run_and_marks_it(tmp_path):
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_start_again_in_the_same_folder_is_marked_and_read_as_a_new_run(tmp_path):
+    """An attempt that saved no checkpoint, started again in its folder (the failure's start-again command): the
+    trainer marks the new start in ``metrics.jsonl``, and the curves drop the earlier attempt's windows even when
+    the new run's first logged step is past them (``logging_steps`` 2 after an attempt that logged step 1)."""
+    from asyncgrpo_cli.run.state import LiveFiles
+
+    live = LiveFiles(tmp_path)
+    live.mark_start(0, None)  # a first start: nothing to mark
+    assert not (tmp_path / "metrics.jsonl").exists()
+    live.append_metrics(window(1))
+    live.mark_start(0, None)
+    live.append_metrics(window(2))
+    live.mark_start(4, str(tmp_path / "checkpoint-4"))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("event") for x in lines] == [None, "start", None, "resume"]
+    assert lines[1]["step"] == 0 and "earlier attempt" in lines[1]["note"] and lines[3]["from"] == "checkpoint-4"
+    assert [r["step"] for r in run_history(lines[:3]).rows] == [2]
+    assert [r["step"] for r in run_history([window(1), window(2)]).rows] == [1, 2]  # no marker: one run
+
+
 def test_dashboard_skips_event_records(tmp_path):
     from asyncgrpo_cli.train.sync_check import STARTED
 
