@@ -573,8 +573,8 @@ class SyncSamplerClient:
             state.timeout_s = self.timeout_s if budget is None else \
                 max(SILENT_MIN_TIMEOUT_S, min(self.timeout_s, budget))
             try:
-                response = self._http.request(method, route, json=body, params=params,
-                                              timeout=httpx.USE_CLIENT_DEFAULT if budget is None else state.timeout_s)
+                response = self._request(state, method, route, json=body, params=params,
+                                         timeout=httpx.USE_CLIENT_DEFAULT if budget is None else state.timeout_s)
             except _TRANSPORT_ERRORS as exc:
                 delay = state.on_error(exc, body, retry)
             else:
@@ -586,6 +586,35 @@ class SyncSamplerClient:
             if self.outage.active:  # the outage logged its start once; the countdown is its status()
                 log.debug("sampler %s%s: %s", self.base_url, route, self.outage.status())
             self._pause(delay)
+
+    def _request(self, state: _RetryState, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP request. With a `silence_budget` (the trainer's `ServerWatch`) it runs on a daemon thread and
+        this one waits in slices of `WAKE_S` s: once the outage is abandoned (the watch found the server hung, a
+        stop signal, the supervisor saw the server die) it raises `SamplerUnavailableError` at once, where a
+        request already blocked on a server that went silent waited its whole timeout (``sampler.timeout``, 30
+        minutes by default: a fresh user's trial with ``sampler.hang_timeout``, eighteenth session). The
+        abandoned request ends at its own timeout or with the process."""
+        if self.silence_budget is None:
+            return self._http.request(method, route, **kwargs)
+        import threading
+
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["response"] = self._http.request(method, route, **kwargs)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"sampler-request {route}", daemon=True).start()
+        while not done.wait(WAKE_S):
+            state._raise_if_abandoned(f"no answer to {method} {route} yet; the request was left waiting")
+        if "error" in box:
+            raise box["error"]
+        return box["response"]
 
     def _pause(self, delay: float) -> None:
         """Sleep ``delay`` s between tries, in slices of `WAKE_S` s, ending early once the outage was

@@ -268,6 +268,36 @@ def test_while_the_server_is_silent_a_request_waits_only_what_is_left_of_the_tim
     assert seen == [60.0, 12.5, 1.0]
 
 
+def test_a_request_already_waiting_when_the_server_goes_silent_ends_when_the_watch_gives_up():
+    """A fresh user's trial (eighteenth session): a weight sync's request started before the watch noticed the
+    silence, so it had the whole ``sampler.timeout``; the run outlived ``sampler.hang_timeout`` by minutes, and a
+    Ctrl-C then saved nothing (the request held the trainer past the supervisor's stop timeout). Against a socket
+    that accepts and never answers, the request now ends within a slice of the abandonment (the watch's
+    ``on_problem``, a stop signal), not at its 60 s timeout."""
+    import socket
+    import threading
+
+    import pytest
+
+    from asyncgrpo_cli.sampler.client import SamplerUnavailableError, SyncSamplerClient
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # accepts (the kernel does), never answers: a stopped server
+    try:
+        client = SyncSamplerClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=60.0)
+        client.silence_budget = lambda: None  # the watch has not noticed anything yet
+        threading.Timer(1.0, client.outage.abandon, args=("the server has not answered for 40 s",)).start()
+        started = time.monotonic()
+        with pytest.raises(SamplerUnavailableError, match="stopped waiting for the sampler server .the server has "
+                                                          "not answered for 40 s.*request was left waiting"):
+            client.server_info()
+        assert time.monotonic() - started < 10.0
+        client.close()
+    finally:
+        listener.close()
+
+
 def test_a_sync_failing_while_the_server_is_silent_is_reported_as_the_hang():
     """A weight sync that failed while /health went unanswered fails the run as `ServerHungError` (the hang is
     the cause; the timed-out route only its symptom), saying whether the silence reached the timeout."""
