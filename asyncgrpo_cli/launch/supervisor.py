@@ -617,6 +617,11 @@ class Supervisor:
             else:
                 child.signal_group(first)
             if not self._wait_exit(child, grace, interruptible=True):
+                if child is self.trainer and not self._escalate.is_set():
+                    say = self.dashboard.print if self._monitoring and self.dashboard is not None else \
+                        self.console.print
+                    say(Text(f"the trainer did not stop within {grace:.0f} s (launch.stop_timeout): SIGTERM, which "
+                             "stops it without saving", style="bold yellow"))
                 if first != signal.SIGTERM:
                     child.signal_group(signal.SIGTERM)
                     term = self.timeouts.trainer_term_s if child is self.trainer else self.timeouts.server_term_s

@@ -28,6 +28,7 @@ class StopHandling:
         """First signal: stop after this step and save it; abandon any wait for the server. Second: stop now.
         Only sets attributes (no lock is taken: the main thread may hold any)."""
         if self._stop_requested:  # a second signal: stop now, without saving
+            self._second_signal = signum
             raise KeyboardInterrupt
         self._stop_requested = True
         self._signal = signum
@@ -66,8 +67,11 @@ class StopHandling:
         saved = None
         if isinstance(exc, KeyboardInterrupt):
             if self.live is not None:
+                second = getattr(self, "_second_signal", None)
+                name = signal.Signals(second).name if second is not None else "signal"
                 self.live.update(force=True, state="stopped", step=self.state.global_step,
-                                 note="second signal: stopped without saving")
+                                 note=f"a second stop signal ({name}) while saving the last completed step: "
+                                      "stopped without saving")
             return
         can_save = (self.accelerator.num_processes == 1 and not getattr(self, "_in_optimizer_step", False)
                     and self.state.global_step > getattr(self, "_last_saved_step", 0)

@@ -47,3 +47,25 @@ def test_the_window_a_stop_cut_short_logs_no_generation_rate():
     running = log_a_window(stopped=False)  # a window the run went on through: its measured rates, zero included
     assert all(running[name] == 0.0 for name in GENERATION_RATES), running
     assert "| gen 0 tok/s 0 rollouts/s (16 in flight, none finished in this window) |" in metrics_line(running, 50)
+
+
+def test_a_second_stop_signal_names_itself_in_the_final_status(tmp_path):
+    """A fresh user's trial (eighteenth session) sent one SIGINT; the supervisor's SIGTERM after its stop timeout
+    was the second signal, and ``status.json`` said only "second signal". The note names the signal that cut the
+    save (the supervisor's console names its timeout)."""
+    import signal
+
+    import pytest
+
+    trainer = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)
+    updates: list[dict] = []
+    trainer.live = SimpleNamespace(update=lambda **fields: updates.append(fields))
+    trainer.state = SimpleNamespace(global_step=2)
+    trainer.args = SimpleNamespace(output_dir=str(tmp_path))
+    trainer._stop_requested = False
+    trainer._on_stop_signal(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        trainer._on_stop_signal(signal.SIGTERM, None)
+    trainer._on_failure(None, None, KeyboardInterrupt())
+    assert updates[-1]["state"] == "stopped" and updates[-1]["note"] == (
+        "a second stop signal (SIGTERM) while saving the last completed step: stopped without saving")
