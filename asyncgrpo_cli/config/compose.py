@@ -509,7 +509,8 @@ def _explain_hydra_error(exc: Exception, overrides: list[str],
         value = next((o.split("=", 1)[1] for o in overrides or () if o.lstrip("+~").split("=", 1)[0] == user_key
                       and "=" in o), None)
         return unknown_key_message(user_key, value) if user_key else _unknown_key_message(msg)
-    if any(t in msg for t in ("could not be converted to", "is not a valid", "Cannot convert", "Invalid value")):
+    if any(t in msg for t in ("could not be converted to", "is not a valid", "Cannot convert", "Invalid value",
+                              "is not Optional")):  # the last: key=null for a key that takes a value
         from .override_errors import type_error_message
 
         key = getattr(cause, "full_key", None) or (_UNKNOWN_KEY.search(msg) or [None, None])[1]

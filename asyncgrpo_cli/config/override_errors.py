@@ -166,7 +166,7 @@ def type_error_message(full_key: str, value: Any, current: Any = _MISSING) -> st
     if found is None:
         return None
     tp, default = found
-    shown = f"'{value}'" if isinstance(value, str) else str(value)
+    shown = f"'{value}'" if isinstance(value, str) else "null" if value is None else str(value)
     example = _example(full_key, tp, default, current)
     inner, _ = _unwrap(tp)  # an enum's or a bool's values are the description already
     plain = not (inner is bool or (isinstance(inner, type) and issubclass(inner, enum.Enum)))

@@ -203,6 +203,10 @@ def test_unknown_key_suggests_the_nearest_real_key_by_path(override, suggestion,
     ("sampler.backend=foo", "field sampler.backend: value 'foo' is not one of vllm, embedded, external. Fix: "
                             "sampler.backend=vllm or"),
     ("launch.server_gpus=abc", "field launch.server_gpus: value 'abc' is not a list"),
+    # null for a key that takes a value (a trial: OmegaConf's "is not Optional" text, no fix)
+    ("sampler.hang_timeout=null", "field sampler.hang_timeout: value null is not a number. Fix: "
+                                  "sampler.hang_timeout=120.0 (its default)"),
+    ("rollout.num_generations=null", "field rollout.num_generations: value null is not an integer"),
 ])
 def test_a_value_of_the_wrong_type_names_field_value_type_and_fix(override, expected):
     with pytest.raises(ConfigError) as info:
