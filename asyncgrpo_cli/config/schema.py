@@ -289,11 +289,13 @@ class SamplerConfig:
     url: Optional[str] = None
     """Base URL the worker and trainer talk to; None = http://HOST:PORT of the started server."""
     timeout: float = 1800.0
-    """``vllm_server_timeout`` in seconds."""
+    """``vllm_server_timeout`` in seconds: how long the job waits for the server to start, for one request (then
+    retried) and for an outage of refused connections."""
     hang_timeout: float = 120.0
     """Seconds a server that has answered may leave ``GET /health`` unanswered (hung: stopped with SIGSTOP or
     Ctrl-Z, deadlocked, swapping) before the run saves its last step and stops; the lower of this and ``timeout``
-    applies. A busy vLLM still answers ``/health``; a refused connection is an outage (``timeout``), not a hang."""
+    applies (it cannot be turned off: raise it to wait longer). A busy vLLM still answers ``/health``; a refused
+    connection is an outage (``timeout``), not a hang."""
     host: str = "127.0.0.1"
     """Address a started server binds to (dev-mode routes take no API key: keep it private)."""
     allow_public: bool = False

@@ -33,7 +33,8 @@ TRL_GPU_UTIL = float(os.environ.get("TRL_GPU_UTIL", 0.3))  # TRL's default vllm_
 DEFAULT_COMPLETIONS, DEFAULT_PER_STEP = 20 * 48, 48
 # Our asynchronous run's result: this machine's (same call series), else the committed one (it travels with the tree).
 ASYNC_RESULTS = [R.WORK / "realistic_job_async.json",
-                 R.ROOT / "scripts" / "gpu" / "results" / "vllm033" / "realistic_job_async.json"]
+                 R.ROOT / "scripts" / "gpu" / "results" / "vllm033" / "realistic_job_async.json",
+                 R.ROOT / "scripts" / "gpu" / "results" / "vllm033" / "realistic_job_async_s18.json"]  # 2026-12-06
 
 
 def trl_plan(async_result: dict | None) -> dict:
