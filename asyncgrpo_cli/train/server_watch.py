@@ -54,16 +54,11 @@ class ServerHungError(RuntimeError):
     """The sampler server stopped answering (not refusing) for the hang limit (`hang_limit`)."""
 
 
-#: The CLI key of each `AsyncGRPOConfig` field a hang limit can come from.
-LIMIT_KEYS = {"vllm_server_timeout": "sampler.timeout", "vllm_server_hang_timeout": "sampler.hang_timeout"}
-
-
 def hang_limit(args) -> tuple[float, str]:
     """``(seconds, field)``: the silence after which a server that has answered counts as hung, and the
     `AsyncGRPOConfig` field it comes from: ``vllm_server_hang_timeout``, or ``vllm_server_timeout`` when that is
     lower (a user who lowered the whole timeout waits no longer for a hang). ``args``: the `AsyncGRPOConfig`."""
-    hang = float(getattr(args, "vllm_server_hang_timeout", 120.0))
-    whole = float(args.vllm_server_timeout)
+    hang, whole = float(args.vllm_server_hang_timeout), float(args.vllm_server_timeout)
     return (whole, "vllm_server_timeout") if whole <= hang else (hang, "vllm_server_hang_timeout")
 
 
@@ -87,8 +82,8 @@ class ServerWatch:
     Args:
         url: the server's base URL.
         timeout_s: the silence after which the run stops, seconds (`hang_limit`).
-        limit_field: the `AsyncGRPOConfig` field ``timeout_s`` comes from (a key of `LIMIT_KEYS`): the lines name
-            it and its CLI key.
+        limit_field: the `AsyncGRPOConfig` field ``timeout_s`` comes from: the lines name it and its CLI key
+            (`config.compose.hydra_path`).
         probe: ``(url, timeout_s) -> (outcome, why)`` (default `probe_health`; tests pass their own).
         on_problem: called once with `problem` when it is set (the trainer abandons its client's waits).
         clock: monotonic clock, seconds.
@@ -103,8 +98,10 @@ class ServerWatch:
                  probe_timeout_s: float = PROBE_TIMEOUT_S, report_after_s: float = REPORT_AFTER_S,
                  on_problem: Callable[[str], None] | None = None, server_pid: int | None = None,
                  limit_field: str = "vllm_server_timeout") -> None:
+        from ..config.compose import hydra_path
+
         self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
-        self.limit_field, self.limit_key = limit_field, LIMIT_KEYS[limit_field]
+        self.limit_field, self.limit_key = limit_field, hydra_path(limit_field)
         self.server_pid = server_pid
         self.on_problem = on_problem
         self.probe = probe or probe_health
