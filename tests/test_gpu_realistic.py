@@ -104,7 +104,19 @@ def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     for name, data in {"realistic_job_async.json": ours, "realistic_job_sync.json": sync, "realistic_trl.json": trl,
                        "realistic_engine.json": {"engine_generated_tok_s": 10000.0}}.items():
         (tmp_path / name).write_text(json.dumps(data))
+    rows = [{"step": k, "t_since_step1_s": 2.0 * (k - 1), "trained_tokens": 6000.0} for k in range(1, 5)]
+    variant = {**ours, "rows": rows, "command": "asyncgrpo train ..."}
+    (tmp_path / "realistic_job_async_mps.json").write_text(json.dumps(variant))
+    (tmp_path / "realistic_job_async_nosuchtag.json").write_text(json.dumps(variant))  # not a variant: left out
+    sync["rows"] = [{**r, "trained_tokens": 3000.0} for r in rows]
+    trl["figures"]["rows"] = [{"step": k, "time": 3.0 * (k - 1), "completion_tokens": 3000.0} for k in range(1, 5)]
+    for name, data in {"realistic_job_sync.json": sync, "realistic_trl.json": trl}.items():
+        (tmp_path / name).write_text(json.dumps(data))
     out = realistic_trl.combine(tmp_path, tmp_path / "out")
+    assert list(out["figures"]["variants"]) == ["async_mps"]
+    window = out["figures"]["variants"]["async_mps"]["same_steps"]
+    assert window["variant_over_sync_trained_tok_s"] == 2.0 and window["variant_over_trl_trained_tok_s"] == 3.0
+    assert out["sources"]["async"]["file"] == "realistic_job_async.json"
     assert out["ours_over_trl"] == 3.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
     assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7
     assert out["figures"]["async"]["busy_frac_min_step"] == 0.72  # step 1 (start-up) left out

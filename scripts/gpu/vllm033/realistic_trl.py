@@ -9,8 +9,10 @@ error is kept and, if the call has `SERVER_MIN_S` left, the server mode runs on 
 Writes ``$OUT/realistic_trl.json``.
 
 ``combine IN [OUT]``: from ``realistic_job_async.json``, ``realistic_job_sync.json``, ``realistic_trl.json`` and
-``realistic_engine.json`` in ``IN`` (the fetched results), writes ``realistic_async_sync.json`` (our pair, the
-engine's ceiling, ``ours_over_trl`` and the issue's targets) and ``realistic_trl.json`` (TRL's, with
+``realistic_engine.json`` in ``IN`` (the fetched results; symbolic links to dated files are followed, and each
+source's file name is recorded), writes ``realistic_async_sync.json`` (our pair, the engine's ceiling,
+``ours_over_trl``, the issue's targets, and each variant ``realistic_job_<name>.json`` in ``IN`` against the same
+on-policy run and TRL) and ``realistic_trl.json`` (TRL's, with
 ``ours_over_trl``) into ``OUT`` (default ``scripts/gpu/results/vllm033``).
 """
 
@@ -264,6 +266,26 @@ def same_steps(async_rows: list[dict], sync_rows: list[dict], trl_rows: list[dic
             "ours_over_trl_trained_tok_s": _ratio(a, t), "sync_over_trl_trained_tok_s": _ratio(s, t)}
 
 
+def variants(folder: Path, sync_rows: list[dict], trl_rows: list[dict], engine_tok_s: float | None) -> dict:
+    """Each job variant in ``folder`` (``realistic_job_<mode>_<tags>.json``, tags of `realistic.JOB_TAGS`, such
+    as ``async_mps``): its figures (`ours_figures`) and its trained tok/s over the same steps as the on-policy
+    default and TRL (`same_steps`), keyed by the variant's name."""
+    out = {}
+    for path in sorted(folder.glob("realistic_job_*_*.json")):
+        name = path.stem.removeprefix("realistic_job_")
+        try:
+            R.job_variant(name)
+        except ValueError:
+            continue
+        run = json.loads(path.read_text())
+        window = same_steps(run.get("rows") or [], sync_rows, trl_rows) or {}
+        out[name] = {"file": path.resolve().name, "command": run.get("command"),
+                     "figures": ours_figures(run, engine_tok_s),
+                     "same_steps": {k.replace("async_", "variant_", 1).replace("ours_", "variant_", 1): v
+                                    for k, v in window.items()} or None}
+    return out
+
+
 def combine(folder: Path, out_dir: Path | None = None) -> dict:
     """The issue's comparison from the fetched JSONs (module docstring). Raises FileNotFoundError naming a missing
     result and the phase that writes it."""
@@ -276,7 +298,7 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
             if required:
                 raise FileNotFoundError(f"{path}: missing; it is written by `run.sh {phase}` on the GPU")
             return None
-        return json.loads(path.read_text())
+        return {**json.loads(path.read_text()), "_file": path.resolve().name}
 
     a = load("realistic_job_async.json", "realistic_job_async")
     s = load("realistic_job_sync.json", "realistic_job_sync")
@@ -294,14 +316,19 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
     if window:  # the ratios the targets take: over the same steps when every run has its rows' times
         figures.update({k: window[k] for k in ("async_over_sync_trained_tok_s", "ours_over_trl_trained_tok_s",
                                                "sync_over_trl_trained_tok_s")})
+    figures["variants"] = variants(folder, s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [],
+                                   engine_tok_s)
     ours_over_trl = figures["ours_over_trl_trained_tok_s"]
     measured = {"async_over_sync_trained_tok_s": figures["async_over_sync_trained_tok_s"],
                 "ours_over_trl_trained_tok_s": ours_over_trl, "async_busy_frac": fa["busy_frac"],
                 "generation_frac_of_engine": fa["generation_frac_of_engine"]}
     targets = {k: {"target": f">= {v}", "measured": measured[k],
                    "met": None if measured[k] is None else measured[k] >= v} for k, v in TARGETS.items()}
-    out = {"issue": 42, "figures": figures, "ours_over_trl": ours_over_trl, "targets": targets,
-           "async": a, "sync": s, "engine": engine}
+    sources = {k: {"file": v.get("_file"), "date": (v.get("versions") or {}).get("date"),
+                   "gpu": (v.get("versions") or {}).get("gpu")} for k, v in
+               (("async", a), ("sync", s), ("trl", trl), ("engine", engine or {}))}
+    out = {"issue": 42, "sources": sources, "figures": figures, "ours_over_trl": ours_over_trl,
+           "targets": targets, "async": a, "sync": s, "engine": engine}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "realistic_async_sync.json").write_text(json.dumps(out, indent=1))
     (out_dir / "realistic_trl.json").write_text(json.dumps({**trl, "ours_over_trl": ours_over_trl,
