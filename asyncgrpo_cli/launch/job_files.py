@@ -163,3 +163,13 @@ def _removed_marked(text: str, output_dir: Path) -> str:
 
 EARLIER_HEADER = "--- an earlier attempt in this folder (a resume, or a run before it) ---"
 """The line between a resumed run's summary and the one it replaced (`write_summary_file`)."""
+
+
+def server_death_cause(code: int | None) -> str:
+    """The cause line of a server that died during training when its log names none: a signal from outside
+    the job (the supervisor signals the server only once the trainer is done), or an exit without an error."""
+    if code is not None and code < 0:
+        name = exit_text(code).removeprefix("was killed by ")
+        oom = "the out-of-memory killer: see `dmesg`, or " if code == -signal.SIGKILL else ""
+        return f"the server got {name} from outside this job ({oom}a `kill`); its log ends without an error"
+    return f"the server {exit_text(code)} without an error line in its log"

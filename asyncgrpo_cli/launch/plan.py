@@ -43,6 +43,7 @@ from omegaconf import DictConfig
 
 from ..config.compose import DEFAULT_OUTPUT_DIR, server_url  # noqa: F401  (DEFAULT_OUTPUT_DIR: re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
+from .mps import MpsPlan, plan_mps
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
@@ -442,6 +443,7 @@ class LaunchPlan:
         trainer_argv: the trainer's command.
         trainer_env: environment added for the trainer.
         output_dir, config_path, accelerate_config_path, logs_dir: where things go.
+        mps: the CUDA MPS daemon to start first (``launch.mps=true``; `launch.mps`), or None.
     """
 
     gpus: GpuPlan
@@ -455,6 +457,7 @@ class LaunchPlan:
     config_path: Path
     accelerate_config_path: Path
     logs_dir: Path
+    mps: MpsPlan | None = None
 
     @property
     def problems(self) -> list[str]:
@@ -534,7 +537,15 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             why = "both run at once, so they split the cores instead of contending for all of them"
         gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
                           f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
-    return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason,
+    mps = None
+    if cfg.launch.get("mps"):
+        mps, problem = plan_mps(out, colocated=gpus.colocated, starts_server=server is not None)
+        gpus.problems.extend([problem] if problem else [])
+        if mps is not None:
+            server.env.update(mps.client_env)
+            env.update(mps.client_env)
+            gpus.notes.append(mps.note())
+    return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason, mps=mps,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
                                                    trainer=cfg.trainer, model=cfg.model),
                       trainer_argv=trainer_argv(acc_path, cfg_path), trainer_env=env,

@@ -2,7 +2,7 @@
 
 It prints the launch plan, then starts, in order:
 
-1. the sampler: vLLM or the embedded server with the ONE builder's command
+1. the sampler (after `launch.mps`'s daemon): vLLM or the embedded server with the ONE builder's command
    (`server.command.build_server_command`); nothing for ``sampler.backend=external``. Before the
    model is loaded, `check_server_port` refuses a ``sampler.port`` another process holds, or where a
    server this job did not start already answers (use it with ``sampler.backend=external``);
@@ -62,7 +62,9 @@ from ..run.stop_reason import clear_stop_reason, read_stop_reason, write_stop_re
 from ..run.folder import earlier_checkpoints_note, resume_command, start_problem, train_command
 from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_run_resolved,  # noqa: F401
                    output_dir_of, resolved_config, run_size)
-from .job_files import exit_text, finalize_status, newest_checkpoint, stop_grace, write_summary_file
+from .job_files import (exit_text, finalize_status, newest_checkpoint, server_death_cause, stop_grace,
+                        write_summary_file)
+from .mps import start_daemon, stop_daemon
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
@@ -172,6 +174,7 @@ class Supervisor:
         self.commands = commands
         self.server: Child | None = None
         self.trainer: Child | None = None
+        self.mps: Child | None = None  # the CUDA MPS daemon (launch.mps)
         self.dashboard = None
         self.started = time.time()
         self._stop = threading.Event()
@@ -237,6 +240,8 @@ class Supervisor:
             self._stop_child(self.trainer, signal.SIGTERM, self.timeouts.trainer_term_s)
             self._stop_child(self.server, signal.SIGTERM, self.timeouts.server_term_s)
             self._stop_all()
+            if self.plan.mps is not None:  # after its clients: `quit` waits for them
+                stop_daemon(self.plan.mps, self.mps, self._argv("mps-quit", [self.plan.mps.control]))
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if self.trainer is not None:
@@ -304,6 +309,13 @@ class Supervisor:
         self._make_dashboard()
         self.console.print(f"this job: pid {os.getpid()} (Ctrl-C or `kill -INT {os.getpid()}` saves a checkpoint and "
                            "stops; a second signal stops at once)", markup=False, highlight=False, soft_wrap=True)
+        if plan.mps is not None:
+            self.mps, problem = start_daemon(plan.mps, plan.logs_dir / "mps.log",
+                                             self._argv("mps", [plan.mps.control, "-f"]))
+            if problem:
+                return self._fail(f"launch.mps=true: {problem} (fix: launch.mps=false runs without it)", self.mps)
+            self.console.print(f"started CUDA MPS (pid {self.mps.pid}); log: {self.mps.log_path}", markup=False,
+                               highlight=False, soft_wrap=True)
         if plan.server is not None:
             try:
                 argv = self._argv("server", server_exec_argv(plan.server))
@@ -676,16 +688,6 @@ class Supervisor:
         else:  # no box: a box of the console's width would cut long paths
             for line in summary_lines(summary):
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True, crop=False)
-
-
-def server_death_cause(code: int | None) -> str:
-    """The cause line of a server that died during training when its log names none: a signal from outside
-    the job (the supervisor signals the server only once the trainer is done), or an exit without an error."""
-    if code is not None and code < 0:
-        name = exit_text(code).removeprefix("was killed by ")
-        oom = "the out-of-memory killer: see `dmesg`, or " if code == -signal.SIGKILL else ""
-        return f"the server got {name} from outside this job ({oom}a `kill`); its log ends without an error"
-    return f"the server {exit_text(code)} without an error line in its log"
 
 
 def print_refused_plan(cfg: DictConfig, refused: list[ConfigError], *, console: Console | None = None,

@@ -4,7 +4,8 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py engine        # builds the stand-in, then vLLM's offline LLM.generate
     python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
-    python3 scripts/gpu/vllm033/realistic.py job async_clip_mps  # a variant (`JOB_TAGS`: _clip, _mps, _compile, _stale8)
+    python3 scripts/gpu/vllm033/realistic.py job async_clip_mps  # a variant (`JOB_TAGS`: _clip, _mps, _extmps,
+                                                                 # _compile, _stale8)
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
@@ -120,12 +121,15 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 
 # A job name is ``async`` or ``sync`` with optional tags: ``_clip`` = the clipped objective, whose requests ask
 # vLLM for no top log-probs (the sampled token's only, as TRL asks; the engine's offline rate was 3.3x higher
-# without them on 2026-12-06), ``_mps`` = the job under CUDA MPS (the trainer's and vLLM's kernels may then run
-# at once; without it the two processes take turns on the GPU), ``_compile`` = ``trainer.torch_compile=true``,
+# without them on 2026-12-06), ``_mps`` = the job under CUDA MPS as users run it, ``launch.mps=true`` (the trainer's
+# and vLLM's kernels may then run at once; without it the two processes take turns on the GPU), ``_extmps`` = the
+# same with the daemon started here (`rollouts.start_mps`, ``-d``; what the nineteenth session's ``_mps`` runs
+# measured, before ``launch.mps`` existed), ``_compile`` = ``trainer.torch_compile=true``,
 # ``_stale8`` = ``staleness.max_staleness=8`` (the 2026-12-06 asynchronous run kept ~49 rollouts in flight under
 # deadline admission: a 512-token completion decoded beside the trainer takes steps to finish, and small decode
 # batches cost the shared GPU as much per step as large ones).
-JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": [],
+JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
+            "extmps": [],
             "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"]}
 
 
@@ -256,7 +260,7 @@ def phase_job(name: str) -> int:
                    "deadline_s": round(deadline, 1), "poll_s": POLL_S})
     log = WORK / f"job_{name}.log"
     env = child_env()
-    if "mps" in job_variant(name)[1]:
+    if "extmps" in job_variant(name)[1]:
         import rollouts
 
         result["mps"] = rollouts.start_mps()

@@ -1,0 +1,136 @@
+"""CUDA MPS for a colocated job (``launch.mps=true``).
+
+Without MPS, one GPU runs the kernels of one process at a time: vLLM's decode steps and the trainer's
+forward and backward take turns in time slices, so an asynchronous job on one GPU gains at most what the
+idle gaps of each leave (about 1.2x at the 1.7B shape of README "How fast, against what"). Under the
+Multi-Process Service both processes are clients of one MPS server and their kernels run at the same time.
+
+The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-control -f``) as a child of its
+own, like the server (it dies with the supervisor, even by SIGKILL), with a pipe folder of this run
+(`MpsPlan.pipe_dir`, short: the daemon's socket path must fit 108 bytes) and its log folder under the run's
+``logs/mps``. vLLM and the trainer get ``CUDA_MPS_PIPE_DIRECTORY`` (`MpsPlan.client_env`), so they join this
+daemon and no other. At the end the supervisor asks it to quit (``quit`` on its control pipe, after the
+server and the trainer are gone), then stops what is left and removes the pipe folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .child import Child
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+READY_S = 30.0  # for the daemon's control socket to appear
+QUIT_S = 20.0  # for the daemon (and its MPS server) to exit after ``quit``
+
+
+@dataclass
+class MpsPlan:
+    """Where this run's MPS daemon lives.
+
+    Attributes:
+        control: the ``nvidia-cuda-mps-control`` program (absolute path).
+        pipe_dir: the pipe folder (``CUDA_MPS_PIPE_DIRECTORY``) of this run's daemon and its clients.
+        log_dir: the daemon's log folder (``CUDA_MPS_LOG_DIRECTORY``), under the run's ``logs``.
+    """
+
+    control: str
+    pipe_dir: Path
+    log_dir: Path
+    client_env: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client_env = {PIPE_ENV: str(self.pipe_dir)}
+
+    @property
+    def daemon_env(self) -> dict[str, str]:
+        """The environment the daemon adds to the supervisor's (both folders)."""
+        return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+
+    def note(self) -> str:
+        """The launch plan's line about it."""
+        return (f"CUDA MPS (launch.mps=true): `{self.control} -f` starts before the server; vLLM and the trainer "
+                f"run their kernels at the same time through it ({PIPE_ENV}={self.pipe_dir}; its log: "
+                f"{self.log_dir})")
+
+
+def pipe_dir_of(output_dir: Path) -> Path:
+    """The run's pipe folder: ``<temp dir>/asyncgrpo-mps-<12 hex digits of the run folder's path>`` (one job per
+    run folder holds the lock, so no two daemons share it; a resume finds the same one)."""
+    digest = hashlib.sha1(str(Path(output_dir).expanduser().resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"asyncgrpo-mps-{digest}"
+
+
+def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, which=None
+             ) -> tuple[MpsPlan | None, str | None]:
+    """``(plan, None)`` for ``launch.mps=true``, or ``(None, problem)`` when it cannot apply here: vLLM and the
+    trainer not on one GPU, no server started by this job (an external or running server is not this job's to
+    put under MPS), or ``nvidia-cuda-mps-control`` not on PATH (``which``: the lookup, default `shutil.which`). The
+    problem names the field and the fix."""
+    if not starts_server:
+        return None, ("launch.mps=true: this job starts no server (an external or already running one), and MPS "
+                      "must start before both processes. Fix: launch.mps=false, or let the job start vLLM "
+                      "(sampler.backend=vllm and a free sampler.port)")
+    if not colocated:
+        return None, ("launch.mps=true: CUDA MPS lets vLLM and the trainer share one GPU's compute, and this plan "
+                      "puts them on separate GPUs (or the trainer on the CPU). Fix: launch.mps=false, or "
+                      "launch.colocate=true with one GPU")
+    control = (which or shutil.which)(CONTROL)
+    if control is None:
+        return None, (f"launch.mps=true: `{CONTROL}` is not on PATH (it comes with the NVIDIA driver's utilities). "
+                      "Fix: launch.mps=false, or add the folder that holds it to PATH")
+    out = Path(output_dir)
+    return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps"), None
+
+
+def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child, str | None]:
+    """Start the daemon (``argv``: the command, default ``[control, "-f"]``) and wait up to `READY_S` for its
+    control socket. Returns the child and None, or the child and why it is not ready (it exited, or no socket
+    came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per run folder holds
+    the lock, so what is there is a killed job's)."""
+    shutil.rmtree(plan.pipe_dir, ignore_errors=True)  # a socket left by a daemon killed with its job
+    plan.pipe_dir.mkdir(parents=True)
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    child = Child("mps", argv or [plan.control, "-f"], plan.daemon_env, log_path).start()
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        if (plan.pipe_dir / "control").exists():
+            return child, None
+        if child.poll() is not None:
+            return child, f"the CUDA MPS control daemon exited ({child.poll()}) before it was ready"
+        time.sleep(0.1)
+    return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
+
+
+def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None) -> None:
+    """Ask the daemon to quit (``echo quit | nvidia-cuda-mps-control`` with its pipe folder; ``quit_argv``
+    replaces the command), wait up to `QUIT_S`, then SIGTERM / SIGKILL what is left of its group and its
+    descendants (its MPS server), and remove the pipe folder."""
+    if child is not None and child.poll() is None:
+        child.track()
+        try:
+            subprocess.run(quit_argv or [plan.control], input="quit\n", text=True, capture_output=True,
+                           env={**os.environ, **plan.daemon_env}, timeout=QUIT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        deadline = time.monotonic() + QUIT_S
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if child.poll() is None:
+            child.signal_group(signal.SIGTERM)
+            try:
+                child.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+    if child is not None:
+        child.kill_leftovers()
+    shutil.rmtree(plan.pipe_dir, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""`launch.mps`: the plan's refusals and environment, and the daemon's life in a job (stand-in `fake_mps.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from rich.console import Console
+
+from asyncgrpo_cli.config.compose import compose
+from asyncgrpo_cli.launch import mps as mps_mod
+from asyncgrpo_cli.launch import plan as plan_mod
+from asyncgrpo_cli.launch.plan import build_launch_plan
+from asyncgrpo_cli.launch.supervisor import Timeouts, run_train
+
+from .conftest import HERE, alive, hook
+from .test_colocate import H200, cfg_of
+
+FAKE_MPS = str(HERE / "fake_mps.py")
+FAST = Timeouts(trainer_grace_s=30.0, trainer_term_s=5.0, server_term_s=5.0, group_term_s=1.0, poll_s=0.1)
+
+
+def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypatch):
+    monkeypatch.setattr(mps_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
+    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true"), gpu_count=1, gpu_memory=H200)
+    assert not plan.problems, plan.problems
+    pipe = str(plan.mps.pipe_dir)
+    assert plan.server.env["CUDA_MPS_PIPE_DIRECTORY"] == pipe == plan.trainer_env["CUDA_MPS_PIPE_DIRECTORY"]
+    assert len(pipe) + len("/control") < 100 and plan.mps.pipe_dir == mps_mod.pipe_dir_of(tmp_path / "run")
+    assert plan.mps.log_dir == tmp_path / "run" / "logs" / "mps"
+    assert any(n.startswith("CUDA MPS (launch.mps=true)") for n in plan.gpus.notes)
+    assert "CUDA_MPS_PIPE_DIRECTORY=" in plan.trainer_shell_line()
+    assert build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200).mps is None  # off by default
+
+
+@pytest.mark.parametrize("overrides, gpus, which, says", [
+    (["launch.colocate=false"], 2, "/usr/bin/x", "puts them on separate GPUs"),
+    ([], 0, "/usr/bin/x", "puts them on separate GPUs"),
+    (["sampler.backend=external", "sampler.url=http://127.0.0.1:9"], 1, "/usr/bin/x", "starts no server"),
+    ([], 1, None, "is not on PATH"),
+])
+def test_the_plan_refuses_mps_where_it_cannot_apply(tmp_path, monkeypatch, overrides, gpus, which, says):
+    monkeypatch.setattr(mps_mod.shutil, "which", lambda name: which)
+    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true", *overrides), gpu_count=gpus, gpu_memory=H200)
+    problems = [p for p in plan.problems if p.startswith("launch.mps=true")]
+    assert len(problems) == 1 and says in problems[0] and "Fix: launch.mps=false" in problems[0], plan.problems
+    assert plan.mps is None and "CUDA_MPS_PIPE_DIRECTORY" not in plan.trainer_env
+
+
+def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
+    """The plan gets an MPS daemon on the CPU (the stand-in), and the hook starts `fake_mps.py` for it."""
+    real = plan_mod.plan_mps
+
+    def planned(output_dir, *, colocated, starts_server, which=None):
+        return real(output_dir, colocated=True, starts_server=starts_server, which=lambda name: sys.executable)
+
+    monkeypatch.setattr(plan_mod, "plan_mps", planned)
+    base = hook("ok", "ok", tmp_path / "pids")
+    (tmp_path / "pids").mkdir()
+
+    def _hook(name, argv):
+        if name == "mps":
+            return [sys.executable, FAKE_MPS, "daemon", *(["die"] if mode == "die" else [])]
+        if name == "mps-quit":
+            return [sys.executable, FAKE_MPS, "quit"]
+        return base(name, argv)
+    return _hook
+
+
+def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_path, monkeypatch):
+    cfg, out = make_cfg("launch.mps=true")
+    console = Console(record=True, width=200)
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=_stand_in(monkeypatch, tmp_path))
+    text = console.export_text()
+    assert rc == 0, text
+    assert text.index("started CUDA MPS (pid") < text.index("started the server")
+    log = (out / "logs" / "mps.log").read_text()
+    assert "fake mps: quit received" in log and f"log dir {out / 'logs' / 'mps'}" in log
+    pid = int(log.split("fake mps: pid ")[1].split()[0])
+    assert not alive(pid)
+    assert not mps_mod.pipe_dir_of(out).exists()  # the pipe folder is removed
+
+
+def test_a_daemon_that_does_not_start_fails_the_job_before_the_server(make_cfg, tmp_path, monkeypatch):
+    cfg, out = make_cfg("launch.mps=true")
+    console = Console(record=True, width=200)
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                   _commands=_stand_in(monkeypatch, tmp_path, "die"))
+    text = console.export_text()
+    assert rc == 1, text
+    assert "launch.mps=true: the CUDA MPS control daemon exited (4) before it was ready" in text
+    assert "launch.mps=false" in text and "cannot start (pretend)" in text
+    assert "started the server" not in text and not (tmp_path / "pids" / "server.pid").exists()
+    assert not mps_mod.pipe_dir_of(out).exists()
+
+
+def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
+    cfg = compose(["+recipe=smoke", "launch.mps=true"])
+    assert cfg.launch.mps is True
+    plan = build_launch_plan(cfg, gpu_count=0)
+    assert any(p.startswith("launch.mps=true: CUDA MPS lets vLLM and the trainer share") for p in plan.problems)
