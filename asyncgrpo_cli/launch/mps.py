@@ -41,11 +41,14 @@ class MpsPlan:
         control: the ``nvidia-cuda-mps-control`` program (absolute path).
         pipe_dir: the pipe folder (``CUDA_MPS_PIPE_DIRECTORY``) of this run's daemon and its clients.
         log_dir: the daemon's log folder (``CUDA_MPS_LOG_DIRECTORY``), under the run's ``logs``.
+        device: the shared GPU as ``CUDA_VISIBLE_DEVICES`` names it for both clients (`colocate.visible_ids`); the
+            daemon sees that GPU only, so its MPS server opens no context on the machine's other GPUs.
     """
 
     control: str
     pipe_dir: Path
     log_dir: Path
+    device: str = "0"
     client_env: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,8 +56,8 @@ class MpsPlan:
 
     @property
     def daemon_env(self) -> dict[str, str]:
-        """The environment the daemon adds to the supervisor's (both folders)."""
-        return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+        """The environment the daemon adds to the supervisor's (both folders, the shared GPU)."""
+        return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir), "CUDA_VISIBLE_DEVICES": self.device}
 
     def note(self) -> str:
         """The launch plan's line about it."""
@@ -70,12 +73,12 @@ def pipe_dir_of(output_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"asyncgrpo-mps-{digest}"
 
 
-def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, which=None
+def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: str = "0", which=None
              ) -> tuple[MpsPlan | None, str | None]:
     """``(plan, None)`` for ``launch.mps=true``, or ``(None, problem)`` when it cannot apply here: vLLM and the
     trainer not on one GPU, no server started by this job (an external or running server is not this job's to
-    put under MPS), or ``nvidia-cuda-mps-control`` not on PATH (``which``: the lookup, default `shutil.which`). The
-    problem names the field and the fix."""
+    put under MPS), or ``nvidia-cuda-mps-control`` not on PATH (``which``: the lookup, default `shutil.which`).
+    ``device``: the shared GPU's ``CUDA_VISIBLE_DEVICES`` entry. The problem names the field and the fix."""
     if not starts_server:
         return None, ("launch.mps=true: this job starts no server (an external or already running one), and MPS "
                       "must start before both processes. Fix: launch.mps=false, or let the job start vLLM "
@@ -89,7 +92,7 @@ def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, which=No
         return None, (f"launch.mps=true: `{CONTROL}` is not on PATH (it comes with the NVIDIA driver's utilities). "
                       "Fix: launch.mps=false, or add the folder that holds it to PATH")
     out = Path(output_dir)
-    return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps"), None
+    return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps", device=device), None
 
 
 def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child, str | None]:

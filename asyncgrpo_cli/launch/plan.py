@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ..config.compose import DEFAULT_OUTPUT_DIR, server_url  # noqa: F401  (DEFAULT_OUTPUT_DIR: re-exported)
-from ..server.colocate import Layout, decide_layout, visible_gpu_count  # noqa: F401  (re-exported)
+from ..server.colocate import Layout, decide_layout, visible_gpu_count, visible_ids  # noqa: F401  (re-exported)
 from .mps import MpsPlan, plan_mps
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
@@ -344,9 +344,9 @@ def trainer_argv(accelerate_config_path: str | Path, config_path: str | Path,
 
 
 def trainer_env(gpus: GpuPlan) -> dict[str, str]:
-    """Environment of the trainer on top of the caller's: its GPUs (``""`` on CPU), the CPU flag, and
-    unbuffered output so its log streams."""
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus.trainer_gpus)), "PYTHONUNBUFFERED": "1"}
+    """Environment of the trainer on top of the caller's: its GPUs (``""`` on CPU; `colocate.visible_ids`: the
+    caller's own ``CUDA_VISIBLE_DEVICES`` entries), the CPU flag, and unbuffered output so its log streams."""
+    env = {"CUDA_VISIBLE_DEVICES": visible_ids(gpus.trainer_gpus), "PYTHONUNBUFFERED": "1"}
     if gpus.use_cpu:
         env["ACCELERATE_USE_CPU"] = "true"
     return env
@@ -539,7 +539,8 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                           f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
     mps = None
     if cfg.launch.get("mps"):
-        mps, problem = plan_mps(out, colocated=gpus.colocated, starts_server=server is not None)
+        mps, problem = plan_mps(out, colocated=gpus.colocated, starts_server=server is not None,
+                                device=visible_ids(gpus.trainer_gpus[:1]))
         gpus.problems.extend([problem] if problem else [])
         if mps is not None:
             server.env.update(mps.client_env)

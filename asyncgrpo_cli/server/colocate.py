@@ -288,6 +288,19 @@ def plan_memory(total_bytes: int, shape: ModelShape | None, *, configured: float
                        kv_tokens=kv_tokens, source=source, reason=reason, problems=problems, notes=notes)
 
 
+def visible_ids(ids: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child that is to use this process's visible devices ``ids`` (indices as torch
+    counts them here, as ``launch.server_gpus`` / ``launch.trainer_gpus`` are): the entries of this process's own
+    ``CUDA_VISIBLE_DEVICES`` at those indices when it is set (numbers, UUIDs or MIG names), else the indices. A
+    child's variable replaces the parent's, so an index alone would name a GPU the user did not make visible
+    (``CUDA_VISIBLE_DEVICES=3``: index 0 is GPU 3, not GPU 0). An index past the list stays as it is (the plan
+    refuses it)."""
+    import os
+
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return ",".join(visible[i] if 0 <= i < len(visible) else str(i) for i in ids)
+
+
 def gpu_memory_bytes(index: int = 0) -> int | None:
     """Total memory of visible CUDA device ``index`` in bytes, read with ``nvidia-smi`` so that the
     supervisor opens no CUDA context on the GPU it shares; None without a GPU or without nvidia-smi.

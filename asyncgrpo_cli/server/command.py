@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.rules import max_lora_rank_for
-from .colocate import Layout, vllm_ipc_problem
+from .colocate import Layout, visible_ids, vllm_ipc_problem
 from .vllm_versions import (MIN_VLLM, NEWEST_SUPPORTED_VLLM, SAMPLING_MASK_MIN_VLLM,  # noqa: F401  (re-exported)
                             SCALE_OUT_MIN_VLLM, installed_vllm_version, parse_version, vllm_has_flag)
 
@@ -230,7 +230,7 @@ def build_server_command(vllm_version: str | None = None, *, layout: Layout, mod
         problems.append(f"sampler.data_parallel_size={dp} needs {dp} GPUs (one per engine) but launch.server_gpus="
                         f"{gpus}. Fix: launch.server_gpus=[{','.join(str(g) for g in range(dp))}], or leave "
                         "launch.server_gpus unset (the server then takes the first sampler.data_parallel_size GPUs)")
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), **env}
+    env = {"CUDA_VISIBLE_DEVICES": visible_ids(gpus), **env}
     argv = ["vllm", "serve", str(model.name), "--host", str(sampler.host), "--port", str(sampler.port),
             "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--logprobs-mode", "processed_logprobs",
@@ -346,7 +346,7 @@ def _embedded_command(*, model: ModelConfig, sampler: SamplerConfig, launch: Lau
     device = sampler.device
     env: dict[str, str] = {}
     if device.startswith("cuda") or device == "auto":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server_gpus(launch, sampler))
+        env["CUDA_VISIBLE_DEVICES"] = visible_ids(server_gpus(launch, sampler))
     argv = [sys.executable, "-m", "asyncgrpo_cli.sampler.embedded", "--model", str(model.name),
             "--host", str(sampler.host), "--port", str(sampler.port),
             "--max-logprobs", str(max_logprobs(sampler, rollout)),

@@ -31,6 +31,19 @@ def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypat
     assert any(n.startswith("CUDA MPS (launch.mps=true)") for n in plan.gpus.notes)
     assert "CUDA_MPS_PIPE_DIRECTORY=" in plan.trainer_shell_line()
     assert build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200).mps is None  # off by default
+    assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "0" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypatch):
+    """With CUDA_VISIBLE_DEVICES exported, index 0 of the plan is the first GPU the user made visible: a child's
+    variable replaces the parent's, so "0" there would be the machine's GPU 0."""
+    monkeypatch.setattr(mps_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5c1e")
+    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true"), gpu_count=1, gpu_memory=H200)
+    assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "3" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
+    assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "3"
+    two = build_launch_plan(cfg_of(tmp_path), gpu_count=2, gpu_memory=H200)
+    assert (two.server.env["CUDA_VISIBLE_DEVICES"], two.trainer_env["CUDA_VISIBLE_DEVICES"]) == ("3", "GPU-5c1e")
 
 
 @pytest.mark.parametrize("overrides, gpus, which, says", [
@@ -51,8 +64,9 @@ def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
     """The plan gets an MPS daemon on the CPU (the stand-in), and the hook starts `fake_mps.py` for it."""
     real = plan_mod.plan_mps
 
-    def planned(output_dir, *, colocated, starts_server, which=None):
-        return real(output_dir, colocated=True, starts_server=starts_server, which=lambda name: sys.executable)
+    def planned(output_dir, *, colocated, starts_server, device="0", which=None):
+        return real(output_dir, colocated=True, starts_server=starts_server, device=device,
+                    which=lambda name: sys.executable)
 
     monkeypatch.setattr(plan_mod, "plan_mps", planned)
     base = hook("ok", "ok", tmp_path / "pids")
