@@ -389,8 +389,10 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(mps.shutil, "which", lambda program: f"/usr/bin/{program}")
+            mp.setattr(mps, "gpu_uuid", lambda device: f"GPU-of-{device}")  # nvidia-smi's answer on the GPU
             plan = build_launch_plan(compose(overrides), gpu_count=1, gpu_memory=81559 * 2**20)
         assert not plan.problems and plan.mps is not None, plan.problems
+        assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "GPU-of-0" == plan.server.env["CUDA_VISIBLE_DEVICES"]
 
 
 def test_a_realistic_job_names_its_mode_and_tags_or_is_refused():

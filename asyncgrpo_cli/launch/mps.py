@@ -9,7 +9,7 @@ The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-co
 own, like the server (it dies with the supervisor, even by SIGKILL), with a pipe folder of this run
 (`MpsPlan.pipe_dir`, short: the daemon's socket path must fit 108 bytes) and its log folder under the run's
 ``logs/mps``. vLLM and the trainer get ``CUDA_MPS_PIPE_DIRECTORY`` (`MpsPlan.client_env`), so they join this
-daemon and no other. At the end the supervisor asks it to quit (``quit`` on its control pipe, after the
+daemon and no other, and all three name the shared GPU by its UUID. At the end the supervisor asks it to quit (``quit`` on its control pipe, after the
 server and the trainer are gone), then stops what is left and removes the pipe folder.
 """
 
@@ -41,8 +41,11 @@ class MpsPlan:
         control: the ``nvidia-cuda-mps-control`` program (absolute path).
         pipe_dir: the pipe folder (``CUDA_MPS_PIPE_DIRECTORY``) of this run's daemon and its clients.
         log_dir: the daemon's log folder (``CUDA_MPS_LOG_DIRECTORY``), under the run's ``logs``.
-        device: the shared GPU as ``CUDA_VISIBLE_DEVICES`` names it for both clients (`colocate.visible_ids`); the
-            daemon sees that GPU only, so its MPS server opens no context on the machine's other GPUs.
+        device: the shared GPU's UUID (`gpu_uuid`), the ``CUDA_VISIBLE_DEVICES`` of the daemon and of both
+            clients. The MPS server renumbers the devices its daemon sees from 0, so an index would name another
+            GPU in a client (or, for a client that failed to reach the daemon, the machine's GPU of that number);
+            a UUID names the same GPU everywhere (NVIDIA's MPS guide recommends them). The daemon sees that GPU
+            only, so its server opens no context on the machine's other GPUs.
     """
 
     control: str
@@ -52,7 +55,7 @@ class MpsPlan:
     client_env: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client_env = {PIPE_ENV: str(self.pipe_dir)}
+        self.client_env = {PIPE_ENV: str(self.pipe_dir), "CUDA_VISIBLE_DEVICES": self.device}
 
     @property
     def daemon_env(self) -> dict[str, str]:
@@ -73,12 +76,27 @@ def pipe_dir_of(output_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"asyncgrpo-mps-{digest}"
 
 
+def gpu_uuid(device: str) -> str | None:
+    """The UUID (``GPU-...``, or a MIG device's ``MIG-...``) of ``device`` (an index or a UUID as
+    ``CUDA_VISIBLE_DEVICES`` names it), read with ``nvidia-smi`` (no CUDA context); None when it cannot be read."""
+    if device.startswith(("GPU-", "MIG-")):
+        return device
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", device, "--query-gpu=uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    uuid = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else None
+
+
 def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: str = "0", which=None
              ) -> tuple[MpsPlan | None, str | None]:
     """``(plan, None)`` for ``launch.mps=true``, or ``(None, problem)`` when it cannot apply here: vLLM and the
     trainer not on one GPU, no server started by this job (an external or running server is not this job's to
     put under MPS), or ``nvidia-cuda-mps-control`` not on PATH (``which``: the lookup, default `shutil.which`).
-    ``device``: the shared GPU's ``CUDA_VISIBLE_DEVICES`` entry. The problem names the field and the fix."""
+    ``device``: the shared GPU's ``CUDA_VISIBLE_DEVICES`` entry (an unreadable UUID is a problem too). The problem
+    names the field and the fix."""
     if not starts_server:
         return None, ("launch.mps=true: this job starts no server (an external or already running one), and MPS "
                       "must start before both processes. Fix: launch.mps=false, or let the job start vLLM "
@@ -91,8 +109,13 @@ def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: 
     if control is None:
         return None, (f"launch.mps=true: `{CONTROL}` is not on PATH (it comes with the NVIDIA driver's utilities). "
                       "Fix: launch.mps=false, or add the folder that holds it to PATH")
+    uuid = gpu_uuid(device)
+    if uuid is None:
+        return None, (f"launch.mps=true: could not read the UUID of GPU {device} with `nvidia-smi -i {device} "
+                      "--query-gpu=uuid` (MPS renumbers the GPUs its clients see, so they are named by UUID). "
+                      "Fix: launch.mps=false, or put nvidia-smi on PATH")
     out = Path(output_dir)
-    return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps", device=device), None
+    return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps", device=uuid), None
 
 
 def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child, str | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ from rich.console import Console
 from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.launch import mps as mps_mod
 from asyncgrpo_cli.launch import plan as plan_mod
+from asyncgrpo_cli.launch.mps import gpu_uuid
 from asyncgrpo_cli.launch.plan import build_launch_plan
 from asyncgrpo_cli.launch.supervisor import Timeouts, run_train
 
@@ -18,6 +20,12 @@ from .test_colocate import H200, cfg_of
 
 FAKE_MPS = str(HERE / "fake_mps.py")
 FAST = Timeouts(trainer_grace_s=30.0, trainer_term_s=5.0, server_term_s=5.0, group_term_s=1.0, poll_s=0.1)
+
+
+@pytest.fixture(autouse=True)
+def uuids(monkeypatch):
+    """nvidia-smi's answer for GPU N: GPU-uuid-N."""
+    monkeypatch.setattr(mps_mod, "gpu_uuid", lambda device: device if device.startswith("GPU-") else f"GPU-uuid-{device}")
 
 
 def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypatch):
@@ -31,7 +39,9 @@ def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypat
     assert any(n.startswith("CUDA MPS (launch.mps=true)") for n in plan.gpus.notes)
     assert "CUDA_MPS_PIPE_DIRECTORY=" in plan.trainer_shell_line()
     assert build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200).mps is None  # off by default
-    assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "0" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
+    # the MPS server renumbers what its daemon sees: all three name the GPU by its UUID
+    assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-0" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
+    assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-0"
 
 
 def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypatch):
@@ -39,9 +49,10 @@ def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypat
     variable replaces the parent's, so "0" there would be the machine's GPU 0."""
     monkeypatch.setattr(mps_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5c1e")
-    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true"), gpu_count=1, gpu_memory=H200)
+    plan = build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200)
     assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "3" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
-    assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "3"
+    mps_plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true"), gpu_count=1, gpu_memory=H200).mps
+    assert mps_plan.daemon_env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-3"  # the user's GPU 3, not the machine's 0
     two = build_launch_plan(cfg_of(tmp_path), gpu_count=2, gpu_memory=H200)
     assert (two.server.env["CUDA_VISIBLE_DEVICES"], two.trainer_env["CUDA_VISIBLE_DEVICES"]) == ("3", "GPU-5c1e")
 
@@ -51,9 +62,11 @@ def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypat
     ([], 0, "/usr/bin/x", "puts them on separate GPUs"),
     (["sampler.backend=external", "sampler.url=http://127.0.0.1:9"], 1, "/usr/bin/x", "starts no server"),
     ([], 1, None, "is not on PATH"),
+    (["launch.server_gpus=[7]"], 1, "/usr/bin/x", "could not read the UUID of GPU 7"),
 ])
 def test_the_plan_refuses_mps_where_it_cannot_apply(tmp_path, monkeypatch, overrides, gpus, which, says):
     monkeypatch.setattr(mps_mod.shutil, "which", lambda name: which)
+    monkeypatch.setattr(mps_mod, "gpu_uuid", lambda device: None if device == "7" else f"GPU-uuid-{device}")
     plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true", *overrides), gpu_count=gpus, gpu_memory=H200)
     problems = [p for p in plan.problems if p.startswith("launch.mps=true")]
     assert len(problems) == 1 and says in problems[0] and "Fix: launch.mps=false" in problems[0], plan.problems
@@ -113,3 +126,14 @@ def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
     assert cfg.launch.mps is True
     plan = build_launch_plan(cfg, gpu_count=0)
     assert any(p.startswith("launch.mps=true: CUDA MPS lets vLLM and the trainer share") for p in plan.problems)
+
+
+def test_gpu_uuid_reads_nvidia_smi_and_keeps_a_uuid(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n[ \"$2\" = 3 ] && echo GPU-3f2a-77 && exit 0\necho 'No devices were found'; exit 6\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert gpu_uuid("3") == "GPU-3f2a-77" and gpu_uuid("4") is None
+    assert gpu_uuid("MIG-1d2e") == "MIG-1d2e"
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert gpu_uuid("3") is None
