@@ -90,21 +90,23 @@ def gpu_uuid(device: str) -> str | None:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else None
 
 
-def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: str = "0", which=None
-             ) -> tuple[MpsPlan | None, str | None]:
+def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: str = "0", on_cpu: bool = False,
+             which=None) -> tuple[MpsPlan | None, str | None]:
     """``(plan, None)`` for ``launch.mps=true``, or ``(None, problem)`` when it cannot apply here: vLLM and the
     trainer not on one GPU, no server started by this job (an external or running server is not this job's to
     put under MPS), or ``nvidia-cuda-mps-control`` not on PATH (``which``: the lookup, default `shutil.which`).
-    ``device``: the shared GPU's ``CUDA_VISIBLE_DEVICES`` entry (an unreadable UUID is a problem too). The problem
-    names the field and the fix."""
+    ``device``: the shared GPU's ``CUDA_VISIBLE_DEVICES`` entry (an unreadable UUID is a problem too); ``on_cpu``:
+    the trainer runs on the CPU. The problem names the field and the fix."""
     if not starts_server:
         return None, ("launch.mps=true: this job starts no server (an external or already running one), and MPS "
                       "must start before both processes. Fix: launch.mps=false, or let the job start vLLM "
                       "(sampler.backend=vllm and a free sampler.port)")
     if not colocated:
-        return None, ("launch.mps=true: CUDA MPS lets vLLM and the trainer share one GPU's compute, and this plan "
-                      "puts them on separate GPUs (or the trainer on the CPU). Fix: launch.mps=false, or "
-                      "launch.colocate=true with one GPU")
+        where = ("runs the trainer on the CPU (no GPU is visible here)" if on_cpu else
+                 "puts the server and the trainer on separate GPUs")
+        fix = "" if on_cpu else ", or launch.colocate=true sampler.backend=vllm (one GPU for both)"
+        return None, (f"launch.mps=true: CUDA MPS lets the server and the trainer share one GPU's compute, and this "
+                      f"plan {where}. Fix: launch.mps=false{fix}")
     control = (which or shutil.which)(CONTROL)
     if control is None:
         return None, (f"launch.mps=true: `{CONTROL}` is not on PATH (it comes with the NVIDIA driver's utilities). "

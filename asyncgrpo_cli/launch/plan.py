@@ -540,7 +540,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
     mps = None
     if cfg.launch.get("mps"):
         mps, problem = plan_mps(out, colocated=gpus.colocated, starts_server=server is not None,
-                                device=visible_ids(gpus.trainer_gpus[:1]))
+                                device=visible_ids(gpus.trainer_gpus[:1]), on_cpu=gpus.use_cpu)
         gpus.problems.extend([problem] if problem else [])
         if mps is not None:
             server.env.update(mps.client_env)

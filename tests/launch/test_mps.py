@@ -58,8 +58,8 @@ def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("overrides, gpus, which, says", [
-    (["launch.colocate=false"], 2, "/usr/bin/x", "puts them on separate GPUs"),
-    ([], 0, "/usr/bin/x", "puts them on separate GPUs"),
+    (["launch.colocate=false"], 2, "/usr/bin/x", "puts the server and the trainer on separate GPUs"),
+    ([], 0, "/usr/bin/x", "runs the trainer on the CPU (no GPU is visible here). Fix: launch.mps=false"),
     (["sampler.backend=external", "sampler.url=http://127.0.0.1:9"], 1, "/usr/bin/x", "starts no server"),
     ([], 1, None, "is not on PATH"),
     (["launch.server_gpus=[7]"], 1, "/usr/bin/x", "could not read the UUID of GPU 7"),
@@ -77,7 +77,7 @@ def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
     """The plan gets an MPS daemon on the CPU (the stand-in), and the hook starts `fake_mps.py` for it."""
     real = plan_mod.plan_mps
 
-    def planned(output_dir, *, colocated, starts_server, device="0", which=None):
+    def planned(output_dir, *, colocated, starts_server, device="0", on_cpu=False, which=None):
         return real(output_dir, colocated=True, starts_server=starts_server, device=device,
                     which=lambda name: sys.executable)
 
@@ -125,7 +125,8 @@ def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
     cfg = compose(["+recipe=smoke", "launch.mps=true"])
     assert cfg.launch.mps is True
     plan = build_launch_plan(cfg, gpu_count=0)
-    assert any(p.startswith("launch.mps=true: CUDA MPS lets vLLM and the trainer share") for p in plan.problems)
+    assert any(p.startswith("launch.mps=true: CUDA MPS lets the server and the trainer share") and
+               p.endswith("no GPU is visible here). Fix: launch.mps=false") for p in plan.problems), plan.problems
 
 
 def test_gpu_uuid_reads_nvidia_smi_and_keeps_a_uuid(tmp_path, monkeypatch):
