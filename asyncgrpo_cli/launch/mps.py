@@ -139,10 +139,24 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -
     return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
 
 
-def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None) -> None:
+def joined_clients(plan: MpsPlan) -> int | None:
+    """How many client processes joined the daemon: its control log's ``NEW CLIENT`` lines (None: no log)."""
+    log = plan.log_dir / "control.log"
+    if not log.is_file():
+        return None
+    return sum("NEW CLIENT" in line for line in log.read_text(errors="replace").splitlines())
+
+
+def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None,
+                clients_expected: int = 2) -> str:
     """Ask the daemon to quit (``echo quit | nvidia-cuda-mps-control`` with its pipe folder; ``quit_argv``
     replaces the command), wait up to `QUIT_S`, then SIGTERM / SIGKILL what is left of its group and its
-    descendants (its MPS server), and remove the pipe folder."""
+    descendants (its MPS server), and remove the pipe folder.
+
+    Returns:
+        The line for the console: how many processes joined it (`joined_clients`) against ``clients_expected``
+        (the server's engine and the trainer; one when the trainer never started). A CUDA process that cannot
+        reach the daemon runs without MPS, unannounced: fewer is said with a warning."""
     if child is not None and child.poll() is None:
         child.track()
         try:
@@ -162,3 +176,11 @@ def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None 
     if child is not None:
         child.kill_leftovers()
     shutil.rmtree(plan.pipe_dir, ignore_errors=True)
+    joined = joined_clients(plan)
+    log = plan.log_dir / "control.log"
+    if joined is None:
+        return f"CUDA MPS: stopped; its control log ({log}) is missing, so who joined it is unknown"
+    if joined < clients_expected:
+        return (f"warning: CUDA MPS: {joined} process(es) joined the daemon, {clients_expected} expected (vLLM's "
+                f"engine and the trainer): a process that cannot reach it runs without MPS. See {log}")
+    return f"CUDA MPS: {joined} process(es) ran under it (vLLM's engine and the trainer); log: {log}"

@@ -70,7 +70,7 @@ from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_
                        without_tracebacks)
 from .preflight import (_check_run_lock, check_server_port, dry_run_refusals, free_port,  # noqa: F401
                         health_refused, port_in_use, probe_health)
-from ..server.command import ServerCommand, resolve_vllm_program
+from ..server.command import server_exec_argv  # noqa: F401 - re-exported (cli serve)
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
 READY_REPORT_S = 15.0  # a plain "still loading" line this often while the server loads (no terminal)
@@ -104,22 +104,6 @@ class Timeouts:
     poll_s: float = 0.5
     health_probe_s: float = 2.0
     doctor_s: float = 10.0
-
-
-# ------------------------------------------------------------------------------------------- helpers
-def server_exec_argv(command: ServerCommand) -> list[str]:
-    """The argv to start (`server.command.resolve_vllm_program`: ``vllm`` becomes ``python -m
-    vllm.entrypoints.cli.main`` when the script is not on PATH; the router resolves its engines' the same way).
-
-    Raises:
-        ConfigError: vLLM is needed and not installed (the message says how to install it or avoid it).
-    """
-    if command.argv[:1] == ["vllm"]:
-        return resolve_vllm_program(command.argv)
-    if "asyncgrpo_cli.server.router" in command.argv[:3] and "--" in command.argv:
-        cut = command.argv.index("--") + 1
-        resolve_vllm_program(command.argv[cut:])  # refuse here, before the router starts, when vLLM is missing
-    return list(command.argv)
 
 
 # ------------------------------------------------------------------------------------------ printing
@@ -240,8 +224,10 @@ class Supervisor:
             self._stop_child(self.trainer, signal.SIGTERM, self.timeouts.trainer_term_s)
             self._stop_child(self.server, signal.SIGTERM, self.timeouts.server_term_s)
             self._stop_all()
-            if self.plan.mps is not None:  # after its clients: `quit` waits for them
-                stop_daemon(self.plan.mps, self.mps, self._argv("mps-quit", [self.plan.mps.control]))
+            if self.plan.mps is not None and self.mps is not None:  # after its clients: `quit` waits for them
+                self.console.print(stop_daemon(self.plan.mps, self.mps, self._argv("mps-quit", [self.plan.mps.control]),
+                                               clients_expected=2 if self.trainer is not None else 1), soft_wrap=True,
+                                   markup=False, highlight=False)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if self.trainer is not None:

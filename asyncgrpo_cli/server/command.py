@@ -130,6 +130,21 @@ def behind_router(command: ServerCommand, sampler: Any, memory_share: float | No
     return ServerCommand(argv, dict(command.env), [*command.notes, note], list(command.problems))
 
 
+def server_exec_argv(command: ServerCommand) -> list[str]:
+    """The argv to start (`resolve_vllm_program`: ``vllm`` becomes ``python -m
+    vllm.entrypoints.cli.main`` when the script is not on PATH; the router resolves its engines' the same way).
+
+    Raises:
+        ConfigError: vLLM is needed and not installed (the message says how to install it or avoid it).
+    """
+    if command.argv[:1] == ["vllm"]:
+        return resolve_vllm_program(command.argv)
+    if "asyncgrpo_cli.server.router" in command.argv[:3] and "--" in command.argv:
+        cut = command.argv.index("--") + 1
+        resolve_vllm_program(command.argv[cut:])  # refuse here, before the router starts, when vLLM is missing
+    return list(command.argv)
+
+
 def resolve_vllm_program(argv: list[str]) -> list[str]:
     """``argv`` with a leading ``vllm`` made ``python -m vllm.entrypoints.cli.main`` when the ``vllm`` script is
     not on PATH but the package is importable (a venv used without activating it).

@@ -1,7 +1,8 @@
 """Stand-in for ``nvidia-cuda-mps-control`` in supervisor tests.
 
 ``python fake_mps.py daemon [MODE]`` is the foreground daemon (``-f``): it makes ``control`` in
-``$CUDA_MPS_PIPE_DIRECTORY`` and waits for a ``quit`` file there (mode ``die``: it exits 4 at once, making
+``$CUDA_MPS_PIPE_DIRECTORY``, a control log with ``$FAKE_MPS_CLIENTS`` (default 2) ``NEW CLIENT`` lines in
+``$CUDA_MPS_LOG_DIRECTORY``, and waits for a ``quit`` file there (mode ``die``: it exits 4 at once, making
 nothing). ``python fake_mps.py quit`` is the client the supervisor gives ``quit`` on stdin: it writes that file.
 """
 
@@ -22,6 +23,9 @@ def main() -> None:
         print("fake mps: cannot start (pretend)", flush=True)
         sys.exit(4)
     (pipe / "control").write_text("")
+    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
+    log.write_text("".join(f"[fake] NEW CLIENT {n} from user 0: Server already exists\n"
+                           for n in range(int(os.environ.get("FAKE_MPS_CLIENTS", "2")))))
     while not (pipe / "quit").exists():
         time.sleep(0.05)
     print("fake mps: quit received", flush=True)

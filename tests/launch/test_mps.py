@@ -106,6 +106,16 @@ def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_pat
     pid = int(log.split("fake mps: pid ")[1].split()[0])
     assert not alive(pid)
     assert not mps_mod.pipe_dir_of(out).exists()  # the pipe folder is removed
+    assert "CUDA MPS: 2 process(es) ran under it (vLLM's engine and the trainer)" in text
+
+
+def test_a_process_that_did_not_join_mps_is_said(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", "1")
+    cfg, out = make_cfg("launch.mps=true")
+    console = Console(record=True, width=200)
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                     _commands=_stand_in(monkeypatch, tmp_path)) == 0
+    assert "warning: CUDA MPS: 1 process(es) joined the daemon, 2 expected" in console.export_text()
 
 
 def test_a_daemon_that_does_not_start_fails_the_job_before_the_server(make_cfg, tmp_path, monkeypatch):
