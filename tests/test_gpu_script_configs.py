@@ -427,6 +427,8 @@ def test_the_realistic_preflight_is_the_gpu_job_on_the_cpu(realistic_assets):
         "trainer.bf16", "launch.colocate"))
     assert "staleness.max_staleness=0" in cpu and "trainer.activation_checkpointing=true" in cpu
     check(cpu, "train")
+    mps = realistic.job_overrides(*realistic.paths(realistic_assets), "/tmp/x/realistic_cpu", "async_mps")
+    assert "launch.mps=true" in mps and not any(o.startswith("launch.mps") for o in realistic.cpu_overrides(mps))
 
 
 def test_the_realistic_job_check_bites(realistic_assets):

@@ -171,7 +171,7 @@ def plan_gpus(gpu_count: int | None = None, *, layout: Layout, start_server: boo
     if layout.colocated:
         return _colocated_plan(n, layout, start_server, loss=loss, peft=peft, model=model)
     backend = _backend(sampler)
-    notes: list[str] = []
+    notes: list[str] = [layout.reason] if layout.reason.startswith("launch.colocate=true applies") else []
     problems: list[str] = []
     explicit_server = list(launch.server_gpus) if launch.server_gpus is not None else None
     explicit_trainer = list(launch.trainer_gpus) if launch.trainer_gpus is not None else None

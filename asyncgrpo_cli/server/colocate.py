@@ -379,6 +379,9 @@ def wants_colocation(gpu_count: int, *, launch: LaunchConfig, sampler: SamplerCo
         (colocated, the reason to print; "" when there is nothing to say).
     """
     if _backend(sampler) != "vllm":
+        if launch.get("colocate") is True:  # said as a note: nothing to share with a sampler of our own
+            return False, (f"launch.colocate=true applies to sampler.backend=vllm; with sampler.backend="
+                           f"{_backend(sampler)} nothing is colocated (it runs where sampler.device says)")
         return False, ""
     setting = launch.get("colocate")
     if setting is True:

@@ -222,3 +222,15 @@ def test_serve_cli_on_one_gpu(tmp_path, monkeypatch):
     assert "--gpu-memory-utilization 0.1" in line and "# memory split: vLLM" in dry.output
     refused = CliRunner().invoke(app, [*args, "sampler.host=0.0.0.0", "sampler.allow_public=true"])
     assert refused.exit_code == 2 and "sampler.host=0.0.0.0" in refused.output
+
+
+def test_colocate_true_with_a_sampler_of_our_own_is_a_note_not_silence(tmp_path):
+    """`launch.colocate=true` only applies to vLLM; with the embedded sampler the plan says it does nothing (a fresh
+    user's trial, nineteenth session, took its silence for "on")."""
+    plan = build_launch_plan(cfg_of(tmp_path, "sampler.backend=embedded", "sampler.device=cpu", "launch.colocate=true"),
+                             gpu_count=0)
+    assert not plan.gpus.colocated
+    assert any(n.startswith("launch.colocate=true applies to sampler.backend=vllm; with sampler.backend=embedded")
+               for n in plan.gpus.notes), plan.gpus.notes
+    assert not any("launch.colocate" in n for n in build_launch_plan(
+        cfg_of(tmp_path, "sampler.backend=embedded", "sampler.device=cpu"), gpu_count=0).gpus.notes)

@@ -310,11 +310,12 @@ def phase_job(name: str) -> int:
 
 def cpu_overrides(overrides: list[str], port: int = 8150) -> list[str]:
     """A job's overrides (`job_overrides`) for the tiny stand-in on this machine's CPU: the embedded sampler in
-    vLLM's place, fp32, 16-token completions and 256-token rows; every other choice as the GPU job's."""
+    vLLM's place, fp32, 16-token completions and 256-token rows, neither colocation nor CUDA MPS (GPU only);
+    every other choice as the GPU job's."""
     swap = {"sampler.backend": "embedded", "trainer.bf16": "false", "rollout.max_completion_length": "16",
             "packing.token_budget": "256", "sampler.max_model_len": "128"}
     out = [f"{o.split('=', 1)[0]}={swap[o.split('=', 1)[0]]}" if o.split("=", 1)[0] in swap else o
-           for o in overrides if not o.startswith("launch.colocate=")]
+           for o in overrides if not o.startswith(("launch.colocate=", "launch.mps="))]
     return [*out, f"sampler.port={port}"]
 
 
