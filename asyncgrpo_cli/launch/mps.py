@@ -9,8 +9,9 @@ The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-co
 own, like the server (it dies with the supervisor, even by SIGKILL), with a pipe folder of this run
 (`MpsPlan.pipe_dir`, short: the daemon's socket path must fit 108 bytes) and its log folder under the run's
 ``logs/mps``. vLLM and the trainer get ``CUDA_MPS_PIPE_DIRECTORY`` (`MpsPlan.client_env`), so they join this
-daemon and no other, and all three name the shared GPU by its UUID. At the end the supervisor asks it to quit (``quit`` on its control pipe, after the
-server and the trainer are gone), then stops what is left and removes the pipe folder.
+daemon and no other, and all three name the shared GPU by its UUID. At the end the supervisor asks it to quit
+(``quit`` on its control pipe, after the server and the trainer are gone), then stops what is left, removes the
+pipe folder and says how many processes joined it (`stop_daemon`).
 """
 
 from __future__ import annotations
@@ -183,4 +184,5 @@ def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None 
     if joined < clients_expected:
         return (f"warning: CUDA MPS: {joined} process(es) joined the daemon, {clients_expected} expected (vLLM's "
                 f"engine and the trainer): a process that cannot reach it runs without MPS. See {log}")
-    return f"CUDA MPS: {joined} process(es) ran under it (vLLM's engine and the trainer); log: {log}"
+    return (f"CUDA MPS: {joined} CUDA process(es) joined the daemon (expected: vLLM's engine and the trainer); "
+            f"log: {log}")
