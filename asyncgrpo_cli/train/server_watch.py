@@ -220,9 +220,12 @@ class ServerWatch:
         limit = (f"gave up after {named}" if gave_up else
                  f"the run stops before {named} because a request to it failed")
         pid = self.server_pid
-        cont = f"`kill -CONT -- -{pid}` continues its process group" if pid else "`kill -CONT PID`"
+        # The job's own server (a pid) is stopped with the run, so by the time this is read there is nothing to
+        # continue (the second trial of the nineteenth session); an external one is still the user's to look at.
+        fix = (f"find why it stopped answering in its log (the job stops it with the run), then resume from the last "
+               f"checkpoint" if pid else "look at the server (its log; `kill -CONT PID` if it was stopped), restart "
+               "it if needed, and resume from the last checkpoint")
         return (f"the sampler server at {self.url}{f' (pid {pid})' if pid else ''} has not answered for "
                 f"{silent_s:.0f} s: it accepts connections but GET /health times out "
                 f"({self.last_failure or 'no answer'}), so it is hung (stopped with SIGSTOP or Ctrl-Z, deadlocked, "
-                f"or swapping), not dead; {limit}. Fix: look at the server (its log; {cont} if it was stopped), "
-                f"restart it if needed, and resume from the last checkpoint; raise {self.limit_key} to wait longer")
+                f"or swapping), not dead; {limit}. Fix: {fix}; raise {self.limit_key} to wait longer")

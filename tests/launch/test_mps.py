@@ -25,7 +25,8 @@ FAST = Timeouts(trainer_grace_s=30.0, trainer_term_s=5.0, server_term_s=5.0, gro
 @pytest.fixture(autouse=True)
 def uuids(monkeypatch):
     """nvidia-smi's answer for GPU N: GPU-uuid-N."""
-    monkeypatch.setattr(mps_mod, "gpu_uuid", lambda device: device if device.startswith("GPU-") else f"GPU-uuid-{device}")
+    monkeypatch.setattr(mps_mod, "gpu_uuid",
+                        lambda device: device if device.startswith("GPU-") else f"GPU-uuid-{device}")
 
 
 def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypatch):
