@@ -159,6 +159,7 @@ class Supervisor:
         self.server: Child | None = None
         self.trainer: Child | None = None
         self.mps: Child | None = None  # the CUDA MPS daemon (launch.mps)
+        self._mps_gone_said = False
         self.dashboard = None
         self.started = time.time()
         self._stop = threading.Event()
@@ -513,6 +514,11 @@ class Supervisor:
         self._monitoring = True
         try:
             while True:
+                if self.mps is not None and self.mps.poll() is not None and not self._mps_gone_said:
+                    self._mps_gone_said = True  # said once: the run goes on while its MPS server serves both
+                    dash.print(Text(f"the CUDA MPS control daemon (pid {self.mps.pid}) {exit_text(self.mps.poll())} "
+                                    f"during the run (its log: {self.mps.log_path}): a failure of vLLM or the trainer "
+                                    "that follows may come from it", style="red"))
                 rc = trainer.poll()
                 if rc is not None:
                     if rc == 0:

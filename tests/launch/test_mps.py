@@ -88,7 +88,7 @@ def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
 
     def _hook(name, argv):
         if name == "mps":
-            return [sys.executable, FAKE_MPS, "daemon", *(["die"] if mode == "die" else [])]
+            return [sys.executable, FAKE_MPS, "daemon", *([mode] if mode != "ok" else [])]
         if name == "mps-quit":
             return [sys.executable, FAKE_MPS, "quit"]
         return base(name, argv)
@@ -149,3 +149,14 @@ def test_gpu_uuid_reads_nvidia_smi_and_keeps_a_uuid(tmp_path, monkeypatch):
     assert gpu_uuid("MIG-1d2e") == "MIG-1d2e"
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert gpu_uuid("3") is None
+
+
+def test_a_daemon_gone_during_the_run_is_said_once(make_cfg, tmp_path, monkeypatch):
+    cfg, out = make_cfg("launch.mps=true")
+    console = Console(record=True, width=200)
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                   _commands=_stand_in(monkeypatch, tmp_path, "leave"))
+    text = console.export_text()
+    assert rc == 0, text  # the run goes on: the stand-in's clients need no daemon
+    assert text.count("the CUDA MPS control daemon (pid") == 1 and "exited with code 0 during the run" in text, text
+    assert not mps_mod.pipe_dir_of(out).exists()
