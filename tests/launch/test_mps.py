@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -95,11 +96,17 @@ def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
     return _hook
 
 
-def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_path, monkeypatch):
+def mps_job(make_cfg, tmp_path, monkeypatch, mode: str = "ok") -> tuple[int, str, Path]:
+    """A smoke-sized job with ``launch.mps=true`` and the stand-in daemon in ``mode``: (exit status, console text,
+    run folder)."""
     cfg, out = make_cfg("launch.mps=true")
     console = Console(record=True, width=200)
-    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=_stand_in(monkeypatch, tmp_path))
-    text = console.export_text()
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=_stand_in(monkeypatch, tmp_path, mode))
+    return rc, console.export_text(), out
+
+
+def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_path, monkeypatch):
+    rc, text, out = mps_job(make_cfg, tmp_path, monkeypatch)
     assert rc == 0, text
     assert text.index("started CUDA MPS (pid") < text.index("started the server")
     log = (out / "logs" / "mps.log").read_text()
@@ -112,19 +119,12 @@ def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_pat
 
 def test_a_process_that_did_not_join_mps_is_said(make_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_CLIENTS", "1")
-    cfg, out = make_cfg("launch.mps=true")
-    console = Console(record=True, width=200)
-    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
-                     _commands=_stand_in(monkeypatch, tmp_path)) == 0
-    assert "warning: CUDA MPS: 1 process(es) joined the daemon, 2 expected" in console.export_text()
+    rc, text, _ = mps_job(make_cfg, tmp_path, monkeypatch)
+    assert rc == 0 and "warning: CUDA MPS: 1 process(es) joined the daemon, 2 expected" in text, text
 
 
 def test_a_daemon_that_does_not_start_fails_the_job_before_the_server(make_cfg, tmp_path, monkeypatch):
-    cfg, out = make_cfg("launch.mps=true")
-    console = Console(record=True, width=200)
-    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
-                   _commands=_stand_in(monkeypatch, tmp_path, "die"))
-    text = console.export_text()
+    rc, text, out = mps_job(make_cfg, tmp_path, monkeypatch, "die")
     assert rc == 1, text
     assert "launch.mps=true: the CUDA MPS control daemon exited (4) before it was ready" in text
     assert "launch.mps=false" in text and "cannot start (pretend)" in text
@@ -152,11 +152,7 @@ def test_gpu_uuid_reads_nvidia_smi_and_keeps_a_uuid(tmp_path, monkeypatch):
 
 
 def test_a_daemon_gone_during_the_run_is_said_once(make_cfg, tmp_path, monkeypatch):
-    cfg, out = make_cfg("launch.mps=true")
-    console = Console(record=True, width=200)
-    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
-                   _commands=_stand_in(monkeypatch, tmp_path, "leave"))
-    text = console.export_text()
+    rc, text, out = mps_job(make_cfg, tmp_path, monkeypatch, "leave")
     assert rc == 0, text  # the run goes on: the stand-in's clients need no daemon
     assert text.count("the CUDA MPS control daemon (pid") == 1 and "exited with code 0 during the run" in text, text
     assert not mps_mod.pipe_dir_of(out).exists()
