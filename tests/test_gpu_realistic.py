@@ -301,3 +301,53 @@ def test_combine_compares_the_runs_over_their_common_steps(tmp_path):
     assert out["ours_over_trl"] == 4.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
     assert out["targets"]["ours_over_trl_trained_tok_s"]["measured"] == 4.0
     assert realistic_trl.same_steps(ours_rows(2, 1.0, 1), ours_rows(6, 1.0, 1), ours_rows(6, 1.0, 1)) is None
+
+
+def test_the_kill9_drill_kills_the_supervisor_once_its_step_is_logged_and_reports_what_is_left(tmp_path):
+    """`kill9.Kill9` (the ``_kill9`` job tag): nothing before step ``after``; then SIGKILL of this process's
+    ``asyncgrpo_cli`` child, and a grandchild that outlives it is reported as left, then ended (ours only)."""
+    import subprocess
+    import time
+
+    import kill9
+
+    script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']);"
+              "print('ready', flush=True); time.sleep(300)")
+    sup = subprocess.Popen([sys.executable, "-c", script, "asyncgrpo_cli"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout.readline().strip() == "ready"
+        (tmp_path / "checkpoint-21").mkdir()
+        (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 21, "secret": "x"}))
+        drill = kill9.Kill9(21, tmp_path)
+        assert drill.observe(0)["fired"] is False and kill9.supervisor_pid() == sup.pid
+        assert not drill.fire(20) and sup.poll() is None
+        assert drill.fire(21) and not drill.fire(22)
+        assert sup.wait(timeout=30) == -signal.SIGKILL
+        grandchild = [r["pid"] for r in drill.record["tree"] if r["pid"] != sup.pid]
+        assert drill.record["supervisor"] == sup.pid and len(grandchild) == 1
+        rec = drill.observe(timeout_s=1.0)
+        assert rec["fired"] and rec["all_gone_after_s"] is None
+        assert [r["pid"] for r in rec["left_after_wait"]] == grandchild
+        assert rec["checkpoints"] == ["checkpoint-21"] and rec["status"] == {"state": "running", "step": 21}
+        deadline = time.monotonic() + 30
+        while drill.left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert drill.left() == []  # observe ended what it had remembered
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+        sup.wait()
+
+
+def test_an_mps_check_counts_the_clients_of_the_runs_daemon(tmp_path):
+    """`kill9.mps_check`: the control log's ``NEW CLIENT`` lines and the console's MPS lines of a run."""
+    import kill9
+
+    assert kill9.mps_check(tmp_path, "")["control_log"] is None
+    log = tmp_path / "logs" / "mps" / "control.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("[x] Control daemon started\n[y] NEW CLIENT 0 from user 0: Server 1 accepted\n"
+                   "[z] NEW CLIENT 0 from user 0: Server 1 accepted\n")
+    out = kill9.mps_check(tmp_path, "step 1\nCUDA MPS: 2 CUDA process(es) joined the daemon\n")
+    assert out["new_client_lines"] == 2 and out["console"] == ["CUDA MPS: 2 CUDA process(es) joined the daemon"]
+    assert isinstance(out["mps_processes_after"], list) and isinstance(out["pipe_dirs_after"], list)

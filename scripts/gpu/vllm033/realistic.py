@@ -5,7 +5,7 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
     python3 scripts/gpu/vllm033/realistic.py job async_clip_mps  # a variant (`JOB_TAGS`: _clip, _mps, _extmps,
-                                                                 # _compile, _stale8)
+                                                                 # _compile, _stale8, _kill9)
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
@@ -127,10 +127,13 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # measured, before ``launch.mps`` existed), ``_compile`` = ``trainer.torch_compile=true``,
 # ``_stale8`` = ``staleness.max_staleness=8`` (the 2026-12-06 asynchronous run kept ~49 rollouts in flight under
 # deadline admission: a 512-token completion decoded beside the trainer takes steps to finish, and small decode
-# batches cost the shared GPU as much per step as large ones).
+# batches cost the shared GPU as much per step as large ones), ``_kill9`` = the run goes on past its `STEPS`
+# measured steps and its supervisor is killed with SIGKILL once step `STEPS` + 1 is logged (`kill9.Kill9`: what is
+# left, a minute on; with ``_mps``, whether CUDA MPS's daemon and server go too).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
             "extmps": [],
-            "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"]}
+            "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"], "kill9": []}
+KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
 
 def job_variant(name: str) -> tuple[str, list[str]]:
@@ -163,7 +166,8 @@ def job_overrides(model_dir: Path | str, data_file: Path | str, run_dir: Path | 
             "trainer.bf16=true", "trainer.activation_checkpointing=true",
             *(["staleness.max_staleness=0"] if mode == "sync" else []),
             *(o for t in tags for o in JOB_TAGS[t]),
-            f"trainer.max_steps={steps}", "trainer.logging_steps=1", "logging.dashboard=plain",
+            f"trainer.max_steps={steps + (KILL9_EXTRA_STEPS if 'kill9' in tags else 0)}", "trainer.logging_steps=1",
+            "logging.dashboard=plain",
             f"trainer.output_dir={run_dir}", "trainer.save_strategy=no", "trainer.save_only_model=true"]
 
 
@@ -249,6 +253,7 @@ def vllm_memory_lines(log_text: str) -> list[str]:
 def phase_job(name: str) -> int:
     import bench_e2e
     import gpu_memory
+    import kill9
 
     result: dict = {"issue": 42, "phase": f"job {name}", "versions": versions(), "stand_in": build()}
     model, data = paths()
@@ -271,10 +276,14 @@ def phase_job(name: str) -> int:
             return 1
         env = {**env, **rollouts.mps_env()}
     poller = gpu_memory.Poller(POLL_S).start()
+    tags = job_variant(name)[1]
+    drill = kill9.Kill9(STEPS + 1, run_dir) if "kill9" in tags else None
 
     def tick() -> None:
         rows = bench_e2e.read_metrics(run_dir)
         result["rows"] = step_rows(rows, poller.samples, poller.processes)
+        if drill is not None and drill.fire(max((r.get("step") or 0 for r in rows), default=0)):
+            result["kill9"] = drill.record
         write(f"realistic_job_{name}.json", result)
 
     try:
@@ -285,8 +294,12 @@ def phase_job(name: str) -> int:
             import rollouts
 
             result["mps"]["control_log_after"] = rollouts.stop_mps()
+    if drill is not None:
+        result["kill9"] = drill.observe()
     rows = bench_e2e.read_metrics(run_dir)
     text = log.read_text(errors="replace")
+    if "mps" in tags:
+        result["mps_check"] = kill9.mps_check(run_dir, text)
     result["rows"] = step_rows(rows, poller.samples, poller.processes)
     result["summary"] = {**bench_e2e.summarize(rows), **completion_figures(result["rows"])}
     result["gpu_memory"] = {**gpu_memory.summary(poller.samples, poller.processes, planned_vllm_frac(text)),
@@ -296,7 +309,7 @@ def phase_job(name: str) -> int:
     import rollouts
 
     result["tree_attention"] = rollouts.tree_attention_line(run_dir / "logs" / "trainer.log")
-    if result["exit"] not in (0, 130) or not rows:
+    if result["exit"] not in (0, 130) or not rows or drill is not None:
         result["log_tail"] = text.splitlines()[-40:]
     write(f"realistic_job_{name}.json", result)
     subprocess.run(["tar", "czf", str(OUT / f"logs_realistic_{name}.tgz"), "-C", str(WORK), log.name,
@@ -305,6 +318,9 @@ def phase_job(name: str) -> int:
     for ckpt in run_dir.glob("checkpoint-*"):  # ~20 GB each: the machine's disk holds 64 GiB
         shutil.rmtree(ckpt, ignore_errors=True)
     print(json.dumps(result["summary"]), flush=True)
+    if drill is not None:
+        print(json.dumps(result["kill9"]), flush=True)
+        return 0 if result["kill9"].get("fired") and rows else 1
     return 0 if result["exit"] in (0, 130) and rows else 1
 
 
