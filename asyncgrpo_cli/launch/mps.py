@@ -5,13 +5,19 @@ forward and backward take turns in time slices, so an asynchronous job on one GP
 idle gaps of each leave (about 1.2x at the 1.7B shape of README "How fast, against what"). Under the
 Multi-Process Service both processes are clients of one MPS server and their kernels run at the same time.
 
-The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-control -f``) as a child of its
-own, like the server (it dies with the supervisor, even by SIGKILL), with a pipe folder of this run
+The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-control -f``) under a keeper
+(`mps_keeper`, `keeper_argv`), a child of its own like the server, with a pipe folder of this run
 (`MpsPlan.pipe_dir`, short: the daemon's socket path must fit 108 bytes) and its log folder under the run's
 ``logs/mps``. vLLM and the trainer get ``CUDA_MPS_PIPE_DIRECTORY`` (`MpsPlan.client_env`), so they join this
 daemon and no other, and all three name the shared GPU by its UUID. At the end the supervisor asks it to quit
 (``quit`` on its control pipe, after the server and the trainer are gone), then stops what is left, removes the
 pipe folder and says how many processes joined it (`stop_daemon`).
+
+The daemon outlives a killed supervisor (even by SIGKILL) until its clients are gone, bounded in time: the keeper
+gets the supervisor's parent-death signal in its place and keeps the daemon until no client is left (at most
+`mps_keeper.DRAIN_S` seconds, or the job's stop grace when longer), so that a trainer saving its checkpoint on
+the GPU after its supervisor died still reaches its MPS server; then it quits the daemon and exits, leaving no
+process (a SIGKILL of the keeper ends the daemon at once, by its own parent-death signal).
 """
 
 from __future__ import annotations
@@ -21,17 +27,18 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .child import Child
+from .mps_keeper import DRAIN_S, QUIT_S  # QUIT_S: for the daemon (and its MPS server) to exit after ``quit``
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 READY_S = 30.0  # for the daemon's control socket to appear
-QUIT_S = 20.0  # for the daemon (and its MPS server) to exit after ``quit``
 
 
 @dataclass
@@ -67,7 +74,7 @@ class MpsPlan:
         """The launch plan's line about it."""
         return (f"CUDA MPS (launch.mps=true): `{self.control} -f` starts before the server; vLLM and the trainer "
                 f"run their kernels at the same time through it ({PIPE_ENV}={self.pipe_dir}; its log: "
-                f"{self.log_dir})")
+                f"{self.log_dir}); if the job is killed, its keeper (mps_keeper) keeps it until they are gone")
 
 
 def pipe_dir_of(output_dir: Path) -> Path:
@@ -121,15 +128,23 @@ def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: 
     return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps", device=uuid), None
 
 
+def keeper_argv(plan: MpsPlan, stop_grace_s: float | None = None) -> list[str]:
+    """The command that runs the daemon under its keeper: ``python -m asyncgrpo_cli.launch.mps_keeper <control>
+    --drain-timeout S``, S (seconds) the longer of `mps_keeper.DRAIN_S` and ``stop_grace_s`` (the supervisor's
+    wait for a trainer's save), so that a save the supervisor would wait for is waited for when it is dead."""
+    drain_s = max(DRAIN_S, stop_grace_s or 0.0)
+    return [sys.executable, "-m", f"{__package__}.mps_keeper", plan.control, "--drain-timeout", f"{drain_s:g}"]
+
+
 def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child, str | None]:
-    """Start the daemon (``argv``: the command, default ``[control, "-f"]``) and wait up to `READY_S` for its
-    control socket. Returns the child and None, or the child and why it is not ready (it exited, or no socket
-    came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per run folder holds
-    the lock, so what is there is a killed job's)."""
+    """Start the daemon (``argv``: the command, default `keeper_argv`: the daemon under its keeper) and wait up to
+    `READY_S` seconds for its control socket. Returns the child and None, or the child and why it is not ready (it
+    exited, or no socket came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
+    run folder holds the lock, so what is there is a killed job's)."""
     shutil.rmtree(plan.pipe_dir, ignore_errors=True)  # a socket left by a daemon killed with its job
     plan.pipe_dir.mkdir(parents=True)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    child = Child("mps", argv or [plan.control, "-f"], plan.daemon_env, log_path).start()
+    child = Child("mps", argv or keeper_argv(plan), plan.daemon_env, log_path).start()
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if (plan.pipe_dir / "control").exists():
@@ -151,8 +166,10 @@ def joined_clients(plan: MpsPlan) -> int | None:
 def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None,
                 clients_expected: int = 2) -> str:
     """Ask the daemon to quit (``echo quit | nvidia-cuda-mps-control`` with its pipe folder; ``quit_argv``
-    replaces the command), wait up to `QUIT_S`, then SIGTERM / SIGKILL what is left of its group and its
-    descendants (its MPS server), and remove the pipe folder.
+    replaces the command) and wait up to `QUIT_S` seconds for ``child`` (the keeper, which exits with the daemon);
+    then SIGTERM its group (the keeper and the daemon: the clients are gone by now, so the keeper's drain ends at
+    once) and 5 s later SIGKILL what is left of the group and its descendants (the MPS server), and remove the
+    pipe folder.
 
     Returns:
         The line for the console: how many processes joined it (`joined_clients`) against ``clients_expected``

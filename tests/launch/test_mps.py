@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shlex
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,23 +79,33 @@ def test_the_plan_refuses_mps_where_it_cannot_apply(tmp_path, monkeypatch, overr
     assert plan.mps is None and "CUDA_MPS_PIPE_DIRECTORY" not in plan.trainer_env
 
 
+def mps_control(folder: Path, mode: str = "ok") -> str:
+    """A program ``folder/nvidia-cuda-mps-control`` that runs the stand-in (`fake_mps.py`) with ``mode``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    program = folder / "nvidia-cuda-mps-control"
+    program.write_text(f"#!/bin/sh\nFAKE_MPS_MODE={mode} exec {shlex.quote(sys.executable)} "
+                       f"{shlex.quote(FAKE_MPS)} \"$@\"\n")
+    program.chmod(0o755)
+    return str(program)
+
+
 def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
-    """The plan gets an MPS daemon on the CPU (the stand-in), and the hook starts `fake_mps.py` for it."""
+    """The plan gets an MPS daemon on the CPU: the stand-in's program (`mps_control`) is its control program, run
+    under the keeper as a job runs it."""
     real = plan_mod.plan_mps
+    control = mps_control(tmp_path / "bin", mode)
 
     def planned(output_dir, *, colocated, starts_server, device="0", on_cpu=False, which=None):
         return real(output_dir, colocated=True, starts_server=starts_server, device=device,
-                    which=lambda name: sys.executable)
+                    which=lambda name: control)
 
     monkeypatch.setattr(plan_mod, "plan_mps", planned)
     base = hook("ok", "ok", tmp_path / "pids")
     (tmp_path / "pids").mkdir()
 
     def _hook(name, argv):
-        if name == "mps":
-            return [sys.executable, FAKE_MPS, "daemon", *([mode] if mode != "ok" else [])]
-        if name == "mps-quit":
-            return [sys.executable, FAKE_MPS, "quit"]
+        if name in ("mps", "mps-quit"):
+            return argv
         return base(name, argv)
     return _hook
 
@@ -156,3 +170,166 @@ def test_a_daemon_gone_during_the_run_is_said_once(make_cfg, tmp_path, monkeypat
     assert rc == 0, text  # the run goes on: the stand-in's clients need no daemon
     assert text.count("the CUDA MPS control daemon (pid") == 1 and "exited with code 0 during the run" in text, text
     assert not mps_mod.pipe_dir_of(out).exists()
+
+
+# ------------------------------------------------------------------------------------ the daemon's keeper
+PACKAGE_ROOT = str(Path(mps_mod.__file__).resolve().parents[2])  # the keeper run here is the one imported here
+DEADLINE_S = 15.0
+
+
+def until(predicate, what: str, deadline_s: float = DEADLINE_S):
+    """Poll ``predicate`` until it returns something true (returned), failing with ``what`` after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"not within {deadline_s:.0f} s: {what}")
+
+
+class KeeperRun:
+    """``python -m asyncgrpo_cli.launch.mps_keeper`` over the stand-in (mode ``mode``), started by the test in a
+    session of its own (the daemon joins its group, which the test kills at the end), its output in ``log``;
+    the stand-in's clients are the live pids listed in ``clients``."""
+
+    def __init__(self, tmp_path: Path, *args: str, mode: str = "ok", env: dict[str, str] | None = None) -> None:
+        self.pipe, self.clients, self.log = tmp_path / "pipe", tmp_path / "clients", tmp_path / "keeper.log"
+        self.pipe.mkdir(parents=True)
+        (tmp_path / "mps-logs").mkdir()
+        full_env = {**os.environ, mps_mod.PIPE_ENV: str(self.pipe), mps_mod.LOG_ENV: str(tmp_path / "mps-logs"),
+                    "FAKE_MPS_CLIENT_PIDS": str(self.clients), **(env or {}),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+        argv = mps_mod.keeper_argv(mps_mod.MpsPlan(mps_control(tmp_path / "bin", mode), self.pipe, tmp_path))
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([*argv, "--poll", "0.05", *args], stdout=out, stderr=subprocess.STDOUT,
+                                         env=full_env, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def daemon(self) -> int:
+        """The daemon's pid, once it is ready (its control socket made)."""
+        until(lambda: (self.pipe / "control").exists(), f"the stand-in's control socket; log:\n{self.text()}")
+        return int((self.pipe / "fake-daemon.pid").read_text())
+
+    def says(self, line: str) -> None:
+        until(lambda: line in self.text(), f"{line!r} in the keeper's log:\n{self.text()}")
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=DEADLINE_S)
+
+    def end(self) -> None:
+        """SIGKILL what is left of the keeper's group (the keeper, the daemon)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(timeout=DEADLINE_S)
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    """``keeper(*args, mode=..., env=...)`` starts a `KeeperRun`; what it started is killed at the end."""
+    runs: list[KeeperRun] = []
+
+    def start(*args: str, mode: str = "ok", env: dict[str, str] | None = None) -> KeeperRun:
+        runs.append(KeeperRun(tmp_path / f"k{len(runs)}", *args, mode=mode, env=env))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.end()
+
+
+@pytest.fixture
+def client():
+    """A process standing for a CUDA client of the daemon (the test's own; killed at the end if still there)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait(timeout=DEADLINE_S)
+
+
+def test_the_job_runs_the_daemon_under_its_keeper_draining_at_least_the_stop_grace(tmp_path):
+    plan = mps_mod.MpsPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "logs")
+    argv = mps_mod.keeper_argv(plan)
+    assert argv == [sys.executable, "-m", "asyncgrpo_cli.launch.mps_keeper", plan.control, "--drain-timeout", "600"]
+    assert mps_mod.keeper_argv(plan, 900.5)[-1] == "900.5" and mps_mod.keeper_argv(plan, 30.0)[-1] == "600"
+
+
+def test_the_keeper_keeps_the_daemon_until_its_clients_are_gone(keeper, client):
+    k = keeper()
+    daemon = k.daemon()
+    k.clients.write_text(f"{client.pid}\n")
+    os.kill(k.proc.pid, signal.SIGTERM)  # what the supervisor's death sends it
+    k.says(f"waiting for 1 client(s) of the MPS server: pids {client.pid}")
+    os.kill(k.proc.pid, signal.SIGTERM)  # a second signal does not cut the drain short
+    k.says("SIGTERM received: still waiting for the clients")
+    assert k.proc.poll() is None and alive(daemon) and not (k.pipe / "quit").exists(), k.text()
+    client.kill()  # the trainer's save is done: it exits, and the daemon may go
+    assert k.wait() == 0, k.text()
+    assert "no client left: the daemon is quit now" in k.text() and "fake mps: quit received" in k.text()
+    assert not alive(daemon)
+
+
+def test_the_keeper_quits_a_daemon_without_clients_at_once(keeper):
+    k = keeper()
+    daemon = k.daemon()
+    start = time.monotonic()
+    os.kill(k.proc.pid, signal.SIGINT)
+    assert k.wait() == 0, k.text()
+    assert time.monotonic() - start < 5.0  # not the drain timeout (600 s)
+    assert "SIGINT received" in k.text() and "no client left: the daemon is quit now" in k.text()
+    assert "fake mps: quit received" in k.text() and not alive(daemon)
+
+
+def test_the_drain_timeout_bounds_the_wait_for_clients(keeper, client):
+    k = keeper("--drain-timeout", "1")
+    daemon = k.daemon()
+    k.clients.write_text(f"{client.pid}\n")
+    start = time.monotonic()
+    os.kill(k.proc.pid, signal.SIGTERM)
+    assert k.wait() == 0, k.text()
+    assert 1.0 <= time.monotonic() - start < 10.0
+    assert f"the drain timeout (1 s) passed with client(s) {client.pid} still there" in k.text()
+    assert "fake mps: quit received" in k.text() and not alive(daemon) and client.poll() is None
+
+
+def test_a_daemon_that_does_not_answer_is_not_waited_for_and_is_killed_if_it_stays(keeper, client):
+    k = keeper("--quit-timeout", "0.5", env={"FAKE_MPS_CONTROL_FAILS": "1"})
+    daemon = k.daemon()
+    k.clients.write_text(f"{client.pid}\n")
+    start = time.monotonic()
+    os.kill(k.proc.pid, signal.SIGTERM)
+    assert k.wait() == 137, k.text()  # the daemon's status: SIGKILL
+    assert time.monotonic() - start < 10.0
+    assert "the daemon does not answer: it is quit now" in k.text()
+    assert "did not exit within 0.5 s of `quit`: SIGKILL" in k.text() and not alive(daemon)
+
+
+def test_a_daemon_that_ignores_quit_is_killed(keeper):
+    k = keeper("--quit-timeout", "0.5", mode="stubborn")
+    daemon = k.daemon()
+    os.kill(k.proc.pid, signal.SIGTERM)
+    assert k.wait() == 137, k.text()
+    assert "no client left" in k.text() and (k.pipe / "quit").exists() and not alive(daemon)
+
+
+def test_a_killed_keeper_leaves_no_daemon(keeper):
+    k = keeper()
+    daemon = k.daemon()
+    os.kill(k.proc.pid, signal.SIGKILL)
+    k.proc.wait(timeout=DEADLINE_S)
+    until(lambda: not alive(daemon), f"the daemon {daemon} gone after its keeper was killed")
+
+
+def test_the_keeper_exits_with_the_daemon(keeper):
+    k = keeper()  # the normal end: `quit` on the control pipe (stop_daemon)
+    daemon = k.daemon()
+    subprocess.run([str(k.pipe.parent / "bin" / "nvidia-cuda-mps-control")], input="quit\n", text=True, check=True,
+                   env={**os.environ, mps_mod.PIPE_ENV: str(k.pipe)}, timeout=DEADLINE_S)
+    assert k.wait() == 0 and not alive(daemon), k.text()
+    assert "fake mps: quit received" in k.text() and "the daemon is quit now" not in k.text()
+    failing = keeper(mode="die")
+    assert failing.wait() == 4 and "cannot start (pretend)" in failing.text()
