@@ -343,11 +343,12 @@ def test_an_mps_check_counts_the_clients_of_the_runs_daemon(tmp_path):
     """`kill9.mps_check`: the control log's ``NEW CLIENT`` lines and the console's MPS lines of a run."""
     import kill9
 
-    assert kill9.mps_check(tmp_path, "")["control_log"] is None
-    log = tmp_path / "logs" / "mps" / "control.log"
-    log.parent.mkdir(parents=True)
-    log.write_text("[x] Control daemon started\n[y] NEW CLIENT 0 from user 0: Server 1 accepted\n"
-                   "[z] NEW CLIENT 0 from user 0: Server 1 accepted\n")
+    assert kill9.mps_check(tmp_path, "")["joined_clients"] is None
+    log = tmp_path / "logs" / "mps.log"  # the foreground daemon's stdout
+    (tmp_path / "logs" / "mps").mkdir(parents=True)
+    log.write_text("[x] Control daemon started\n[y] NEW CLIENT 2348 from user 0: Server is not ready\n"
+                   "[z] NEW CLIENT 2348 from user 0: Server already exists\n[z] NEW CLIENT 3377 from user 0: x\n")
     out = kill9.mps_check(tmp_path, "step 1\nCUDA MPS: 2 CUDA process(es) joined the daemon\n")
-    assert out["new_client_lines"] == 2 and out["console"] == ["CUDA MPS: 2 CUDA process(es) joined the daemon"]
+    assert out["joined_clients"] == 2 and len(out["client_lines"]) == 3
+    assert out["console"] == ["CUDA MPS: 2 CUDA process(es) joined the daemon"]
     assert isinstance(out["mps_processes_after"], list) and isinstance(out["pipe_dirs_after"], list)

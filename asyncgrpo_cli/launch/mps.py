@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .child import Child
-from .mps_keeper import DRAIN_S, QUIT_S  # QUIT_S: for the daemon (and its MPS server) to exit after ``quit``
+from .mps_keeper import DRAIN_S, KEEPER_PID, QUIT_S  # QUIT_S: for the daemon (and its MPS server) to exit after ``quit``
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
@@ -69,6 +70,12 @@ class MpsPlan:
     def daemon_env(self) -> dict[str, str]:
         """The environment the daemon adds to the supervisor's (both folders, the shared GPU)."""
         return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir), "CUDA_VISIBLE_DEVICES": self.device}
+
+    @property
+    def stdout_log(self) -> Path:
+        """The daemon's output (its keeper's and the foreground daemon's own lines): ``mps.log`` beside
+        `log_dir`, the file the supervisor gives `start_daemon`."""
+        return self.log_dir.parent / "mps.log"
 
     def note(self) -> str:
         """The launch plan's line about it."""
@@ -136,11 +143,28 @@ def keeper_argv(plan: MpsPlan, stop_grace_s: float | None = None) -> list[str]:
     return [sys.executable, "-m", f"{__package__}.mps_keeper", plan.control, "--drain-timeout", f"{drain_s:g}"]
 
 
-def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child, str | None]:
+def draining_keeper(pipe_dir: Path) -> int | None:
+    """The pid of a keeper (`mps_keeper`) that still keeps a daemon in ``pipe_dir`` (its ``keeper.pid``), or None:
+    after its job was killed it waits there for the daemon's clients, bounded by its drain timeout."""
+    try:
+        pid = int((Path(pipe_dir) / KEEPER_PID).read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()  # empty for a zombie
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if b"mps_keeper" in cmdline and pid != os.getpid() else None
+
+
+def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child | None, str | None]:
     """Start the daemon (``argv``: the command, default `keeper_argv`: the daemon under its keeper) and wait up to
     `READY_S` seconds for its control socket. Returns the child and None, or the child and why it is not ready (it
     exited, or no socket came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
-    run folder holds the lock, so what is there is a killed job's)."""
+    run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains its
+    daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
+    keeper = draining_keeper(plan.pipe_dir)
+    if keeper is not None:
+        return None, (f"the CUDA MPS daemon of a job killed in this run folder still waits for its clients (its "
+                      f"keeper, pid {keeper}, quits it once they are gone, within its drain timeout; "
+                      f"{plan.pipe_dir}). Fix: wait for pid {keeper} to exit, or end it with kill {keeper}")
     shutil.rmtree(plan.pipe_dir, ignore_errors=True)  # a socket left by a daemon killed with its job
     plan.pipe_dir.mkdir(parents=True)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -155,12 +179,18 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -
     return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
 
 
+NEW_CLIENT = re.compile(r"NEW CLIENT (\d+)")
+
+
 def joined_clients(plan: MpsPlan) -> int | None:
-    """How many client processes joined the daemon: its control log's ``NEW CLIENT`` lines (None: no log)."""
-    log = plan.log_dir / "control.log"
-    if not log.is_file():
+    """How many processes joined the daemon: the distinct pids of its ``NEW CLIENT <pid>`` lines (a process that
+    opens several contexts connects more than once), in its log: `MpsPlan.stdout_log` (the foreground daemon the
+    job runs logs to its stdout) and ``control.log`` in `MpsPlan.log_dir` (where a background daemon logs). None
+    when neither file exists."""
+    texts = [p.read_text(errors="replace") for p in (plan.stdout_log, plan.log_dir / "control.log") if p.is_file()]
+    if not texts:
         return None
-    return sum("NEW CLIENT" in line for line in log.read_text(errors="replace").splitlines())
+    return len({m.group(1) for text in texts for m in NEW_CLIENT.finditer(text)})
 
 
 def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None,
@@ -195,9 +225,9 @@ def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None 
         child.kill_leftovers()
     shutil.rmtree(plan.pipe_dir, ignore_errors=True)
     joined = joined_clients(plan)
-    log = plan.log_dir / "control.log"
+    log = plan.stdout_log
     if joined is None:
-        return f"CUDA MPS: stopped; its control log ({log}) is missing, so who joined it is unknown"
+        return f"CUDA MPS: stopped; its log ({log}) is missing, so who joined it is unknown"
     if joined < clients_expected:
         return (f"warning: CUDA MPS: {joined} process(es) joined the daemon, {clients_expected} expected (vLLM's "
                 f"engine and the trainer): a process that cannot reach it runs without MPS. See {log}")

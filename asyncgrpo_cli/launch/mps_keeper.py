@@ -16,7 +16,12 @@ that signal instead and keeps the daemon until its clients are gone, bounded in 
   <server pid>``), until none is left, a control command fails (the daemon is gone or does not answer), or
   ``--drain-timeout`` seconds have passed; then it sends ``quit``, waits ``--quit-timeout`` seconds for the
   daemon to exit, and SIGKILLs the daemon and its descendants (its MPS server) if it has not. A second SIGTERM
-  or SIGINT does not shorten the drain (it is only said); a SIGKILL of the keeper ends the daemon at once.
+  or SIGINT does not shorten the drain (it is only said); a SIGKILL of the keeper ends the daemon at once. After
+  a drain it removes the pipe folder, as the supervisor would have.
+
+It writes its pid to `KEEPER_PID` in the pipe folder (``$CUDA_MPS_PIPE_DIRECTORY``): a job started again in the
+same run folder while it drains is refused until it has exited (`mps.draining_keeper`), instead of removing the
+folder under a daemon that still serves the killed job's trainer.
 
 Exit status: the daemon's (128 + N when a signal N ended it: 137 after the SIGKILL); 1 when the daemon cannot be
 started, 128 + N for a signal N that came before it was; 2 for bad arguments (argparse). Its lines (prefixed
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +47,7 @@ QUIT_S = 20.0  # default --quit-timeout: for the daemon (and its MPS server) to 
 POLL_S = 0.5  # between two looks at the daemon's clients while draining
 COMMAND_S = 10.0  # for one control command (``echo get_server_list | <control>``) to answer
 WAIT_S = 0.1  # between two looks at the daemon and the signals before a drain
+KEEPER_PID = "keeper.pid"  # in the pipe folder: a new job there waits for a draining keeper (mps.draining_keeper)
 
 
 def exit_status(returncode: int) -> int:
@@ -120,6 +127,13 @@ class Keeper:
         except OSError as exc:
             say(f"cannot start `{self.control} -f`: {exc}")
             return 1
+        pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+        if pipe_dir:
+            try:
+                with open(os.path.join(pipe_dir, KEEPER_PID), "w") as fh:
+                    fh.write(f"{os.getpid()}\n")
+            except OSError as exc:
+                say(f"could not write {KEEPER_PID} in {pipe_dir}: {exc}")
         say(f"pid {os.getpid()}: keeps the CUDA MPS control daemon `{self.control} -f` (pid {self.daemon.pid}); "
             f"on SIGTERM or SIGINT it waits up to {self.drain_s:g} s for the daemon's clients to go, then quits it")
         while not self.signals:
@@ -155,7 +169,11 @@ class Keeper:
                 break
             time.sleep(min(self.poll_s, left))
             self._say_signals("still waiting for the clients (the drain is not cut short)")
-        return self.quit()
+        status = self.quit()
+        pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+        if pipe_dir:  # the supervisor, gone, would have removed it (mps.stop_daemon)
+            shutil.rmtree(pipe_dir, ignore_errors=True)
+        return status
 
     def quit(self) -> int:
         """Send ``quit`` to a daemon still running, wait `quit_s` seconds, then SIGKILL it and its descendants.

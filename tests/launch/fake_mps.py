@@ -1,10 +1,10 @@
 """Stand-in for ``nvidia-cuda-mps-control`` in supervisor and keeper tests (`mps_control` makes a program of it).
 
 ``python fake_mps.py -f`` (or ``daemon``) is the foreground daemon: it writes its pid to ``fake-daemon.pid`` and
-makes ``control`` in ``$CUDA_MPS_PIPE_DIRECTORY``, writes a control log with ``$FAKE_MPS_CLIENTS`` (default 2)
-``NEW CLIENT`` lines in ``$CUDA_MPS_LOG_DIRECTORY``, and waits for a ``quit`` file there. ``$FAKE_MPS_MODE`` (or
-the argument after ``-f``): ``die`` exits 4 at once, making nothing; ``leave`` exits 0 as soon as it is ready (so that
-any later look finds it gone, however fast the job runs);
+makes ``control`` in ``$CUDA_MPS_PIPE_DIRECTORY``, prints two ``NEW CLIENT <pid>`` lines for each of
+``$FAKE_MPS_CLIENTS`` (default 2) pids on its stdout (the real foreground daemon logs there), and waits for a
+``quit`` file there. ``$FAKE_MPS_MODE`` (or the argument after ``-f``): ``die`` exits 4 at once, making nothing;
+``leave`` exits 0 as soon as it is ready (so that any later look finds it gone, however fast the job runs);
 ``stubborn`` never acts on ``quit`` (SIGKILL ends it). SIGTERM ends it (the default action).
 
 ``python fake_mps.py`` (or ``quit``) is the control client: it reads one command on stdin and answers like the
@@ -69,9 +69,9 @@ def main() -> int:
         print("fake mps: cannot start (pretend)", flush=True)
         return 4
     (pipe / "fake-daemon.pid").write_text(str(os.getpid()))
-    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
-    log.write_text("".join(f"[fake] NEW CLIENT {n} from user 0: Server already exists\n"
-                           for n in range(int(os.environ.get("FAKE_MPS_CLIENTS", "2")))))
+    for n in range(int(os.environ.get("FAKE_MPS_CLIENTS", "2"))):  # on stdout, as the real -f daemon logs;
+        for _ in range(2):  # each client connects twice (a process opens more than one context)
+            print(f"[fake] NEW CLIENT {100 + n} from user 0: Server already exists", flush=True)
     (pipe / "control").write_text("")
     if mode == "leave":  # gone during the run
         print("fake mps: exiting on its own", flush=True)

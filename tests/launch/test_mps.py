@@ -267,10 +267,11 @@ def test_the_keeper_keeps_the_daemon_until_its_clients_are_gone(keeper, client):
     os.kill(k.proc.pid, signal.SIGTERM)  # a second signal does not cut the drain short
     k.says("SIGTERM received: still waiting for the clients")
     assert k.proc.poll() is None and alive(daemon) and not (k.pipe / "quit").exists(), k.text()
+    assert mps_mod.draining_keeper(k.pipe) == k.proc.pid  # a job started again here waits for it
     client.kill()  # the trainer's save is done: it exits, and the daemon may go
     assert k.wait() == 0, k.text()
     assert "no client left: the daemon is quit now" in k.text() and "fake mps: quit received" in k.text()
-    assert not alive(daemon)
+    assert not alive(daemon) and not k.pipe.exists()  # the pipe folder goes with it, as stop_daemon removes it
 
 
 def test_the_keeper_quits_a_daemon_without_clients_at_once(keeper):
@@ -313,7 +314,8 @@ def test_a_daemon_that_ignores_quit_is_killed(keeper):
     daemon = k.daemon()
     os.kill(k.proc.pid, signal.SIGTERM)
     assert k.wait() == 137, k.text()
-    assert "no client left" in k.text() and (k.pipe / "quit").exists() and not alive(daemon)
+    assert "no client left" in k.text() and "did not exit within 0.5 s of `quit`: SIGKILL" in k.text()
+    assert not alive(daemon) and not k.pipe.exists()
 
 
 def test_a_killed_keeper_leaves_no_daemon(keeper):
@@ -331,5 +333,43 @@ def test_the_keeper_exits_with_the_daemon(keeper):
                    env={**os.environ, mps_mod.PIPE_ENV: str(k.pipe)}, timeout=DEADLINE_S)
     assert k.wait() == 0 and not alive(daemon), k.text()
     assert "fake mps: quit received" in k.text() and "the daemon is quit now" not in k.text()
+    assert (k.pipe / "keeper.pid").read_text().strip() == str(k.proc.pid)  # stop_daemon removes the folder
     failing = keeper(mode="die")
     assert failing.wait() == 4 and "cannot start (pretend)" in failing.text()
+
+
+def test_joined_clients_counts_distinct_pids_in_either_log(tmp_path):
+    """`mps.joined_clients`: the foreground daemon's stdout (``logs/mps.log``) and a background daemon's
+    ``control.log``; a process that connects twice counts once; no log: None."""
+    plan = mps_mod.MpsPlan("/bin/true", tmp_path / "pipe", tmp_path / "logs" / "mps")
+    assert mps_mod.joined_clients(plan) is None
+    plan.log_dir.mkdir(parents=True)
+    plan.stdout_log.write_text("[x Control 7] NEW CLIENT 2348 from user 0: Server is not ready\n"
+                               "[x Control 7] NEW CLIENT 2348 from user 0: Server already exists\n"
+                               "mps keeper: 12:00:00 waiting for 1 client(s) of the MPS server: pids 3377\n")
+    assert plan.stdout_log == tmp_path / "logs" / "mps.log" and mps_mod.joined_clients(plan) == 1
+    (plan.log_dir / "control.log").write_text("[y] NEW CLIENT 3377 from user 0: Server already exists\n")
+    assert mps_mod.joined_clients(plan) == 2
+
+
+def test_a_job_in_a_folder_whose_killed_jobs_keeper_still_drains_is_refused_until_it_is_gone(tmp_path):
+    """`mps.start_daemon` with a live keeper's pid in the pipe folder (`mps.draining_keeper`): refused, naming the
+    pid and the fix, and the folder is left as it is; once that keeper is gone the start goes on."""
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "control").write_text("")  # the draining daemon's socket
+    plan = mps_mod.MpsPlan(mps_control(tmp_path / "bin", "ok"), pipe, tmp_path / "logs" / "mps")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "asyncgrpo_cli.launch.mps_keeper"],
+                                start_new_session=True)
+    try:
+        (pipe / "keeper.pid").write_text(f"{stand_in.pid}\n")
+        until(lambda: mps_mod.draining_keeper(pipe) == stand_in.pid, "the stand-in keeper seen as draining")
+        child, problem = mps_mod.start_daemon(plan, tmp_path / "mps.log")
+        assert child is None and f"kill {stand_in.pid}" in problem and "still waits for its clients" in problem
+        assert (pipe / "control").exists() and (pipe / "keeper.pid").exists()  # nothing removed
+    finally:
+        stand_in.kill()
+        stand_in.wait(timeout=DEADLINE_S)
+    assert mps_mod.draining_keeper(pipe) is None
+    (pipe / "keeper.pid").write_text(f"{os.getpid()}\n")  # a pid that runs but is no keeper
+    assert mps_mod.draining_keeper(pipe) is None

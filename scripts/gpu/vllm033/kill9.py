@@ -73,13 +73,16 @@ def gpu_apps() -> list[str]:
 
 
 def mps_check(run_dir: Path, console: str) -> dict:
-    """After a ``launch.mps=true`` run: the ``NEW CLIENT`` lines of its daemon's control log (the server's engine
-    and the trainer: 2 expected), the console's CUDA MPS lines, and the MPS processes and pipe folders left."""
-    log = run_dir / "logs" / "mps" / "control.log"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    return {"control_log": str(log) if log.is_file() else None,
-            "new_client_lines": sum("NEW CLIENT" in line for line in text.splitlines()),
-            "control_log_head": text.splitlines()[:12],
+    """After a ``launch.mps=true`` run: how many processes joined its daemon (`launch.mps.joined_clients`: the
+    distinct pids of ``NEW CLIENT`` lines in ``logs/mps.log`` and ``logs/mps/control.log``; vLLM's engine, its API
+    servers and the trainer), the client lines, the console's CUDA MPS lines, and the MPS processes and pipe
+    folders left."""
+    from asyncgrpo_cli.launch import mps
+
+    plan = mps.MpsPlan("", mps.pipe_dir_of(run_dir), run_dir / "logs" / "mps")
+    lines = [line for p in (plan.stdout_log, plan.log_dir / "control.log") if p.is_file()
+             for line in p.read_text(errors="replace").splitlines() if "NEW CLIENT" in line or "mps keeper" in line]
+    return {"joined_clients": mps.joined_clients(plan), "client_lines": [line[:200] for line in lines[:30]],
             "console": [line[:300] for line in console.splitlines() if "MPS" in line][:10],
             "mps_processes_after": mps_processes(), "pipe_dirs_after": mps_pipe_dirs()}
 
