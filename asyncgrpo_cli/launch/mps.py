@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .child import Child
-from .mps_keeper import DRAIN_S, KEEPER_PID, QUIT_S  # QUIT_S: for the daemon (and its MPS server) to exit after ``quit``
+from .mps_keeper import DRAIN_S, KEEPER_PID, QUIT_S  # QUIT_S: for the daemon and its server to exit after ``quit``
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"

@@ -305,11 +305,9 @@ def gpu_memory_bytes(index: int = 0) -> int | None:
     """Total memory of visible CUDA device ``index`` in bytes, read with ``nvidia-smi`` so that the
     supervisor opens no CUDA context on the GPU it shares; None without a GPU or without nvidia-smi.
     ``CUDA_VISIBLE_DEVICES`` applies (its ``index``-th entry is asked for)."""
-    import os
     import subprocess
 
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    device = visible[index] if index < len(visible) else str(index)
+    device = visible_ids([index])
     try:
         out = subprocess.run(["nvidia-smi", "-i", device, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20)

@@ -61,6 +61,12 @@ def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypat
     assert mps_plan.daemon_env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-3"  # the user's GPU 3, not the machine's 0
     two = build_launch_plan(cfg_of(tmp_path), gpu_count=2, gpu_memory=H200)
     assert (two.server.env["CUDA_VISIBLE_DEVICES"], two.trainer_env["CUDA_VISIBLE_DEVICES"]) == ("3", "GPU-5c1e")
+    asked = []  # the plan's memory read asks nvidia-smi for the same GPU (`colocate.gpu_memory_bytes`)
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv[2]) or subprocess.CompletedProcess(
+        argv, 0, stdout="143771\n"))
+    from asyncgrpo_cli.server.colocate import gpu_memory_bytes
+
+    assert gpu_memory_bytes(1) == 143771 * 2**20 == gpu_memory_bytes(0) and asked == ["GPU-5c1e", "3"]
 
 
 @pytest.mark.parametrize("overrides, gpus, which, says", [
@@ -359,8 +365,8 @@ def test_a_job_in_a_folder_whose_killed_jobs_keeper_still_drains_is_refused_unti
     pipe.mkdir()
     (pipe / "control").write_text("")  # the draining daemon's socket
     plan = mps_mod.MpsPlan(mps_control(tmp_path / "bin", "ok"), pipe, tmp_path / "logs" / "mps")
-    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "asyncgrpo_cli.launch.mps_keeper"],
-                                start_new_session=True)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                 "asyncgrpo_cli.launch.mps_keeper"], start_new_session=True)
     try:
         (pipe / "keeper.pid").write_text(f"{stand_in.pid}\n")
         until(lambda: mps_mod.draining_keeper(pipe) == stand_in.pid, "the stand-in keeper seen as draining")
