@@ -50,6 +50,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def still_running(seen: dict[int, float]) -> list[int]:
+    """The pids of ``seen`` (pid -> start time, psutil's ``create_time``) still running: same pid and start time
+    (a reused pid is another process); zombies count as gone."""
+    out = []
+    for pid, created in seen.items():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 class Proc:
     """One started command in its own session; its output in ``log``; descendants remembered."""
 
@@ -72,16 +86,8 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
 
     def left(self) -> list[int]:
-        """Remembered processes still running (same pid and start time; zombies count as gone)."""
-        out = []
-        for pid, created in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.Error:
-                pass
-        return out
+        """Remembered processes still running (`still_running`)."""
+        return still_running(self.seen)
 
     def kill(self) -> None:
         """SIGKILL its session and every remembered descendant; reap it."""

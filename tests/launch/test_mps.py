@@ -21,6 +21,7 @@ from asyncgrpo_cli.launch.plan import build_launch_plan
 from asyncgrpo_cli.launch.supervisor import Timeouts, run_train
 
 from .conftest import HERE, alive, hook
+from .conftest import until as wait_until
 from .test_colocate import H200, cfg_of
 
 FAKE_MPS = str(HERE / "fake_mps.py")
@@ -184,14 +185,8 @@ DEADLINE_S = 15.0
 
 
 def until(predicate, what: str, deadline_s: float = DEADLINE_S):
-    """Poll ``predicate`` until it returns something true (returned), failing with ``what`` after ``deadline_s``."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"not within {deadline_s:.0f} s: {what}")
+    """`conftest.until` with this module's deadline."""
+    return wait_until(predicate, what, deadline_s, poll_s=0.02)
 
 
 class KeeperRun:

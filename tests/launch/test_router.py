@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.sampler.prometheus import parse_server_load
 from asyncgrpo_cli.server.router import engine_argv, merge_metrics, pick_engine
 
-from .conftest import alive
+from .conftest import alive, until
 
 FAKE = Path(__file__).with_name("fake_engine.py")
 DEADLINE_S = 60.0
@@ -53,13 +52,7 @@ def _ports(n: int) -> int:
 
 
 def _wait(cond, what: str, timeout: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return until(cond, what, timeout, poll_s=0.1)
 
 
 def _healthy(url: str) -> bool:

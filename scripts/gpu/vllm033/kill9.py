@@ -14,11 +14,17 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
+
+_DRILLS = str(Path(__file__).resolve().parents[2] / "drills")
+if _DRILLS not in sys.path:
+    sys.path.insert(0, _DRILLS)
+from smoke_faults import still_running  # noqa: E402
 
 STATUS_KEYS = ("state", "step", "note", "stopping", "trainer_state", "server_status", "last_checkpoint",
                "resume_command")
@@ -119,16 +125,8 @@ class Kill9:
         return True
 
     def left(self) -> list[int]:
-        """Remembered processes still running (same pid and start time; zombies count as gone)."""
-        out = []
-        for pid, created in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.Error:
-                pass
-        return out
+        """Remembered processes still running (`smoke_faults.still_running`)."""
+        return still_running(self.seen)
 
     def observe(self, timeout_s: float = 120.0) -> dict:
         """Wait up to ``timeout_s`` for every remembered process to go; record when, what is left, the
