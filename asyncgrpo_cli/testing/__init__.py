@@ -206,3 +206,35 @@ def config_groups(fn, cfg) -> dict:
     if not wanted:
         raise TypeError(f"{getattr(fn, '__name__', fn)} takes no config group")
     return {name: cfg[name] for name in wanted}
+
+
+def poll_until(predicate, what: str, deadline_s: float, poll_s: float = 0.05):
+    """Call ``predicate`` every ``poll_s`` seconds until it returns something true, and return that; after
+    ``deadline_s`` seconds raise AssertionError naming ``what`` (tests and drills: a wait, never a sleep as
+    synchronisation)."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise AssertionError(f"not within {deadline_s:.0f} s: {what}")
+
+
+def still_running(seen: dict[int, float]) -> list[int]:
+    """The pids of ``seen`` (pid -> start time, psutil's ``create_time``) still running: same pid and start time
+    (a reused pid is another process); zombies count as gone. Tests and drills end only the processes they
+    started, so they remember them this way."""
+    import psutil
+
+    out = []
+    for pid, created in seen.items():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import psutil
 
+from asyncgrpo_cli.testing import still_running
+
 SMOKE = ["+recipe=smoke", "logging.dashboard=plain"]
 
 
@@ -48,20 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def still_running(seen: dict[int, float]) -> list[int]:
-    """The pids of ``seen`` (pid -> start time, psutil's ``create_time``) still running: same pid and start time
-    (a reused pid is another process); zombies count as gone."""
-    out = []
-    for pid, created in seen.items():
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
 
 
 class Proc:
@@ -86,7 +74,7 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
 
     def left(self) -> list[int]:
-        """Remembered processes still running (`still_running`)."""
+        """Remembered processes still running (`asyncgrpo_cli.testing.still_running`)."""
         return still_running(self.seen)
 
     def kill(self) -> None:

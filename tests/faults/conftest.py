@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from asyncgrpo_cli.testing import make_tiny_model
+from asyncgrpo_cli.testing import make_tiny_model, still_running
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS = 400
@@ -84,16 +84,8 @@ class Job:
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
 
     def alive(self) -> list[int]:
-        """Remembered processes of this job still running (same pid and start time; zombies count as gone)."""
-        left = []
-        for pid, created in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(pid)
-            except psutil.Error:
-                continue
-        return left
+        """Remembered processes of this job still running (`asyncgrpo_cli.testing.still_running`)."""
+        return still_running(self.seen)
 
     def wait(self, timeout: float) -> int:
         """The exit status of the job's first process within ``timeout`` s (fails the test otherwise)."""

@@ -33,6 +33,7 @@ import pytest
 
 from asyncgrpo_cli.sampler.protocol import SamplerConnectionLost, SamplerRequestError, SamplerRetryError
 from asyncgrpo_cli.sampler.retry import ServerOutage, _RetryState, unreachable_text
+from asyncgrpo_cli.testing import poll_until
 
 HERE = Path(__file__).resolve().parent
 PROGRAM = str(HERE / "outage_program.py")
@@ -505,13 +506,7 @@ def start_trainer(procs: Processes, model_dir: Path, port: int, out: Path, *extr
 
 
 def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    return poll_until(condition, what, timeout_s, poll_s=every_s)
 
 
 def steps_logged(out: Path) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -73,15 +72,3 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
     except OSError:
         return False
-
-
-def until(predicate, what: str, deadline_s: float, poll_s: float = 0.05):
-    """Poll ``predicate`` until it returns something true (returned), failing with ``what`` after ``deadline_s``
-    seconds (generous: the tests run on a loaded two-core machine)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(poll_s)
-    raise AssertionError(f"not within {deadline_s:.0f} s: {what}")

@@ -19,9 +19,9 @@ from asyncgrpo_cli.launch import plan as plan_mod
 from asyncgrpo_cli.launch.mps import gpu_uuid
 from asyncgrpo_cli.launch.plan import build_launch_plan
 from asyncgrpo_cli.launch.supervisor import Timeouts, run_train
+from asyncgrpo_cli.testing import poll_until
 
 from .conftest import HERE, alive, hook
-from .conftest import until as wait_until
 from .test_colocate import H200, cfg_of
 
 FAKE_MPS = str(HERE / "fake_mps.py")
@@ -185,8 +185,8 @@ DEADLINE_S = 15.0
 
 
 def until(predicate, what: str, deadline_s: float = DEADLINE_S):
-    """`conftest.until` with this module's deadline."""
-    return wait_until(predicate, what, deadline_s, poll_s=0.02)
+    """`asyncgrpo_cli.testing.poll_until` with this module's deadline."""
+    return poll_until(predicate, what, deadline_s, poll_s=0.02)
 
 
 class KeeperRun:

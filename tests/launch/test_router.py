@@ -23,8 +23,9 @@ from asyncgrpo_cli.config.compose import compose
 from asyncgrpo_cli.config.rules import ConfigError
 from asyncgrpo_cli.sampler.prometheus import parse_server_load
 from asyncgrpo_cli.server.router import engine_argv, merge_metrics, pick_engine
+from asyncgrpo_cli.testing import poll_until
 
-from .conftest import alive, until
+from .conftest import alive
 
 FAKE = Path(__file__).with_name("fake_engine.py")
 DEADLINE_S = 60.0
@@ -52,7 +53,7 @@ def _ports(n: int) -> int:
 
 
 def _wait(cond, what: str, timeout: float = DEADLINE_S):
-    return until(cond, what, timeout, poll_s=0.1)
+    return poll_until(cond, what, timeout, poll_s=0.1)
 
 
 def _healthy(url: str) -> bool:

@@ -14,17 +14,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-_DRILLS = str(Path(__file__).resolve().parents[2] / "drills")
-if _DRILLS not in sys.path:
-    sys.path.insert(0, _DRILLS)
-from smoke_faults import still_running  # noqa: E402
+from asyncgrpo_cli.testing import still_running
 
 STATUS_KEYS = ("state", "step", "note", "stopping", "trainer_state", "server_status", "last_checkpoint",
                "resume_command")
@@ -125,7 +121,7 @@ class Kill9:
         return True
 
     def left(self) -> list[int]:
-        """Remembered processes still running (`smoke_faults.still_running`)."""
+        """Remembered processes still running (`asyncgrpo_cli.testing.still_running`)."""
         return still_running(self.seen)
 
     def observe(self, timeout_s: float = 120.0) -> dict:
