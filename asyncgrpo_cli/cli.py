@@ -397,14 +397,10 @@ def _check_plan(cfg) -> None:
     """`config --check`: the launch plan's problems on this machine (GPUs, cores, the server command), and what
     `train` refuses before it loads anything (`launch.preflight.early_refusal`: another job in the folder, a busy
     port, a folder that holds an earlier run), which `train` and its dry run refuse too: exit 2 naming each."""
-    from .launch.plan import build_launch_plan
     from .launch.preflight import early_refusal
 
-    try:
-        problems = [f"config error: {p}" for p in build_launch_plan(cfg).problems]
-    except ConfigError as exc:
-        problems = [f"config error: {exc}"]
-    early = early_refusal(cfg)
+    problems = _plan_problems(cfg)
+    early = early_refusal(cfg, whole_commands=not problems)  # with problems, the fix is the overrides to add
     if early:
         problems.append(early)  # with train's own label ("error:" for a used folder), so both read alike
     for problem in problems:
@@ -589,12 +585,28 @@ def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Pa
         problem = exc
     message = early_refusal(cfg, whole_commands=problem is None)
     if message:
+        planned = _plan_problems(cfg)  # on a refusal only: the plan's own (launch.mps on a CPU, GPUs) too
+        if planned and problem is None:
+            message = early_refusal(cfg, whole_commands=False)
         if problem is not None:
             from .config.compose import with_values_without
 
             _print_error(with_values_without(problem, list(overrides or []), recipes_dirs))
-        _print_refusal(message, after_problems=problem is not None)
+        for line in planned:
+            _print_refusal(line)
+        _print_refusal(message, after_problems=problem is not None or bool(planned))
         raise typer.Exit(2)
+
+
+def _plan_problems(cfg) -> list[str]:
+    """The launch plan's problems on this machine (`launch.plan.build_launch_plan`: GPUs, cores, ``launch.mps``,
+    the server command), each as ``config error: ...`` (`train --dry-run` and `config --check` name them too)."""
+    from .launch.plan import build_launch_plan
+
+    try:
+        return [f"config error: {p}" for p in build_launch_plan(cfg).problems]
+    except ConfigError as exc:
+        return [f"config error: {exc}"]
 
 
 def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int:

@@ -750,8 +750,8 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     except ConfigError as exc:
         console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
         return 2
-    if dry_run:  # what the real run would refuse before loading anything
-        plan.gpus.problems.extend(dry_run_refusals(cfg, running))
+    if dry_run:  # what the real run would refuse before loading anything (its fixes: overrides, after others)
+        plan.gpus.problems.extend(dry_run_refusals(cfg, running, whole_commands=not plan.problems))
     if dry_run:  # the commands the start runs, also next to a problem (a used folder planned the package name)
         cfg, plan, resolved = dry_run_resolved(cfg, plan, running)
     else:

@@ -651,6 +651,26 @@ def test_a_deep_check_alone_is_named_beside_a_used_folder_by_train(tmp_path):
     assert "Fix (once the problems above are fixed):" in text and "every_n_layers:0}' " not in text, text
 
 
+def test_a_plan_problem_is_named_beside_a_used_folder_and_its_fix_does_not_repeat_it(tmp_path):
+    """`launch.mps=true` on a CPU (a problem of the launch plan, not of the config's rules) in a used folder:
+    `train` refused the folder alone, with commands that repeated ``launch.mps=true``, and pasting one got the MPS
+    refusal next (fresh-user trial, twentieth session). `train`, its dry run and `config --check` now name both,
+    and the folder's fix gives only the override to add."""
+    from asyncgrpo_cli.launch.preflight import free_port
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"x")
+    args = ["+recipe=smoke", "launch.mps=true", f"sampler.port={free_port()}", f"trainer.output_dir={used}"]
+    for command in (["train", *args], ["train", *args, "--dry-run"], ["config", *args, "--check"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        text = result.output
+        assert "launch.mps=true: CUDA MPS lets the server and the trainer share one GPU's compute" in text, text
+        assert f"trainer.output_dir={used} already holds an earlier run" in text, (command, text)
+        assert "launch.mps=true" not in text.split("already holds an earlier run")[1], (command, text)
+
+
 def test_unknown_keys_and_wrong_types_are_all_named_in_one_try(tmp_path):
     """Hydra stops at its first unknown key or wrong type: two typos and a bad number took three tries. Each is
     named now, in command-line order, with the value rules and the deep pass run on the rest (the learning rate,
