@@ -30,7 +30,7 @@ def test_nvidia_smi_lines_parse_and_roles_come_from_the_command_line():
     assert gpu_memory.role_of("python3 scripts/gpu/vllm033/trl_run.py --mode colocate") == "trainer"
     assert gpu_memory.role_of("/tmp/vsite/bin/vllm serve /tmp/m --port 8000") == "vllm"
     assert gpu_memory.role_of("python3 -m vllm.entrypoints.cli.main serve /tmp/m") == "vllm"
-    assert gpu_memory.role_of("Xorg") == "other"
+    assert gpu_memory.role_of("Xorg") == "other" and gpu_memory.role_of("nvidia-cuda-mps-server") == "mps"
     assert gpu_memory.role_of_pid(__import__("os").getpid())[0] in ("trainer", "other")  # pytest: no vLLM
     with pytest.raises(ValueError, match="interval_s"):
         gpu_memory.Poller(0)

@@ -5,7 +5,7 @@
 time (``time.time()``, the clock of ``metrics.jsonl``'s ``time``), MiB per process and the GPU's MiB in use.
 Each process is given a role from its command line or its nearest ancestor's (`role_of_pid`): ``vllm`` (the
 engine core and its workers), ``trainer`` (the asyncgrpo/accelerate/TRL trainer; TRL's colocated vLLM lives in
-the trainer's process) or ``other``.
+the trainer's process), ``mps`` (CUDA MPS's server) or ``other``.
 
 `peaks` gives the peak MiB of each role over the samples in a time window (one step's), and `summary` the run's
 peak per role and per process, the largest sum of the processes' MiB against the GPU's own used MiB at the same
@@ -51,10 +51,13 @@ def parse_gpu(text: str) -> tuple[float, float] | None:
 
 
 def role_of(cmdline: str) -> str:
-    """``vllm``, ``trainer`` or ``other`` from a process's command line (``""`` when it is not visible). vLLM's own
-    signatures first (``VLLM::EngineCore``, ``vllm serve``, ``vllm.entrypoints``): this folder's name holds
-    "vllm" too."""
+    """``vllm``, ``trainer``, ``mps`` or ``other`` from a process's command line (``""`` when it is not visible).
+    CUDA MPS's server first (``nvidia-cuda-mps-server``: under ``launch.mps`` its ancestor is the job, whose
+    command line would make it the trainer's), then vLLM's own signatures (``VLLM::EngineCore``, ``vllm serve``,
+    ``vllm.entrypoints``): this folder's name holds "vllm" too."""
     low = cmdline.lower()
+    if "nvidia-cuda-mps" in low:
+        return "mps"
     if "enginecore" in low or "vllm.entrypoints" in low or re.search(r"(^|[/\s])vllm\s+serve", low):
         return "vllm"
     if any(k in low for k in ("asyncgrpo", "accelerate", "trl_run", "grpo")):
