@@ -218,9 +218,13 @@ def say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring). Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m asyncgrpo_cli.launch.mps_keeper",
-                                     description="Run `<control> -f` (the CUDA MPS control daemon) and keep it, "
-                                                 "after a SIGTERM or SIGINT, until its clients are gone.")
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncgrpo_cli.launch.mps_keeper",
+        description="Run `<control> -f` (the CUDA MPS control daemon) for one job and keep it, after a SIGTERM or "
+                    "SIGINT, until its clients are gone. `asyncgrpo train` starts it for launch.mps=true; when the "
+                    "job's supervisor dies (even by kill -9), the keeper gets SIGTERM, waits for vLLM and the "
+                    "trainer (saving its checkpoint) to leave the daemon, then quits it and removes its pipe "
+                    "folder ($CUDA_MPS_PIPE_DIRECTORY). A SIGKILL of the keeper ends the daemon at once.")
     parser.add_argument("control", help="the nvidia-cuda-mps-control program")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_S, metavar="S",
                         help=f"seconds to wait for the clients after a signal (default {DRAIN_S:g})")
