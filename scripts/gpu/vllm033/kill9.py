@@ -22,7 +22,7 @@ import psutil
 
 from asyncgrpo_cli.testing import still_running
 
-STATUS_KEYS = ("state", "step", "note", "stopping", "trainer_state", "server_status", "last_checkpoint",
+STATUS_KEYS = ("state", "step", "note", "stopping", "trainer_state", "server_status", "last_checkpoint", "last_error",
                "resume_command")
 MPS_NAMES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
