@@ -81,7 +81,7 @@ class MpsPlan:
         """The launch plan's line about it."""
         return (f"CUDA MPS (launch.mps=true): `{self.control} -f` starts before the server; vLLM and the trainer "
                 f"run their kernels at the same time through it ({PIPE_ENV}={self.pipe_dir}; its log: "
-                f"{self.log_dir}); if the job is killed, its keeper (mps_keeper) keeps it until they are gone")
+                f"{self.stdout_log}); if the job is killed, its keeper (mps_keeper) keeps it until they are gone")
 
 
 def pipe_dir_of(output_dir: Path) -> Path:

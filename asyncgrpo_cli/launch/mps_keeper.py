@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll", type=float, default=POLL_S, metavar="S",
                         help=f"seconds between two looks at the clients (default {POLL_S:g})")
     args = parser.parse_args(argv)
+    for name in ("drain_timeout", "quit_timeout", "poll"):
+        if not getattr(args, name) >= 0:  # NaN too
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a number of seconds >= 0")
     return Keeper(args.control, drain_s=args.drain_timeout, quit_s=args.quit_timeout, poll_s=args.poll).run()
 
 

@@ -339,10 +339,12 @@ def test_doctor_for_an_external_cpu_server_prints_the_server_asyncgrpo_serve_sta
 
 # ------------------------------------------------------------------------ refusals that need no model come first
 def _train_subprocess(args, env=None):
-    code = ("import sys\nfrom asyncgrpo_cli.cli import main\nsys.argv = ['asyncgrpo', 'train', *sys.argv[1:]]\n"
-            "try:\n    main()\nexcept SystemExit as exc:\n"
-            "    print('EXIT', exc.code, 'transformers' in sys.modules, 'datasets' in sys.modules, file=sys.stderr)\n"
-            "    sys.exit(exc.code)\n")
+    """`asyncgrpo train ARGS` in a child that says at its exit (an ``atexit`` hook: a refusal that imported torch
+    leaves through `run.process_exit.exit_now`, which runs them) whether transformers and datasets were
+    imported: ``HEAVY False False`` when neither was."""
+    code = ("import atexit, sys\nfrom asyncgrpo_cli.cli import main\nsys.argv = ['asyncgrpo', 'train', *sys.argv[1:]]\n"
+            "atexit.register(lambda: print('HEAVY', 'transformers' in sys.modules, 'datasets' in sys.modules, "
+            "file=sys.stderr, flush=True))\nmain()\n")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
@@ -355,7 +357,7 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
     (used / "model.safetensors").write_bytes(b"x")  # a finished run's final model
     proc = _train_subprocess(["+recipe=smoke", f"sampler.port={free_port()}", f"trainer.output_dir={used}"])
     assert proc.returncode == 2 and "already holds an earlier run" in proc.stderr, proc.stderr
-    assert "EXIT 2 False False" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "HEAVY False False" in proc.stderr, proc.stderr
     checked = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"sampler.port={free_port()}",
                                   f"trainer.output_dir={used}"])  # config --check runs what train refuses
     assert checked.exit_code == 2 and "already holds an earlier run" in checked.output, checked.output
@@ -365,7 +367,7 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
     proc = _train_subprocess(["+recipe=smoke", "trainer.activation_checkpointing_kwargs={every_n_layers:0}",
                               f"sampler.port={free_port()}", f"trainer.output_dir={used}"])  # a TrainingArguments
     assert "every_n_layers=0: must be a whole number" in proc.stderr, proc.stderr  # rule is named beside it, and
-    assert "EXIT 2 False False" in proc.stderr, proc.stderr  # still before the heavy imports (seventeenth session)
+    assert proc.returncode == 2 and "HEAVY False False" in proc.stderr, proc.stderr  # still before the heavy imports (seventeenth session)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -373,5 +375,5 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
         proc = _train_subprocess(["+recipe=smoke", f"sampler.port={port}", f"trainer.output_dir={tmp_path / 'new'}"])
     assert proc.returncode == 2 and f"sampler.port={port}: another process already listens" in proc.stderr, \
         proc.stderr
-    assert "EXIT 2 False False" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "HEAVY False False" in proc.stderr, proc.stderr
     assert not (tmp_path / "new").exists()

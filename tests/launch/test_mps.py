@@ -257,6 +257,13 @@ def test_the_job_runs_the_daemon_under_its_keeper_draining_at_least_the_stop_gra
     argv = mps_mod.keeper_argv(plan)
     assert argv == [sys.executable, "-m", "asyncgrpo_cli.launch.mps_keeper", plan.control, "--drain-timeout", "600"]
     assert mps_mod.keeper_argv(plan, 900.5)[-1] == "900.5" and mps_mod.keeper_argv(plan, 30.0)[-1] == "600"
+    from asyncgrpo_cli.launch import mps_keeper
+
+    for bad in (["--drain-timeout", "-5"], ["--poll", "nan"]):
+        with pytest.raises(SystemExit) as exited:
+            mps_keeper.main([plan.control, *bad])
+        assert exited.value.code == 2
+    assert f"its log: {tmp_path / 'mps.log'}" in plan.note()  # the foreground daemon's output
 
 
 def test_the_keeper_keeps_the_daemon_until_its_clients_are_gone(keeper, client):
