@@ -129,9 +129,11 @@ class Keeper:
             return 1
         pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
         if pipe_dir:
-            try:
-                with open(os.path.join(pipe_dir, KEEPER_PID), "w") as fh:
+            try:  # temp + rename: a job started meanwhile reads a whole pid or none (mps.draining_keeper)
+                tmp = os.path.join(pipe_dir, f".{KEEPER_PID}.{os.getpid()}")
+                with open(tmp, "w") as fh:
                     fh.write(f"{os.getpid()}\n")
+                os.replace(tmp, os.path.join(pipe_dir, KEEPER_PID))
             except OSError as exc:
                 say(f"could not write {KEEPER_PID} in {pipe_dir}: {exc}")
         say(f"pid {os.getpid()}: keeps the CUDA MPS control daemon `{self.control} -f` (pid {self.daemon.pid}); "
