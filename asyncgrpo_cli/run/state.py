@@ -288,6 +288,8 @@ class LiveFiles:
 
 # ------------------------------------------------------------------------------------------ one run per folder
 LOCK_NAME = ".asyncgrpo.lock"
+#: A process sharing the run lock (the trainer) writes ``<output_dir>/<MEMBER_PREFIX><pid>`` (`RunLock`).
+MEMBER_PREFIX = ".asyncgrpo.lock-member."
 #: Environment variable a supervisor sets for the trainer it starts: the pid whose lock the trainer may share.
 LOCK_OWNER_ENV = "ASYNCGRPO_RUN_LOCK_OWNER"
 #: Environment variable a supervisor sets for the trainer it starts: the pid of the sampler server it started
@@ -325,11 +327,26 @@ def _pid_alive(pid: int, started: float | None) -> bool:
         return True
 
 
+def _running_member(path: Path) -> dict[str, Any] | None:
+    """A member file's content when its pid still runs on this host (None: gone, reused or unreadable)."""
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = held.get("pid") if isinstance(held, dict) else None
+    return held if isinstance(pid, int) and _pid_alive(pid, held.get("started")) else None
+
+
 class RunLock:
     """``<output_dir>/.asyncgrpo.lock``: one job per output folder (created with O_EXCL semantics).
 
     The file holds the owner's pid, host, start time and command (secret values hidden, `redact.redact_argv`). A lock left by a dead process of this
     host (or a reused pid) is taken over; a live owner, or one on another host, makes `acquire` fail.
+
+    A process that shares the lock (the trainer) is a *member*: it writes ``.asyncgrpo.lock-member.<pid>``
+    beside the lock and removes it on `release`. The lock is taken over only when its owner **and** every member
+    are gone: after a ``kill -9`` of the supervisor its trainer still writes its checkpoint, and a resume started
+    then would read that checkpoint half written and share the GPU with it.
 
     Args:
         output_dir: the run's folder (created).
@@ -340,6 +357,18 @@ class RunLock:
         self.path = Path(output_dir) / LOCK_NAME
         self.shared_with = shared_with
         self.owned = False
+        self.member: Path | None = None
+
+    def _members(self) -> list[Path]:
+        return sorted(self.path.parent.glob(MEMBER_PREFIX + "*"))
+
+    def _live_member(self, host: str) -> dict[str, Any] | None:
+        """The first member of this host that still runs (not this process), or None."""
+        for path in self._members():
+            held = _running_member(path)
+            if held is not None and held["pid"] != os.getpid() and held.get("host") == host:
+                return held
+        return None
 
     def read(self) -> dict[str, Any] | None:
         """The current lock's content (None when absent; ``{}`` when unreadable)."""
@@ -382,9 +411,20 @@ class RunLock:
                 continue
             pid, host = held.get("pid"), held.get("host")
             if self.shared_with is not None and pid == self.shared_with and host == me["host"]:
+                self.member = self.path.parent / f"{MEMBER_PREFIX}{me['pid']}"
+                write_text_atomic(self.member, json.dumps(me))
                 return  # the supervisor that started this trainer holds it
             if isinstance(pid, int) and host == me["host"] and not _pid_alive(pid, held.get("started")):
-                self.path.unlink(missing_ok=True)  # stale: its owner died
+                member = self._live_member(me["host"])
+                if member is not None:
+                    raise RunLockedError(
+                        f"the job that held {self.path} (pid {pid}) is gone, but its trainer (pid {member['pid']}) "
+                        f"still runs in {self.path.parent}: it writes its checkpoint after its supervisor's death "
+                        f"and exits once that is done. Fix: wait for pid {member['pid']} to exit, then run this "
+                        f"again (or stop it: kill -INT {member['pid']})")
+                for path in self._members():  # stale: its owner and every member died
+                    path.unlink(missing_ok=True)
+                self.path.unlink(missing_ok=True)
                 continue
             if held == {}:
                 raise RunLockedError(f"{self.path} exists but is unreadable; another job may be using "
@@ -397,10 +437,16 @@ class RunLock:
         raise RunLockedError(f"could not take {self.path} (it keeps changing). Fix: choose another trainer.output_dir")
 
     def release(self) -> None:
-        """Remove the lock if this process created it (idempotent)."""
+        """Remove the lock if this process created it, or this process's member file (idempotent)."""
+        if self.member is not None:
+            self.member.unlink(missing_ok=True)
+            self.member = None
         if not self.owned:
             return
         held = self.read()
         if held is not None and held.get("pid") == os.getpid():
+            for path in self._members():  # a member killed with SIGKILL left its file
+                if _running_member(path) is None:
+                    path.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
         self.owned = False

@@ -116,6 +116,53 @@ def test_run_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
     assert not (tmp_path / ".asyncgrpo.lock").exists()
 
 
+def test_run_lock_waits_for_the_trainer_of_a_killed_supervisor(tmp_path):
+    # The supervisor (owner) is killed with SIGKILL while its trainer (a member) still writes its checkpoint:
+    # a resume must not start beside it. Once the trainer is gone too, the lock is taken over and tidied.
+    def child(code: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                 "from asyncgrpo_cli.run.state import RunLock\n" + code +
+                                 "; print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    supervisor = child(f"RunLock({str(tmp_path)!r}).acquire()")
+    trainer = None
+    try:
+        trainer = child(f"RunLock({str(tmp_path)!r}, shared_with={supervisor.pid}).acquire()")
+        assert (tmp_path / f".asyncgrpo.lock-member.{trainer.pid}").exists()
+        supervisor.kill()
+        supervisor.wait()
+        with pytest.raises(RunLockedError, match=rf"\(pid {supervisor.pid}\) is gone, but its trainer "
+                                                 rf"\(pid {trainer.pid}\) still runs.*Fix: wait for pid {trainer.pid}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        for proc in (supervisor, trainer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.owned and not list(tmp_path.glob(".asyncgrpo.lock-member.*"))
+    lock.release()
+    assert not (tmp_path / ".asyncgrpo.lock").exists()
+
+
+def test_a_member_releases_its_own_file_and_the_owner_tidies_a_dead_one(tmp_path):
+    owner = RunLock(tmp_path)
+    owner.acquire()
+    member = RunLock(tmp_path, shared_with=os.getpid())
+    member.acquire()
+    assert not member.owned and (tmp_path / f".asyncgrpo.lock-member.{os.getpid()}").exists()
+    member.release()
+    assert not list(tmp_path.glob(".asyncgrpo.lock-member.*")) and (tmp_path / ".asyncgrpo.lock").exists()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f".asyncgrpo.lock-member.{gone.stdout.strip()}").write_text(
+        json.dumps({"pid": int(gone.stdout), "host": "here", "started": 0.0}))  # killed -9: its file stayed
+    owner.release()
+    assert not list(tmp_path.glob(".asyncgrpo.lock*"))
+
+
 @pytest.mark.parametrize("processes, in_step, expected", [
     (2, False, "with 2 trainer processes, the others may be inside a collective"),
     (1, True, "inside the optimizer step"),
