@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,9 +155,15 @@ def draining_keeper(pipe_dir: Path) -> int | None:
     return pid if b"mps_keeper" in cmdline and pid != os.getpid() else None
 
 
-def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -> tuple[Child | None, str | None]:
+#: `start_daemon`'s reason when the job's stop signal came before the daemon was ready.
+STOPPED_BEFORE_READY = "a stop signal came before the CUDA MPS control daemon was ready"
+
+
+def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None,
+                 stop: threading.Event | None = None) -> tuple[Child | None, str | None]:
     """Start the daemon (``argv``: the command, default `keeper_argv`: the daemon under its keeper) and wait up to
-    `READY_S` seconds for its control socket. Returns the child and None, or the child and why it is not ready (it
+    `READY_S` seconds for its control socket, or until ``stop`` is set (the job got a stop signal: then the child and
+    `STOPPED_BEFORE_READY`). Returns the child and None, or the child and why it is not ready (it
     exited, or no socket came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
     run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains its
     daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
@@ -175,7 +182,10 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None) -
             return child, None
         if child.poll() is not None:
             return child, f"the CUDA MPS control daemon exited ({child.poll()}) before it was ready"
-        time.sleep(0.1)
+        if stop is not None and stop.wait(0.1):
+            return child, STOPPED_BEFORE_READY
+        if stop is None:
+            time.sleep(0.1)
     return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
 
 

@@ -381,3 +381,22 @@ def test_a_job_in_a_folder_whose_killed_jobs_keeper_still_drains_is_refused_unti
     assert mps_mod.draining_keeper(pipe) is None
     (pipe / "keeper.pid").write_text(f"{os.getpid()}\n")  # a pid that runs but is no keeper
     assert mps_mod.draining_keeper(pipe) is None
+
+
+def test_a_stop_signal_ends_the_wait_for_the_daemons_socket(tmp_path):
+    """`mps.start_daemon` with the job's stop event: a daemon that makes no socket is not waited for its
+    `READY_S` once the stop comes; the caller then stops it (the supervisor exits 130 at once)."""
+    import threading
+
+    plan = mps_mod.MpsPlan("/bin/true", tmp_path / "pipe", tmp_path / "logs" / "mps")
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    child, problem = mps_mod.start_daemon(plan, tmp_path / "mps.log",
+                                          [sys.executable, "-c", "import time; time.sleep(120)"], stop)
+    try:
+        assert problem == mps_mod.STOPPED_BEFORE_READY and child.poll() is None
+        assert time.monotonic() - started < mps_mod.READY_S / 2
+    finally:
+        child.signal_group(signal.SIGKILL)
+        until(lambda: child.poll() is not None, "the stand-in daemon gone")
