@@ -366,7 +366,7 @@ def realistic_assets(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", ["async", "sync", "async_clip", "sync_clip", "async_mps", "async_clip_mps",
                                   "async_compile", "sync_compile", "async_stale8", "async_mps_stale8",
-                                  "async_extmps", "async_mps_stale8_kill9"])
+                                  "async_extmps", "async_mps_stale8_kill9", "async_nomps"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
@@ -383,8 +383,10 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
     clip = "clip" in name.split("_")
     assert cfg.loss.score_centering is not clip and (cfg.rollout.num_sampler_logprobs == 0) is clip
     assert cfg.trainer.torch_compile is ("compile" in name.split("_"))
-    assert cfg.launch.mps is ("mps" in name.split("_"))  # _extmps: the harness starts the daemon itself
-    if cfg.launch.mps:  # the plan on the one GPU it runs on (an H100), with nvidia-cuda-mps-control on PATH
+    tags = name.split("_")
+    # _extmps: the harness starts the daemon itself; _nomps: without it; else automatic (null)
+    assert cfg.launch.mps is (True if "mps" in tags else False if {"extmps", "nomps"} & set(tags) else None)
+    if cfg.launch.mps is not False:  # the plan on the one GPU it runs on (an H100), with nvidia-cuda-mps-control on PATH
         from asyncgrpo_cli.launch import mps
         from asyncgrpo_cli.launch.plan import build_launch_plan
 
@@ -392,7 +394,9 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
             mp.setattr(mps.shutil, "which", lambda program: f"/usr/bin/{program}")
             mp.setattr(mps, "gpu_uuid", lambda device: f"GPU-of-{device}")  # nvidia-smi's answer on the GPU
             plan = build_launch_plan(compose(overrides), gpu_count=1, gpu_memory=81559 * 2**20)
-        assert not plan.problems and plan.mps is not None, plan.problems
+        assert not plan.problems and (plan.mps is not None) is (cfg.staleness.max_staleness > 0), plan.problems
+        if plan.mps is None:
+            return
         assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "GPU-of-0" == plan.server.env["CUDA_VISIBLE_DEVICES"]
 
 

@@ -388,15 +388,17 @@ class LaunchConfig:
     """Address of machine 0 (multi-node)."""
     main_process_port: Optional[int] = None
     """Rendezvous port (multi-node)."""
-    mps: bool = False
+    mps: Optional[bool] = None
     """Run vLLM and the trainer under CUDA MPS (Multi-Process Service) when they share one GPU: the supervisor
     starts ``nvidia-cuda-mps-control -f`` for this run before the server and quits it at the end, so that the two
-    processes' kernels run at the same time instead of taking turns. Meant for asynchronous training (on-policy,
-    ``staleness.max_staleness=0``, takes turns anyway): 1.24x the asynchronous default at the 1.7B shape, 1.43x
-    with ``staleness.max_staleness=8`` (README "How fast, against what"). The daemon runs under a keeper that,
-    if the job is killed, keeps it until the trainer's last save is done. Needs a colocated job whose server the
-    job starts, and ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH; refused otherwise, before anything
-    starts."""
+    processes' kernels run at the same time instead of taking turns. None (null) = automatically: on for an
+    asynchronous job (``staleness.max_staleness > 0``) whose vLLM server it starts on the trainer's GPU, with
+    ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH (the plan says why not otherwise; a daemon that cannot
+    start is skipped with a line). On one H100 at the 1.7B shape it made the asynchronous job 1.24-1.29x faster,
+    1.48x on-policy (README "How fast, against what"); on-policy training takes turns anyway (4% slower under
+    MPS), so it stays off there. The daemon runs under a keeper that, if the job is killed, keeps it until the
+    trainer's last save is done. true = always, refused before anything starts where it cannot apply; false =
+    never."""
     stop_timeout: Optional[float] = None
     """Seconds the supervisor waits after SIGINT/SIGTERM for the trainer to save a checkpoint and exit, before
     SIGTERM then SIGKILL; None = the last step time + 3 × the last measured save time + 30 s (120 s before

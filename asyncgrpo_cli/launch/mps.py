@@ -1,4 +1,5 @@
-"""CUDA MPS for a colocated job (``launch.mps=true``).
+"""CUDA MPS for a colocated job (``launch.mps``: true, false, or null = automatic: on for an asynchronous job whose
+server it starts on the trainer's GPU, `plan_mps_auto`).
 
 Without MPS, one GPU runs the kernels of one process at a time: vLLM's decode steps and the trainer's
 forward and backward take turns in time slices, so an asynchronous job on one GPU gains at most what the
@@ -62,6 +63,7 @@ class MpsPlan:
     pipe_dir: Path
     log_dir: Path
     device: str = "0"
+    automatic: bool = False  # chosen by launch.mps=null (`plan_mps_auto`): a daemon that cannot start is skipped
     client_env: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,7 +82,8 @@ class MpsPlan:
 
     def note(self) -> str:
         """The launch plan's line about it."""
-        return (f"CUDA MPS (launch.mps=true): `{self.control} -f` starts before the server; vLLM and the trainer "
+        which = AUTO + ", as this job is asynchronous and shares one GPU" if self.automatic else "launch.mps=true"
+        return (f"CUDA MPS ({which}): `{self.control} -f` starts before the server; vLLM and the trainer "
                 f"run their kernels at the same time through it ({PIPE_ENV}={self.pipe_dir}; its log: "
                 f"{self.stdout_log}); if the job is killed, its keeper (mps_keeper) keeps it until they are gone")
 
@@ -134,6 +137,31 @@ def plan_mps(output_dir: Path, *, colocated: bool, starts_server: bool, device: 
                       "Fix: launch.mps=false, or put nvidia-smi on PATH")
     out = Path(output_dir)
     return MpsPlan(control=control, pipe_dir=pipe_dir_of(out), log_dir=out / "logs" / "mps", device=uuid), None
+
+
+AUTO = "launch.mps=null (automatic)"
+
+
+def plan_mps_auto(output_dir: Path, *, colocated: bool, starts_server: bool, asynchronous: bool, device: str = "0",
+                  on_cpu: bool = False, which=None) -> tuple[MpsPlan | None, str | None]:
+    """``launch.mps=null``: MPS where it applies and pays. Returns ``(plan, None)`` for an asynchronous job
+    (``staleness.max_staleness > 0``) whose server this job starts on the GPU the trainer uses, with
+    ``nvidia-cuda-mps-control`` on PATH and the GPU's UUID readable; else ``(None, note)``, the plan's line saying
+    why not, or ``(None, None)`` when nothing shares a GPU (a CPU run, separate GPUs, an external server).
+    On-policy training takes turns on the GPU by design: under MPS it ran 4% slower (README "How fast, against
+    what"), so it stays off there unless ``launch.mps=true``. Arguments as `plan_mps`."""
+    if on_cpu or not colocated or not starts_server:
+        return None, None
+    if not asynchronous:
+        return None, (f"CUDA MPS off ({AUTO}): on-policy training (staleness.max_staleness=0) takes turns on the GPU "
+                      "anyway, and ran 4% slower under MPS; launch.mps=true forces it")
+    plan, problem = plan_mps(output_dir, colocated=colocated, starts_server=starts_server, device=device,
+                             on_cpu=on_cpu, which=which)
+    if plan is None:
+        why = (problem or "").removeprefix("launch.mps=true: ").split(" Fix: ")[0]
+        return None, f"CUDA MPS off ({AUTO}): {why} (launch.mps=false says nothing)"
+    plan.automatic = True
+    return plan, None
 
 
 def keeper_argv(plan: MpsPlan, stop_grace_s: float | None = None) -> list[str]:
@@ -243,3 +271,18 @@ def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None 
                 f"engine and the trainer): a process that cannot reach it runs without MPS. See {log}")
     return (f"CUDA MPS: {joined} CUDA process(es) joined the daemon (expected: vLLM's engine and the trainer); "
             f"log: {log}")
+
+
+def without_mps(plan, child: Child | None, problem: str, quit_argv: list[str] | None = None) -> str:
+    """A daemon `plan_mps_auto` chose did not start: stop what is left of it (`stop_daemon`), take its pipe
+    folder out of the server's and the trainer's environment (``plan``: the `LaunchPlan`, changed in place:
+    its ``mps`` becomes None) and return the console's line. The job then runs as with ``launch.mps=false``."""
+    mps = plan.mps
+    if child is not None:
+        stop_daemon(mps, child, quit_argv, clients_expected=0)
+    for env in (plan.server.env if plan.server is not None else {}, plan.trainer_env):
+        env.pop(PIPE_ENV, None)  # CUDA_VISIBLE_DEVICES keeps the GPU's UUID: it names the same GPU without MPS
+    plan.mps = None
+    return (f"CUDA MPS could not start ({problem}; its log: {mps.stdout_log}); this job runs without it "
+            "(launch.mps=false skips the try, launch.mps=true makes it an error)")
+

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 
 from ..config.compose import DEFAULT_OUTPUT_DIR, server_url  # noqa: F401  (DEFAULT_OUTPUT_DIR: re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count, visible_ids  # noqa: F401  (re-exported)
-from .mps import MpsPlan, plan_mps
+from .mps import MpsPlan, plan_mps, plan_mps_auto
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
@@ -443,7 +443,7 @@ class LaunchPlan:
         trainer_argv: the trainer's command.
         trainer_env: environment added for the trainer.
         output_dir, config_path, accelerate_config_path, logs_dir: where things go.
-        mps: the CUDA MPS daemon to start first (``launch.mps=true``; `launch.mps`), or None.
+        mps: the CUDA MPS daemon to start first (``launch.mps`` true, or null where `plan_mps_auto` chose it), or None.
     """
 
     gpus: GpuPlan
@@ -537,11 +537,16 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             why = "both run at once, so they split the cores instead of contending for all of them"
         gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
                           f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
-    mps = None
-    if cfg.launch.get("mps"):
-        mps, problem = plan_mps(out, colocated=gpus.colocated, starts_server=server is not None,
-                                device=visible_ids(gpus.trainer_gpus[:1]), on_cpu=gpus.use_cpu)
-        gpus.problems.extend([problem] if problem else [])
+    mps, choice = None, cfg.launch.get("mps")
+    if choice is not False:
+        where = dict(colocated=gpus.colocated, starts_server=server is not None,
+                     device=visible_ids(gpus.trainer_gpus[:1]), on_cpu=gpus.use_cpu)
+        if choice is None:  # automatic: a reason not to is a note, not a problem
+            mps, note = plan_mps_auto(out, asynchronous=int(cfg.staleness.max_staleness) > 0, **where)
+            gpus.notes.extend([note] if note else [])
+        else:
+            mps, problem = plan_mps(out, **where)
+            gpus.problems.extend([problem] if problem else [])
         if mps is not None:
             server.env.update(mps.client_env)
             env.update(mps.client_env)

@@ -64,7 +64,7 @@ from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_ru
                    output_dir_of, resolved_config, run_size)
 from .job_files import (exit_text, finalize_status, newest_checkpoint, server_death_cause, stop_grace,
                         write_summary_file)
-from .mps import STOPPED_BEFORE_READY, keeper_argv, start_daemon, stop_daemon
+from .mps import STOPPED_BEFORE_READY, keeper_argv, start_daemon, stop_daemon, without_mps
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
@@ -301,10 +301,15 @@ class Supervisor:
                                              self._argv("mps", keeper_argv(plan.mps, self._stop_grace())), self._stop)
             if problem == STOPPED_BEFORE_READY:
                 return self._interrupted_rc()
-            if problem:
+            if problem and not plan.mps.automatic:
                 return self._fail(f"launch.mps=true: {problem} (fix: launch.mps=false runs without it)", self.mps)
-            self.console.print(f"started CUDA MPS (pid {self.mps.pid}); log: {self.mps.log_path}", markup=False,
-                               highlight=False, soft_wrap=True)
+            if problem:  # chosen automatically: the job runs without it, as it would have without the choice
+                self.console.print(without_mps(plan, self.mps, problem, self._argv("mps-quit", [plan.mps.control])),
+                                   markup=False, highlight=False, soft_wrap=True)
+                self.mps = None
+            else:
+                self.console.print(f"started CUDA MPS (pid {self.mps.pid}); log: {self.mps.log_path}", markup=False,
+                                   highlight=False, soft_wrap=True)
         if plan.server is not None:
             try:
                 argv = self._argv("server", server_exec_argv(plan.server))

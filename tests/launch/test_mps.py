@@ -45,7 +45,7 @@ def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypat
     assert plan.mps.log_dir == tmp_path / "run" / "logs" / "mps"
     assert any(n.startswith("CUDA MPS (launch.mps=true)") for n in plan.gpus.notes)
     assert "CUDA_MPS_PIPE_DIRECTORY=" in plan.trainer_shell_line()
-    assert build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200).mps is None  # off by default
+    assert build_launch_plan(cfg_of(tmp_path, "launch.mps=false"), gpu_count=1, gpu_memory=H200).mps is None
     # the MPS server renumbers what its daemon sees: all three name the GPU by its UUID
     assert plan.mps.daemon_env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-0" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
     assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-0"
@@ -56,7 +56,7 @@ def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypat
     variable replaces the parent's, so "0" there would be the machine's GPU 0."""
     monkeypatch.setattr(mps_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5c1e")
-    plan = build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200)
+    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=false"), gpu_count=1, gpu_memory=H200)
     assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "3" == plan.trainer_env["CUDA_VISIBLE_DEVICES"]
     mps_plan = build_launch_plan(cfg_of(tmp_path, "launch.mps=true"), gpu_count=1, gpu_memory=H200).mps
     assert mps_plan.daemon_env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-3"  # the user's GPU 3, not the machine's 0
@@ -84,6 +84,36 @@ def test_the_plan_refuses_mps_where_it_cannot_apply(tmp_path, monkeypatch, overr
     problems = [p for p in plan.problems if p.startswith("launch.mps=true")]
     assert len(problems) == 1 and says in problems[0] and "Fix: launch.mps=false" in problems[0], plan.problems
     assert plan.mps is None and "CUDA_MPS_PIPE_DIRECTORY" not in plan.trainer_env
+
+
+@pytest.mark.parametrize("overrides, gpus, which, on, says", [
+    ([], 1, "/usr/bin/x", True, None),  # asynchronous, one GPU, vLLM started here: on
+    (["staleness.max_staleness=0"], 1, "/usr/bin/x", False, "on-policy training (staleness.max_staleness=0) takes turns"),
+    ([], 1, None, False, "`nvidia-cuda-mps-control` is not on PATH"),
+    (["launch.server_gpus=[7]"], 1, "/usr/bin/x", False, "could not read the UUID of GPU 7"),
+    (["launch.colocate=false"], 2, "/usr/bin/x", False, None),  # nothing shares a GPU: not a word
+    ([], 0, "/usr/bin/x", False, None),
+    (["sampler.backend=external", "sampler.url=http://127.0.0.1:9"], 1, "/usr/bin/x", False, None),
+])
+def test_automatic_mps_is_on_for_an_asynchronous_colocated_job_and_says_why_not_elsewhere(
+        tmp_path, monkeypatch, overrides, gpus, which, on, says):
+    """``launch.mps=null`` (the default): a reason not to is a plan note, never a problem."""
+    monkeypatch.setattr(mps_mod.shutil, "which", lambda name: which)
+    monkeypatch.setattr(mps_mod, "gpu_uuid", lambda device: None if device == "7" else f"GPU-uuid-{device}")
+    plan = build_launch_plan(cfg_of(tmp_path, *overrides), gpu_count=gpus, gpu_memory=H200)
+    assert not [p for p in plan.problems if "mps" in p.lower()], plan.problems
+    notes = [n for n in plan.gpus.notes if n.startswith("CUDA MPS")]
+    assert (plan.mps is not None) is on and (plan.mps is None or plan.mps.automatic)
+    if on:
+        assert notes[0].startswith("CUDA MPS (launch.mps=null (automatic), as this job is asynchronous")
+        assert plan.trainer_env["CUDA_MPS_PIPE_DIRECTORY"] == str(plan.mps.pipe_dir)
+    elif says:
+        assert len(notes) == 1 and notes[0].startswith("CUDA MPS off (launch.mps=null (automatic)): ")
+        assert says in notes[0] and "Fix:" not in notes[0], notes
+    else:
+        assert not notes, notes
+    if not on:
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in plan.trainer_env
 
 
 def mps_control(folder: Path, mode: str = "ok") -> str:
@@ -151,6 +181,43 @@ def test_a_daemon_that_does_not_start_fails_the_job_before_the_server(make_cfg, 
     assert "launch.mps=false" in text and "cannot start (pretend)" in text
     assert "started the server" not in text and not (tmp_path / "pids" / "server.pid").exists()
     assert not mps_mod.pipe_dir_of(out).exists()
+
+
+def test_an_automatic_daemon_that_does_not_start_is_skipped_and_the_job_runs_without_it(make_cfg, tmp_path,
+                                                                                        monkeypatch):
+    """``launch.mps=null`` chose MPS (`plan_mps_auto`, on the CPU here as if colocated on a GPU) and the daemon dies
+    before it is ready: one line says so, the job runs as with ``launch.mps=false``."""
+    control = mps_control(tmp_path / "bin", "die")
+    real = plan_mod.plan_mps_auto
+
+    def chosen(output_dir, *, colocated, starts_server, asynchronous, device="0", on_cpu=False, which=None):
+        return real(output_dir, colocated=True, starts_server=starts_server, asynchronous=asynchronous,
+                    device=device, which=lambda name: control)
+
+    monkeypatch.setattr(plan_mod, "plan_mps_auto", chosen)
+    hooks = _stand_in(monkeypatch, tmp_path, "die")
+    cfg, out = make_cfg()
+    assert cfg.launch.mps is None
+    console = Console(record=True, width=300)
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hooks)
+    text = console.export_text()
+    assert rc == 0, text
+    assert ("CUDA MPS could not start (the CUDA MPS control daemon exited (4) before it was ready; its log: "
+            f"{out / 'logs' / 'mps.log'}); this job runs without it") in text
+    assert text.index("this job runs without it") < text.index("started the server")
+    assert "joined the daemon" not in text and not mps_mod.pipe_dir_of(out).exists()
+
+
+def test_without_mps_takes_the_pipe_folder_out_of_both_environments(tmp_path):
+    plan_ = mps_mod.MpsPlan("/bin/true", tmp_path / "pipe", tmp_path / "logs" / "mps", device="GPU-uuid-0")
+    from types import SimpleNamespace
+
+    launch = SimpleNamespace(mps=plan_, server=SimpleNamespace(env={"A": "1", **plan_.client_env}),
+                             trainer_env={"B": "2", **plan_.client_env})
+    line = mps_mod.without_mps(launch, None, "no socket")
+    assert launch.mps is None and line.startswith("CUDA MPS could not start (no socket; its log: ")
+    assert launch.server.env == {"A": "1", "CUDA_VISIBLE_DEVICES": "GPU-uuid-0"}
+    assert launch.trainer_env == {"B": "2", "CUDA_VISIBLE_DEVICES": "GPU-uuid-0"}
 
 
 def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
@@ -400,3 +467,18 @@ def test_a_stop_signal_ends_the_wait_for_the_daemons_socket(tmp_path):
     finally:
         child.signal_group(signal.SIGKILL)
         until(lambda: child.poll() is not None, "the stand-in daemon gone")
+
+
+def test_the_keeper_says_repeated_signals_once_with_a_count(capsys):
+    """A dead supervisor's other children may pass their SIGTERM on: one line per signal name, not per signal."""
+    from asyncgrpo_cli.launch.mps_keeper import Keeper
+
+    k = Keeper("/bin/true", drain_s=1.0)
+    k.signals += [signal.SIGTERM] * 4 + [signal.SIGINT]
+    k._say_signals("draining")
+    k._say_signals("draining")  # nothing new: nothing said
+    k.signals.append(signal.SIGTERM)
+    k._say_signals("still waiting")
+    lines = [x.split(" ", 3)[3] for x in capsys.readouterr().out.splitlines()]  # "mps keeper: HH:MM:SS ..."
+    assert lines == ["SIGTERM received (4 times): draining", "SIGINT received: draining",
+                     "SIGTERM received: still waiting"], lines

@@ -129,9 +129,12 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # deadline admission: a 512-token completion decoded beside the trainer takes steps to finish, and small decode
 # batches cost the shared GPU as much per step as large ones), ``_kill9`` = the run goes on past its `STEPS`
 # measured steps and its supervisor is killed with SIGKILL once step `STEPS` + 1 is logged (`kill9.Kill9`: what is
-# left, a minute on; with ``_mps``, whether CUDA MPS's daemon and server go too).
+# left, a minute on; with ``_mps``, whether CUDA MPS's daemon and server go too). Since 2026-12-06 (twenty-first
+# session) ``launch.mps`` is automatic (null): a plain ``async`` job runs under MPS as users' jobs do, ``_nomps``
+# (``launch.mps=false``) is the asynchronous job without it, and ``sync`` stays without it (automatic MPS is off
+# on-policy).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
-            "extmps": [],
+            "extmps": ["launch.mps=false"], "nomps": ["launch.mps=false"],
             "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"], "kill9": []}
 KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
