@@ -7,7 +7,8 @@ idle gaps of each leave (about 1.2x at the 1.7B shape of README "How fast, again
 Multi-Process Service both processes are clients of one MPS server and their kernels run at the same time.
 
 The supervisor starts the control daemon in the foreground (``nvidia-cuda-mps-control -f``) under a keeper
-(`mps_keeper`, `keeper_argv`), a child of its own like the server, with a pipe folder of this run
+(`mps_keeper`, `keeper_argv`), a child of its own like the server, checks that a client gets a CUDA context
+through it (`probe_daemon`, `mps_probe`), with a pipe folder of this run
 (`MpsPlan.pipe_dir`, short: the daemon's socket path must fit 108 bytes) and its log folder under the run's
 ``logs/mps``. vLLM and the trainer get ``CUDA_MPS_PIPE_DIRECTORY`` (`MpsPlan.client_env`), so they join this
 daemon and no other, and all three name the shared GPU by its UUID. At the end the supervisor asks it to quit
@@ -187,12 +188,13 @@ def draining_keeper(pipe_dir: Path) -> int | None:
 STOPPED_BEFORE_READY = "a stop signal came before the CUDA MPS control daemon was ready"
 
 
-def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None,
-                 stop: threading.Event | None = None) -> tuple[Child | None, str | None]:
+def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None, stop: threading.Event | None = None,
+                 probe: list[str] | None = None) -> tuple[Child | None, str | None]:
     """Start the daemon (``argv``: the command, default `keeper_argv`: the daemon under its keeper) and wait up to
     `READY_S` seconds for its control socket, or until ``stop`` is set (the job got a stop signal: then the child and
-    `STOPPED_BEFORE_READY`). Returns the child and None, or the child and why it is not ready (it
-    exited, or no socket came): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
+    `STOPPED_BEFORE_READY`); then, with ``probe`` (a command, `probe_argv`), check that a client gets a context
+    through it (`probe_daemon`). Returns the child and None, or the child and why it is not ready (it
+    exited, no socket came, the probe failed): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
     run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains its
     daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
     keeper = draining_keeper(plan.pipe_dir)
@@ -207,7 +209,7 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None,
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if (plan.pipe_dir / "control").exists():
-            return child, None
+            return child, probe_daemon(plan, probe) if probe is not None else None
         if child.poll() is not None:
             return child, f"the CUDA MPS control daemon exited ({child.poll()}) before it was ready"
         if stop is not None and stop.wait(0.1):
@@ -215,6 +217,34 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None,
         if stop is None:
             time.sleep(0.1)
     return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
+
+
+PROBE_S = 60.0  # for the probe's one context (well under a second when the server starts)
+
+
+def probe_argv() -> list[str]:
+    """The probe's command (`mps_probe`): one CUDA context through the daemon."""
+    return [sys.executable, "-m", f"{__package__}.mps_probe"]
+
+
+def probe_daemon(plan: MpsPlan, argv: list[str] | None = None, env: dict[str, str] | None = None) -> str | None:
+    """Run the probe (``argv``, default `probe_argv`) as a client of ``plan``'s daemon (`MpsPlan.client_env` added
+    to ``env``, default this process's). Returns None when it created its context, or could not probe (no CUDA
+    driver library: exit 3); else why not (its last line, or its exit status, or the timeout `PROBE_S`): the MPS
+    server cannot serve a client, so vLLM would fail at its start."""
+    from .mps_probe import NOT_PROBED
+
+    try:
+        out = subprocess.run(argv or probe_argv(), env={**(env or os.environ), **plan.client_env},
+                             capture_output=True, text=True, timeout=PROBE_S)
+    except subprocess.TimeoutExpired:
+        return f"a CUDA context through the daemon took over {PROBE_S:.0f} s (mps probe)"
+    except OSError as exc:
+        return f"the MPS probe could not run: {exc}"
+    if out.returncode in (0, NOT_PROBED):
+        return None
+    last = (out.stdout.strip() or out.stderr.strip()).splitlines()[-1:] or [f"exit status {out.returncode}"]
+    return f"a CUDA context through the daemon failed ({last[0].removeprefix('mps probe: ')})"
 
 
 NEW_CLIENT = re.compile(r"NEW CLIENT (\d+)")

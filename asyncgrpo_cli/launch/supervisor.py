@@ -64,7 +64,7 @@ from .plan import (LaunchPlan, accelerate_config_yaml, build_launch_plan, dry_ru
                    output_dir_of, resolved_config, run_size)
 from .job_files import (exit_text, finalize_status, newest_checkpoint, server_death_cause, stop_grace,
                         write_summary_file)
-from .mps import STOPPED_BEFORE_READY, keeper_argv, start_daemon, stop_daemon, without_mps
+from .mps import STOPPED_BEFORE_READY, keeper_argv, probe_argv, start_daemon, stop_daemon, without_mps
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
@@ -298,7 +298,8 @@ class Supervisor:
                            "stops; a second signal stops at once)", markup=False, highlight=False, soft_wrap=True)
         if plan.mps is not None:
             self.mps, problem = start_daemon(plan.mps, plan.logs_dir / "mps.log",
-                                             self._argv("mps", keeper_argv(plan.mps, self._stop_grace())), self._stop)
+                                             self._argv("mps", keeper_argv(plan.mps, self._stop_grace())), self._stop,
+                                             probe=self._argv("mps-probe", probe_argv()))
             if problem == STOPPED_BEFORE_READY:
                 return self._interrupted_rc()
             if problem and not plan.mps.automatic:

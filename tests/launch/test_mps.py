@@ -126,9 +126,13 @@ def mps_control(folder: Path, mode: str = "ok") -> str:
     return str(program)
 
 
-def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
+FAILING_PROBE = [sys.executable, "-c", "print('mps probe: cuCtxCreate failed: CUDA_ERROR_MPS_SERVER_NOT_READY (805): "
+                 "pretend'); raise SystemExit(1)"]
+
+
+def _stand_in(monkeypatch, tmp_path, mode: str = "ok", probe: list[str] | None = None):
     """The plan gets an MPS daemon on the CPU: the stand-in's program (`mps_control`) is its control program, run
-    under the keeper as a job runs it."""
+    under the keeper as a job runs it. The probe is the real one (no CUDA driver here: not probed), or ``probe``."""
     real = plan_mod.plan_mps
     control = mps_control(tmp_path / "bin", mode)
 
@@ -141,18 +145,21 @@ def _stand_in(monkeypatch, tmp_path, mode: str = "ok"):
     (tmp_path / "pids").mkdir()
 
     def _hook(name, argv):
+        if name == "mps-probe":
+            return probe or argv
         if name in ("mps", "mps-quit"):
             return argv
         return base(name, argv)
     return _hook
 
 
-def mps_job(make_cfg, tmp_path, monkeypatch, mode: str = "ok") -> tuple[int, str, Path]:
+def mps_job(make_cfg, tmp_path, monkeypatch, mode: str = "ok", probe: list[str] | None = None) -> tuple[int, str, Path]:
     """A smoke-sized job with ``launch.mps=true`` and the stand-in daemon in ``mode``: (exit status, console text,
     run folder)."""
     cfg, out = make_cfg("launch.mps=true")
     console = Console(record=True, width=200)
-    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=_stand_in(monkeypatch, tmp_path, mode))
+    rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                   _commands=_stand_in(monkeypatch, tmp_path, mode, probe))
     return rc, console.export_text(), out
 
 
@@ -183,11 +190,17 @@ def test_a_daemon_that_does_not_start_fails_the_job_before_the_server(make_cfg, 
     assert not mps_mod.pipe_dir_of(out).exists()
 
 
+@pytest.mark.parametrize("mode, probe, why", [
+    ("die", None, "the CUDA MPS control daemon exited (4) before it was ready"),
+    ("ok", FAILING_PROBE, "a CUDA context through the daemon failed (cuCtxCreate failed: "
+                          "CUDA_ERROR_MPS_SERVER_NOT_READY (805): pretend)"),
+])
 def test_an_automatic_daemon_that_does_not_start_is_skipped_and_the_job_runs_without_it(make_cfg, tmp_path,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, mode, probe, why):
     """``launch.mps=null`` chose MPS (`plan_mps_auto`, on the CPU here as if colocated on a GPU) and the daemon dies
-    before it is ready: one line says so, the job runs as with ``launch.mps=false``."""
-    control = mps_control(tmp_path / "bin", "die")
+    before it is ready, or a client cannot get a context through it: one line says so, the job runs as with
+    ``launch.mps=false``."""
+    control = mps_control(tmp_path / "bin", mode)
     real = plan_mod.plan_mps_auto
 
     def chosen(output_dir, *, colocated, starts_server, asynchronous, device="0", on_cpu=False, which=None):
@@ -195,15 +208,14 @@ def test_an_automatic_daemon_that_does_not_start_is_skipped_and_the_job_runs_wit
                     device=device, which=lambda name: control)
 
     monkeypatch.setattr(plan_mod, "plan_mps_auto", chosen)
-    hooks = _stand_in(monkeypatch, tmp_path, "die")
+    hooks = _stand_in(monkeypatch, tmp_path, mode, probe)
     cfg, out = make_cfg()
     assert cfg.launch.mps is None
     console = Console(record=True, width=300)
     rc = run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hooks)
     text = console.export_text()
     assert rc == 0, text
-    assert ("CUDA MPS could not start (the CUDA MPS control daemon exited (4) before it was ready; its log: "
-            f"{out / 'logs' / 'mps.log'}); this job runs without it") in text
+    assert f"CUDA MPS could not start ({why}; its log: {out / 'logs' / 'mps.log'}); this job runs without it" in text
     assert text.index("this job runs without it") < text.index("started the server")
     assert "joined the daemon" not in text and not mps_mod.pipe_dir_of(out).exists()
 
@@ -218,6 +230,28 @@ def test_without_mps_takes_the_pipe_folder_out_of_both_environments(tmp_path):
     assert launch.mps is None and line.startswith("CUDA MPS could not start (no socket; its log: ")
     assert launch.server.env == {"A": "1", "CUDA_VISIBLE_DEVICES": "GPU-uuid-0"}
     assert launch.trainer_env == {"B": "2", "CUDA_VISIBLE_DEVICES": "GPU-uuid-0"}
+
+
+def test_with_launch_mps_true_a_failing_probe_fails_the_job_before_the_server(make_cfg, tmp_path, monkeypatch):
+    rc, text, out = mps_job(make_cfg, tmp_path, monkeypatch, "ok", FAILING_PROBE)
+    assert rc == 1, text
+    assert "launch.mps=true: a CUDA context through the daemon failed (cuCtxCreate failed: " in text
+    assert "started the server" not in text and not mps_mod.pipe_dir_of(out).exists()
+
+
+def test_the_probe_passes_a_context_and_says_nothing_where_it_cannot_probe(tmp_path):
+    """`mps.probe_daemon`: exit 0 (a context) and exit 3 (no CUDA driver library: not probed) are no problem; the
+    probe runs with the daemon's pipe folder and GPU."""
+    plan = mps_mod.MpsPlan("/bin/true", tmp_path / "pipe", tmp_path / "logs", device="GPU-uuid-0")
+    seen = tmp_path / "env.txt"
+    code = ("import os, sys; open(sys.argv[1], 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY'] + ' ' + "
+            "os.environ['CUDA_VISIBLE_DEVICES']); raise SystemExit(int(sys.argv[2]))")
+    assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "0"]) is None
+    assert seen.read_text() == f"{tmp_path / 'pipe'} GPU-uuid-0"
+    assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "3"]) is None
+    assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "1"]) == (
+        "a CUDA context through the daemon failed (exit status 1)")
+    assert mps_mod.probe_daemon(plan) is None  # the real probe on this machine: no CUDA driver, not probed
 
 
 def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
