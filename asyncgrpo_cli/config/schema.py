@@ -393,10 +393,11 @@ class LaunchConfig:
     starts ``nvidia-cuda-mps-control -f`` for this run before the server and quits it at the end, so that the two
     processes' kernels run at the same time instead of taking turns. None (null) = automatically: on for an
     asynchronous job (``staleness.max_staleness > 0``) whose vLLM server it starts on the trainer's GPU, with
-    ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH (the plan says why not otherwise; a daemon that cannot
-    start is skipped with a line). On one H100 at the 1.7B shape it made the asynchronous job 1.24-1.29x faster,
-    1.48x on-policy (README "How fast, against what"); on-policy training takes turns anyway (4% slower under
-    MPS), so it stays off there. The daemon runs under a keeper that, if the job is killed, keeps it until the
+    ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH (where vLLM and the trainer share a GPU, the plan says
+    why not otherwise; a daemon that cannot start, or serve a probe's CUDA context, is skipped with a line). On one
+    H100 at the 1.7B shape it made the asynchronous job 1.24-1.29x faster (1.48x the on-policy job's trained
+    tok/s; README "How fast, against what"). On-policy training takes turns on the GPU anyway and ran 4% slower
+    under MPS, so it stays off there. The daemon runs under a keeper that, if the job is killed, keeps it until the
     trainer's last save is done. true = always, refused before anything starts where it cannot apply; false =
     never."""
     stop_timeout: Optional[float] = None

@@ -92,6 +92,7 @@ from .retry import (  # noqa: E402,F401 - the retry decisions (B.17) and their h
 GENERATION_ROUTES = (COMPLETIONS_ROUTE, GENERATE_ROUTE)
 PROBE_TIMEOUT_S = 5.0  # the longest /health probe while the server is unreachable
 SILENT_MIN_TIMEOUT_S = 1.0  # the shortest request timeout `SyncSamplerClient.silence_budget` leaves
+RETRY_SAY_EVERY_S = 10.0  # the least time between two retry warnings of one client (`SamplerClient._retry_level`)
 
 
 # ---------------------------------------------------------------------------------------------- async
@@ -172,6 +173,7 @@ class SamplerClient:
         self.tokens_route = bool(tokens_route)
         self.retry_count = 0
         self.request_count = 0
+        self._retry_said_at, self._retries_unsaid = -RETRY_SAY_EVERY_S, 0  # `_retry_level`
         self.outage = ServerOutage(self.base_url, self.timeout_s)
         self.metrics_failure_count = 0
         self.after_outage = after_outage
@@ -233,11 +235,25 @@ class SamplerClient:
             self.retry_count += 1
             # one warning per request's first retry and per backoff doubling, not one per request per try; none
             # while the server is unreachable: the outage logs its start and its end once (`ServerOutage`)
-            level = logging.WARNING if (state.retries + state.refusals) & (state.retries + state.refusals - 1) == 0 \
-                and not self.outage.active else logging.DEBUG
-            log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s", self.base_url, route, delay,
-                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "")
+            level, unsaid = self._retry_level((state.retries + state.refusals) & (state.retries + state.refusals - 1)
+                                              == 0 and not self.outage.active)
+            log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s%s", self.base_url, route, delay,
+                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "", unsaid)
             await asyncio.sleep(delay)
+
+    def _retry_level(self, worth_a_warning: bool) -> tuple[int, str]:
+        """The log level of a retry's line and what it adds: a WARNING at most every `RETRY_SAY_EVERY_S` seconds
+        for the whole client (a server dying mid-request fails every request in flight at once: the first retry
+        of each of 13 requests made 13 lines of one GPU drill's trainer.log), saying how many went unsaid."""
+        if not worth_a_warning:
+            return logging.DEBUG, ""
+        now = time.monotonic()
+        if now - self._retry_said_at < RETRY_SAY_EVERY_S:
+            self._retries_unsaid += 1
+            return logging.DEBUG, ""
+        unsaid = f" (and {self._retries_unsaid} other retries since the last such line)" if self._retries_unsaid else ""
+        self._retry_said_at, self._retries_unsaid = now, 0
+        return logging.WARNING, unsaid
 
     async def _probe(self) -> Any:
         """One ``GET /health`` during an outage: None when the server answers (any status below 500: a

@@ -585,3 +585,35 @@ def test_the_sync_client_logs_an_outage_once_too(caplog):
     assert c.retry_count >= 5
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "server unreachable (" in warnings[0], warnings
+
+
+def test_a_server_dying_mid_request_is_one_retry_warning_not_one_per_request(caplog):
+    """A GPU drill's trainer.log: the server killed with 13 requests in flight, each request's first retry a
+    warning line (13 lines). One client says it once per `RETRY_SAY_EVERY_S`, the count of the others on the next."""
+    from asyncgrpo_cli.sampler.client import RETRY_SAY_EVERY_S
+
+    calls = []
+
+    async def handler(request):
+        calls.append(1)
+        if len(calls) <= 16:  # every request's first try: the connection dropped without an answer
+            request.transport.close()
+            await asyncio.sleep(0)
+            return web.Response()
+        return web.json_response(GOOD)
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with SamplerClient(url_of(server), max_concurrency=16, timeout_s=5.0, backoff_base_s=0.01,
+                                     backoff_max_s=0.05) as c:
+                return await asyncio.wait_for(asyncio.gather(*(c.generate_turn([1], PARAMS) for _ in range(16))), 30)
+        finally:
+            await server.close()
+
+    with caplog.at_level("DEBUG", logger="asyncgrpo_cli.sampler.client"):
+        turns = run(main())
+    assert len(turns) == 16 and RETRY_SAY_EVERY_S >= 5
+    retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+    warned = [r.getMessage() for r in retries if r.levelname == "WARNING"]
+    assert len(retries) >= 16 and len(warned) == 1, warned
