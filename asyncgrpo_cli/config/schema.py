@@ -391,15 +391,16 @@ class LaunchConfig:
     mps: Optional[bool] = None
     """Run vLLM and the trainer under CUDA MPS (Multi-Process Service) when they share one GPU: the supervisor
     starts ``nvidia-cuda-mps-control -f`` for this run before the server and quits it at the end, so that the two
-    processes' kernels run at the same time instead of taking turns. None (null) = automatically: on for an
-    asynchronous job (``staleness.max_staleness > 0``) whose vLLM server it starts on the trainer's GPU, with
-    ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH (where vLLM and the trainer share a GPU, the plan says
-    why not otherwise; a daemon that cannot start, or serve a probe's CUDA context, is skipped with a line). On one
-    H100 at the 1.7B shape it made the asynchronous job 1.24-1.29x faster (1.48x the on-policy job's trained
-    tok/s; README "How fast, against what"). On-policy training takes turns on the GPU anyway and ran 4% slower
-    under MPS, so it stays off there. The daemon runs under a keeper that, if the job is killed, keeps it until the
-    trainer's last save is done. true = always, refused before anything starts where it cannot apply; false =
-    never."""
+    processes' kernels run at the same time instead of taking turns. null (the default) = automatically: on for an
+    asynchronous job (``staleness.max_staleness > 0``) whose vLLM server the job starts on the trainer's GPU, with
+    ``nvidia-cuda-mps-control`` and ``nvidia-smi`` on PATH. When the two share a GPU but one of these does not
+    hold, the plan prints why MPS is off; a daemon that cannot start, or cannot serve a probe's CUDA context, is
+    skipped with a line. true = the same conditions are required, and the job is refused before anything starts
+    when one fails (an on-policy job is allowed); false = never. On one H100 at the 1.7B shape (README "How fast,
+    against what"): 1.24x the asynchronous job's trained tok/s without MPS (one session), and 1.48x the on-policy
+    job's (another session, one machine). On-policy training takes turns on the GPU anyway and trained 3.7% fewer
+    tok/s under MPS, so the automatic choice leaves it off. The daemon runs under a keeper that, if the job is
+    killed, keeps it until the trainer's last save is done."""
     stop_timeout: Optional[float] = None
     """Seconds the supervisor waits after SIGINT/SIGTERM for the trainer to save a checkpoint and exit, before
     SIGTERM then SIGKILL; None = the last step time + 3 × the last measured save time + 30 s (120 s before
