@@ -117,16 +117,21 @@ def test_5xx_then_ok_is_retried_and_counted():
     assert calls[0]["seed"] == calls[2]["seed"]  # a retry resends the same request
 
 
-def test_closed_connection_is_retried():
-    calls = []
-
+def dropping(calls: list, first: int):
+    """A handler that drops the connection without an answer for the first ``first`` requests, then answers."""
     async def handler(request):
         calls.append(1)
-        if len(calls) == 1:
-            request.transport.close()  # drop the connection without an answer
+        if len(calls) <= first:
+            request.transport.close()
             await asyncio.sleep(0)
             return web.Response()
         return web.json_response(GOOD)
+    return handler
+
+
+def test_closed_connection_is_retried():
+    calls = []
+    handler = dropping(calls, 1)
 
     async def main():
         server = await serve(handler)
@@ -592,15 +597,7 @@ def test_a_server_dying_mid_request_is_one_retry_warning_not_one_per_request(cap
     warning line (13 lines). One client says it once per `RETRY_SAY_EVERY_S`, the count of the others on the next."""
     from asyncgrpo_cli.sampler.client import RETRY_SAY_EVERY_S
 
-    calls = []
-
-    async def handler(request):
-        calls.append(1)
-        if len(calls) <= 16:  # every request's first try: the connection dropped without an answer
-            request.transport.close()
-            await asyncio.sleep(0)
-            return web.Response()
-        return web.json_response(GOOD)
+    handler = dropping([], 16)  # every request's first try: the connection dropped without an answer
 
     async def main():
         server = await serve(handler)
