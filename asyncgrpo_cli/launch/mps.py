@@ -65,6 +65,7 @@ class MpsPlan:
     log_dir: Path
     device: str = "0"
     automatic: bool = False  # chosen by launch.mps=null (`plan_mps_auto`): a daemon that cannot start is skipped
+    probe_pids: set[int] = field(default_factory=set)  # `probe_daemon`'s clients, left out of `joined_clients`
     client_env: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,10 +194,10 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None, s
     """Start the daemon (``argv``: the command, default `keeper_argv`: the daemon under its keeper) and wait up to
     `READY_S` seconds for its control socket, or until ``stop`` is set (the job got a stop signal: then the child and
     `STOPPED_BEFORE_READY`); then, with ``probe`` (a command, `probe_argv`), check that a client gets a context
-    through it (`probe_daemon`). Returns the child and None, or the child and why it is not ready (it
-    exited, no socket came, the probe failed): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job per
-    run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains its
-    daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
+    through it (`probe_daemon`). Returns the child and None, or the child and why it is not ready (it exited, no
+    socket came, the probe failed): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job
+    per run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains
+    its daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
     keeper = draining_keeper(plan.pipe_dir)
     if keeper is not None:
         return None, (f"the CUDA MPS daemon of a job killed in this run folder still waits for its clients (its "
@@ -235,15 +236,20 @@ def probe_daemon(plan: MpsPlan, argv: list[str] | None = None, env: dict[str, st
     from .mps_probe import NOT_PROBED
 
     try:
-        out = subprocess.run(argv or probe_argv(), env={**(env or os.environ), **plan.client_env},
-                             capture_output=True, text=True, timeout=PROBE_S)
-    except subprocess.TimeoutExpired:
-        return f"a CUDA context through the daemon took over {PROBE_S:.0f} s (mps probe)"
+        proc = subprocess.Popen(argv or probe_argv(), env={**(env or os.environ), **plan.client_env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as exc:
         return f"the MPS probe could not run: {exc}"
-    if out.returncode in (0, NOT_PROBED):
+    plan.probe_pids.add(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=PROBE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"a CUDA context through the daemon took over {PROBE_S:.0f} s (mps probe)"
+    if proc.returncode in (0, NOT_PROBED):
         return None
-    last = (out.stdout.strip() or out.stderr.strip()).splitlines()[-1:] or [f"exit status {out.returncode}"]
+    last = (stdout.strip() or stderr.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
     return f"a CUDA context through the daemon failed ({last[0].removeprefix('mps probe: ')})"
 
 
@@ -253,12 +259,12 @@ NEW_CLIENT = re.compile(r"NEW CLIENT (\d+)")
 def joined_clients(plan: MpsPlan) -> int | None:
     """How many processes joined the daemon: the distinct pids of its ``NEW CLIENT <pid>`` lines (a process that
     opens several contexts connects more than once), in its log: `MpsPlan.stdout_log` (the foreground daemon the
-    job runs logs to its stdout) and ``control.log`` in `MpsPlan.log_dir` (where a background daemon logs). None
-    when neither file exists."""
+    job runs logs to its stdout) and ``control.log`` in `MpsPlan.log_dir` (where a background daemon logs), less
+    the probe's (`MpsPlan.probe_pids`). None when neither file exists."""
     texts = [p.read_text(errors="replace") for p in (plan.stdout_log, plan.log_dir / "control.log") if p.is_file()]
     if not texts:
         return None
-    return len({m.group(1) for text in texts for m in NEW_CLIENT.finditer(text)})
+    return len({int(m.group(1)) for text in texts for m in NEW_CLIENT.finditer(text)} - plan.probe_pids)
 
 
 def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None = None,

@@ -227,8 +227,8 @@ class Supervisor:
             self._stop_all()
             if self.plan.mps is not None and self.mps is not None:  # after its clients: `quit` waits for them
                 self.console.print(stop_daemon(self.plan.mps, self.mps, self._argv("mps-quit", [self.plan.mps.control]),
-                                               clients_expected=2 if self.trainer is not None else 1), soft_wrap=True,
-                                   markup=False, highlight=False)
+                                               clients_expected=2 if self.trainer else 1 if self.server else 0),
+                                   soft_wrap=True, markup=False, highlight=False)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if self.trainer is not None:

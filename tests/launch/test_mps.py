@@ -247,6 +247,7 @@ def test_the_probe_passes_a_context_and_says_nothing_where_it_cannot_probe(tmp_p
     code = ("import os, sys; open(sys.argv[1], 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY'] + ' ' + "
             "os.environ['CUDA_VISIBLE_DEVICES']); raise SystemExit(int(sys.argv[2]))")
     assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "0"]) is None
+    assert len(plan.probe_pids) == 1  # left out of the closing count
     assert seen.read_text() == f"{tmp_path / 'pipe'} GPU-uuid-0"
     assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "3"]) is None
     assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "1"]) == (
@@ -459,6 +460,8 @@ def test_joined_clients_counts_distinct_pids_in_either_log(tmp_path):
     assert plan.stdout_log == tmp_path / "logs" / "mps.log" and mps_mod.joined_clients(plan) == 1
     (plan.log_dir / "control.log").write_text("[y] NEW CLIENT 3377 from user 0: Server already exists\n")
     assert mps_mod.joined_clients(plan) == 2
+    plan.probe_pids.add(3377)  # the probe's context is no client of the job's
+    assert mps_mod.joined_clients(plan) == 1
 
 
 def test_a_job_in_a_folder_whose_killed_jobs_keeper_still_drains_is_refused_until_it_is_gone(tmp_path):
