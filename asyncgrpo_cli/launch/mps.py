@@ -150,13 +150,13 @@ def plan_mps_auto(output_dir: Path, *, colocated: bool, starts_server: bool, asy
     (``staleness.max_staleness > 0``) whose server this job starts on the GPU the trainer uses, with
     ``nvidia-cuda-mps-control`` on PATH and the GPU's UUID readable; else ``(None, note)``, the plan's line saying
     why not, or ``(None, None)`` when nothing shares a GPU (a CPU run, separate GPUs, an external server).
-    On-policy training takes turns on the GPU by design: under MPS it ran 4% slower (README "How fast, against
-    what"), so it stays off there unless ``launch.mps=true``. Arguments as `plan_mps`."""
+    On-policy training takes turns on the GPU by design: under MPS it trained 3.7% fewer tok/s (README "How fast,
+    against what"), so it stays off there unless ``launch.mps=true``. Arguments as `plan_mps`."""
     if on_cpu or not colocated or not starts_server:
         return None, None
     if not asynchronous:
         return None, (f"CUDA MPS off ({AUTO}): on-policy training (staleness.max_staleness=0) takes turns on the GPU "
-                      "anyway, and ran 4% slower under MPS; launch.mps=true forces it")
+                      "anyway, and trained 3.7% fewer tok/s under MPS; launch.mps=true forces it")
     plan, problem = plan_mps(output_dir, colocated=colocated, starts_server=starts_server, device=device,
                              on_cpu=on_cpu, which=which)
     if plan is None:
@@ -198,6 +198,7 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None, s
     socket came, the probe failed): the caller stops it with `stop_daemon`. The pipe folder starts empty (one job
     per run folder holds the lock, so what is there is a killed job's), unless a killed job's keeper still drains
     its daemon there (`draining_keeper`): then None and why, and nothing is started or removed."""
+    stop = stop or threading.Event()
     keeper = draining_keeper(plan.pipe_dir)
     if keeper is not None:
         return None, (f"the CUDA MPS daemon of a job killed in this run folder still waits for its clients (its "
@@ -210,13 +211,11 @@ def start_daemon(plan: MpsPlan, log_path: Path, argv: list[str] | None = None, s
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if (plan.pipe_dir / "control").exists():
-            return child, probe_daemon(plan, probe) if probe is not None else None
+            return child, probe_daemon(plan, probe, stop=stop) if probe is not None else None
         if child.poll() is not None:
             return child, f"the CUDA MPS control daemon exited ({child.poll()}) before it was ready"
-        if stop is not None and stop.wait(0.1):
+        if stop.wait(0.1):
             return child, STOPPED_BEFORE_READY
-        if stop is None:
-            time.sleep(0.1)
     return child, f"the CUDA MPS control daemon made no control socket in {plan.pipe_dir} within {READY_S:.0f} s"
 
 
@@ -228,11 +227,13 @@ def probe_argv() -> list[str]:
     return [sys.executable, "-m", f"{__package__}.mps_probe"]
 
 
-def probe_daemon(plan: MpsPlan, argv: list[str] | None = None, env: dict[str, str] | None = None) -> str | None:
+def probe_daemon(plan: MpsPlan, argv: list[str] | None = None, env: dict[str, str] | None = None,
+                 stop: threading.Event | None = None) -> str | None:
     """Run the probe (``argv``, default `probe_argv`) as a client of ``plan``'s daemon (`MpsPlan.client_env` added
     to ``env``, default this process's). Returns None when it created its context, or could not probe (no CUDA
-    driver library: exit 3); else why not (its last line, or its exit status, or the timeout `PROBE_S`): the MPS
-    server cannot serve a client, so vLLM would fail at its start."""
+    driver library: exit 3); `STOPPED_BEFORE_READY` when ``stop`` is set meanwhile (the probe is killed); else why
+    not (its last line, or its exit status, or the timeout `PROBE_S`): the MPS server cannot serve a client, so
+    vLLM would fail at its start."""
     from .mps_probe import NOT_PROBED
 
     try:
@@ -241,12 +242,14 @@ def probe_daemon(plan: MpsPlan, argv: list[str] | None = None, env: dict[str, st
     except OSError as exc:
         return f"the MPS probe could not run: {exc}"
     plan.probe_pids.add(proc.pid)
-    try:
-        stdout, stderr = proc.communicate(timeout=PROBE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return f"a CUDA context through the daemon took over {PROBE_S:.0f} s (mps probe)"
+    deadline, stop = time.monotonic() + PROBE_S, stop or threading.Event()
+    while proc.poll() is None:  # its output is one line: no pipe fills while it runs
+        if stop.wait(0.05) or time.monotonic() > deadline:
+            proc.kill()
+            proc.communicate()
+            return STOPPED_BEFORE_READY if stop.is_set() else (
+                f"a CUDA context through the daemon took over {PROBE_S:.0f} s (mps probe)")
+    stdout, stderr = proc.communicate()
     if proc.returncode in (0, NOT_PROBED):
         return None
     last = (stdout.strip() or stderr.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]

@@ -253,6 +253,14 @@ def test_the_probe_passes_a_context_and_says_nothing_where_it_cannot_probe(tmp_p
     assert mps_mod.probe_daemon(plan, [sys.executable, "-c", code, str(seen), "1"]) == (
         "a CUDA context through the daemon failed (exit status 1)")
     assert mps_mod.probe_daemon(plan) is None  # the real probe on this machine: no CUDA driver, not probed
+    import threading
+
+    stop = threading.Event()  # a stop signal while the probe hangs: it is killed, not waited for
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    hung = [sys.executable, "-c", "import time; time.sleep(120)"]
+    assert mps_mod.probe_daemon(plan, hung, stop=stop) == mps_mod.STOPPED_BEFORE_READY
+    assert time.monotonic() - started < mps_mod.PROBE_S / 2
 
 
 def test_mps_composes_and_the_cpu_smoke_plan_refuses_it():
