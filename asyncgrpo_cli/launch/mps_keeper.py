@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m asyncgrpo_cli.launch.mps_keeper",
         description="Run `<control> -f` (the CUDA MPS control daemon) for one job and keep it, after a SIGTERM or "
-                    "SIGINT, until its clients are gone. `asyncgrpo train` starts it for launch.mps=true; when the "
+                    "SIGINT, until its clients are gone. `asyncgrpo train` starts it under launch.mps; when the "
                     "job's supervisor dies (even by kill -9), the keeper gets SIGTERM, waits for vLLM and the "
                     "trainer (saving its checkpoint) to leave the daemon, then quits it and removes its pipe "
                     "folder ($CUDA_MPS_PIPE_DIRECTORY). A SIGKILL of the keeper ends the daemon at once.")
