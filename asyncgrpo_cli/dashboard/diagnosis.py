@@ -47,7 +47,7 @@ from ..run.metrics_line import (breakdown_text, busy_share, fmt, num,  # noqa: F
 from .findings import (  # noqa: F401 - re-exported: the rules' shared types
     ALERT, DEFAULT_THRESHOLDS, INFO, OK, REWARD_NAMES, SEVERITY_RANK, WARN, Diagnosis, MetricsHistory, RunSettings,
     Thresholds, _level, _pct, _wait_text, held_shares)
-from .idle import IDLE_CAUSES, trainer_idle  # noqa: F401 - IDLE_CAUSES re-exported
+from .idle import IDLE_CAUSES, trainer_idle, trainer_idle_in_waves  # noqa: F401 - IDLE_CAUSES re-exported
 from .overrides import _bare_ok, _hydra_str, _list_override  # noqa: F401 - re-exported
 
 
@@ -434,8 +434,11 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
     windows that found it. A full `MetricsHistory` may have forgotten a finding that held early in the run: its line
     says ``now`` without naming one."""
     current = diagnose(history, settings, th)
-    if current.severity == OK or th.hold_windows <= 1:
+    if th.hold_windows <= 1:
         return current
+    waves = trainer_idle_in_waves(history, settings, th)
+    if current.severity == OK:
+        return current if waves is None else waves
     rows = history.rows
     hold = th.hold_windows
     findings: dict[int, tuple[list[Diagnosis], Diagnosis | None]] = {}  # `_findings` of the windows up to each
@@ -466,8 +469,11 @@ def steady_diagnosis(history: MetricsHistory, settings: RunSettings = RunSetting
     last = len(rows) - 1
     if len(rows) >= hold and (steady := held(last)):  # the whole run it held over, as the line after it says
         best = _shown(max(steady, key=lambda d: d.rank), findings[last][1])
-        return Diagnosis(best.rule, f"{best.text} (held over {_span(rows, start(best.rule, last), last)})",
-                         best.severity)
+        if waves is None or waves.rank <= best.rank or _family(best.rule) == "idle":
+            return Diagnosis(best.rule, f"{best.text} (held over {_span(rows, start(best.rule, last), last)})",
+                             best.severity)
+    if waves is not None:  # windows that alternate between busy and idle: together they are idle (issue #42)
+        return waves
     tail = f"newest: {_words(current)}; shown once it holds over {hold} windows"
     for end in range(last - 1, hold - 2, -1):  # the newest earlier window where a finding had held
         if steady := held(end):

@@ -57,10 +57,11 @@ them go stale, so they are named once the config is right. When no cause holds, 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..rollout.stale_schedule import RELEASE_AFTER_VERSIONS
+from ..rollout.stale_schedule import HEADROOM_MARGIN, RELEASE_AFTER_VERSIONS
 from ..run.metrics_line import breakdown_text, busy_share, num, request_breakdown
 from .findings import (DEFAULT_THRESHOLDS, WARN, Diagnosis, MetricsHistory, RunSettings, Thresholds, _level,
                        held_shares)
@@ -146,9 +147,45 @@ def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_
     return fix
 
 
-def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+def generation_latency_steps(history: MetricsHistory, th: Thresholds = DEFAULT_THRESHOLDS) -> tuple[float, float, float] | None:
+    """How many of the trainer's own steps one rollout takes to generate, over the newest ``th.stale_windows``
+    windows: ``(steps, rollout seconds, trainer step seconds)``, where the rollout seconds are the mean of the
+    windows' ``rollout/duration_s`` (windows where no rollout finished have none) and the trainer's step is the
+    median over the same windows of ``perf/step_s - perf/rollout_wait_s`` (its time without the wait for samples;
+    the median, since the first step's compile is ten of the others).
+    None when either is missing or the trainer's step is not positive."""
+    rows = history.rows[-th.stale_windows:]
+    durations = [d for d in (num(r, "rollout/duration_s") for r in rows) if d is not None and d > 0]
+    own = [s - (num(r, "perf/rollout_wait_s") or 0.0) for r in rows if (s := num(r, "perf/step_s")) is not None]
+    if not durations or not own or sum(own) <= 0:
+        return None
+    rollout_s, step_s = sum(durations) / len(durations), statistics.median(own)
+    return rollout_s / step_s, rollout_s, step_s
+
+
+def deadline_staleness(latency_steps: float, max_staleness: int) -> int:
+    """The ``max_staleness`` at which deadline admission keeps generation fed when a rollout takes
+    ``latency_steps`` trainer steps (> 0) to generate: ``ceil(2 x latency + HEADROOM_MARGIN + 1)``, at least one
+    more than ``max_staleness``.
+
+    Why: a group may be pulled while the trainer is at most ``max_staleness`` versions past its stamp, less
+    `StaleSchedule`'s margin (0.25 of a version), and deadline admission counts everything committed (the queue,
+    and every group in flight, the newer ones too) as pulled before it. To keep the trainer busy, about
+    ``latency`` steps of rollouts must be in flight and one step's worth queued while the oldest group in flight is
+    ``latency`` versions old: ``(latency + 1) <= max_staleness + 0.75 - latency``. The latency is measured at
+    today's rollouts in flight, and more in flight decode slower, so one version more. Checked by simulation on the
+    realistic job's shape (`scripts/bench/bench_deadline_waves.py`: 512-token completions, a rollout taking 2-3
+    steps; 4 and 5 left the trainer idle in waves, 7 and 8 kept it busy) and on the GPU (issue #42: staleness 8
+    busy on 18 of 19 steps, 4 on 11 of 19)."""
+    need = math.ceil(2.0 * latency_steps + HEADROOM_MARGIN + 1.0 - 1e-9)
+    return max(max_staleness + 1, need)
+
+
+def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds,
+                   history: MetricsHistory | None = None) -> tuple[str, str, str] | None:
     """Cause 4 when deadline admission, not the allowance, held the producer (``rollout/held_deadline_frac`` at
-    least ``th.high_wait_frac`` and above ``rollout/held_allowance_frac``; `asyncgrpo_cli.rollout.holds`)."""
+    least ``th.high_wait_frac`` and above ``rollout/held_allowance_frac``; `asyncgrpo_cli.rollout.holds`). Its fix
+    sizes ``max_staleness`` from the rollouts' generation time when ``history`` logs it (`deadline_staleness`)."""
     shares = dict(held_shares(m))
     deadline = shares.get("deadline", 0.0)
     if deadline < th.high_wait_frac or deadline <= shares.get("allowance", 0.0):
@@ -161,7 +198,15 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds) 
     why = (f"deadline admission holds generation back {deadline:.0%} of the time{flight} (on since a sample was "
            f"dropped stale{until}: a group starts only if every group in flight can still be trained after all "
            "that is committed, each rollout in flight counted at what it is expected to queue)")
-    fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
+    latency = generation_latency_steps(history, th) if history is not None else None
+    if latency is None:
+        fix = f"staleness.max_staleness={s.max_staleness + 1} (one more version of headroom per group)"
+    else:
+        steps, rollout_s, step_s = latency
+        fix = (f"staleness.max_staleness={deadline_staleness(steps, s.max_staleness)} (a rollout takes "
+               f"{rollout_s:.1f} s to generate, {steps:.1f} of the trainer's own {step_s:.2f} s steps; with every "
+               f"committed token counted as pulled first, generation stays fed from max_staleness >= "
+               f"2 x {steps:.1f} + {HEADROOM_MARGIN:g} + 1)")
     if not release:
         n = RELEASE_AFTER_VERSIONS
         fix += (f", or staleness.deadline_release_versions={n} (opt-in: it turns off again after {n} weight updates "
@@ -177,7 +222,7 @@ def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) ->
     """Cause 4: the staleness token allowance (or deadline admission, `_deadline_held`) bounds the rollouts in
     flight."""
     m = history.latest
-    held_by_deadline = _deadline_held(m, s, th)
+    held_by_deadline = _deadline_held(m, s, th, history)
     if held_by_deadline is not None:
         return held_by_deadline
     bp, conc = num(m, "rollout/backpressure_s"), num(m, "rollout/concurrency")
@@ -324,3 +369,52 @@ def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
             rule, why, fix = found
             return Diagnosis(rule, f"{head}: {why}; fix: {fix}", WARN)
     return None
+
+
+#: `trainer_idle_in_waves` reads this many times ``hold_windows`` windows (fewer early in a run, at least
+#: ``hold_windows``): the s21 job's waves ran four steps long, and three windows of them flickered around 20% idle.
+WAVE_HOLDS = 2
+
+#: Metrics `trainer_idle_in_waves` averages over the windows it reads (the rest are the newest window's).
+WAVE_MEAN_KEYS = ("perf/rollout_wait_s", "perf/step_s", "rollout/backpressure_s", "rollout/concurrency")
+
+
+def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSettings(),
+                          th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+    """An idle trainer over the newest ``WAVE_HOLDS x th.hold_windows`` windows (at least ``hold_windows``) taken
+    together, when single windows disagree.
+
+    Issue #42: with completions that all take about as long, groups admitted together finish together, and steps
+    alternate between a full queue (busy 100%, generation held) and an empty one (busy 46-62%); no finding then
+    holds over ``hold_windows`` windows in a row, and the dashboard said "no steady finding" while deadline admission
+    held generation 99-100% of the run. Here the windows are one: ``perf/rollout_wait_s``, ``perf/step_s``,
+    ``rollout/backpressure_s``, ``rollout/concurrency`` and every ``rollout/held_{gate}_frac`` are averaged over
+    them (the rest is the newest window's), and `trainer_idle` judges that window with the history before it.
+
+    Returns `trainer_idle`'s finding, its text starting ``in waves over steps A-B (busy X-Y%)`` with the idlest and
+    busiest windows' shares, or None when fewer than ``hold_windows`` windows are logged, one lacks the step's wait or
+    time, no window was idle, or the windows together are not.
+    """
+    rows = history.rows[-WAVE_HOLDS * th.hold_windows:]
+    if len(rows) < th.hold_windows or th.hold_windows < 2:
+        return None
+    shares = [busy_share(r) for r in rows]
+    if any(b is None for b in shares) or min(shares) >= 1 - th.high_wait_frac:
+        return None
+    merged = dict(rows[-1])
+    keys = set(WAVE_MEAN_KEYS) | {k for r in rows for k in r if k.startswith("rollout/held_") and k.endswith("_frac")}
+    for key in keys:
+        vals = [v for v in (num(r, key) for r in rows) if v is not None]
+        if vals:
+            merged[key] = sum(vals) / len(vals)
+    together = MetricsHistory(maxlen=len(history.rows))
+    for r in history.rows[:-len(rows)]:
+        together.push(r)
+    together.push(merged)
+    found = trainer_idle(together, settings, th)
+    if found is None:
+        return None
+    first, last = num(rows[0], "step"), num(rows[-1], "step")
+    span = f"steps {first:.0f}-{last:.0f}" if first is not None and last is not None else f"{len(rows)} windows"
+    return Diagnosis(found.rule, f"in waves over {span} (busy {min(shares):.0%}-{max(shares):.0%}): {found.text}",
+                     found.severity)

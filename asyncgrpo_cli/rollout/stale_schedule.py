@@ -45,7 +45,7 @@ from typing import Any
 
 from .allowance import _require_int, _require_tokens
 
-__all__ = ["LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verdict"]
+__all__ = ["HEADROOM_MARGIN", "LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verdict"]
 
 #: How many of the latest distinct ``tokens_per_version`` values deadline admission takes the minimum of.
 RECENT_STEPS = 64
@@ -53,6 +53,9 @@ RECENT_STEPS = 64
 #: A value to try for ``staleness.deadline_release_versions`` (weight updates without a stale drop after which deadline
 #: admission first turns off again; each time a drop turns it on again the count doubles: `StaleSchedule.release_after`).
 RELEASE_AFTER_VERSIONS = 4
+
+#: `StaleSchedule`'s default ``headroom_margin``: versions' worth of tokens deadline admission keeps in reserve.
+HEADROOM_MARGIN = 0.25
 
 #: Completion-length classes of ``sample/trained_frac_{class}``: thirds of ``max_completion_length``.
 LENGTH_CLASSES = ("short", "medium", "long")
@@ -112,7 +115,7 @@ class StaleSchedule:
         requeue(prompt)                           # then next_retry() hands it out before any new prompt
     """
 
-    def __init__(self, max_staleness: int, max_retries: int = 3, headroom_margin: float = 0.25,
+    def __init__(self, max_staleness: int, max_retries: int = 3, headroom_margin: float = HEADROOM_MARGIN,
                  release_after_versions: int | None = None) -> None:
         self.max_staleness = _require_int("max_staleness", max_staleness, 0)
         self.max_retries = _require_int("max_retries", max_retries, 0)

@@ -1,0 +1,77 @@
+"""Issue #42: a trainer idle in waves under deadline admission, and the max_staleness that feeds it."""
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo_cli.dashboard.diagnosis import MetricsHistory, RunSettings, steady_diagnosis, trainer_idle
+from asyncgrpo_cli.dashboard.idle import deadline_staleness, generation_latency_steps, trainer_idle_in_waves
+
+SETTINGS = RunSettings(max_staleness=4, max_concurrent_rollouts=1024, num_generations=8)
+
+
+def _window(step: int, wait: float, duration: float | None = None) -> dict:
+    """One logged step of the realistic job's shape: the trainer's own step 2.3 s, deadline admission holding the
+    producer all the window, ``wait`` seconds waited for samples."""
+    row = {"step": step, "perf/step_s": 2.3 + wait, "perf/rollout_wait_s": wait, "rollout/backpressure_s": 2.0,
+           "rollout/held_deadline_frac": 1.0, "rollout/held_allowance_frac": 0.0, "rollout/held_cap_frac": 0.0,
+           "rollout/concurrency": 110.0, "rollout/concurrency_cap": 437.0, "batch/samples_per_step": 64.0}
+    if duration is not None:
+        row["rollout/duration_s"] = duration
+    return row
+
+
+def _waves(n: int) -> MetricsHistory:
+    """Two full steps, then one that waits 2.7 s (busy 46%), as the s21 job's windows ran; a rollout 7.5 s long
+    is logged in the idle windows (the waves' finishes)."""
+    h = MetricsHistory()
+    for step in range(1, n + 1):
+        idle = step % 3 == 0
+        h.push(_window(step, 2.7 if idle else 0.0, 7.5 if idle else None))
+    return h
+
+
+def test_latency_in_trainer_steps_uses_the_median_own_step():
+    h = MetricsHistory()
+    h.push({**_window(1, 6.0, 4.0), "perf/step_s": 26.0})  # the first step's compile: 20 s of its own
+    for step in range(2, 6):
+        h.push(_window(step, 0.0, 8.0))
+    steps, rollout_s, step_s = generation_latency_steps(h)
+    assert step_s == pytest.approx(2.3) and rollout_s == pytest.approx(7.2)
+    assert steps == pytest.approx(7.2 / 2.3)
+    assert generation_latency_steps(MetricsHistory()) is None
+
+
+def test_the_staleness_that_feeds_generation_grows_with_the_latency():
+    # 2 x latency + 0.25 (the schedule's margin) + 1, rounded up; at least one more than now
+    assert deadline_staleness(3.2, 4) == 8
+    assert deadline_staleness(2.7, 4) == 7
+    assert deadline_staleness(0.5, 4) == 5
+    assert deadline_staleness(1.0, 1) == 4
+
+
+def test_waves_of_busy_and_idle_steps_are_one_finding_with_a_sized_fix():
+    h = _waves(9)
+    line = steady_diagnosis(h, SETTINGS)
+    assert line.rule == "trainer_idle_deadline" and line.severity == "warn"
+    assert line.text.startswith("in waves over steps 4-9 (busy 46%-100%): trainer idle ")
+    assert "deadline admission holds generation back 100% of the time" in line.text
+    # 7.5 s / 2.3 s = 3.3 steps: 2 x 3.3 + 1.25 -> 8
+    assert "fix: staleness.max_staleness=8 (a rollout takes 7.5 s to generate, 3.3 of the trainer's own 2.30 s" in line.text
+
+
+def test_no_waves_without_an_idle_window_or_when_the_windows_together_are_busy():
+    busy = MetricsHistory()
+    for step in range(1, 7):
+        busy.push(_window(step, 0.0))
+    assert trainer_idle_in_waves(busy, SETTINGS) is None
+    one_dip = MetricsHistory()
+    for step in range(1, 7):  # one window idle 30% among five full ones: 6% idle together
+        one_dip.push(_window(step, 1.0 if step == 6 else 0.0))
+    assert trainer_idle_in_waves(one_dip, SETTINGS) is None
+    assert trainer_idle_in_waves(_waves(2), SETTINGS) is None  # fewer windows than hold_windows
+
+
+def test_before_waves_the_fix_is_one_more_version():
+    h = MetricsHistory()
+    h.push(_window(1, 2.7))  # no rollout duration logged yet
+    assert "fix: staleness.max_staleness=5 (one more version of headroom per group)" in trainer_idle(h, SETTINGS).text
