@@ -173,10 +173,11 @@ def deadline_staleness(latency_steps: float, max_staleness: int) -> int:
     and every group in flight, the newer ones too) as pulled before it. To keep the trainer busy, about
     ``latency`` steps of rollouts must be in flight and one step's worth queued while the oldest group in flight is
     ``latency`` versions old: ``(latency + 1) <= max_staleness + 0.75 - latency``. The latency is measured at
-    today's rollouts in flight, and more in flight decode slower, so one version more. Checked by simulation on the
-    realistic job's shape (`scripts/bench/bench_deadline_waves.py`: 512-token completions, a rollout taking 2-3
-    steps; 4 and 5 left the trainer idle in waves, 7 and 8 kept it busy) and on the GPU (issue #42: staleness 8
-    busy on 18 of 19 steps, 4 on 11 of 19)."""
+    today's rollouts in flight, and more in flight decode slower, so one version more; it is still a floor (a run
+    at the suggestion measures a longer latency and may suggest more). The simulation of the realistic job's shape
+    (`scripts/bench/bench_deadline_waves.py`: 512-token completions, a rollout taking ~2.1 steps at 4) suggests 6:
+    busy 72% at 4 (6 of 55 steps under 70%), 81% at 6 (3), 85% at 8 (1); on the GPU (issue #42) 4 kept the trainer
+    busy 70% (5 of 19 steps under 70%), 8 kept it 85% (one step under)."""
     need = math.ceil(2.0 * latency_steps + HEADROOM_MARGIN + 1.0 - 1e-9)
     return max(max_staleness + 1, need)
 
