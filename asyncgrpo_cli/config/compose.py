@@ -44,7 +44,7 @@ FIELD_PATHS: dict[str, str] = {
         "vllm_importance_sampling_mode", "mask_truncated_completions", "beta")},
     **{n: f"staleness.{n}" for n in (
         "max_staleness", "weight_sync_steps", "max_concurrent_rollouts", "rollout_worker_timeout",
-        "in_flight_estimate", "deadline_release_versions")},
+        "in_flight_estimate", "deadline_release_versions", "deadline_order")},
     "token_budget": "packing.token_budget",
     "max_groups_per_step": "packing.max_groups_per_step",
     "tree_attention": "packing.attention",

@@ -33,6 +33,8 @@ ASYNC_GRPO_FIELDS = (
     "in_flight_estimate",
     # Deadline admission released after weight updates without a stale drop (issue #41, opt-in):
     "deadline_release_versions",
+    # How deadline admission orders newer groups against a group in flight (issue #42, opt-in):
+    "deadline_order",
     # The start-up check that a weight sync takes effect on the server (issue #44; README: GPUs, weight sync and LoRA):
     "check_weight_sync",
     # CUDA-IPC weight sync in packed chunks (issues #41, #42; README: GPUs, weight sync and LoRA):
@@ -199,6 +201,12 @@ class AsyncGRPOConfig(TrainingArguments):
                 "on again; more generation in flight, more samples dropped stale where short groups overtake long "
                 "ones; the trainer still drops every sample more than max_staleness updates old (README: Staleness "
                 "and concurrency)."})
+    deadline_order: str = field(default="pessimistic", metadata={
+        "help": "How deadline admission orders what is committed against a group in flight: pessimistic (the "
+                "default) all of it counts as pulled before that group; observed (opt-in) the groups started after "
+                "it count at the largest share of newer groups' tokens seen to finish first over the last 64 groups "
+                "(rollout/deadline_overtake_share; in full until 16 groups have finished); the trainer still drops "
+                "every sample more than max_staleness updates old (README: Staleness and concurrency)."})
     # Logging.
     log_completions: bool = field(default=False, metadata={"help": "Print sample completions every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many; None = all."})

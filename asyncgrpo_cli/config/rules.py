@@ -17,6 +17,9 @@ from .errors import ConfigError, ConfigErrors, ConfigTypeError, shown_value  # n
 #: ``staleness.in_flight_estimate``'s values (`rollout.allowance.IN_FLIGHT_ESTIMATES`; config imports no rollout code).
 IN_FLIGHT_ESTIMATES = ("mean", "kept")
 
+#: ``staleness.deadline_order``'s values (`rollout.stale_schedule.DEADLINE_ORDERS`; config imports no rollout code).
+DEADLINE_ORDERS = ("pessimistic", "observed")
+
 # SPEC §9: the ranks vLLM accepts for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -156,6 +159,13 @@ def _field_rules(values: Mapping[str, Any], p: Callable[[str], str], found: Any)
         fail(p("deadline_release_versions"), release, "must be null (deadline admission stays on from the first "
              "stale drop) or a whole number of weight updates >= 1",
              f"set {p('deadline_release_versions')}=4 to try it, or null (README: Staleness and concurrency)")
+    order = g("deadline_order", "pessimistic")
+    if order not in DEADLINE_ORDERS:
+        fail(p("deadline_order"), order, "must be pessimistic (deadline admission counts everything committed as "
+             "pulled before a group in flight, the default) or observed (the groups started after it count at the "
+             "share of newer groups' tokens seen to finish first)",
+             f"set {p('deadline_order')}={_word('pessimistic', p)}, or {p('deadline_order')}={_word('observed', p)} "
+             "(README: Staleness and concurrency)")
     if g("rollout_worker_timeout", 300.0) <= 0:
         fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
              f"set {p('rollout_worker_timeout')}=300")

@@ -68,6 +68,8 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
         st = cfg.staleness
         c.warnings.extend(in_flight_estimate_notes(str(st.in_flight_estimate), int(st.max_staleness),
                                                    lambda n: f"staleness.{n}"))
+        c.warnings.extend(deadline_order_notes(str(st.deadline_order), int(st.max_staleness),
+                                               lambda n: f"staleness.{n}"))
         c.warnings.extend(check_weight_sync_notes(bool(cfg.sampler.check_weight_sync), bool(cfg.peft.enabled),
                                                   lambda n: f"sampler.{n}"))
         backend = str(getattr(cfg.sampler.backend, "value", cfg.sampler.backend))
@@ -436,6 +438,7 @@ def validate_trainer_inputs(model: Any, reward_funcs: Any, args: Any, train_data
         c.warnings.extend(loss_warnings({"loss_type": args.loss_type,
                                          "importance_sampling_level": args.importance_sampling_level}))
         c.warnings.extend(in_flight_estimate_notes(str(args.in_flight_estimate), int(args.max_staleness), str))
+        c.warnings.extend(deadline_order_notes(str(args.deadline_order), int(args.max_staleness), str))
         # (a LoRA model of the API is seen by the trainer, which says at start that adapter sync is not checked)
         c.warnings.extend(check_weight_sync_notes(bool(args.check_weight_sync), False, str))
     return c.warnings
@@ -466,6 +469,20 @@ def in_flight_estimate_notes(estimate: str, max_staleness: int, key: Callable[[s
     return [f"{key('in_flight_estimate')}=kept (opt-in): a rollout in flight counts as the sample tokens it is expected "
             "to add to the queue, so more rollouts run when many groups are dropped; on the one-GPU recipe it was no "
             "faster to a reward than mean (README: One GPU): watch sample/dropped_stale_count"]
+
+
+def deadline_order_notes(order: str, max_staleness: int, key: Callable[[str], str]) -> list[str]:
+    """What to print at start for the opt-in ``deadline_order=observed`` (README: Staleness and concurrency): that it
+    is on and what to watch, or that it does nothing at ``max_staleness=0``. ``key`` spells a field's name."""
+    if order != "observed":
+        return []
+    if max_staleness == 0:
+        return [f"{key('deadline_order')}=observed has no effect at {key('max_staleness')}=0 (no deadline admission "
+                f"on-policy); remove it, or set {key('max_staleness')} >= 1"]
+    return [f"{key('deadline_order')}=observed (opt-in): deadline admission counts the groups started after a group "
+            "in flight at the share of newer groups' tokens seen to finish first (rollout/deadline_overtake_share), "
+            "not in full: more generation in flight where completions run about as long; not yet measured on a "
+            "GPU: watch sample/dropped_stale_count"]
 
 
 def _first_row(dataset: Any) -> dict[str, Any] | None:

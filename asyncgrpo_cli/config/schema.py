@@ -262,6 +262,13 @@ class StalenessConfig:
     trained), on from the first stale drop, stays on. N >= 1 (opt-in, issue #41): it turns off again after N weight
     updates without a stale drop, 2N, 4N, ... each time a drop turns it on again. More generation in flight, more
     samples dropped stale where short groups overtake long ones (README: Staleness and concurrency)."""
+    deadline_order: str = "pessimistic"
+    """How deadline admission orders what is committed against a group in flight. ``pessimistic`` (the default):
+    all of it counts as pulled before that group, the groups started after it too. ``observed`` (opt-in, issue #42):
+    the groups started after it count at the largest share of newer groups' tokens seen to finish before a group
+    over the last 64 groups (``rollout/deadline_overtake_share``; in full until 16 groups have finished), so where
+    completions all run about as long more generation stays in flight; where short groups overtake long ones the
+    share reaches 1 and it is as strict as ``pessimistic`` (README: Staleness and concurrency)."""
 
 
 @dataclass

@@ -97,6 +97,7 @@ class RunSettings:
         engines: ``sampler.engines`` (servers behind the router).
         in_flight_estimate: ``staleness.in_flight_estimate`` (``mean`` or ``kept``).
         deadline_release_versions: ``staleness.deadline_release_versions`` (None: deadline admission stays on).
+        deadline_order: ``staleness.deadline_order`` (``pessimistic`` or ``observed``).
     """
 
     max_staleness: int = 4
@@ -116,6 +117,7 @@ class RunSettings:
     engines: int = 1
     in_flight_estimate: str = "mean"
     deadline_release_versions: int | None = None
+    deadline_order: str = "pessimistic"
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -138,7 +140,8 @@ class RunSettings:
                    max_groups_per_step=cfg.packing.max_groups_per_step,
                    engines=int(cfg.sampler.get("engines", 1)),
                    in_flight_estimate=str(cfg.staleness.get("in_flight_estimate", "mean")),
-                   deadline_release_versions=cfg.staleness.get("deadline_release_versions", None))
+                   deadline_release_versions=cfg.staleness.get("deadline_release_versions", None),
+                   deadline_order=str(cfg.staleness.get("deadline_order", "pessimistic")))
 
 
 class MetricsHistory:

@@ -147,6 +147,11 @@ def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_
     return fix
 
 
+#: Deadline admission's fix names ``staleness.deadline_order=observed`` while ``rollout/deadline_overtake_share`` is at
+#: most this (newer groups rarely finish before older ones, so counting them in full is what holds generation).
+OBSERVED_SHARE_FRAC = 0.5
+
+
 def generation_latency_steps(history: MetricsHistory, th: Thresholds = DEFAULT_THRESHOLDS) -> tuple[float, float, float] | None:
     """How many of the trainer's own steps one rollout takes to generate, over the newest ``th.stale_windows``
     windows: ``(steps, rollout seconds, trainer step seconds)``, where the rollout seconds are the mean of the
@@ -208,6 +213,10 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds,
                f"{rollout_s:.1f} s to generate, {steps:.1f} of the trainer's own {step_s:.2f} s steps; with every "
                f"committed token counted as pulled first, generation stays fed from max_staleness >= "
                f"2 x {steps:.1f} + {HEADROOM_MARGIN:g} + 1)")
+    share = num(m, "rollout/deadline_overtake_share")
+    if s.deadline_order == "pessimistic" and share is not None and share <= OBSERVED_SHARE_FRAC:
+        fix += (f", or staleness.deadline_order=observed (opt-in: newer groups finished before an older one for at "
+                f"most {share:.0%} of their tokens, so they count at that share against older groups, not in full)")
     if not release:
         n = RELEASE_AFTER_VERSIONS
         fix += (f", or staleness.deadline_release_versions={n} (opt-in: it turns off again after {n} weight updates "

@@ -151,7 +151,8 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
         self.allowance = TokenAllowance(str(getattr(config, "in_flight_estimate", "mean")))  # mean (B.4) or kept
         self.holds = HoldClock()  # what holds the producer, per gate (rollout/held_{gate}_frac)
         self.schedule = StaleSchedule(int(getattr(config, "max_staleness", 4)),  # issue #28: no prompt left behind
-                                      release_after_versions=getattr(config, "deadline_release_versions", None))
+                                      release_after_versions=getattr(config, "deadline_release_versions", None),
+                                      order=str(getattr(config, "deadline_order", "pessimistic")))
         self.pull_version_value = pull_version_value
         self.capacity_value = capacity_value
         self.round_done_value = round_done_value
@@ -743,6 +744,7 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
             for gate, seconds in held.items():
                 self.metrics.add_rate(held_metric(gate), seconds, elapsed)
             self.metrics.add("rollout/deadline_admission", 1.0 if self.schedule.deadline_admission else 0.0)
+            self.metrics.add("rollout/deadline_overtake_share", self.schedule.overtake_share)
             if self.allowance.in_flight_tokens_per_rollout is not None:  # staleness.in_flight_estimate's figure
                 self.metrics.add("rollout/in_flight_tokens_per_rollout", self.allowance.in_flight_tokens_per_rollout)
             if self.concurrency_value is not None:

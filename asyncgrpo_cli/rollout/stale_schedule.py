@@ -45,7 +45,7 @@ from typing import Any
 
 from .allowance import _require_int, _require_tokens
 
-__all__ = ["HEADROOM_MARGIN", "LENGTH_CLASSES", "StaleSchedule", "length_class", "record_stale_verdict"]
+__all__ = ["DEADLINE_ORDERS", "HEADROOM_MARGIN", "LENGTH_CLASSES", "OVERTAKE_MIN_SEEN", "OVERTAKE_WINDOW", "StaleSchedule", "length_class", "record_stale_verdict"]
 
 #: How many of the latest distinct ``tokens_per_version`` values deadline admission takes the minimum of.
 RECENT_STEPS = 64
@@ -56,6 +56,17 @@ RELEASE_AFTER_VERSIONS = 4
 
 #: `StaleSchedule`'s default ``headroom_margin``: versions' worth of tokens deadline admission keeps in reserve.
 HEADROOM_MARGIN = 0.25
+
+#: Values of ``staleness.deadline_order`` (the config's check, `config.rules`, holds the same tuple): how deadline
+#: admission orders what is committed against a group in flight (`StaleSchedule`).
+DEADLINE_ORDERS = ("pessimistic", "observed")
+
+#: ``deadline_order="observed"``: the share is the largest of the last this many groups' (`StaleSchedule.overtake_share`).
+OVERTAKE_WINDOW = 64
+
+#: ``deadline_order="observed"`` counts newer groups in full until this many groups have finished with newer ones
+#: started beside them.
+OVERTAKE_MIN_SEEN = 16
 
 #: Completion-length classes of ``sample/trained_frac_{class}``: thirds of ``max_completion_length``.
 LENGTH_CLASSES = ("short", "medium", "long")
@@ -103,9 +114,22 @@ class StaleSchedule:
             `TokenAllowance.expected_kept_tokens_per_rollout`; the last step stands for the next).
         release_after_versions: weight updates without a stale drop after which deadline admission turns off
             (>= 1), doubled each time it turns on again; ``None`` (the default): it stays on from the first drop.
+        order: ``"pessimistic"`` (the default): every token committed counts as pulled before a group in flight,
+            the groups started after it too. ``"observed"`` (opt-in, ``staleness.deadline_order``; issue #42): the
+            groups started after a group in flight, and the new group, count at `overtake_share` of their tokens,
+            the largest share of newer groups' tokens seen to finish before a group (`DEADLINE_ORDERS`).
 
     Raises:
-        TypeError / ValueError: an argument is not an int or is negative.
+        TypeError / ValueError: an argument is not an int or is negative; an unknown ``order``.
+
+    Overtaking, measured whatever the order (`overtake_share`, logged as ``rollout/deadline_overtake_share``): for
+    each group in flight the schedule sums the estimated tokens of the groups started after it while it runs, and
+    of those that finished before it; when it finishes, their ratio is its overtaken share. With completions that
+    all run to the same length (a random model, or most completions cut at ``max_completion_length``) newer groups
+    rarely finish first and the share stays near 0; where short groups overtake long ones (issue #28) it reaches
+    1, and ``"observed"`` is then as strict as ``"pessimistic"``. The largest share of the last `OVERTAKE_WINDOW`
+    groups is used, 1 until `OVERTAKE_MIN_SEEN` groups have one, so the groups overtaken most (the long ones)
+    set it.
 
     Events, in the order the rollout loop sees them::
 
@@ -116,7 +140,13 @@ class StaleSchedule:
     """
 
     def __init__(self, max_staleness: int, max_retries: int = 3, headroom_margin: float = HEADROOM_MARGIN,
-                 release_after_versions: int | None = None) -> None:
+                 release_after_versions: int | None = None, order: str = "pessimistic") -> None:
+        if order not in DEADLINE_ORDERS:
+            raise ValueError(f"order={order!r}: must be one of {', '.join(DEADLINE_ORDERS)}")
+        self.order = order
+        self._started = 0  # groups started so far: each group's start index orders newer and older
+        self._overtake: dict[int, list[float]] = {}  # group id -> [start index, newer tokens, newer finished first]
+        self._overtaken_shares: deque[float] = deque(maxlen=OVERTAKE_WINDOW)
         self.max_staleness = _require_int("max_staleness", max_staleness, 0)
         self.max_retries = _require_int("max_retries", max_retries, 0)
         self.headroom_margin = _require_tokens("headroom_margin", headroom_margin)
@@ -193,6 +223,10 @@ class StaleSchedule:
         if group_id in self._groups:
             raise ValueError(f"on_group_started: group {group_id} is already in flight")
         self._groups[group_id] = (version, est)
+        for rec in self._overtake.values():
+            rec[1] += est
+        self._overtake[group_id] = [float(self._started), 0.0, 0.0]
+        self._started += 1
 
     def on_group_finished(self, group_id: int, version: int | None = None, stamp: int | None = None) -> bool:
         """The group's last rollout is back; returns whether it is already stale (retry it, do not score it).
@@ -205,12 +239,32 @@ class StaleSchedule:
         """
         if group_id not in self._groups:
             raise ValueError(f"on_group_finished: group {group_id} is not in flight")
-        started, _ = self._groups.pop(group_id)
+        started, est = self._groups.pop(group_id)
+        self._note_finish(group_id, est)
         stamp = started if stamp is None else stamp
         stale = self.is_stale(stamp, version)
         if stale:
             self._stale_event()
         return stale
+
+    def _note_finish(self, group_id: int, est: float) -> None:
+        """Overtaking: the finished group's tokens finished before every older group still in flight; its own
+        overtaken share is recorded when newer groups were started beside it."""
+        index, newer, first = self._overtake.pop(group_id)
+        for rec in self._overtake.values():
+            if rec[0] < index:
+                rec[2] += est
+        if newer > 0:
+            self._overtaken_shares.append(min(1.0, first / newer))
+
+    @property
+    def overtake_share(self) -> float:
+        """The largest share, over the last `OVERTAKE_WINDOW` groups that had newer groups started beside them, of
+        those newer groups' estimated tokens that finished first; 1.0 until `OVERTAKE_MIN_SEEN` such groups have
+        finished (a fraction in [0, 1])."""
+        if len(self._overtaken_shares) < OVERTAKE_MIN_SEEN:
+            return 1.0
+        return max(self._overtaken_shares)
 
     @property
     def release_after(self) -> int | None:
@@ -250,8 +304,9 @@ class StaleSchedule:
             in the last `release_after` weight updates), when no group is in
             flight, or when ``committed_tokens + new_group_tokens <= headroom_tokens(version)`` (the new group's
             own deadline) and, for every group in flight that can still be trained, ``committed_tokens − its own
-            estimate + new_group_tokens <= its headroom``. Groups already stale are left out (they are
-            re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
+            estimate − (1 − s) × newer + s × new_group_tokens <= its headroom``, where ``newer`` is the estimate of
+            the groups in flight started after it and ``s`` is 1 with ``order="pessimistic"``, `overtake_share`
+            with ``"observed"``. Groups already stale are left out (they are re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
             `RECENT_STEPS` distinct values given.
 
         Raises:
@@ -267,11 +322,14 @@ class StaleSchedule:
         per_version = min(self._recent_per_version)
         if committed + new > self.headroom_tokens(self._version, per_version):
             return False
-        for stamp, est in self._groups.values():
-            if self.is_stale(stamp):
-                continue
-            if committed - est + new > self.headroom_tokens(stamp, per_version):
+        share = 1.0 if self.order == "pessimistic" else self.overtake_share
+        newer = 0.0  # estimated tokens of the groups in flight started after the one checked
+        for group_id in sorted(self._groups, key=lambda g: self._overtake[g][0], reverse=True):
+            stamp, est = self._groups[group_id]
+            if not self.is_stale(stamp) and \
+                    committed - est - (1.0 - share) * newer + share * new > self.headroom_tokens(stamp, per_version):
                 return False
+            newer += est
         return True
 
     def on_dropped_stale(self) -> None:

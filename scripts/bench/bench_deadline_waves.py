@@ -1,7 +1,7 @@
 """Deadline admission's waves at the realistic job's shape, simulated (issue #42; no GPU, no model, ~10 s).
 
     python scripts/bench/bench_deadline_waves.py [--out scripts/bench/results/deadline_waves.json]
-        [--staleness 4,5,6,7,8] [--steps 60]
+        [--staleness 4,5,6,7,8] [--steps 60] [--order pessimistic,observed]
 
 Drives the real `TokenAllowance` and `StaleSchedule` (the rollout worker's admission: the staleness allowance,
 then deadline admission, on from the start as after the first stale drop) with a modelled server and trainer,
@@ -16,7 +16,10 @@ one H100, Qwen3-1.7B shape, MPS):
   the trainer's rule), trains for 2.2 s plus 0.35 s of the rest of its step (the job's ``fwd_bwd_s`` and step),
   its first step 20 s (the compile).
 
-Figures per ``max_staleness`` over steps 6 to the end: mean step (s), the trainer's busy share (2.2 s of
+Each ``max_staleness`` runs with each ``--order`` of deadline admission (``staleness.deadline_order``:
+``pessimistic``, the default, counts every committed token as pulled before a group in flight; ``observed`` counts
+the groups started after it at the share seen to finish first, 0 here since every completion is as long).
+Figures per run over steps 6 to the end: mean step (s), the trainer's busy share (2.2 s of
 training over the step's wall time: mean, lowest, steps under 70%), stale drops, and the mean rollouts in flight
 at the trainer's pulls. What the model leaves out: the weight sync's pause, the server's speed-up while the trainer
 is idle, and the trainer's token-budget rows (it pulls whole groups). On the GPU the same job gave busy 70% mean
@@ -45,9 +48,9 @@ TRAIN_S, REST_S, FIRST_STEP_S = 2.2, 0.35, 20.0
 BUSY_TARGET = 0.7
 
 
-def simulate(max_staleness: int, steps: int) -> dict:
+def simulate(max_staleness: int, steps: int, order: str = "pessimistic") -> dict:
     """One run of the model (module docstring); returns its figures and one row per trainer step."""
-    allowance, schedule = TokenAllowance(), StaleSchedule(max_staleness)
+    allowance, schedule = TokenAllowance(), StaleSchedule(max_staleness, order=order)
     schedule.on_dropped_stale()  # deadline admission on, as after the first stale drop
     published = max(max_staleness, 1) * GROUPS_PER_STEP * G * (PROMPT + COMPLETION)
     clock, version, consumed, next_id = 0.0, 0, 0.0, 0
@@ -109,7 +112,7 @@ def simulate(max_staleness: int, steps: int) -> dict:
         row["busy"] = round(min(1.0, (FIRST_STEP_S if row["step"] == 1 else TRAIN_S) / (end - start)), 4)
     measured = rows[5:]
     busy = [r["busy"] for r in measured]
-    return {"max_staleness": max_staleness, "steps": steps,
+    return {"max_staleness": max_staleness, "order": order, "overtake_share": schedule.overtake_share, "steps": steps,
             "step_s_mean": round(statistics.mean(r["step_s"] for r in measured), 3),
             "busy_mean": round(TRAIN_S * len(measured) / sum(r["step_s"] for r in measured), 3),
             "busy_lowest": min(busy), "steps_under_target": sum(b < BUSY_TARGET for b in busy),
@@ -123,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "scripts/bench/results/deadline_waves.json"))
     parser.add_argument("--staleness", default="4,5,6,7,8")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--order", default="pessimistic,observed")
     args = parser.parse_args(argv)
-    runs = [simulate(int(s), args.steps) for s in args.staleness.split(",")]
+    runs = [simulate(int(s), args.steps, order) for order in args.order.split(",") for s in args.staleness.split(",")]
     for r in runs:
-        print(f"max_staleness {r['max_staleness']}: step {r['step_s_mean']:.2f} s, busy {r['busy_mean']:.0%} "
+        print(f"{r['order']:11s} max_staleness {r['max_staleness']}: step {r['step_s_mean']:.2f} s, busy {r['busy_mean']:.0%} "
               f"(lowest {r['busy_lowest']:.0%}, {r['steps_under_target']}/{r['steps_measured']} steps under "
               f"{BUSY_TARGET:.0%}), {r['rollouts_in_flight_mean']:.0f} in flight, {r['stale_drops']} stale drops")
     result = {"issue": 42, "bench": "deadline_waves", "date": datetime.datetime.now().isoformat(timespec="seconds"),

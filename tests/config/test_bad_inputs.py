@@ -278,6 +278,8 @@ CLI_CASES = [
      "staleness.in_flight_estimate=kept"),
     ("deadline_release_zero", [R, "staleness.deadline_release_versions=0"], "staleness.deadline_release_versions",
      "staleness.deadline_release_versions=4"),
+    ("deadline_order_unknown", [R, "staleness.deadline_order=fifo"], "staleness.deadline_order",
+     "staleness.deadline_order=observed"),
     ("request_seeds_off_with_engines", [R, "rollout.request_seeds=false", "sampler.data_parallel_size=2"],
      "rollout.request_seeds", "identical text"),
     # issue #45: each reward function is called once before the start (it failed a minute into the run)
@@ -416,6 +418,7 @@ CONFIG_CASES = [
     ("in_flight_estimate_unknown", {"in_flight_estimate": "Kept"}, ConfigError, "in_flight_estimate", "'Kept'"),
     ("deadline_release_zero", {"deadline_release_versions": 0}, ConfigError, "deadline_release_versions",
      "deadline_release_versions=4"),
+    ("deadline_order_unknown", {"deadline_order": "Observed"}, ConfigError, "deadline_order", "'Observed'"),
 ]
 
 

@@ -75,3 +75,15 @@ def test_before_waves_the_fix_is_one_more_version():
     h = MetricsHistory()
     h.push(_window(1, 2.7))  # no rollout duration logged yet
     assert "fix: staleness.max_staleness=5 (one more version of headroom per group)" in trainer_idle(h, SETTINGS).text
+
+
+def test_a_low_overtake_share_names_the_observed_order():
+    h = MetricsHistory()
+    h.push({**_window(1, 2.7), "rollout/deadline_overtake_share": 0.02})
+    text = trainer_idle(h, SETTINGS).text
+    assert "or staleness.deadline_order=observed (opt-in: newer groups finished before an older one for at most 2%" in text
+    h.push({**_window(2, 2.7), "rollout/deadline_overtake_share": 0.9})  # short groups overtake long ones
+    assert "deadline_order" not in trainer_idle(h, SETTINGS).text
+    h.push({**_window(3, 2.7), "rollout/deadline_overtake_share": 0.0})
+    observed = RunSettings(max_staleness=4, max_concurrent_rollouts=1024, deadline_order="observed")
+    assert "deadline_order" not in trainer_idle(h, observed).text  # already on

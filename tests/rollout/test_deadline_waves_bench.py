@@ -41,4 +41,12 @@ def test_the_script_writes_its_json(tmp_path):
     out = tmp_path / "waves.json"
     assert bw.main(["--out", str(out), "--staleness", "4,8", "--steps", "12"]) == 0
     data = json.loads(out.read_text())
-    assert [r["max_staleness"] for r in data["runs"]] == [4, 8] and data["issue"] == 42
+    assert [(r["order"], r["max_staleness"]) for r in data["runs"]] == [
+        ("pessimistic", 4), ("pessimistic", 8), ("observed", 4), ("observed", 8)] and data["issue"] == 42
+
+
+def test_the_observed_order_lifts_the_default_window_where_completions_run_equally_long():
+    pessimistic, observed = bw.simulate(4, 40), bw.simulate(4, 40, "observed")
+    assert observed["overtake_share"] == 0.0 and observed["stale_drops"] == 0
+    assert observed["busy_mean"] > pessimistic["busy_mean"] + 0.05
+    assert observed["rollouts_in_flight_mean"] > pessimistic["rollouts_in_flight_mean"]

@@ -21,7 +21,7 @@ PROMPT = 10  # prompt tokens of every sample
 
 
 def simulate(lengths=(4, 40), max_staleness=1, scheduled=True, steps=150, cap=16, G=2, budget=256,
-             train_ticks=0, seed=0):
+             train_ticks=0, seed=0, order="pessimistic", schedule_out=None, deadline_on=False):
     """Run ``steps`` optimizer steps; returns the trained samples ``(length, staleness)``, the generated tokens
     dropped stale and trained, and the ticks taken. ``scheduled=False`` is the behaviour before issue #28."""
     rng = random.Random(seed)
@@ -29,7 +29,11 @@ def simulate(lengths=(4, 40), max_staleness=1, scheduled=True, steps=150, cap=16
     rng.shuffle(data)
     stream = iter(enumerate(data))
     allowance = TokenAllowance()
-    schedule = StaleSchedule(max_staleness)
+    schedule = StaleSchedule(max_staleness, order=order)
+    if deadline_on:  # as after a first stale drop
+        schedule.on_dropped_stale()
+    if schedule_out is not None:
+        schedule_out.append(schedule)
     published = float(initial_allowance(max_staleness, 1, budget, 1, 1))
     version, consumed = 0, 0.0
     groups: dict[int, dict] = {}
@@ -102,10 +106,12 @@ def long_share(trained, longest=40):
     return sum(1 for length, _ in trained if length == longest) / len(trained)
 
 
+@pytest.mark.parametrize("order", ["pessimistic", "observed"])
 @pytest.mark.parametrize("max_staleness", [1, 4])
 @pytest.mark.parametrize("lengths", [(4, 40), (4, 16, 40)])
-def test_trained_mix_follows_the_data_and_every_trained_sample_is_within_max_staleness(lengths, max_staleness):
-    trained, dropped, kept, ticks = simulate(lengths, max_staleness)
+def test_trained_mix_follows_the_data_and_every_trained_sample_is_within_max_staleness(lengths, max_staleness, order):
+    # deadline_order=observed too: where short groups overtake long ones, the share it measures reaches 1
+    trained, dropped, kept, ticks = simulate(lengths, max_staleness, order=order)
     assert max(s for _, s in trained) <= max_staleness
     assert abs(long_share(trained) - 1 / len(lengths)) <= 0.05
     _, dropped_before, kept_before, ticks_before = simulate(lengths, max_staleness, scheduled=False)
@@ -486,3 +492,57 @@ def test_deadline_admission_turns_off_after_clean_versions_and_stays_on_longer_e
     with pytest.raises(ValueError):
         StaleSchedule(1, release_after_versions=0)
 
+
+
+def test_observed_order_keeps_more_in_flight_where_completions_run_equally_long():
+    # Issue #42: every group 40 tokens, a step of 6 decode steps (a group takes ~4 steps to generate), deadline
+    # admission on (as after a drop). Newer groups never finish first, so "observed" counts them at 0 against older
+    # groups in flight: 1.27x the trained tokens per decode step, nothing dropped stale.
+    runs = {}
+    for order in ("pessimistic", "observed"):
+        out: list = []
+        trained, dropped, kept, ticks = simulate((40,), 4, steps=80, cap=64, train_ticks=6, order=order,
+                                                 schedule_out=out, budget=200, deadline_on=True)
+        assert max(s for _, s in trained) <= 4 and dropped == 0
+        runs[order] = (kept / ticks, out[0])
+    assert runs["observed"][1].overtake_share == 0.0
+    assert runs["observed"][0] > 1.2 * runs["pessimistic"][0]
+
+
+def test_overtake_share_is_one_until_enough_groups_finished_then_the_largest_seen():
+    from asyncgrpo_cli.rollout.stale_schedule import OVERTAKE_MIN_SEEN
+    s = StaleSchedule(max_staleness=4, order="observed")
+    assert s.overtake_share == 1.0
+    for i in range(OVERTAKE_MIN_SEEN):  # each group finishes before the next, started beside it, does
+        s.on_group_started(2 * i, version=0, est_tokens=10)
+        s.on_group_started(2 * i + 1, version=0, est_tokens=10)
+        s.on_group_finished(2 * i)
+        s.on_group_finished(2 * i + 1)
+    assert s.overtake_share == 0.0
+    s.on_group_started(100, version=0, est_tokens=10)
+    s.on_group_started(101, version=0, est_tokens=30)
+    s.on_group_started(102, version=0, est_tokens=10)
+    s.on_group_finished(101)  # 30 of the 40 newer tokens finished before group 100
+    s.on_group_finished(100)
+    assert s.overtake_share == pytest.approx(0.75)
+
+
+def test_observed_order_admits_what_pessimistic_refuses_only_at_a_low_share():
+    def schedule(order, overtaken):
+        s = StaleSchedule(max_staleness=1, headroom_margin=0.0, order=order)
+        for i in range(16):  # sixteen groups finished, each overtaken or not by the one started beside it
+            s.on_group_started(2 * i, version=0, est_tokens=10)
+            s.on_group_started(2 * i + 1, version=0, est_tokens=10)
+            s.on_group_finished(2 * i + 1 if overtaken else 2 * i)
+            s.on_group_finished(2 * i if overtaken else 2 * i + 1)
+        s.on_dropped_stale()
+        s.observe(1, 0.0)
+        s.on_group_started(50, version=0, est_tokens=50)  # the old group: 1 version of headroom, 100 tokens
+        s.on_group_started(51, version=1, est_tokens=50)  # a newer one
+        return s
+    # T = 100 tokens a version, trainer at version 1, max_staleness 1: group 50 (stamp 0) may see 100 tokens pulled
+    # before it. Committed 120 (20 queued, both groups), the new group 50: pessimistic counts 120 - 50 + 50 = 120
+    # before group 50 (too many); observed at share 0 counts 120 - 50 - 50 (group 51, newer) + 0 = 20
+    assert not schedule("pessimistic", False).can_admit(120, 50, 100)
+    assert schedule("observed", False).can_admit(120, 50, 100)
+    assert not schedule("observed", True).can_admit(120, 50, 100)  # newer groups were seen finishing first: share 1

@@ -132,10 +132,13 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # left, a minute on; with ``_mps``, whether CUDA MPS's daemon and server go too). Since 2026-12-06 (twenty-first
 # session) ``launch.mps`` is automatic (null): a plain ``async`` job runs under MPS as users' jobs do, ``_nomps``
 # (``launch.mps=false``) is the asynchronous job without it, and ``sync`` stays without it (automatic MPS is off
-# on-policy).
+# on-policy). ``_observed`` = ``staleness.deadline_order=observed`` (twenty-second session: deadline admission counts
+# the groups started after a group in flight at the share seen to finish first, ~0 where every completion runs to
+# 512 tokens; `scripts/bench/bench_deadline_waves.py --order observed`).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
             "extmps": ["launch.mps=false"], "nomps": ["launch.mps=false"],
-            "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"], "kill9": []}
+            "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"],
+            "observed": ["staleness.deadline_order=observed"], "kill9": []}
 KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
 
