@@ -203,8 +203,9 @@ class AsyncGRPOConfig(TrainingArguments):
                 "and concurrency)."})
     deadline_order: str = field(default="pessimistic", metadata={
         "help": "How deadline admission orders what is committed against a group in flight: pessimistic (the "
-                "default) all of it counts as pulled before that group; observed (opt-in) the groups started after "
-                "it count at the largest share of newer groups' tokens seen to finish first over the last 64 groups "
+                "default) all of it counts as pulled before that group; observed (opt-in) the groups started at a "
+                "later version count at the largest share of such groups' tokens seen to finish first over the last "
+                "64 groups "
                 "(rollout/deadline_overtake_share; in full until 16 groups have finished); the trainer still drops "
                 "every sample more than max_staleness updates old (README: Staleness and concurrency)."})
     # Logging.

@@ -162,8 +162,8 @@ def _field_rules(values: Mapping[str, Any], p: Callable[[str], str], found: Any)
     order = g("deadline_order", "pessimistic")
     if order not in DEADLINE_ORDERS:
         fail(p("deadline_order"), order, "must be pessimistic (deadline admission counts everything committed as "
-             "pulled before a group in flight, the default) or observed (the groups started after it count at the "
-             "share of newer groups' tokens seen to finish first)",
+             "pulled before a group in flight, the default) or observed (the groups started at a later version count "
+             "at the share of such groups' tokens seen to finish first)",
              f"set {p('deadline_order')}={_word('pessimistic', p)}, or {p('deadline_order')}={_word('observed', p)} "
              "(README: Staleness and concurrency)")
     if g("rollout_worker_timeout", 300.0) <= 0:

@@ -265,8 +265,8 @@ class StalenessConfig:
     deadline_order: str = "pessimistic"
     """How deadline admission orders what is committed against a group in flight. ``pessimistic`` (the default):
     all of it counts as pulled before that group, the groups started after it too. ``observed`` (opt-in, issue #42):
-    the groups started after it count at the largest share of newer groups' tokens seen to finish before a group
-    over the last 64 groups (``rollout/deadline_overtake_share``; in full until 16 groups have finished), so where
+    the groups started at a later version count at the largest share of such groups' tokens seen to finish before a
+    group over the last 64 groups (``rollout/deadline_overtake_share``; in full until 16 groups have finished), so where
     completions all run about as long more generation stays in flight; where short groups overtake long ones the
     share reaches 1 and it is as strict as ``pessimistic`` (README: Staleness and concurrency)."""
 

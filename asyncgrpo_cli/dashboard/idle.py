@@ -152,7 +152,8 @@ def _allowance_fix(admitted: float | None, target: float, s: RunSettings, group_
 OBSERVED_SHARE_FRAC = 0.5
 
 
-def generation_latency_steps(history: MetricsHistory, th: Thresholds = DEFAULT_THRESHOLDS) -> tuple[float, float, float] | None:
+def generation_latency_steps(history: MetricsHistory,
+                             th: Thresholds = DEFAULT_THRESHOLDS) -> tuple[float, float, float] | None:
     """How many of the trainer's own steps one rollout takes to generate, over the newest ``th.stale_windows``
     windows: ``(steps, rollout seconds, trainer step seconds)``, where the rollout seconds are the mean of the
     windows' ``rollout/duration_s`` (windows where no rollout finished have none) and the trainer's step is the
@@ -215,8 +216,9 @@ def _deadline_held(m: Mapping[str, Any] | None, s: RunSettings, th: Thresholds,
                f"2 x {steps:.1f} + {HEADROOM_MARGIN:g} + 1)")
     share = num(m, "rollout/deadline_overtake_share")
     if s.deadline_order == "pessimistic" and share is not None and share <= OBSERVED_SHARE_FRAC:
-        fix += (f", or staleness.deadline_order=observed (opt-in: newer groups finished before an older one for at "
-                f"most {share:.0%} of their tokens, so they count at that share against older groups, not in full)")
+        fix += (f", or staleness.deadline_order=observed (opt-in: groups of later versions finished before an older "
+                f"one for at most {share:.0%} of their tokens, so they count at that share against older groups, not "
+                "in full)")
     if not release:
         n = RELEASE_AFTER_VERSIONS
         fix += (f", or staleness.deadline_release_versions={n} (opt-in: it turns off again after {n} weight updates "

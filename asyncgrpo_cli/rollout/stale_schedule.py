@@ -45,7 +45,8 @@ from typing import Any
 
 from .allowance import _require_int, _require_tokens
 
-__all__ = ["DEADLINE_ORDERS", "HEADROOM_MARGIN", "LENGTH_CLASSES", "OVERTAKE_MIN_SEEN", "OVERTAKE_WINDOW", "StaleSchedule", "length_class", "record_stale_verdict"]
+__all__ = ["DEADLINE_ORDERS", "HEADROOM_MARGIN", "LENGTH_CLASSES", "OVERTAKE_MIN_SEEN", "OVERTAKE_WINDOW",
+           "StaleSchedule", "length_class", "record_stale_verdict"]
 
 #: How many of the latest distinct ``tokens_per_version`` values deadline admission takes the minimum of.
 RECENT_STEPS = 64
@@ -61,7 +62,8 @@ HEADROOM_MARGIN = 0.25
 #: admission orders what is committed against a group in flight (`StaleSchedule`).
 DEADLINE_ORDERS = ("pessimistic", "observed")
 
-#: ``deadline_order="observed"``: the share is the largest of the last this many groups' (`StaleSchedule.overtake_share`).
+#: ``deadline_order="observed"``: the share is the largest of the last this many groups'
+#: (`StaleSchedule.overtake_share`).
 OVERTAKE_WINDOW = 64
 
 #: ``deadline_order="observed"`` counts newer groups in full until this many groups have finished with newer ones
@@ -116,20 +118,23 @@ class StaleSchedule:
             (>= 1), doubled each time it turns on again; ``None`` (the default): it stays on from the first drop.
         order: ``"pessimistic"`` (the default): every token committed counts as pulled before a group in flight,
             the groups started after it too. ``"observed"`` (opt-in, ``staleness.deadline_order``; issue #42): the
-            groups started after a group in flight, and the new group, count at `overtake_share` of their tokens,
-            the largest share of newer groups' tokens seen to finish before a group (`DEADLINE_ORDERS`).
+            groups started at a later version than a group in flight, and the new group when it is, count at
+            `overtake_share` of their tokens, the largest share of such groups' tokens seen to finish before a group
+            (`DEADLINE_ORDERS`). Groups started at the group's own version count in full either way.
 
     Raises:
         TypeError / ValueError: an argument is not an int or is negative; an unknown ``order``.
 
     Overtaking, measured whatever the order (`overtake_share`, logged as ``rollout/deadline_overtake_share``): for
-    each group in flight the schedule sums the estimated tokens of the groups started after it while it runs, and
-    of those that finished before it; when it finishes, their ratio is its overtaken share. With completions that
-    all run to the same length (a random model, or most completions cut at ``max_completion_length``) newer groups
-    rarely finish first and the share stays near 0; where short groups overtake long ones (issue #28) it reaches
-    1, and ``"observed"`` is then as strict as ``"pessimistic"``. The largest share of the last `OVERTAKE_WINDOW`
-    groups is used, 1 until `OVERTAKE_MIN_SEEN` groups have one, so the groups overtaken most (the long ones)
-    set it.
+    each group in flight the schedule sums the estimated tokens of the groups started at a later version while it
+    runs, and of those that finished before it; when it finishes, their ratio is its overtaken share. Groups started
+    at the same version are left out: admitted in one burst, they finish in any order, and that order does not move
+    a deadline by a version (the GPU run of 2026-12-06 that counted them held the share at 1 for 16 steps). With
+    completions that all run to the same length (a random model, or most completions cut at
+    ``max_completion_length``) later groups rarely finish first and the share stays near 0; where short groups
+    overtake long ones (issue #28) it reaches 1, and ``"observed"`` is then as strict as ``"pessimistic"``. The
+    largest share of the last `OVERTAKE_WINDOW` groups is used, 1 until `OVERTAKE_MIN_SEEN` groups have one, so the
+    groups overtaken most (the long ones) set it.
 
     Events, in the order the rollout loop sees them::
 
@@ -144,8 +149,8 @@ class StaleSchedule:
         if order not in DEADLINE_ORDERS:
             raise ValueError(f"order={order!r}: must be one of {', '.join(DEADLINE_ORDERS)}")
         self.order = order
-        self._started = 0  # groups started so far: each group's start index orders newer and older
-        self._overtake: dict[int, list[float]] = {}  # group id -> [start index, newer tokens, newer finished first]
+        # group id -> [stamp, tokens of groups started at a later version while it runs, of those finished first]
+        self._overtake: dict[int, list[float]] = {}
         self._overtaken_shares: deque[float] = deque(maxlen=OVERTAKE_WINDOW)
         self.max_staleness = _require_int("max_staleness", max_staleness, 0)
         self.max_retries = _require_int("max_retries", max_retries, 0)
@@ -224,9 +229,9 @@ class StaleSchedule:
             raise ValueError(f"on_group_started: group {group_id} is already in flight")
         self._groups[group_id] = (version, est)
         for rec in self._overtake.values():
-            rec[1] += est
-        self._overtake[group_id] = [float(self._started), 0.0, 0.0]
-        self._started += 1
+            if rec[0] < version:
+                rec[1] += est
+        self._overtake[group_id] = [float(version), 0.0, 0.0]
 
     def on_group_finished(self, group_id: int, version: int | None = None, stamp: int | None = None) -> bool:
         """The group's last rollout is back; returns whether it is already stale (retry it, do not score it).
@@ -248,19 +253,19 @@ class StaleSchedule:
         return stale
 
     def _note_finish(self, group_id: int, est: float) -> None:
-        """Overtaking: the finished group's tokens finished before every older group still in flight; its own
-        overtaken share is recorded when newer groups were started beside it."""
-        index, newer, first = self._overtake.pop(group_id)
+        """Overtaking: the finished group's tokens finished before every group still in flight stamped at an earlier
+        version; its own overtaken share is recorded when groups of later versions were started beside it."""
+        stamp, later, first = self._overtake.pop(group_id)
         for rec in self._overtake.values():
-            if rec[0] < index:
+            if rec[0] < stamp:
                 rec[2] += est
-        if newer > 0:
-            self._overtaken_shares.append(min(1.0, first / newer))
+        if later > 0:
+            self._overtaken_shares.append(min(1.0, first / later))
 
     @property
     def overtake_share(self) -> float:
-        """The largest share, over the last `OVERTAKE_WINDOW` groups that had newer groups started beside them, of
-        those newer groups' estimated tokens that finished first; 1.0 until `OVERTAKE_MIN_SEEN` such groups have
+        """The largest share, over the last `OVERTAKE_WINDOW` groups that had groups of later versions started beside
+        them, of those groups' estimated tokens that finished first; 1.0 until `OVERTAKE_MIN_SEEN` such groups have
         finished (a fraction in [0, 1])."""
         if len(self._overtaken_shares) < OVERTAKE_MIN_SEEN:
             return 1.0
@@ -304,9 +309,10 @@ class StaleSchedule:
             in the last `release_after` weight updates), when no group is in
             flight, or when ``committed_tokens + new_group_tokens <= headroom_tokens(version)`` (the new group's
             own deadline) and, for every group in flight that can still be trained, ``committed_tokens − its own
-            estimate − (1 − s) × newer + s × new_group_tokens <= its headroom``, where ``newer`` is the estimate of
-            the groups in flight started after it and ``s`` is 1 with ``order="pessimistic"``, `overtake_share`
-            with ``"observed"``. Groups already stale are left out (they are re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
+            estimate − (1 − s) × later + s' × new_group_tokens <= its headroom``, where ``later`` is the estimate
+            of the groups in flight stamped at a later version, ``s`` is 1 with ``order="pessimistic"`` and
+            `overtake_share` with ``"observed"``, and ``s'`` is ``s`` when the new group's version is later than
+            the group's stamp, else 1. Groups already stale are left out (they are re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
             `RECENT_STEPS` distinct values given.
 
         Raises:
@@ -323,13 +329,16 @@ class StaleSchedule:
         if committed + new > self.headroom_tokens(self._version, per_version):
             return False
         share = 1.0 if self.order == "pessimistic" else self.overtake_share
-        newer = 0.0  # estimated tokens of the groups in flight started after the one checked
-        for group_id in sorted(self._groups, key=lambda g: self._overtake[g][0], reverse=True):
-            stamp, est = self._groups[group_id]
-            if not self.is_stale(stamp) and \
-                    committed - est - (1.0 - share) * newer + share * new > self.headroom_tokens(stamp, per_version):
+        by_stamp: dict[int, float] = {}  # estimated tokens of the groups in flight, per stamp
+        for stamp, est in self._groups.values():
+            by_stamp[stamp] = by_stamp.get(stamp, 0.0) + est
+        for stamp, est in self._groups.values():
+            if self.is_stale(stamp):
+                continue
+            later = 0.0 if share == 1.0 else sum(t for v, t in by_stamp.items() if v > stamp)
+            weight = share if self._version > stamp else 1.0
+            if committed - est - (1.0 - share) * later + weight * new > self.headroom_tokens(stamp, per_version):
                 return False
-            newer += est
         return True
 
     def on_dropped_stale(self) -> None:

@@ -18,7 +18,8 @@ one H100, Qwen3-1.7B shape, MPS):
 
 Each ``max_staleness`` runs with each ``--order`` of deadline admission (``staleness.deadline_order``:
 ``pessimistic``, the default, counts every committed token as pulled before a group in flight; ``observed`` counts
-the groups started after it at the share seen to finish first, 0 here since every completion is as long).
+the groups started at a later version at the share seen to finish first, 0 here since every completion is as long;
+the groups that finish in one decode step are taken in a random order, as a burst's groups finish on the GPU).
 Figures per run over steps 6 to the end: mean step (s), the trainer's busy share (2.2 s of
 training over the step's wall time: mean, lowest, steps under 70%), stale drops, and the mean rollouts in flight
 at the trainer's pulls. What the model leaves out: the weight sync's pause, the server's speed-up while the trainer
@@ -32,6 +33,7 @@ import argparse
 import datetime
 import json
 import platform
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -50,6 +52,7 @@ BUSY_TARGET = 0.7
 
 def simulate(max_staleness: int, steps: int, order: str = "pessimistic") -> dict:
     """One run of the model (module docstring); returns its figures and one row per trainer step."""
+    rng = random.Random(0)
     allowance, schedule = TokenAllowance(), StaleSchedule(max_staleness, order=order)
     schedule.on_dropped_stale()  # deadline admission on, as after the first stale drop
     published = max(max_staleness, 1) * GROUPS_PER_STEP * G * (PROMPT + COMPLETION)
@@ -70,7 +73,9 @@ def simulate(max_staleness: int, steps: int, order: str = "pessimistic") -> dict
             next_id += 1
         n = allowance.rollouts_in_flight
         clock += DECODE_A_S + DECODE_B_S * n if n else 0.01
-        for gid in list(in_flight):
+        finishing_order = list(in_flight)
+        rng.shuffle(finishing_order)  # groups admitted together finish in any order, as on the GPU
+        for gid in finishing_order:
             stamp, left, lens = in_flight[gid]
             for i, tokens in enumerate(left):
                 if tokens > 0:

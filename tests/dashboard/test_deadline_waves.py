@@ -81,7 +81,7 @@ def test_a_low_overtake_share_names_the_observed_order():
     h = MetricsHistory()
     h.push({**_window(1, 2.7), "rollout/deadline_overtake_share": 0.02})
     text = trainer_idle(h, SETTINGS).text
-    assert "or staleness.deadline_order=observed (opt-in: newer groups finished before an older one for at most 2%" in text
+    assert "or staleness.deadline_order=observed (opt-in: groups of later versions finished before an older one for at most 2%" in text
     h.push({**_window(2, 2.7), "rollout/deadline_overtake_share": 0.9})  # short groups overtake long ones
     assert "deadline_order" not in trainer_idle(h, SETTINGS).text
     h.push({**_window(3, 2.7), "rollout/deadline_overtake_share": 0.0})

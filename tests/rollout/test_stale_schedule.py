@@ -513,26 +513,53 @@ def test_overtake_share_is_one_until_enough_groups_finished_then_the_largest_see
     from asyncgrpo_cli.rollout.stale_schedule import OVERTAKE_MIN_SEEN
     s = StaleSchedule(max_staleness=4, order="observed")
     assert s.overtake_share == 1.0
-    for i in range(OVERTAKE_MIN_SEEN):  # each group finishes before the next, started beside it, does
-        s.on_group_started(2 * i, version=0, est_tokens=10)
-        s.on_group_started(2 * i + 1, version=0, est_tokens=10)
+    for i in range(OVERTAKE_MIN_SEEN):  # each group finishes before the next one, started a version later, does
+        s.on_group_started(2 * i, version=2 * i, est_tokens=10)
+        s.on_group_started(2 * i + 1, version=2 * i + 1, est_tokens=10)
         s.on_group_finished(2 * i)
         s.on_group_finished(2 * i + 1)
     assert s.overtake_share == 0.0
-    s.on_group_started(100, version=0, est_tokens=10)
-    s.on_group_started(101, version=0, est_tokens=30)
-    s.on_group_started(102, version=0, est_tokens=10)
-    s.on_group_finished(101)  # 30 of the 40 newer tokens finished before group 100
+    s.on_group_started(100, version=40, est_tokens=10)
+    s.on_group_started(103, version=40, est_tokens=99)  # the same version: its order does not count
+    s.on_group_started(101, version=41, est_tokens=30)
+    s.on_group_started(102, version=41, est_tokens=10)
+    s.on_group_finished(103)
+    s.on_group_finished(101)  # 30 of the 40 later-version tokens finished before group 100
     s.on_group_finished(100)
     assert s.overtake_share == pytest.approx(0.75)
+
+
+def test_a_burst_of_one_version_finishing_in_any_order_is_not_overtaking():
+    # The GPU run of 2026-12-06: groups admitted together finish in any order; counting that held the share at 1.
+    s = StaleSchedule(max_staleness=4, order="observed")
+    rng = random.Random(0)
+    gid = 0
+    for version in range(8):
+        burst = list(range(gid, gid + 8))
+        for g in burst:
+            s.on_group_started(g, version=version, est_tokens=10)
+        gid += 8
+        rng.shuffle(burst)
+        for g in burst:
+            s.on_group_finished(g)
+    assert s.overtake_share == 1.0  # no group had a later version beside it: nothing measured yet
+    for version in range(8, 40):  # bursts that overlap the next version's, finishing oldest first
+        for g in range(gid, gid + 4):
+            s.on_group_started(g, version=version, est_tokens=10)
+        finishing = list(range(gid - 4, gid)) if version > 8 else []
+        rng.shuffle(finishing)
+        for g in finishing:
+            s.on_group_finished(g)
+        gid += 4
+    assert s.overtake_share == 0.0
 
 
 def test_observed_order_admits_what_pessimistic_refuses_only_at_a_low_share():
     def schedule(order, overtaken):
         s = StaleSchedule(max_staleness=1, headroom_margin=0.0, order=order)
-        for i in range(16):  # sixteen groups finished, each overtaken or not by the one started beside it
+        for i in range(16):  # sixteen groups finished, each overtaken or not by one started a version later
             s.on_group_started(2 * i, version=0, est_tokens=10)
-            s.on_group_started(2 * i + 1, version=0, est_tokens=10)
+            s.on_group_started(2 * i + 1, version=1, est_tokens=10)
             s.on_group_finished(2 * i + 1 if overtaken else 2 * i)
             s.on_group_finished(2 * i if overtaken else 2 * i + 1)
         s.on_dropped_stale()
