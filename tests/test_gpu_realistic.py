@@ -118,7 +118,8 @@ def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     assert window["variant_over_sync_trained_tok_s"] == 2.0 and window["variant_over_trl_trained_tok_s"] == 3.0
     assert out["sources"]["async"]["file"] == "realistic_job_async.json"
     assert out["ours_over_trl"] == 3.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
-    assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7
+    assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7  # rows without rates: the summary's
+
     assert out["figures"]["async"]["busy_frac_min_step"] == 0.72  # step 1 (start-up) left out
     assert {k: v["met"] for k, v in out["targets"].items()} == {
         "async_over_sync_trained_tok_s": True, "ours_over_trl_trained_tok_s": True, "async_busy_frac_min_step": True,
@@ -352,3 +353,16 @@ def test_an_mps_check_counts_the_clients_of_the_runs_daemon(tmp_path):
     assert out["joined_clients"] == 2 and len(out["client_lines"]) == 3
     assert out["console"] == ["CUDA MPS: 2 CUDA process(es) joined the daemon"]
     assert isinstance(out["mps_processes_after"], list) and isinstance(out["pipe_dirs_after"], list)
+
+
+def test_generated_tokens_per_s_is_weighted_by_the_steps_time():
+    # waves: a step of 2 s with none finished, then 6 s holding the burst (issue #42); a plain mean says 6,000
+    rows = [{"step": 1, "generated_tok_s": 1.0, "step_s": 30.0},
+            {"step": 2, "generated_tok_s": 0.0, "step_s": 2.0}, {"step": 3, "generated_tok_s": 12000.0, "step_s": 6.0}]
+    f = realistic_trl.ours_figures({"summary": {"generated_tokens_per_s": 6000.0}, "rows": rows}, 10000.0)
+    assert f["generated_tokens_per_s"] == 9000.0 and f["generation_frac_of_engine"] == 0.9
+    import bench_e2e
+    metrics = [{"step": k, "time": 10.0 * k, "perf/step_s": s, "rollout/generated_tokens_per_s": v,
+                "batch/trained_tokens_per_step": 100.0} for k, (v, s) in enumerate([(1.0, 30.0), (0.0, 2.0),
+                                                                                   (12000.0, 6.0)], start=1)]
+    assert bench_e2e.summarize(metrics)["generated_tokens_per_s"] == 9000.0

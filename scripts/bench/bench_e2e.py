@@ -81,6 +81,15 @@ def _mean(values: list[float]) -> float | None:
     return round(statistics.fmean(values), 4) if values else None
 
 
+def _time_weighted(rows: list[dict], key: str) -> float | None:
+    """The windows' rate ``key`` weighted by each window's ``perf/step_s``: the rate over the run's time. A plain mean
+    of the windows' rates undercounts where finishes come in waves (issue #42: windows with none finished are 0, the
+    next hold a burst in a short window): 7,572 against 9,028 tok/s on the twenty-second session's job."""
+    pairs = [(r[key], r["perf/step_s"]) for r in rows if r.get(key) is not None and r.get("perf/step_s")]
+    total = sum(w for _, w in pairs)
+    return round(sum(v * w for v, w in pairs) / total, 4) if total > 0 else None
+
+
 def summarize(rows: list[dict]) -> dict:
     """Figures of one run from its ``metrics.jsonl`` rows (module docstring); the first window is left out."""
     def series(key, rs):
@@ -102,7 +111,7 @@ def summarize(rows: list[dict]) -> dict:
         "wall_s": round(span_s, 2),
         "steps_per_s": round(steps / span_s, 4) if span_s > 0 else None,
         "trained_tokens_per_s": round(trained / span_s, 1) if span_s > 0 else None,
-        "generated_tokens_per_s": _mean(series("rollout/generated_tokens_per_s", kept)),
+        "generated_tokens_per_s": _time_weighted(kept, "rollout/generated_tokens_per_s"),
         "trainer_wait_frac": round(wait_frac, 4) if wait_frac is not None else None,
         "trainer_busy_frac": round(1 - wait_frac, 4) if wait_frac is not None else None,
         "step_s_median": round(statistics.median(step_s), 4) if step_s else None,

@@ -225,10 +225,15 @@ def _ratio(x, y):
 def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
     """Our run's figures over the steps after the first: trained tok/s (wall clock), busy share (whole run, and the
     least of a step: the issue asks 70% of each step), generated tok/s
-    (mean of the steps' windows) and its share of the engine's offline rate, weight sync, s per 1,000 completions,
+    (the steps' windows weighted by their time, from the rows; the summary's figure without rows) and its share of
+    the engine's offline rate, weight sync, s per 1,000 completions,
     and each process role's peak GPU memory."""
     s = run.get("summary") or {}
     gen = s.get("generated_tokens_per_s")
+    timed = [(r["generated_tok_s"], r["step_s"]) for r in (run.get("rows") or [])[1:]
+             if r.get("generated_tok_s") is not None and r.get("step_s")]
+    if timed:  # the steps' rates weighted by their time (runs summarized before bench_e2e weighted them)
+        gen = round(sum(v * t for v, t in timed) / sum(t for _, t in timed), 1)
     busy = [r["busy_frac"] for r in (run.get("rows") or [])[1:] if r.get("busy_frac") is not None]
     return {"steps_measured": s.get("steps_measured"), "trained_tokens_per_s": s.get("trained_tokens_per_s"),
             "busy_frac": s.get("trainer_busy_frac"), "busy_frac_min_step": min(busy) if busy else None,
