@@ -32,6 +32,18 @@ def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={shown_value(key, shown)}: {problem}. Fix: {fix}", key=key)
 
 
+def _one_of(g: Callable[..., Any], fail: Callable[..., None], p: Callable[[str], str], name: str,
+            meanings: dict[str, str]) -> None:
+    """Fail ``name`` unless its value (the first word of ``meanings`` by default) is one of ``meanings``' words: the
+    problem says what each means, the fix names each (README: Staleness and concurrency)."""
+    words = list(meanings)
+    value = g(name, words[0])
+    if value in meanings:
+        return
+    fail(p(name), value, "must be " + " or ".join(f"{w} ({m})" for w, m in meanings.items()),
+         "set " + ", or ".join(f"{p(name)}={_word(w, p)}" for w in words) + " (README: Staleness and concurrency)")
+
+
 def _word(value: str, p: Any) -> str:
     """A string value as the user writes it: ``kept`` on the command line, ``"kept"`` in Python (the API's keys
     have no dot)."""
@@ -147,25 +159,17 @@ def _field_rules(values: Mapping[str, Any], p: Callable[[str], str], found: Any)
     if g("weight_sync_steps", 1) < 1:
         fail(p("weight_sync_steps"), g("weight_sync_steps"), "must be >= 1 optimizer step",
              f"set {p('weight_sync_steps')}=1")
-    ife = g("in_flight_estimate", "mean")
-    if ife not in IN_FLIGHT_ESTIMATES:
-        fail(p("in_flight_estimate"), ife, "must be mean (a rollout in flight counts as the mean sample tokens per "
-             "finished rollout, the default) or kept (as the mean sample tokens finished rollouts put into the "
-             "rollout queue, dropped groups counting zero)",
-             f"set {p('in_flight_estimate')}={_word('mean', p)}, or {p('in_flight_estimate')}={_word('kept', p)} "
-             "(README: Staleness and concurrency)")
+    _one_of(g, fail, p, "in_flight_estimate", dict(zip(IN_FLIGHT_ESTIMATES, (
+        "a rollout in flight counts as the mean sample tokens per finished rollout, the default",
+        "as the mean sample tokens finished rollouts put into the rollout queue, dropped groups counting zero"))))
     release = g("deadline_release_versions", None)
     if release is not None and (isinstance(release, bool) or not isinstance(release, int) or release < 1):
         fail(p("deadline_release_versions"), release, "must be null (deadline admission stays on from the first "
              "stale drop) or a whole number of weight updates >= 1",
              f"set {p('deadline_release_versions')}=4 to try it, or null (README: Staleness and concurrency)")
-    order = g("deadline_order", "pessimistic")
-    if order not in DEADLINE_ORDERS:
-        fail(p("deadline_order"), order, "must be pessimistic (deadline admission counts everything committed as "
-             "pulled before a group in flight, the default) or observed (the groups started at a later version count "
-             "at the share of such groups' tokens seen to finish first)",
-             f"set {p('deadline_order')}={_word('pessimistic', p)}, or {p('deadline_order')}={_word('observed', p)} "
-             "(README: Staleness and concurrency)")
+    _one_of(g, fail, p, "deadline_order", dict(zip(DEADLINE_ORDERS, (
+        "deadline admission counts everything committed as pulled before a group in flight, the default",
+        "the groups started at a later version count at the share of such groups' tokens seen to finish first"))))
     if g("rollout_worker_timeout", 300.0) <= 0:
         fail(p("rollout_worker_timeout"), g("rollout_worker_timeout"), "must be > 0 seconds",
              f"set {p('rollout_worker_timeout')}=300")

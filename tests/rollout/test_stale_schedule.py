@@ -573,3 +573,11 @@ def test_observed_order_admits_what_pessimistic_refuses_only_at_a_low_share():
     assert not schedule("pessimistic", False).can_admit(120, 50, 100)
     assert schedule("observed", False).can_admit(120, 50, 100)
     assert not schedule("observed", True).can_admit(120, 50, 100)  # newer groups were seen finishing first: share 1
+
+
+def test_the_configs_deadline_orders_are_the_schedules():
+    from asyncgrpo_cli.config import rules
+    from asyncgrpo_cli.rollout.stale_schedule import DEADLINE_ORDERS
+    assert rules.DEADLINE_ORDERS == DEADLINE_ORDERS
+    with pytest.raises(ValueError, match="order='fifo'"):
+        StaleSchedule(max_staleness=1, order="fifo")
