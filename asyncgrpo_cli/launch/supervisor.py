@@ -68,8 +68,8 @@ from .mps import STOPPED_BEFORE_READY, keeper_argv, probe_argv, start_daemon, st
 from .child import Child  # noqa: F401 - re-exported
 from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
                        without_tracebacks)
-from .preflight import (_check_run_lock, check_server_port, dry_run_refusals, free_port,  # noqa: F401
-                        health_refused, port_in_use, probe_health)
+from .preflight import (RUN_FOLDER_IN_USE, check_server_port, dry_run_refusals, folder_or_port_refusal,  # noqa: F401
+                        free_port, health_refused, port_in_use, probe_health)
 from ..server.command import server_exec_argv  # noqa: F401 - re-exported (cli serve)
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
@@ -261,8 +261,8 @@ class Supervisor:
             lock = RunLock(out)
             if self.plan.gpus.machine_rank == 0:  # other machines of a multi-node job share machine 0's lock
                 lock.acquire()
-        except RunLockedError as exc:
-            return self._refuse(str(exc))
+        except RunLockedError as exc:  # taken since `folder_or_port_refusal` looked: not a config error either
+            return self._refuse(f"trainer.output_dir={out}: {exc}", RUN_FOLDER_IN_USE)
         except OSError as exc:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
@@ -274,8 +274,8 @@ class Supervisor:
         self._checkpoints_before = self._newest_checkpoint()
         return None
 
-    def _refuse(self, message: str) -> int:
-        self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+    def _refuse(self, message: str, label: str = "error") -> int:
+        self.console.print(Text(f"{label}: {message}", style="bold red"), soft_wrap=True)
         return 2
 
     def _newest_checkpoint(self) -> str | None:
@@ -743,11 +743,9 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     running = backend != "external" and probe_health(url, timeout=1.0)
     typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()  # as the user wrote it
     if not dry_run and int(cfg.launch.machine_rank) == 0:
-        try:
-            _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
-            check_server_port(cfg.sampler, answering=running)
-        except ConfigError as exc:
-            console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
+        refused = folder_or_port_refusal(cfg, answering=running)  # another job in the folder, a busy port
+        if refused:
+            console.print(Text(refused, style="bold red"), soft_wrap=True)
             return 2
         problem = start_problem(cfg.trainer, typed)  # a used folder: refused before the plan and the model
         if problem:
