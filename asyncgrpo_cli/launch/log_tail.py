@@ -270,6 +270,26 @@ def failure_cause(lines: list[str]) -> str | None:
     return None
 
 
+CAUSE_ABOVE = "(the cause above)"
+
+
+def cause_said_once(lines: list[str], cause: str | None) -> list[str]:
+    """``lines`` (a failed child's last lines, printed under its ``cause:`` line) with the cause's text, where a
+    line holds it (the child's own ``error:`` line, or its exception's), replaced by `CAUSE_ABOVE`: a hang's
+    cause (some 450 characters) was printed three times, in the dashboard's last frame, as the cause and in these
+    lines (a fresh-user trial). The line stays, so the lines after it (the same message's) still read in order."""
+    if not cause:
+        return list(lines)
+    out = []
+    for line in lines:
+        at = line.find(cause)
+        if at >= 0:
+            head = line[:at]
+            line = (head if not head.endswith(".") else "") + CAUSE_ABOVE  # "module.Error: ..." keeps no "module."
+        out.append(line)
+    return out
+
+
 def without_tracebacks(lines: list[str]) -> list[str]:
     """``lines`` with each traceback cut to its last line (the exception): the frames are in the log."""
     out: list[str] = []

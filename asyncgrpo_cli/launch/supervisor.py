@@ -66,8 +66,8 @@ from .job_files import (exit_text, finalize_status, newest_checkpoint, server_de
                         write_summary_file)
 from .mps import STOPPED_BEFORE_READY, keeper_argv, probe_argv, start_daemon, stop_daemon, without_mps
 from .child import Child  # noqa: F401 - re-exported
-from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
-                       without_tracebacks)
+from .log_tail import (cause_said_once, failure_cause, killed_by, launcher_reported_status, note_requested_stop,
+                       tail_lines, without_tracebacks)
 from .preflight import (RUN_FOLDER_IN_USE, check_server_port, dry_run_refusals, folder_or_port_refusal,  # noqa: F401
                         free_port, health_refused, port_in_use, probe_health)
 from ..server.command import server_exec_argv  # noqa: F401 - re-exported (cli serve)
@@ -206,7 +206,7 @@ class Supervisor:
             cause = failure_cause(lines) or known
             if cause:
                 self.console.print(Text(f"cause: {cause}", style="red"), soft_wrap=True)
-            short = without_tracebacks(lines)[-FAILURE_LINES:]
+            short = cause_said_once(without_tracebacks(lines)[-FAILURE_LINES:], cause)  # the cause: once, above
             if short:
                 self.console.print(Text(f"last lines of {path} (tracebacks: see the file):", style="red"),
                                    soft_wrap=True)

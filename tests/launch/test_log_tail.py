@@ -230,3 +230,18 @@ def test_the_shutdown_warning_of_a_killed_tree_is_not_shown_as_an_error(tmp_path
                    "  warnings.warn('resource_tracker: There appear to be %d '\n")
     assert failure_tail(log) == ["step 1/8 | reward 0.05", ""]
     assert "leaked semaphore" in log.read_text()
+
+
+def test_the_cause_is_said_once_under_its_cause_line():
+    """`cause_said_once`: the line that holds the cause (the trainer's own ``error:`` line, an exception's line,
+    a message longer than the cause's 600 characters) keeps its place, its text replaced; other lines stay."""
+    from asyncgrpo_cli.launch.log_tail import CAUSE_ABOVE, cause_said_once, failure_cause
+
+    hang = "the sampler server at http://h:1 (pid 7) has not answered for 20 s: " + "x" * 700
+    lines = ["20:30:49 step 2/8 | reward 0.25", f"error: {hang}", "(checkpoint-2 holds the last completed step)"]
+    cause = failure_cause(lines)
+    assert cause == hang[:600]
+    assert cause_said_once(lines, cause) == [lines[0], f"error: {CAUSE_ABOVE}", lines[2]]
+    raised = ["a.b.ServerHungError: no answer", "asyncgrpo trainer: error: no answer"]
+    assert cause_said_once(raised, "ServerHungError: no answer") == [CAUSE_ABOVE, raised[1]]
+    assert cause_said_once(raised, None) == raised

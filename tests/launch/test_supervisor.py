@@ -214,9 +214,29 @@ def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path, monkeypatch):
     assert "Traceback" not in text  # the frames stay in the log
     assert "failed" in text  # summary outcome
     assert "resume with:" not in text
+    assert text.count("fake trainer failure") == 1, text  # the cause once, not again in the log's last lines
+    assert "\n(the cause above)\n" in text, text  # the log's line, in its place
     assert "no checkpoint to resume from; the same command starts again in this folder:\nstart again with: " \
            "asyncgrpo train +recipe=smoke trainer.max_steps=3\n" in text, text
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+def test_a_failure_s_cause_is_printed_once_under_the_panels_too(make_cfg, tmp_path):
+    """A hang's cause (some 450 characters) was printed three times: in the panels' last frame (``last error``),
+    as the ``cause:`` line and in the trainer log's last lines (a fresh-user trial); status.json and
+    logs/summary.txt keep it."""
+    for dashboard in ("rich", "plain"):
+        cfg, out = make_cfg(f"logging.dashboard={dashboard}")
+        pids = tmp_path / f"pids-{dashboard}"
+        pids.mkdir()
+        console = record_console()
+        assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids)) == 1
+        text = console.export_text()
+        assert text.count("fake trainer failure") == 1, text
+        assert "cause: RuntimeError: fake trainer failure" in text, text
+        assert "last error" not in text, text
+        assert "RuntimeError: fake trainer failure" in (out / "logs" / "summary.txt").read_text()
+        assert json.loads((out / "status.json").read_text())["last_error"] == "RuntimeError: fake trainer failure"
 
 
 def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
