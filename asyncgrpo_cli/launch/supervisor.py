@@ -66,8 +66,8 @@ from .job_files import (exit_text, finalize_status, newest_checkpoint, server_de
                         write_summary_file)
 from .mps import STOPPED_BEFORE_READY, keeper_argv, probe_argv, start_daemon, stop_daemon, without_mps
 from .child import Child  # noqa: F401 - re-exported
-from .log_tail import (cause_said_once, failure_cause, killed_by, launcher_reported_status, note_requested_stop,
-                       tail_lines, without_tracebacks)
+from .log_tail import (cause_said_once, failure_cause, killed_by, launcher_reported_status, note_own_error_exit,
+                       note_requested_stop, tail_lines, without_tracebacks)
 from .preflight import (RUN_FOLDER_IN_USE, check_server_port, dry_run_refusals, folder_or_port_refusal,  # noqa: F401
                         free_port, health_refused, port_in_use, probe_health)
 from ..server.command import server_exec_argv  # noqa: F401 - re-exported (cli serve)
@@ -534,6 +534,7 @@ class Supervisor:
                     else:
                         sig = killed_by(trainer.log_path)
                         how = f"was killed by {sig}" if sig else exit_text(rc)
+                        note_own_error_exit(trainer.log_path)  # its error is its log's end, not accelerate's report
                         outcome, status = "failed", self._fail(f"the trainer {how}; {self._checkpoint_report()}",
                                                                trainer)
                     break
@@ -628,7 +629,7 @@ class Supervisor:
                 child.signal_ranks(first)
             else:
                 child.signal_group(first)
-            if not self._wait_exit(child, grace, interruptible=True):
+            if not (in_time := self._wait_exit(child, grace, interruptible=True)):
                 if child is self.trainer and not self._escalate.is_set():
                     say = self.dashboard.print if self._monitoring and self.dashboard is not None else \
                         self.console.print
@@ -644,8 +645,9 @@ class Supervisor:
                         child.popen.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
-            if child is self.trainer and child.poll() is not None:
-                note_requested_stop(child.log_path, read_stop_reason(self.plan.output_dir))
+            if child is self.trainer and child.poll() is not None:  # its log ends with a line of ours
+                note_requested_stop(child.log_path, read_stop_reason(self.plan.output_dir),
+                                    forced=not in_time and self._escalate.is_set())
         # The leader and the ranks are gone: give the rest of the group a moment, then kill it.
         if child.group_alive():
             child.signal_group(signal.SIGTERM)

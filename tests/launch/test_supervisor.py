@@ -239,6 +239,25 @@ def test_a_failure_s_cause_is_printed_once_under_the_panels_too(make_cfg, tmp_pa
         assert json.loads((out / "status.json").read_text())["last_error"] == "RuntimeError: fake trainer failure"
 
 
+def test_a_trainer_ending_on_its_own_error_under_accelerate_leaves_a_log_ending_with_our_line(make_cfg, tmp_path):
+    """The hang watchdog's stop (`train.main`: ``error: ...``, exit 1) ended trainer.log with accelerate's traceback
+    (a fresh-user trial): the supervisor replaces that report with a line of ours; the console names the cause once."""
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                     _commands=hook("ok", "own_error", pids, use_accelerate=True)) == 1
+    text = console.export_text()
+    assert text.count("has not answered for 20 s") == 1 and "cause: the sampler server at http://h:1" in text, text
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "Traceback" not in log and "CalledProcessError" not in log, log
+    assert log.count("has not answered for 20 s") == 1, log
+    assert log.splitlines()[-1].endswith("asyncgrpo: the trainer exited with status 1 after its error above "
+                                         "(accelerate's report of that status, which repeated it, was removed from "
+                                         "this log)"), log
+
+
 def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
     cfg, out = make_cfg("sampler.timeout=1.5")
     pids = tmp_path / "pids"
@@ -365,6 +384,12 @@ def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoin
                 f"ended); the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)") in text, text
         assert not (out / "checkpoint-2").exists()
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+        # the log ends with a line of ours, not with what the trainer was doing (its own last words are lost with
+        # its launcher, which the second signal stops too)
+        last, before = tail_lines(out / "logs" / "trainer.log", 2)[::-1]
+        assert "stopped at once" not in before, before  # once
+        assert last.endswith("asyncgrpo: the trainer was stopped at once by a second stop signal, without waiting "
+                             "for its checkpoint; the stop was asked because asyncgrpo train got SIGINT"), last
 
 
 def test_a_server_killed_from_outside_has_a_cause_line(tmp_path):
