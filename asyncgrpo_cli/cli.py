@@ -152,25 +152,37 @@ def _validate(cfg, command: str, probe: bool = False, keep_going: bool = False, 
     checks, an external sampler answering): exit 2 on a problem, print its warnings otherwise. ``keep_going``
     (``train --dry-run``): return the problems instead, so that the launch plan is still printed with them.
     A problem with a key of ``overrides`` also names that key's value without the override (the recipe's)."""
-    from rich.markup import escape
+    problem, warnings = _deep_checks(cfg, command, probe, overrides, recipes_dir)
+    if problem is not None:
+        if keep_going:
+            return list(problem.errors) if isinstance(problem, ConfigErrors) else [problem]
+        _print_error(problem)
+        raise typer.Exit(2)
+    _print_warnings(warnings)
+    return []
 
+
+def _deep_checks(cfg, command: str, probe: bool, overrides: list[str] | None,
+                 recipes_dir: list[Path] | None) -> tuple[ConfigError | None, list[str]]:
+    """`_validate`'s checks, printing nothing: ``(problem, warnings)``, the problem (every one, a `ConfigErrors`)
+    naming the value of an overridden key without the override, or None."""
     from .config.compose import with_values_without
     from .config.run_checks import validate_run
 
     try:
-        warnings = validate_run(cfg, command, probe=probe)
+        return None, validate_run(cfg, command, probe=probe)
     except ConfigError as exc:
-        exc = with_values_without(exc, list(overrides or []), recipes_dir)
-        if keep_going:
-            return list(exc.errors) if isinstance(exc, ConfigErrors) else [exc]
-        _print_error(exc)
-        raise typer.Exit(2) from None
+        return with_values_without(exc, list(overrides or []), recipes_dir), []
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    from rich.markup import escape
+
     from .config.notes import is_note
 
     for w in warnings:
         label = "[cyan]note:[/]" if is_note(w) else "[yellow]warning:[/]"
         err.print(f"{label} {escape(w)}", highlight=False, soft_wrap=True)
-    return []
 
 
 def _resolve_model(cfg, export: bool = True) -> str | None:
@@ -357,8 +369,8 @@ def config_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=_complete_overrides),
     recipes_dir: Optional[list[Path]] = typer.Option(None, "--recipes-dir", help=RECIPES_DIR_HELP),
     doc: bool = typer.Option(False, "--doc", help="Describe every key: its docstring as a comment above it."),
-    check: bool = typer.Option(False, "--check", help="After the YAML, run every check train runs (model, lengths, "
-                               "imports, data, rewards; loads transformers): exit 2 on a problem."),
+    check: bool = typer.Option(False, "--check", help="Also run every check train runs (model, lengths, imports, "
+                               "data, rewards; loads transformers): exit 2 naming each problem, without the YAML."),
     cfg_kind: Optional[str] = typer.Option(None, "--cfg", "-c", help=CFG_HELP),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Print the config of every job of a sweep."),
     info: bool = _info_flag(),
@@ -377,6 +389,14 @@ def config_cmd(
     if cfg_kind is not None:
         _print_cfg(cfg_kind, cfg, hargs.overrides, recipes_dir, hargs.sweep_dir)
         return
+    warnings: list[str] = []
+    if check and cfg.model.name:  # the deep pass train runs, before the YAML: exit 2 with every problem, and
+        # without the YAML (240 lines of it above the problems hid them: a fresh-user trial)
+        problem, warnings = _deep_checks(cfg, "train", True, hargs.overrides, recipes_dir)
+        if problem is not None:
+            _print_error(problem)
+            raise typer.Exit(2)
+        _check_plan(cfg)
     sys.stdout.write(documented_yaml(cfg) if doc else to_yaml(cfg))
     sys.stdout.flush()
     if not check:  # composing stays light (no transformers, no torch)
@@ -386,9 +406,7 @@ def config_cmd(
                   "or model.name=...) --check runs the checks train runs (lengths, imports, data, rewards)",
                   highlight=False, soft_wrap=True)
         return
-    # the deep pass train runs, after the YAML: exit 2 with every problem
-    _validate(cfg, "train", probe=True, overrides=hargs.overrides, recipes_dir=recipes_dir)
-    _check_plan(cfg)
+    _print_warnings(warnings)  # after the YAML, as before the checks moved in front of it
     err.print("[green]config --check: every check train runs before it starts passed[/] (the server's own "
               "checks run when it answers: asyncgrpo doctor)", highlight=False, soft_wrap=True)
 
@@ -396,7 +414,8 @@ def config_cmd(
 def _check_plan(cfg) -> None:
     """`config --check`: the launch plan's problems on this machine (GPUs, cores, the server command), and what
     `train` refuses before it loads anything (`launch.preflight.early_refusal`: another job in the folder, a busy
-    port, a folder that holds an earlier run), which `train` and its dry run refuse too: exit 2 naming each."""
+    port, a folder that holds an earlier run), which `train` and its dry run refuse too: exit 2 naming each (before
+    the YAML, which is then not printed)."""
     from .launch.preflight import early_refusal
 
     problems = _plan_problems(cfg)

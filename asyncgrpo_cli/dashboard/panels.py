@@ -413,7 +413,7 @@ def processes_panel(view: DashboardView) -> Panel:
     if updated is not None and view.now - updated > 10:
         table.add_row("status.json", "", Text(f"not updated for {fmt_duration(view.now - updated)}", style="yellow"))
     error = (view.status or {}).get("last_error")
-    if error:
+    if error and not view.outcome:  # the last frame: the supervisor prints the error and its cause under it
         table.add_row("last error", "", Text(str(error)[-300:], style="red"))
     return Panel(table, title="processes", border_style="blue")
 
@@ -520,7 +520,7 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
     if server_status:  # unreachable, not answering, re-push: folded onto whole lines like the error
         parts.append(Text(f"sampler server: {server_status}", style="bold red"))
     error = (view.status or {}).get("last_error")
-    if error:
+    if error and not view.outcome:  # the last frame: the supervisor prints the error and its cause under it
         parts.append(Text(f"last error: {str(error)[-300:]}", style="red"))
     title = view.title if len(view.title) <= 60 else view.title.rstrip("/").rsplit("/", 1)[-1]
     return Panel(Group(*parts), title=Text(title, style="bold"), border_style="cyan")

@@ -199,14 +199,30 @@ def launcher_reported_status(path: str | Path) -> int | None:
     return None
 
 
-def note_requested_stop(path: str | Path, why: str | None = None) -> bool:
+_FORCED_NOTE = "the trainer was stopped at once by a second stop signal"
+
+
+def note_requested_stop(path: str | Path, why: str | None = None, forced: bool = False) -> bool:
     """After the supervisor asked the trainer to stop: when the launcher's report ends the log with the trainer's
     exit status 130 or 143 (`STOPPED_STATUSES`), remove that report (its ``CalledProcessError`` traceback and
     accelerate's ``RuntimeError:`` copy of the trainer's stderr read as a crash: two fresh-user trials) and end the
     log with a line, after the time, saying the trainer stopped as asked and ``why`` the supervisor asked (a third
-    trial read "stopped as asked" alone at the end of a run whose server had been killed). Returns whether it did;
-    other logs are left as they are."""
+    trial read "stopped as asked" alone at the end of a run whose server had been killed). ``forced``: a second
+    signal stopped the trainer at once (SIGTERM to its process group), which also stops its launcher before it
+    reports, and the trainer's own last line, written through the launcher, is lost: the log then ends with a line
+    saying so (it ended with whatever the trainer was doing). Returns whether it wrote a line; other logs are left
+    as they are."""
     status = launcher_reported_status(path)
+    if status not in STOPPED_STATUSES and forced:
+        if any(_FORCED_NOTE in line for line in tail_lines(path, 1)):
+            return False  # said already (the supervisor's final sweep stops the trainer's group again)
+        if status is not None:
+            _remove_launcher_report(Path(path))
+        because = f"; the stop was asked because {why}" if why else ""
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: {_FORCED_NOTE}, without waiting for its "
+                      f"checkpoint{because}\n")
+        return True
     if status not in STOPPED_STATUSES:
         return False
     _remove_launcher_report(Path(path))
@@ -214,6 +230,27 @@ def note_requested_stop(path: str | Path, why: str | None = None) -> bool:
     with open(path, "a", encoding="utf-8") as log:
         log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: the trainer stopped as asked{because} (exit status "
                   f"{status}; accelerate's report of that status, no crash, was removed from this log)\n")
+    return True
+
+
+def note_own_error_exit(path: str | Path) -> bool:
+    """After the trainer exited non-zero on its own, its last words its own error line (``error: ...``, printed by
+    `train.main` with no traceback: a hung server's watchdog, a failed rollout worker, a late config error): remove
+    the launcher's report of that exit status (its traceback, and accelerate's copy of the trainer's stderr), as
+    `note_requested_stop` does after a stop, and end the log with a line saying that the trainer exited with that
+    status after its error above (the hang's deliberate stop ended trainer.log with accelerate's traceback). Returns
+    whether it did; a crash (a traceback of the trainer's own after its last error line) is left as it is."""
+    status = launcher_reported_status(path)
+    if status is None or status in STOPPED_STATUSES:
+        return False
+    lines = launcher_report_removed(tail_lines(path, 200))
+    own = max((i for i, line in enumerate(lines) if _OWN_ERROR.search(line.strip())), default=None)
+    if own is None or any(line.startswith(_TRACEBACK) for line in lines[own:]):
+        return False
+    _remove_launcher_report(Path(path))
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: the trainer exited with status {status} after its error "
+                  f"above (accelerate's report of that status, which repeated it, was removed from this log)\n")
     return True
 
 
@@ -268,6 +305,26 @@ def failure_cause(lines: list[str]) -> str | None:
             name, text = found.group(1), (found.group(2) or "").strip()
             return (f"{name}: {text}" if text else name)[:600]
     return None
+
+
+CAUSE_ABOVE = "(the cause above)"
+
+
+def cause_said_once(lines: list[str], cause: str | None) -> list[str]:
+    """``lines`` (a failed child's last lines, printed under its ``cause:`` line) with the cause's text, where a
+    line holds it (the child's own ``error:`` line, or its exception's), replaced by `CAUSE_ABOVE`: a hang's
+    cause (some 450 characters) was printed three times, in the dashboard's last frame, as the cause and in these
+    lines (a fresh-user trial). The line stays, so the lines after it (the same message's) still read in order."""
+    if not cause:
+        return list(lines)
+    out = []
+    for line in lines:
+        at = line.find(cause)
+        if at >= 0:
+            head = line[:at]
+            line = (head if not head.endswith(".") else "") + CAUSE_ABOVE  # "module.Error: ..." keeps no "module."
+        out.append(line)
+    return out
 
 
 def without_tracebacks(lines: list[str]) -> list[str]:

@@ -56,27 +56,48 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _check_run_lock(cfg: DictConfig) -> None:
-    """Refuse at once when another live job holds ``trainer.output_dir``'s run lock (`RunLock`; taken for
-    real when the supervisor starts).
+#: The label of a refusal because another live job (or its trainer) holds the run folder's lock: not a problem of
+#: the config, so not ``config error:`` (a fresh-user trial read it as one).
+RUN_FOLDER_IN_USE = "run folder in use"
 
-    Raises:
-        ConfigError: naming the running job's pid and the fix.
+
+def _check_run_lock(cfg: DictConfig) -> str | None:
+    """Whether another live job holds ``trainer.output_dir``'s run lock (`RunLock`; taken for real when the
+    supervisor starts).
+
+    Returns:
+        None when the folder is free, else the refusal (``run folder in use: ...``) naming the running job's pid
+        (or its trainer's) and the fix.
     """
     from ..run.state import LOCK_NAME, RunLock, RunLockedError
 
     out = Path(str(cfg.trainer.output_dir))
     if not (out / LOCK_NAME).exists():
-        return
+        return None
     lock = RunLock(out)
     try:
         lock.acquire()
     except RunLockedError as exc:
-        raise ConfigError(f"trainer.output_dir={out}: {exc}") from None
+        return f"{RUN_FOLDER_IN_USE}: trainer.output_dir={out}: {exc}"
     except OSError:
-        return  # an unwritable folder is reported with its own fix when the job starts
+        return None  # an unwritable folder is reported with its own fix when the job starts
     finally:
         lock.release()
+    return None
+
+
+def folder_or_port_refusal(cfg: DictConfig, answering: bool | None = None) -> str | None:
+    """Another live job in ``trainer.output_dir`` (``run folder in use: ...``, `_check_run_lock`: that job is the
+    reason, before its port), else a busy ``sampler.port`` (``config error: ...``, `check_server_port`; ``answering``
+    as there), else None."""
+    in_use = _check_run_lock(cfg)
+    if in_use:
+        return in_use
+    try:
+        check_server_port(cfg.sampler, answering=answering)
+    except ConfigError as exc:
+        return f"config error: {exc}"
+    return None
 
 
 def check_server_port(sampler: SamplerConfig, *, answering: bool | None = None, command: str = "train") -> None:
@@ -140,7 +161,8 @@ def early_refusal(cfg: DictConfig, whole_commands: bool = True) -> str | None:
     command and got the same problems again).
 
     Returns:
-        The message to print (with its ``config error:`` / ``error:`` label), or None when none applies.
+        The message to print (with its ``run folder in use:`` / ``config error:`` / ``error:`` label), or None
+        when none applies.
     """
     from ..config.run_checks import check_output_dir
     from ..config.start_checks import check_external_sampler
@@ -149,11 +171,9 @@ def early_refusal(cfg: DictConfig, whole_commands: bool = True) -> str | None:
 
     if int(cfg.launch.machine_rank) != 0:
         return None
-    try:
-        _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
-        check_server_port(cfg.sampler)
-    except ConfigError as exc:
-        return f"config error: {exc}"
+    refused = folder_or_port_refusal(cfg)
+    if refused:
+        return refused
     typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()
     problem = start_problem(cfg.trainer, typed, None if whole_commands else [])
     if problem:

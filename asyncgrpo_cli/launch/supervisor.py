@@ -66,10 +66,10 @@ from .job_files import (exit_text, finalize_status, newest_checkpoint, server_de
                         write_summary_file)
 from .mps import STOPPED_BEFORE_READY, keeper_argv, probe_argv, start_daemon, stop_daemon, without_mps
 from .child import Child  # noqa: F401 - re-exported
-from .log_tail import (failure_cause, killed_by, launcher_reported_status, note_requested_stop, tail_lines,
-                       without_tracebacks)
-from .preflight import (_check_run_lock, check_server_port, dry_run_refusals, free_port,  # noqa: F401
-                        health_refused, port_in_use, probe_health)
+from .log_tail import (cause_said_once, failure_cause, killed_by, launcher_reported_status, note_own_error_exit,
+                       note_requested_stop, tail_lines, without_tracebacks)
+from .preflight import (RUN_FOLDER_IN_USE, check_server_port, dry_run_refusals, folder_or_port_refusal,  # noqa: F401
+                        free_port, health_refused, port_in_use, probe_health)
 from ..server.command import server_exec_argv  # noqa: F401 - re-exported (cli serve)
 
 REFUSED_BOUND_S = 20.0  # sampler.backend=external: how long a refused connection (nothing listens) is retried
@@ -206,7 +206,7 @@ class Supervisor:
             cause = failure_cause(lines) or known
             if cause:
                 self.console.print(Text(f"cause: {cause}", style="red"), soft_wrap=True)
-            short = without_tracebacks(lines)[-FAILURE_LINES:]
+            short = cause_said_once(without_tracebacks(lines)[-FAILURE_LINES:], cause)  # the cause: once, above
             if short:
                 self.console.print(Text(f"last lines of {path} (tracebacks: see the file):", style="red"),
                                    soft_wrap=True)
@@ -261,8 +261,8 @@ class Supervisor:
             lock = RunLock(out)
             if self.plan.gpus.machine_rank == 0:  # other machines of a multi-node job share machine 0's lock
                 lock.acquire()
-        except RunLockedError as exc:
-            return self._refuse(str(exc))
+        except RunLockedError as exc:  # taken since `folder_or_port_refusal` looked: not a config error either
+            return self._refuse(f"trainer.output_dir={out}: {exc}", RUN_FOLDER_IN_USE)
         except OSError as exc:
             return self._refuse(f"trainer.output_dir={out} is not writable ({type(exc).__name__}: {exc}). "
                                 "Fix: choose a writable folder with trainer.output_dir=...")
@@ -274,8 +274,8 @@ class Supervisor:
         self._checkpoints_before = self._newest_checkpoint()
         return None
 
-    def _refuse(self, message: str) -> int:
-        self.console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+    def _refuse(self, message: str, label: str = "error") -> int:
+        self.console.print(Text(f"{label}: {message}", style="bold red"), soft_wrap=True)
         return 2
 
     def _newest_checkpoint(self) -> str | None:
@@ -534,6 +534,7 @@ class Supervisor:
                     else:
                         sig = killed_by(trainer.log_path)
                         how = f"was killed by {sig}" if sig else exit_text(rc)
+                        note_own_error_exit(trainer.log_path)  # its error is its log's end, not accelerate's report
                         outcome, status = "failed", self._fail(f"the trainer {how}; {self._checkpoint_report()}",
                                                                trainer)
                     break
@@ -628,7 +629,7 @@ class Supervisor:
                 child.signal_ranks(first)
             else:
                 child.signal_group(first)
-            if not self._wait_exit(child, grace, interruptible=True):
+            if not (in_time := self._wait_exit(child, grace, interruptible=True)):
                 if child is self.trainer and not self._escalate.is_set():
                     say = self.dashboard.print if self._monitoring and self.dashboard is not None else \
                         self.console.print
@@ -644,8 +645,9 @@ class Supervisor:
                         child.popen.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
-            if child is self.trainer and child.poll() is not None:
-                note_requested_stop(child.log_path, read_stop_reason(self.plan.output_dir))
+            if child is self.trainer and child.poll() is not None:  # its log ends with a line of ours
+                note_requested_stop(child.log_path, read_stop_reason(self.plan.output_dir),
+                                    forced=not in_time and self._escalate.is_set())
         # The leader and the ranks are gone: give the rest of the group a moment, then kill it.
         if child.group_alive():
             child.signal_group(signal.SIGTERM)
@@ -743,11 +745,9 @@ def run_train(cfg: DictConfig, dry_run: bool = False, *, console: Console | None
     running = backend != "external" and probe_health(url, timeout=1.0)
     typed = Path(str(cfg.trainer.output_dir or output_dir_of(cfg.trainer))).expanduser()  # as the user wrote it
     if not dry_run and int(cfg.launch.machine_rank) == 0:
-        try:
-            _check_run_lock(cfg)  # a job already running in the folder is the reason, before its port
-            check_server_port(cfg.sampler, answering=running)
-        except ConfigError as exc:
-            console.print(Text(f"config error: {exc}", style="bold red"), soft_wrap=True)
+        refused = folder_or_port_refusal(cfg, answering=running)  # another job in the folder, a busy port
+        if refused:
+            console.print(Text(refused, style="bold red"), soft_wrap=True)
             return 2
         problem = start_problem(cfg.trainer, typed)  # a used folder: refused before the plan and the model
         if problem:

@@ -49,6 +49,7 @@ from .stale_schedule import StaleSchedule
 from .on_policy import OnPolicyRounds
 from .rollout_metrics import record_rollout_metrics
 from .requests import RequestPaths, _RolloutResult
+from ..run.stop_reason import stop_under_way
 from ..sampler.server_load import request_time_means
 from .tool_loop import run_tool_loop, static_tool_names
 from .tools import ToolBox, is_async_tool
@@ -320,6 +321,9 @@ class AsyncRolloutLoop(EvalRounds, StaleScheduling, RequestPaths):
                                         timeout_s=self.config.vllm_server_timeout,
                                         after_outage=self._wait_for_repush if self.server_values else None,
                                         request_seeds=bool(getattr(self.config, "request_seeds", True)))
+            # the supervisor saw the server it started exit: the outage's line promises no wait then
+            self.client.outage.stop_under_way = functools.partial(stop_under_way,
+                                                                   getattr(self.config, "output_dir", None))
         score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._running_loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()

@@ -10,6 +10,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +296,13 @@ LOCK_OWNER_ENV = "ASYNCGRPO_RUN_LOCK_OWNER"
 #: Environment variable a supervisor sets for the trainer it starts: the pid of the sampler server it started
 #: ("" for an external server); the trainer names it when the server stops answering (`ServerWatch`).
 SERVER_PID_ENV = "ASYNCGRPO_SERVER_PID"
+
+
+def server_pid_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The pid of the server the supervisor started (`SERVER_PID_ENV` in ``environ``, default ``os.environ``);
+    None for an external server, the Python API, or a value that is not a pid."""
+    raw = (os.environ if environ is None else environ).get(SERVER_PID_ENV, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
 class RunLockedError(RuntimeError):

@@ -52,3 +52,25 @@ def clear_stop_reason(output_dir: str | Path) -> None:
         (Path(output_dir) / "logs" / STOP_REASON_FILE).unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None) -> str | None:
+    """Why this job is already stopping, for a line about its server's outage, which must not promise the
+    outage's whole wait then (``server unreachable ... 1800 s more at most`` followed a ``kill -9`` of the server
+    that the supervisor had already seen: a fresh-user trial). Only for a server the supervisor started
+    (``server_pid``, default the `run.state.SERVER_PID_ENV` it sets; None for an external server or the Python
+    API, whose outages are waited out): the supervisor's line (`STOP_REASON_FILE`, written before it signals),
+    else ``the server (pid N) exited`` once that pid no longer runs (the supervisor stops the job when the server it
+    started exits, and may not have written its line yet); None while neither holds."""
+    if server_pid is None:
+        from .state import server_pid_from_env
+
+        server_pid = server_pid_from_env()
+    if server_pid is None:
+        return None
+    said = read_stop_reason(output_dir) if output_dir else None
+    if said:
+        return said
+    from .orphans import process_alive
+
+    return None if process_alive(server_pid) else f"the server (pid {server_pid}) exited"

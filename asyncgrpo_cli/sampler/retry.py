@@ -42,8 +42,11 @@ WAKE_S = 0.2
 """The longest slice of a sleep between tries: a sleep ends this soon after `ServerOutage.abandon`."""
 
 
-def unreachable_text(seconds_left: float) -> str:
-    """The live status line of an outage (``status.json`` ``server_status``, the dashboard)."""
+def unreachable_text(seconds_left: float, stopping: str | None = None) -> str:
+    """The live status line of an outage (``status.json`` ``server_status``, the dashboard); once the job is
+    stopping (``stopping``: why), it promises no wait."""
+    if stopping:
+        return f"server unreachable; not waited out: the job is stopping ({stopping})"
     return f"server unreachable, retrying ({max(0.0, seconds_left):.0f} s left)"
 
 
@@ -63,6 +66,8 @@ class ServerOutage:
             process: the trainer's weight sync and the rollout worker) gives up on its outage, 0.0 when it has
             none. An outage seen here adopts the peer's earlier start (when that start is after this client's
             last answer), so both give up together, ``timeout_s`` after the first refusal either of them saw.
+        stop_under_way: optional ``() -> why or None``: whether the job is already stopping (the supervisor saw the
+            server it started exit: `run.stop_reason.stop_under_way`); the outage's lines then promise no wait.
     """
 
     def __init__(self, url: str, timeout_s: float, clock: Clock = time.monotonic, wall: Clock = time.time) -> None:
@@ -74,6 +79,7 @@ class ServerOutage:
         self.last_error = ""
         self.abandoned: str | None = None
         self.peer_deadline: Callable[[], float] | None = None
+        self.stop_under_way: Callable[[], str | None] | None = None
         self._last_answer: float | None = None
 
     def abandon(self, reason: str) -> None:
@@ -100,8 +106,20 @@ class ServerOutage:
             log.warning("%s", self.start_line())
         return self.timeout_s - (now - self.since)
 
+    def stopping(self) -> str | None:
+        """Why the job is already stopping (`stop_under_way`), or None (also when the probe fails)."""
+        try:
+            return self.stop_under_way() if self.stop_under_way is not None else None
+        except Exception:  # noqa: BLE001 - a line about the outage must not fail the request
+            return None
+
     def start_line(self) -> str:
-        """The one log line of an outage's start: the URL, the error, how long requests wait and until when."""
+        """The one log line of an outage's start: the URL, the error, how long requests wait and until when;
+        when the job is already stopping (`stopping`), why, and no wait promised."""
+        why = self.stopping()
+        if why:
+            return (f"sampler {self.url}: server unreachable ({self.last_error}); not waited out: the job is "
+                    f"already stopping ({why})")
         left = self.seconds_left() or 0.0
         until = time.strftime("%H:%M:%S", time.localtime(self.wall() + left))
         return (f"sampler {self.url}: server unreachable ({self.last_error}); every request waits for it, "
@@ -149,9 +167,10 @@ class ServerOutage:
         return 0.0 if left is None else self.wall() + left
 
     def status(self) -> str | None:
-        """``"server unreachable, retrying (N s left)"`` during an outage, else None."""
+        """``"server unreachable, retrying (N s left)"`` during an outage (`unreachable_text`: no wait promised
+        once the job is stopping), else None."""
         left = self.seconds_left()
-        return None if left is None else unreachable_text(left)
+        return None if left is None else unreachable_text(left, self.stopping())
 
     def give_up_error(self, route: str, body: Any) -> SamplerUnavailableError:
         """The error that ends the wait: the URL, how long it waited, the last error and the fix."""

@@ -119,7 +119,37 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM stopped it (after saving; 0 when its supervisor was gone: nobody reads it, status.json says stopped),
     2 for a user error (printed as one message, no traceback: an
     incomplete checkpoint to resume from, an unwritable ``output_dir``, another job in the folder), 1 when
-    training failed."""
+    training failed. A stop signal before training took the signals over (while the model and data load), or a
+    second one (stop now, without saving), ends with one line of ours, not a traceback (`_stopped_at_once`)."""
+    built: list = []  # the trainer once it is built (its second signal's name)
+    try:
+        return _main(argv, built)
+    except KeyboardInterrupt:
+        return _stopped_at_once(built[0] if built else None)
+
+
+def _stopped_at_once(trainer) -> int:
+    """After a stop signal's `KeyboardInterrupt` left `main`: one line saying so, and the exit status of a stop
+    (130, or 143 for a second SIGTERM), which the supervisor reads as a stop it asked for
+    (`launch.log_tail.note_requested_stop`: it then removes accelerate's report of that status from the log).
+    Before, the log ended with the frames of whatever was loading (95 lines inside transformers' import for a
+    Ctrl-C at the start of the smoke run) and accelerate's traceback (a fresh-user trial)."""
+    import signal
+    import time
+
+    second = getattr(trainer, "_second_signal", None)
+    name = signal.Signals(second).name if second is not None else "SIGINT"  # Python's own handler: SIGINT only
+    if second is not None:
+        what = f"a second {name}: stopped at once, without saving the step in progress"
+    elif trainer is None:
+        what = "SIGINT while starting (loading the model and the data): stopped before training began"
+    else:
+        what = "SIGINT outside the training loop's stop handling: stopped at once, without saving"
+    print(f"{time.strftime('%H:%M:%S')} asyncgrpo trainer: {what}", file=sys.stderr, flush=True)
+    return 143 if name == "SIGTERM" else 130
+
+
+def _main(argv: list[str] | None, built: list) -> int:
     from ..config.rules import ConfigError
     from .checkpoint import CheckpointError
     from ..run.state import RolloutStateError, RunLockedError
@@ -140,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(ns.config)
         trainer = build_trainer(cfg)
+        built.append(trainer)
         resume = True if ns.resume == "last" else ns.resume
         trainer.train(resume_from_checkpoint=resume)
     except (ConfigError, ConfigTypeError) as exc:  # a user error found late (e.g. the server's answers): no traceback

@@ -30,24 +30,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+
+from ..run.state import server_pid_from_env  # noqa: F401 - re-exported (the trainer, tests)
 
 PROBE_EVERY_S = 5.0
 PROBE_TIMEOUT_S = 5.0
 REPORT_AFTER_S = 15.0
 
 ANSWERED, REFUSED, SILENT = "answered", "refused", "silent"
-
-
-def server_pid_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    """The pid of the server the supervisor started (`run.state.SERVER_PID_ENV` in ``environ``, default
-    ``os.environ``); None for an external server, the Python API, or a value that is not a pid."""
-    import os
-
-    from ..run.state import SERVER_PID_ENV
-
-    raw = (os.environ if environ is None else environ).get(SERVER_PID_ENV, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
 class ServerHungError(RuntimeError):

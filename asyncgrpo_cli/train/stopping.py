@@ -18,7 +18,7 @@ import re
 import signal
 
 from ..run.stop_reason import (STOP_REASON_FILE, clear_stop_reason, own_reason, stop_reason,  # noqa: F401
-                               write_stop_reason)
+                               stop_under_way, write_stop_reason)
 
 
 class StopHandling:
@@ -39,6 +39,14 @@ class StopHandling:
         worker = getattr(self, "worker", None)
         if worker is not None:  # nothing it generates now would be trained: it stops retrying, and ends
             worker.begin_stop()
+
+    def _stop_under_way(self) -> str | None:
+        """Why the job is already stopping, for a line about the server's outage (which then promises no wait): a
+        stop signal's reason, or the supervisor's, which saw the server it started exit and is about to signal
+        (`run.stop_reason.stop_under_way`); None otherwise."""
+        if self._stop_requested:
+            return getattr(self, "_stop_reason", None) or "stop requested"
+        return stop_under_way(self.args.output_dir)
 
     def _stopping_status(self) -> dict:
         """``status.json`` fields while a stop is under way (merged by the status ticker)."""

@@ -36,7 +36,7 @@ from .compile import compile_decoder_layers
 from .console_log import stamped, use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, SpanClock, step_flops
-from ..run.state import LiveFiles, TrainedPosition
+from ..run.state import LiveFiles, TrainedPosition, mark_final_model
 from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
 from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
@@ -256,8 +256,6 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 signal.signal(sig, handler)
             self._teardown_rollouts()
         if not self._stop_requested:  # the final policy (or adapter) + tokenizer: from_pretrained(output_dir)
-            from ..run.state import mark_final_model
-
             if self.is_world_process_zero():
                 mark_final_model(args.output_dir, None)  # the step it holds is recorded once it is written
             self.save_model(args.output_dir)
@@ -302,6 +300,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         budget = args.token_budget
         if self.is_world_process_zero():
             self.sampler = SyncSamplerClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+            self.sampler.outage.stop_under_way = self._stop_under_way  # its outage line promises no wait then
             budget = check_server_at_start(self.sampler, args, self.model_id, self.model)
             limit_s, limit_field = hang_limit(args)
             self.server_watch = ServerWatch(args.vllm_server_base_url, limit_s, on_problem=self.sampler.outage.abandon,
@@ -434,16 +433,16 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         return sync
 
     def _server_status(self) -> str | None:
-        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server;
-        ``"server not answering: ..."`` while it accepts connections but does not answer (`ServerWatch`); what
-        the trainer does after an outage (the re-push)."""
+        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server
+        (no wait promised once a stop is under way: `_stop_under_way`); ``"server not answering: ..."`` while it
+        accepts connections but does not answer (`ServerWatch`); what the trainer does after an outage (re-push)."""
         from ..sampler.retry import unreachable_text
 
         sampler_outage = getattr(getattr(self, "sampler", None), "outage", None)
         left = [t for t in (self.worker.server_seconds_left(),
                             sampler_outage.seconds_left() if sampler_outage is not None else None) if t is not None]
         if left:
-            return unreachable_text(min(left))
+            return unreachable_text(min(left), self._stop_under_way())
         watch = getattr(self, "server_watch", None)
         return (watch.status() if watch is not None else None) or getattr(self, "_repush_status", None)
 

@@ -27,16 +27,43 @@ def test_config_prints_composed_yaml():
     assert "num_generations: 6" in result.output and "backend: embedded" in result.output
 
 
-def test_config_check_runs_the_checks_train_runs():
-    """What train refuses, config --check prints and refuses too (exit 2, after the YAML); the bare defaults say
-    what was not checked."""
+def test_config_check_runs_the_checks_train_runs(tmp_path):
+    """What train refuses, config --check prints and refuses too (exit 2), its problems without the YAML (240
+    lines of it came first and hid them: a fresh-user trial); a valid config prints the YAML, then the line that
+    the checks passed; the bare defaults say what was not checked."""
     overrides = ["+recipe=smoke", "rollout.max_completion_length=1000"]
     assert runner.invoke(app, ["config", *overrides]).exit_code == 0  # composing alone: types and rules
     result = runner.invoke(app, ["config", "--check", *overrides])
-    assert result.exit_code == 2 and "max_completion_length: 1000" in result.output
-    assert "config error: rollout.max_completion_length=1000: not below sampler.max_model_len=256" in result.output
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("config error: rollout.max_completion_length=1000: not below "
+                                    "sampler.max_model_len=256"), result.output[:500]
+    assert "Fix: rollout.max_completion_length=48" in result.output
+    assert "max_completion_length: 1000" not in result.output and "model:\n" not in result.output  # no YAML
+    valid = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"trainer.output_dir={tmp_path / 'out'}",
+                                f"sampler.port={_free_port()}"])
+    assert valid.exit_code == 0, valid.output
+    assert valid.output.startswith("model:\n") and "max_completion_length: 48" in valid.output  # the YAML first
+    assert valid.output.rstrip().endswith("(the server's own checks run when it answers: asyncgrpo doctor)")
+    assert valid.output.index("max_completion_length: 48") < valid.output.index("every check train runs before "
+                                                                                 "it starts passed")
+    used = tmp_path / "used"  # a refusal of train's start (`early_refusal`): no YAML either
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"x")
+    refused = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"trainer.output_dir={used}",
+                                  f"sampler.port={_free_port()}"])
+    assert refused.exit_code == 2 and refused.output.startswith(f"error: trainer.output_dir={used} already holds "
+                                                                "an earlier run"), refused.output[:500]
+    assert "max_completion_length: 48" not in refused.output
     bare = runner.invoke(app, ["config", "--check"])
     assert bare.exit_code == 0 and "model.name is unset, so only types and rules were checked" in bare.output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_config_error_exit_code_and_message():

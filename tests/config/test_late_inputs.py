@@ -377,3 +377,36 @@ def test_a_used_folder_and_a_busy_port_are_refused_before_the_heavy_imports(tmp_
         proc.stderr
     assert proc.returncode == 2 and "HEAVY False False" in proc.stderr, proc.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_another_job_holds_is_refused_as_in_use_not_as_a_config_error(tmp_path):
+    """The run lock's refusal named the running job's pid and the fix under ``config error:``; no value of the
+    config is wrong (a fresh-user trial): ``run folder in use:``, in `train` (before the heavy imports), in
+    `config --check` and in `run_train` (the Python API's supervisor), exit status 2 all the same."""
+    from asyncgrpo_cli.config.compose import compose
+    from asyncgrpo_cli.launch.supervisor import run_train
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom asyncgrpo_cli.run.state import RunLock\n"
+                               f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        heading = f"run folder in use: trainer.output_dir={out}: another job (pid {holder.pid} on "
+        args = ["+recipe=smoke", f"sampler.port={free_port()}", f"trainer.output_dir={out}"]
+        proc = _train_subprocess(args)
+        assert proc.returncode == 2 and heading in proc.stderr, proc.stderr
+        assert f"kill -INT {holder.pid}" in proc.stderr and "config error" not in proc.stderr, proc.stderr
+        assert "HEAVY False False" in proc.stderr, proc.stderr
+        checked = runner.invoke(app, ["config", "--check", *args])
+        assert checked.exit_code == 2 and heading in checked.output, checked.output
+        assert "config error" not in checked.output
+        from rich.console import Console
+
+        console = Console(record=True, width=400)
+        assert run_train(compose(args), console=console) == 2
+        text = console.export_text()
+        assert heading in text and "config error" not in text, text
+    finally:
+        holder.kill()
+        holder.wait()

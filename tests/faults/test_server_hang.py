@@ -246,6 +246,8 @@ def test_a_server_stopped_with_sigstop_is_shown_then_ends_the_run_with_a_checkpo
     job.assert_no_process_left(30)  # the stopped server too
     cause = next((ln for ln in text.splitlines() if ln.startswith("cause: ")), "")
     assert "has not answered for" in cause and "hung (stopped with SIGSTOP" in cause, text[-4000:]
+    assert text.count("has not answered for") == 1, text[-4000:]  # once: not again in the log's last lines
+    assert "has not answered for" in (out / "logs" / "summary.txt").read_text()  # kept there
     final = status(out)
     assert final["state"].startswith("failed: ServerHungError: the sampler server at"), final
     checkpoint = final.get("last_checkpoint")

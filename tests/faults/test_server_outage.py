@@ -90,6 +90,69 @@ def test_the_outage_clock_is_shared_by_requests_and_ends_with_an_answer():
     assert first.on_refused("refused", None) > 0 and outage.started == 2
 
 
+def test_an_outage_met_while_the_job_already_stops_promises_no_wait(caplog):
+    """A ``kill -9`` of the server the supervisor started: the worker's outage line promised "1800 s more at most"
+    though the supervisor had seen the server die and was stopping the job (a fresh-user trial)."""
+    clock = FakeClock()
+    waited = ServerOutage("http://h:1", 1800.0, clock=clock, wall=clock)
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.sampler.client"):
+        waited.refused(ConnectionRefusedError("refused"))
+    assert "every request waits for it, 1800 s more at most" in caplog.text  # no stop: the wait is promised
+    assert waited.status() == "server unreachable, retrying (1800 s left)"
+    caplog.clear()
+    why = "the server (pid 4242) was killed by SIGKILL"
+    stopping = ServerOutage("http://h:1", 1800.0, clock=clock, wall=clock)
+    stopping.stop_under_way = lambda: why
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.sampler.client"):
+        stopping.refused(ConnectionRefusedError("refused"))
+    assert f"server unreachable (ConnectionRefusedError: refused); not waited out: the job is already stopping ({why})" \
+        in caplog.text, caplog.text
+    assert "1800" not in caplog.text and "more at most" not in caplog.text
+    assert stopping.status() == f"server unreachable; not waited out: the job is stopping ({why})"
+    assert stopping.seconds_left() == pytest.approx(1800.0)  # only the words change: the stop ends the wait
+    broken = ServerOutage("http://h:1", 1800.0, clock=clock, wall=clock)
+    broken.stop_under_way = lambda: 1 / 0  # a failing probe leaves the ordinary line
+    broken.refused(ConnectionRefusedError("refused"))
+    assert broken.status() == "server unreachable, retrying (1800 s left)"
+
+
+def test_stop_under_way_says_why_once_the_server_the_supervisor_started_is_gone(tmp_path, monkeypatch):
+    """`run.stop_reason.stop_under_way`: the supervisor's line, else the server's exit; nothing for a server this
+    job did not start (no `SERVER_PID_ENV`), or one that runs."""
+    from asyncgrpo_cli.run.state import SERVER_PID_ENV
+    from asyncgrpo_cli.run.stop_reason import stop_under_way, write_stop_reason
+
+    monkeypatch.delenv(SERVER_PID_ENV, raising=False)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid no longer runs
+    assert stop_under_way(tmp_path) is None  # the Python API or an external server: outages are waited out
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert stop_under_way(tmp_path, running.pid) is None
+        monkeypatch.setenv(SERVER_PID_ENV, str(running.pid))
+        assert stop_under_way(tmp_path) is None
+    finally:
+        running.kill()
+        running.wait()
+    assert stop_under_way(tmp_path) == f"the server (pid {running.pid}) exited"  # before the supervisor's line
+    assert stop_under_way(tmp_path, gone.pid) == f"the server (pid {gone.pid}) exited"
+    write_stop_reason(tmp_path, "the server (pid 4242) was killed by SIGKILL")
+    assert stop_under_way(tmp_path) == "the server (pid 4242) was killed by SIGKILL"
+    assert stop_under_way(None, gone.pid) == f"the server (pid {gone.pid}) exited"
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.train.stopping import StopHandling
+
+    trainer = StopHandling()  # the trainer's side: its weight sync's outage and status.json's server_status
+    trainer.args, trainer._stop_requested = SimpleNamespace(output_dir=str(tmp_path)), False
+    assert trainer._stop_under_way() == "the server (pid 4242) was killed by SIGKILL"
+    trainer._stop_requested, trainer._stop_reason = True, "SIGINT from the supervisor: the server (pid 4242) ..."
+    assert trainer._stop_under_way() == "SIGINT from the supervisor: the server (pid 4242) ..."
+    monkeypatch.delenv(SERVER_PID_ENV)
+    trainer._stop_requested = False
+    assert trainer._stop_under_way() is None  # no server of the supervisor's: a stale line means nothing
+
+
 def test_failures_are_retried_max_retries_times_and_say_whether_the_transport_failed():
     clock = FakeClock()
     state, outage = retry_state(clock, max_retries=2)

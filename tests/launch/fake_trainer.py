@@ -139,6 +139,12 @@ def main():
         print("Traceback (most recent call last):\nRuntimeError: fake trainer failure", file=sys.stderr, flush=True)
         write_status(out, state="failed", step=1, last_error="RuntimeError: fake trainer failure")
         return 3
+    if args.fake_mode == "own_error":  # as `train.main` after the hang watchdog: its own error line, exit 1
+        print("error: the sampler server at http://h:1 (pid 7) has not answered for 20 s: it is hung\n"
+              "(checkpoint-1 holds the last completed step)", file=sys.stderr, flush=True)
+        write_status(out, state="failed: ServerHungError: the sampler server at http://h:1 (pid 7) has not answered",
+                     step=1, last_error="ServerHungError: the sampler server at http://h:1 (pid 7) has not answered")
+        return 1
     if args.fake_mode == "slowsave":
         append(os.path.join(out, "metrics.jsonl"), metrics_line(2, 0.5))
         while stop["sig"] is None:

@@ -6,10 +6,12 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from asyncgrpo_cli.launch.log_tail import (failure_cause, failure_tail, killed_by, launcher_report_removed,
                                            launcher_reported_status, note_requested_stop, without_tracebacks)
 
+REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_REPORT = """\
 Traceback (most recent call last):
   File "/venv/bin/accelerate", line 8, in <module>
@@ -230,3 +232,143 @@ def test_the_shutdown_warning_of_a_killed_tree_is_not_shown_as_an_error(tmp_path
                    "  warnings.warn('resource_tracker: There appear to be %d '\n")
     assert failure_tail(log) == ["step 1/8 | reward 0.05", ""]
     assert "leaked semaphore" in log.read_text()
+
+
+def test_the_cause_is_said_once_under_its_cause_line():
+    """`cause_said_once`: the line that holds the cause (the trainer's own ``error:`` line, an exception's line,
+    a message longer than the cause's 600 characters) keeps its place, its text replaced; other lines stay."""
+    from asyncgrpo_cli.launch.log_tail import CAUSE_ABOVE, cause_said_once, failure_cause
+
+    hang = "the sampler server at http://h:1 (pid 7) has not answered for 20 s: " + "x" * 700
+    lines = ["20:30:49 step 2/8 | reward 0.25", f"error: {hang}", "(checkpoint-2 holds the last completed step)"]
+    cause = failure_cause(lines)
+    assert cause == hang[:600]
+    assert cause_said_once(lines, cause) == [lines[0], f"error: {CAUSE_ABOVE}", lines[2]]
+    raised = ["a.b.ServerHungError: no answer", "asyncgrpo trainer: error: no answer"]
+    assert cause_said_once(raised, "ServerHungError: no answer") == [CAUSE_ABOVE, raised[1]]
+    assert cause_said_once(raised, None) == raised
+
+
+def test_a_trainer_that_stops_on_its_own_error_ends_its_log_with_a_line_of_ours(tmp_path):
+    """The hang watchdog's deliberate stop (`train.main` prints ``error: ...`` and exits 1) ended trainer.log with
+    accelerate's ``CalledProcessError`` traceback and its copy of the trainer's stderr (a fresh-user trial): the
+    supervisor removes them and ends the log with a line saying the trainer exited after its error. A crash (a
+    traceback of the trainer's own) and a stop (130 / 143: `note_requested_stop`) are left to their own paths."""
+    from asyncgrpo_cli.launch.log_tail import note_own_error_exit
+
+    script = tmp_path / "hang.py"
+    script.write_text("import sys\nprint('20:30:49 step 2/8 | reward 0.25', flush=True)\n"
+                      "print('error: the sampler server at http://h:1 (pid 7) has not answered for 20 s: it is hung'\n"
+                      "      '\\n(checkpoint-2 holds the last completed step)', file=sys.stderr, flush=True)\n"
+                      "sys.exit(1)\n")
+    log = tmp_path / "trainer.log"
+    assert accelerate_launch(script, log) == 1 and "CalledProcessError" in log.read_text()
+    assert launcher_reported_status(log) == 1
+    assert note_own_error_exit(log)
+    text = log.read_text()
+    last = text.splitlines()[-1]
+    assert re.fullmatch(r"\d\d:\d\d:\d\d ", last[:9]), last
+    assert last[9:] == ("asyncgrpo: the trainer exited with status 1 after its error above (accelerate's report of "
+                        "that status, which repeated it, was removed from this log)"), text
+    assert "Traceback" not in text and "CalledProcessError" not in text and "RuntimeError" not in text, text
+    assert text.count("has not answered for 20 s") == 1 and text.count("(checkpoint-2 holds") == 1, text
+    assert "step 2/8" in text
+    crash = tmp_path / "crash.py"  # an error line, then a crash of its own: the traceback is the information
+    crash.write_text("import sys\nprint('error: first', file=sys.stderr, flush=True)\nraise RuntimeError('boom')\n")
+    log = tmp_path / "crash.log"
+    assert accelerate_launch(crash, log) == 1
+    before = log.read_text()
+    assert not note_own_error_exit(log) and log.read_text() == before
+    stopped = tmp_path / "stopped.log"
+    stopped.write_text("error: x\nsubprocess.CalledProcessError: Command '['python']' returned non-zero exit status "
+                       "130.\n")
+    assert not note_own_error_exit(stopped)  # a stop: `note_requested_stop` says why
+    plain = tmp_path / "plain.log"
+    plain.write_text("error: x\n")
+    assert not note_own_error_exit(plain)  # no launcher report
+
+
+def test_a_stop_signal_while_the_trainer_loads_ends_its_log_with_lines_of_ours(tmp_path):
+    """Ctrl-C at the start of the smoke run (the trainer importing transformers, its signal handlers not yet
+    installed) ended trainer.log with 95 lines of frames inside the import and accelerate's traceback of exit status
+    1 (a fresh-user trial). `train.main` now says it stopped while starting and exits 130, a stop status the
+    supervisor notes after removing accelerate's report; a second signal's stop-now says so too."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "loading.py"
+    script.write_text(textwrap.dedent("""\
+        import time
+        import asyncgrpo_cli.train.main as entry
+        from asyncgrpo_cli.run.process_exit import exit_now
+
+        def loading(argv, built):
+            print("loading", flush=True)
+            time.sleep(120)
+            return 0
+
+        entry._main = loading
+        exit_now(entry.main([]))
+        """))
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as fh:
+        launcher = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                     str(script)], stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's package
+    try:
+        import psutil
+
+        deadline = time.monotonic() + 120
+        while "loading\n" not in log.read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        ranks = psutil.Process(launcher.pid).children()
+        assert len(ranks) == 1
+        os.kill(ranks[0].pid, signal.SIGINT)  # the supervisor signals the ranks, not the launcher
+        assert launcher.wait(60) == 1
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher_reported_status(log) == 130, log.read_text()
+    assert note_requested_stop(log, "asyncgrpo train got SIGINT")
+    lines = log.read_text().splitlines()
+    assert "Traceback" not in "\n".join(lines) and "KeyboardInterrupt" not in "\n".join(lines), lines
+    assert lines[-2][9:] == ("asyncgrpo trainer: SIGINT while starting (loading the model and the data): stopped "
+                             "before training began"), lines
+    assert lines[-1][9:].startswith("asyncgrpo: the trainer stopped as asked, because asyncgrpo train got SIGINT "
+                                    "(exit status 130;"), lines
+
+
+def test_a_second_signal_s_stop_now_is_one_line_and_a_stop_status(monkeypatch, capsys):
+    import signal
+
+    import asyncgrpo_cli.train.main as entry
+
+    class Trainer:
+        _second_signal = signal.SIGTERM
+
+    def second(argv, built):
+        built.append(Trainer())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "_main", second)
+    assert entry.main([]) == 143
+    assert capsys.readouterr().err.strip()[9:] == ("asyncgrpo trainer: a second SIGTERM: stopped at once, without "
+                                                   "saving the step in progress")
+
+
+def test_a_second_signal_s_stop_ends_the_log_with_one_line_of_ours(tmp_path):
+    """The second signal stops the trainer's group (its launcher too, before any report, and with it the trainer's
+    own last line): the supervisor ends the log with one line, however often its sweeps stop the group."""
+    log = tmp_path / "trainer.log"
+    log.write_text("20:49:14 step 1/8 | reward 0.15\nasyncgrpo rollout worker: the trainer is stopping\n")
+    assert not note_requested_stop(log, "asyncgrpo train got SIGINT")  # not forced: nothing to say
+    assert note_requested_stop(log, "asyncgrpo train got SIGINT", forced=True)
+    assert not note_requested_stop(log, "asyncgrpo train got SIGINT", forced=True)  # said once
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3 and lines[-1][9:] == ("asyncgrpo: the trainer was stopped at once by a second stop signal, "
+                                                 "without waiting for its checkpoint; the stop was asked because "
+                                                 "asyncgrpo train got SIGINT"), lines

@@ -214,9 +214,48 @@ def test_trainer_failure_prints_its_last_lines(make_cfg, tmp_path, monkeypatch):
     assert "Traceback" not in text  # the frames stay in the log
     assert "failed" in text  # summary outcome
     assert "resume with:" not in text
+    assert text.count("fake trainer failure") == 1, text  # the cause once, not again in the log's last lines
+    assert "\n(the cause above)\n" in text, text  # the log's line, in its place
     assert "no checkpoint to resume from; the same command starts again in this folder:\nstart again with: " \
            "asyncgrpo train +recipe=smoke trainer.max_steps=3\n" in text, text
     wait_until(lambda: not alive(read_pid(pids / "server.pid")), 30, "the server to be gone")
+
+
+def test_a_failure_s_cause_is_printed_once_under_the_panels_too(make_cfg, tmp_path):
+    """A hang's cause (some 450 characters) was printed three times: in the panels' last frame (``last error``),
+    as the ``cause:`` line and in the trainer log's last lines (a fresh-user trial); status.json and
+    logs/summary.txt keep it."""
+    for dashboard in ("rich", "plain"):
+        cfg, out = make_cfg(f"logging.dashboard={dashboard}")
+        pids = tmp_path / f"pids-{dashboard}"
+        pids.mkdir()
+        console = record_console()
+        assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST, _commands=hook("ok", "fail", pids)) == 1
+        text = console.export_text()
+        assert text.count("fake trainer failure") == 1, text
+        assert "cause: RuntimeError: fake trainer failure" in text, text
+        assert "last error" not in text, text
+        assert "RuntimeError: fake trainer failure" in (out / "logs" / "summary.txt").read_text()
+        assert json.loads((out / "status.json").read_text())["last_error"] == "RuntimeError: fake trainer failure"
+
+
+def test_a_trainer_ending_on_its_own_error_under_accelerate_leaves_a_log_ending_with_our_line(make_cfg, tmp_path):
+    """The hang watchdog's stop (`train.main`: ``error: ...``, exit 1) ended trainer.log with accelerate's traceback
+    (a fresh-user trial): the supervisor replaces that report with a line of ours; the console names the cause once."""
+    cfg, out = make_cfg()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    console = record_console()
+    assert run_train(cfg, console=console, gpu_count=0, timeouts=FAST,
+                     _commands=hook("ok", "own_error", pids, use_accelerate=True)) == 1
+    text = console.export_text()
+    assert text.count("has not answered for 20 s") == 1 and "cause: the sampler server at http://h:1" in text, text
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "Traceback" not in log and "CalledProcessError" not in log, log
+    assert log.count("has not answered for 20 s") == 1, log
+    assert log.splitlines()[-1].endswith("asyncgrpo: the trainer exited with status 1 after its error above "
+                                         "(accelerate's report of that status, which repeated it, was removed from "
+                                         "this log)"), log
 
 
 def test_server_never_ready_hits_the_deadline(make_cfg, tmp_path):
@@ -345,6 +384,12 @@ def test_a_second_signal_that_cuts_the_save_is_not_reported_as_a_saved_checkpoin
                 f"ended); the newest complete checkpoint is {out / 'checkpoint-1'} (step 1)") in text, text
         assert not (out / "checkpoint-2").exists()
         wait_until(lambda: not any(alive(p) for p in procs.values()), 30, "every child to be gone")
+        # the log ends with a line of ours, not with what the trainer was doing (its own last words are lost with
+        # its launcher, which the second signal stops too)
+        last, before = tail_lines(out / "logs" / "trainer.log", 2)[::-1]
+        assert "stopped at once" not in before, before  # once
+        assert last.endswith("asyncgrpo: the trainer was stopped at once by a second stop signal, without waiting "
+                             "for its checkpoint; the stop was asked because asyncgrpo train got SIGINT"), last
 
 
 def test_a_server_killed_from_outside_has_a_cause_line(tmp_path):
