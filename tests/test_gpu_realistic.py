@@ -118,6 +118,7 @@ def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     assert window["variant_over_sync_trained_tok_s"] == 2.0 and window["variant_over_trl_trained_tok_s"] == 3.0
     assert out["sources"]["async"]["file"] == "realistic_job_async.json"
     assert out["ours_over_trl"] == 3.0 and out["figures"]["async_over_sync_trained_tok_s"] == 2.0
+    assert out["figures"]["steady_steps"] is None  # the async run's rows have no steps here
     assert out["figures"]["async"]["generation_frac_of_engine"] == 0.7  # rows without rates: the summary's
 
     assert out["figures"]["async"]["busy_frac_min_step"] == 0.72  # step 1 (start-up) left out
@@ -366,3 +367,16 @@ def test_generated_tokens_per_s_is_weighted_by_the_steps_time():
                 "batch/trained_tokens_per_step": 100.0} for k, (v, s) in enumerate([(1.0, 30.0), (0.0, 2.0),
                                                                                    (12000.0, 6.0)], start=1)]
     assert bench_e2e.summarize(metrics)["generated_tokens_per_s"] == 9000.0
+
+
+def test_steady_steps_leave_out_the_first_half():
+    # a queue drained in steps 2-5: fast early steps, then the steady rate
+    times = [0.0, 1.0, 2.0, 3.0, 4.0] + [4.0 + 3.0 * k for k in range(1, 16)]
+    rows = [{"step": k + 1, "t_since_step1_s": t, "trained_tokens": 3000.0} for k, t in enumerate(times)]
+    flat = [{"step": k, "t_since_step1_s": 4.0 * (k - 1), "trained_tokens": 3000.0} for k in range(1, 21)]
+    trl = [{"step": k, "time": 5.0 * (k - 1), "completion_tokens": 3000.0} for k in range(1, 21)]
+    whole = realistic_trl.same_steps(rows, flat, trl)
+    steady = realistic_trl.same_steps(rows, flat, trl, steady=True)
+    assert whole["steps"] == "2-20" and steady["steps"] == "10-20"
+    assert steady["async_trained_tokens_per_s"] == 1000.0 and steady["async_over_sync_trained_tok_s"] == 1.333
+    assert whole["async_trained_tokens_per_s"] > steady["async_trained_tokens_per_s"]

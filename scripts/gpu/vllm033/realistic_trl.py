@@ -244,30 +244,35 @@ def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
             "peak_mib_by_role": (run.get("gpu_memory") or {}).get("peak_mib_by_role")}
 
 
-def _window_tok_s(rows: list[dict], last: int, tokens_key: str, time_key: str) -> float | None:
-    """Trained tokens per second of steps 2..``last`` of one run's rows (wall clock from step 1's end)."""
+def _window_tok_s(rows: list[dict], last: int, tokens_key: str, time_key: str, first: int = 2) -> float | None:
+    """Trained tokens per second of steps ``first``..``last`` of one run's rows (wall clock from step ``first - 1``'s
+    end)."""
     by_step = {r.get("step"): r for r in rows}
-    if 1 not in by_step or last not in by_step or any(by_step[k].get(time_key) is None for k in (1, last)):
+    start = first - 1
+    if start not in by_step or last not in by_step or any(by_step[k].get(time_key) is None for k in (start, last)):
         return None
-    span = by_step[last][time_key] - by_step[1][time_key]
-    tokens = sum(by_step[k].get(tokens_key) or 0 for k in range(2, last + 1) if k in by_step)
+    span = by_step[last][time_key] - by_step[start][time_key]
+    tokens = sum(by_step[k].get(tokens_key) or 0 for k in range(first, last + 1) if k in by_step)
     return round(tokens / span, 1) if span > 0 else None
 
 
-def same_steps(async_rows: list[dict], sync_rows: list[dict], trl_rows: list[dict]) -> dict | None:
+def same_steps(async_rows: list[dict], sync_rows: list[dict], trl_rows: list[dict],
+               steady: bool = False) -> dict | None:
     """Each run's trained tok/s over the same steps, 2..N with N the last step all three logged (steps slow down as
     a policy learns, so runs of different lengths compare over their common range); None when a run has fewer
-    than 3 steps or lacks the rows' times."""
+    than 3 steps or lacks the rows' times. ``steady``: over the second half, N/2..N (issue #42: steps 2-5 of the
+    asynchronous run drained the queue its 26 s first step let build up, 9,898 tok/s over 2-20, 9,207 over 10-20)."""
     steps = [max((r.get("step") or 0 for r in rows), default=0) for rows in (async_rows, sync_rows, trl_rows)]
     last = min(steps)
     if last < 3:
         return None
-    a = _window_tok_s(async_rows, last, "trained_tokens", "t_since_step1_s")
-    s = _window_tok_s(sync_rows, last, "trained_tokens", "t_since_step1_s")
-    t = _window_tok_s(trl_rows, last, "completion_tokens", "time")
+    first = max(2, last // 2) if steady else 2
+    a = _window_tok_s(async_rows, last, "trained_tokens", "t_since_step1_s", first)
+    s = _window_tok_s(sync_rows, last, "trained_tokens", "t_since_step1_s", first)
+    t = _window_tok_s(trl_rows, last, "completion_tokens", "time", first)
     if None in (a, s, t):
         return None
-    return {"steps": f"2-{last}", "async_trained_tokens_per_s": a, "sync_trained_tokens_per_s": s,
+    return {"steps": f"{first}-{last}", "async_trained_tokens_per_s": a, "sync_trained_tokens_per_s": s,
             "trl_trained_tokens_per_s": t, "async_over_sync_trained_tok_s": _ratio(a, s),
             "ours_over_trl_trained_tok_s": _ratio(a, t), "sync_over_trl_trained_tok_s": _ratio(s, t)}
 
@@ -330,7 +335,9 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
                "async_over_sync_trained_tok_s": _ratio(fa["trained_tokens_per_s"], fs["trained_tokens_per_s"]),
                "ours_over_trl_trained_tok_s": _ratio(fa["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
                "sync_over_trl_trained_tok_s": _ratio(fs["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
-               "same_steps": window}
+               "same_steps": window,
+               "steady_steps": same_steps(a.get("rows") or [], s.get("rows") or [],
+                                          (trl.get("figures") or {}).get("rows") or [], steady=True)}
     if window:  # the ratios the targets take: over the same steps when every run has its rows' times
         figures.update({k: window[k] for k in ("async_over_sync_trained_tok_s", "ours_over_trl_trained_tok_s",
                                                "sync_over_trl_trained_tok_s")})
@@ -347,8 +354,9 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
     out = {"issue": 42, "sources": sources,
            "how_to_read": "figures.<run> are each run's own summary (every step after the first, its busy share the "
                           "whole run's); same_steps are trained tok/s over the steps every run logged, and the ratios "
-                          "and the targets use those; each variant has its own same_steps and targets against the "
-                          "same on-policy run and TRL",
+                          "and the targets use those; steady_steps are the same over the second half of those steps "
+                          "(after the queue the first step left is drained), for reading only; each variant has its "
+                          "own same_steps and targets against the same on-policy run and TRL",
            "figures": figures, "ours_over_trl": ours_over_trl,
            "targets": targets, "async": a, "sync": s, "engine": engine}
     out_dir.mkdir(parents=True, exist_ok=True)
