@@ -308,8 +308,8 @@ def stop_daemon(plan: MpsPlan, child: Child | None, quit_argv: list[str] | None 
     if joined < clients_expected:
         return (f"warning: CUDA MPS: {joined} process(es) joined the daemon, {clients_expected} expected (vLLM's "
                 f"engine and the trainer): a process that cannot reach it runs without MPS. See {log}")
-    return (f"CUDA MPS: {joined} CUDA process(es) joined the daemon (expected: vLLM's engine and the trainer); "
-            f"log: {log}")
+    return (f"CUDA MPS: {joined} CUDA process(es) joined the daemon (vLLM's engine and the trainer at least; some of "
+            f"vLLM's API servers and a process of the trainer's join too: 6 on a GPU); log: {log}")
 
 
 def without_mps(plan, child: Child | None, problem: str, quit_argv: list[str] | None = None) -> str:

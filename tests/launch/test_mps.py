@@ -172,7 +172,7 @@ def test_a_job_starts_the_daemon_first_and_quits_it_at_the_end(make_cfg, tmp_pat
     pid = int(log.split("fake mps: pid ")[1].split()[0])
     assert not alive(pid)
     assert not mps_mod.pipe_dir_of(out).exists()  # the pipe folder is removed
-    assert "CUDA MPS: 2 CUDA process(es) joined the daemon (expected: vLLM's engine and the trainer)" in text
+    assert "CUDA MPS: 2 CUDA process(es) joined the daemon (vLLM's engine and the trainer at least;" in text
 
 
 def test_a_process_that_did_not_join_mps_is_said(make_cfg, tmp_path, monkeypatch):
