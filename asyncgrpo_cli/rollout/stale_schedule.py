@@ -33,6 +33,10 @@ flight (a group starts only when both agree):
   prompt goes to the front of the prompt order and is generated again under the current policy, at most
   ``max_retries`` times (then it is shipped and the trainer drops it, as before).
 
+How deadline admission counts the groups started after a group in flight is ``staleness.deadline_order``
+(`DEADLINE_ORDERS`): ``pessimistic`` (the default) in full; ``observed`` (opt-in, issue #42) at the share of such
+groups seen to finish first (`StaleSchedule.overtake_share`).
+
 Neither rule changes what is trained: the trainer's drop rule (B.6) still checks every sample at pull time,
 so no trained token is more than ``max_staleness`` versions old. Pure: no I/O, no clocks; the rollout loop
 feeds it events and asks it questions.
@@ -312,8 +316,9 @@ class StaleSchedule:
             estimate − (1 − s) × later + s' × new_group_tokens <= its headroom``, where ``later`` is the estimate
             of the groups in flight stamped at a later version, ``s`` is 1 with ``order="pessimistic"`` and
             `overtake_share` with ``"observed"``, and ``s'`` is ``s`` when the new group's version is later than
-            the group's stamp, else 1. Groups already stale are left out (they are re-queued when they come back). Headrooms use the smallest ``tokens_per_version`` of the last
-            `RECENT_STEPS` distinct values given.
+            the group's stamp, else 1. Groups already stale are left out (they are re-queued when they come
+            back). Headrooms use the smallest ``tokens_per_version`` of the last `RECENT_STEPS` distinct values
+            given.
 
         Raises:
             TypeError / ValueError: a token count is not a finite number >= 0.
