@@ -401,7 +401,8 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     holds over ``hold_windows`` windows in a row, and the dashboard said "no steady finding" while deadline admission
     held generation 99-100% of the run. Here the windows are one: ``perf/rollout_wait_s``, ``perf/step_s``,
     ``rollout/backpressure_s``, ``rollout/concurrency`` and every ``rollout/held_{gate}_frac`` are averaged over
-    them (the rest is the newest window's), and `trainer_idle` judges that window with the history before it.
+    them into the newest window (the rest is the newest window's own), and `trainer_idle` judges it with the
+    windows before it as logged.
 
     Returns `trainer_idle`'s finding, its text starting ``in waves over steps A-B (busy X-Y%)`` with the idlest and
     busiest windows' shares, or None when fewer than ``hold_windows`` windows are logged, one lacks the step's wait or
@@ -420,7 +421,7 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
         if vals:
             merged[key] = sum(vals) / len(vals)
     together = MetricsHistory(maxlen=len(history.rows))
-    for r in history.rows[:-len(rows)]:
+    for r in history.rows[:-1]:  # the rules that read several windows (stale drops, rollout times) see them all
         together.push(r)
     together.push(merged)
     found = trainer_idle(together, settings, th)
