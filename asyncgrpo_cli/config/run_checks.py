@@ -479,11 +479,11 @@ def deadline_order_notes(order: str, max_staleness: int, key: Callable[[str], st
     if max_staleness == 0:
         return [f"{key('deadline_order')}=observed has no effect at {key('max_staleness')}=0 (no deadline admission "
                 f"on-policy); remove it, or set {key('max_staleness')} >= 1"]
-    return [f"{key('deadline_order')}=observed (opt-in): deadline admission counts the groups started at a later "
-            "version than a group in flight at the share of such groups' tokens seen to finish first "
-            "(rollout/deadline_overtake_share), not in full: more generation in flight where completions run about "
-            "as long; its one GPU run counted a burst's own order as overtaking and gained 3% (fixed since, not "
-            "re-run): watch sample/dropped_stale_count"]
+    return [Note(f"{key('deadline_order')}=observed (opt-in): deadline admission counts the groups started at a "
+                 "later version than a group in flight at the share of such groups' tokens seen to finish first "
+                 "(rollout/deadline_overtake_share), not in full: more generation in flight where completions run "
+                 "about as long; its one GPU run counted a burst's own order as overtaking and gained 3% (fixed "
+                 "since, not re-run): watch sample/dropped_stale_count")]
 
 
 def _first_row(dataset: Any) -> dict[str, Any] | None:

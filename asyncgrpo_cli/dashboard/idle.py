@@ -405,7 +405,8 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     windows before it as logged.
 
     Returns `trainer_idle`'s finding, its text starting ``in waves over steps A-B (busy X-Y%)`` with the idlest and
-    busiest windows' shares, or None when fewer than ``hold_windows`` windows are logged, one lacks the step's wait or
+    busiest windows' shares (``over steps A-B`` when fewer than two windows were busy or idle: a fresh-user trial's
+    CPU run, idle but for one full step, read as waves), or None when fewer than ``hold_windows`` windows are logged, one lacks the step's wait or
     time, no window was idle, or the windows together are not.
     """
     rows = history.rows[-WAVE_HOLDS * th.hold_windows:]
@@ -429,5 +430,7 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
         return None
     first, last = num(rows[0], "step"), num(rows[-1], "step")
     span = f"steps {first:.0f}-{last:.0f}" if first is not None and last is not None else f"{len(rows)} windows"
-    return Diagnosis(found.rule, f"in waves over {span} (busy {min(shares):.0%}-{max(shares):.0%}): {found.text}",
+    busy = sum(b >= 1 - th.high_wait_frac for b in shares)
+    waves = "in waves over" if busy >= 2 and len(shares) - busy >= 2 else "over"  # one busy window is no wave
+    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}): {found.text}",
                      found.severity)

@@ -4,6 +4,7 @@ stop grace, closed with a final state when the trainer could not), and the newes
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -77,12 +78,14 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     file, the console and the exit status agree. A run that did not finish and has a complete checkpoint gets
     ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none, its own final state kept or not
     (a resumed run stopped before it saved anything: the console's ``resume with:`` names the checkpoint it
-    resumed from). An absent file stays absent (nothing ran)."""
+    resumed from). An absent file is written with the final state: the trainer was started (the supervisor calls
+    this only then) but stopped or failed before it wrote one, while loading the model and the data (a fresh-user
+    trial's Ctrl-C 2 s after the start left none, against the rule that every run ends with one)."""
     from ..run.state import ALWAYS_KEYS, outcome_of, with_always_keys, write_json_atomic
 
     status = read_status(output_dir)
     if not status:
-        return
+        status = {"state": "", "job_pid": os.getpid()}  # the supervisor's own pid: the job's
     complete = all(key in status for key in ALWAYS_KEYS)
     with_always_keys(status)
     state = str(status.get("state", ""))

@@ -187,9 +187,11 @@ def early_refusal(cfg: DictConfig, whole_commands: bool = True) -> str | None:
 
 
 def dry_run_refusals(cfg: DictConfig, running: bool, whole_commands: bool = True) -> list[str]:
-    """What a real start would refuse before loading anything, as problems of a dry run's plan: a busy
-    ``sampler.port`` (`check_server_port`) and a folder that holds an earlier run (`run.folder.start_problem`,
-    named as the start names it). Machine 0 only (the others share its folder and server).
+    """What a real start would refuse before loading anything, as problems of a dry run's plan: another live job
+    in ``trainer.output_dir`` (`_check_run_lock`, ``run folder in use: ...``; then nothing else of the folder is
+    named), a busy ``sampler.port`` (`check_server_port`) and a folder that holds an earlier run
+    (`run.folder.start_problem`, named as the start names it). Machine 0 only (the others share its folder and
+    server).
 
     Args:
         cfg: the composed config.
@@ -204,6 +206,9 @@ def dry_run_refusals(cfg: DictConfig, running: bool, whole_commands: bool = True
 
     if int(cfg.launch.machine_rank) != 0:
         return []
+    in_use = _check_run_lock(cfg)  # a live job there is the reason, before its port and its files
+    if in_use:
+        return [in_use]
     problems = []
     try:
         check_server_port(cfg.sampler, answering=running)

@@ -407,6 +407,8 @@ def test_a_folder_another_job_holds_is_refused_as_in_use_not_as_a_config_error(t
         assert run_train(compose(args), console=console) == 2
         text = console.export_text()
         assert heading in text and "config error" not in text, text
+        dry = runner.invoke(app, ["train", "--dry-run", *args])  # a second fresh-user trial: it said "nothing started"
+        assert dry.exit_code == 2 and heading in dry.output and "holds" not in dry.output, dry.output
     finally:
         holder.kill()
         holder.wait()

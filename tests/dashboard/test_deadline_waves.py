@@ -87,3 +87,11 @@ def test_a_low_overtake_share_names_the_observed_order():
     h.push({**_window(3, 2.7), "rollout/deadline_overtake_share": 0.0})
     observed = RunSettings(max_staleness=4, max_concurrent_rollouts=1024, deadline_order="observed")
     assert "deadline_order" not in trainer_idle(h, observed).text  # already on
+
+
+def test_one_busy_window_among_idle_ones_is_no_wave():
+    h = MetricsHistory()
+    for step in range(1, 7):  # idle 60% but one full step (the smoke run of a CPU trial)
+        h.push(_window(step, 0.0 if step == 4 else 3.5, 7.0))
+    line = trainer_idle_in_waves(h, SETTINGS)
+    assert line.text.startswith("over steps 1-6 (busy 40%-100%): trainer idle ")

@@ -214,3 +214,15 @@ def test_an_earlier_attempts_checkpoint_since_removed_is_marked(tmp_path, monkey
            "true)\n" in text, text
     assert text.count("since removed") == 2  # a line marked before is not marked again
     assert f"checkpoint   {tmp_path}/checkpoint-8\n" in text and "cause: the server got SIGKILL" in text, text
+
+
+def test_a_trainer_stopped_before_it_wrote_a_status_leaves_one(tmp_path):
+    # fresh-user trial (2026-12-06): a Ctrl-C 2 s after the start, while the model loaded, left no status.json
+    finalize_status(tmp_path, 130, None)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "stopped" and status["outcome"] == "stopped"
+    assert status["note"] == "the trainer was stopped while starting; no complete checkpoint"
+    assert status["job_pid"] > 0 and "resume_command" in status
+    (tmp_path / "status.json").unlink()
+    finalize_status(tmp_path, 1, "the trainer exited with status 1")
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed: the trainer exited with status 1"
