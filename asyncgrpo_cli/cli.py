@@ -661,10 +661,23 @@ def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int
     return next((rc for *_, rc in results if rc != 0), 0)
 
 
+def sigint_stops() -> None:
+    """Let SIGINT stop this process from its first line: a process started with ``&`` by a non-interactive shell
+    inherits SIGINT ignored, and a ``kill -INT`` in a job's first seconds, before the supervisor installs its own
+    handler, was dropped (a fresh-user trial: the run went on to step 6). The supervisor handles SIGINT from then on
+    whatever it inherited, so the first seconds now behave as the rest."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main() -> None:
     """Console-script entry point. After a command that loaded torch (a job), the process leaves without the
     interpreter's teardown of every module (1 to 3 s, after the job's last line): the ``atexit`` hooks run and
-    the streams are flushed as in a normal exit, and the exit status is the same."""
+    the streams are flushed as in a normal exit, and the exit status is the same. SIGINT stops it from the start
+    (`sigint_stops`)."""
+    sigint_stops()
     try:
         app()
     except SystemExit as exc:

@@ -96,3 +96,21 @@ def test_every_command_line_of_the_top_level_help_is_whole_on_a_wide_terminal():
         row = next((ln for ln in lines if ln.startswith(f"│ {name} ")), None)
         assert row is not None, (name, result.output)
         assert text in " ".join(row.strip("│ ").split()), (name, row, text)
+
+
+def test_sigint_ignored_by_the_shell_stops_the_cli_from_its_first_line():
+    # a job started with & by a non-interactive shell inherits SIGINT ignored (a fresh-user trial's kill -INT in the
+    # first seconds was dropped)
+    import signal
+
+    from asyncgrpo_cli.cli import sigint_stops
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sigint_stops()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, handler := (lambda *a: None))
+        sigint_stops()  # a handler of someone's own is left alone
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
