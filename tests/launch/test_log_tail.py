@@ -299,7 +299,12 @@ def test_a_stop_signal_while_the_trainer_loads_ends_its_log_with_lines_of_ours(t
 
     script = tmp_path / "loading.py"
     script.write_text(textwrap.dedent("""\
+        import signal
         import time
+        # as a rank of the supervisor's starts: SIGINT handled by Python, whatever the test process inherited (a
+        # suite started in the background by a script inherits SIGINT ignored; the supervisor takes it back since
+        # `cli.sigint_stops`, so its children start with the default)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import asyncgrpo_cli.train.main as entry
         from asyncgrpo_cli.run.process_exit import exit_now
 
