@@ -219,17 +219,14 @@ def note_requested_stop(path: str | Path, why: str | None = None, forced: bool =
         if status is not None:
             _remove_launcher_report(Path(path))
         because = f"; the stop was asked because {why}" if why else ""
-        with open(path, "a", encoding="utf-8") as log:
-            log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: {_FORCED_NOTE}, without waiting for its "
-                      f"checkpoint{because}\n")
+        _append_line(path, f"{_FORCED_NOTE}, without waiting for its checkpoint{because}")
         return True
     if status not in STOPPED_STATUSES:
         return False
     _remove_launcher_report(Path(path))
     because = f", because {why}" if why else ""
-    with open(path, "a", encoding="utf-8") as log:
-        log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: the trainer stopped as asked{because} (exit status "
-                  f"{status}; accelerate's report of that status, no crash, was removed from this log)\n")
+    _append_line(path, f"the trainer stopped as asked{because} (exit status {status}; accelerate's report of that "
+                 "status, no crash, was removed from this log)")
     return True
 
 
@@ -248,10 +245,15 @@ def note_own_error_exit(path: str | Path) -> bool:
     if own is None or any(line.startswith(_TRACEBACK) for line in lines[own:]):
         return False
     _remove_launcher_report(Path(path))
-    with open(path, "a", encoding="utf-8") as log:
-        log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: the trainer exited with status {status} after its error "
-                  f"above (accelerate's report of that status, which repeated it, was removed from this log)\n")
+    _append_line(path, f"the trainer exited with status {status} after its error above (accelerate's report of that "
+                 "status, which repeated it, was removed from this log)")
     return True
+
+
+def _append_line(path: str | Path, text: str) -> None:
+    """End the log at ``path`` with ``HH:MM:SS asyncgrpo: <text>``, a line of ours."""
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} asyncgrpo: {text}\n")
 
 
 _REWRITE_BYTES = 4 * 1024 * 1024  # the report and accelerate's copy (<= 512 KiB) with the lines it copied
