@@ -66,6 +66,7 @@ class Thresholds:
     inflight_low_frac: float = 0.5
     cap_windows: int = 3
     engine_core_busy: float = 0.9
+    embedded_busy: float = 0.9
     worker_busy: float = 0.9
     host_busy_frac: float = 0.9
     host_wait_frac: float = 0.25

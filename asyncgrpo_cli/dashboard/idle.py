@@ -38,6 +38,9 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
    (``server/engine_core_cpu``, issue #41): its host loop bounds generation (two servers on one H200 generated
    2.0-2.3x). Fix: one more server, ``sampler.engines``.
+   ``trainer_idle_embedded``: the embedded sampler whose process uses ``embedded_busy`` (0.9) CPU cores or more
+   (``server/frontend_cpu``): one model step at a time on one model thread paces generation (the CPU smoke job).
+   Fix: shorter completions or fewer rollouts per step there; ``sampler.backend=vllm`` on a GPU.
 7. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
    ``max_concurrent_rollouts``, ``rollout/concurrency`` at it and the KV cache "low" (< 50%). With requests
    waiting in vLLM (mean ``rollout/vllm_queued_requests`` > 0; the cap grows only when none waits) the fix is
@@ -341,6 +344,21 @@ def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) 
             f"sampler.engines={s.engines + 1} (one more server on the GPU; its start, about 2 minutes more, pays back over a long run: README, Several servers on one GPU)")
 
 
+def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 6, for the embedded sampler: its process busy (``server/frontend_cpu``, the whole embedded server, of
+    ``th.embedded_busy`` cores or more). It runs one batched model step at a time on one model thread, on the
+    machine's CPU here, so no concurrency or staleness option lifts generation (the twenty-second session's trial:
+    the CPU smoke job's idle trainer was blamed on nothing, or on the concurrency ceiling)."""
+    cores = num(history.latest, "server/frontend_cpu")
+    if s.backend != "embedded" or cores is None or cores < th.embedded_busy:
+        return None
+    return ("trainer_idle_embedded",
+            f"the embedded sampler uses {cores:.2f} CPU cores: it runs one model step at a time on one model thread "
+            "(sampler.backend=embedded, the stand-in for vLLM), and that step paces generation, not a limit",
+            "none on this machine but shorter completions (rollout.max_completion_length) or fewer rollouts per "
+            "step; with a GPU, sampler.backend=vllm (README)")
+
+
 def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
     """Cause 6, first: the rollout worker's own process busy on its core (``rollout/worker_main_cpu`` of
     ``th.worker_busy`` cores or more, `train.host_load`): one Python thread at a time parses the answers and
@@ -358,7 +376,7 @@ def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tu
 
 #: The causes of an idle trainer, in the order they are tried (see the module docstring).
 IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
-               _cause_worker, _cause_engine_core, _cause_cap, _cause_ceiling)
+               _cause_worker, _cause_engine_core, _cause_embedded, _cause_cap, _cause_ceiling)
 
 
 def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),

@@ -450,6 +450,21 @@ def test_idle_cause_a_busy_engine_core():
     assert trainer_idle(history_of(busy), dataclasses.replace(VLLM, backend="embedded")).rule == "trainer_idle_ceiling"
 
 
+def test_idle_cause_a_busy_embedded_sampler():
+    """The CPU smoke job's idle trainer names the embedded sampler's process when it is busy, before the ceiling."""
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    embedded = dataclasses.replace(VLLM, backend="embedded")
+    busy = _idle(**{"server/frontend_cpu": 1.43, "rollout/vllm_kv_cache_usage_frac": 0.2})
+    d = trainer_idle(history_of(busy), embedded)
+    assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 1.43 CPU cores" in d.text
+    assert "one model step at a time on one model thread" in d.text
+    assert d.text.endswith("with a GPU, sampler.backend=vllm (README)")
+    # a sampler process below 0.9 cores, or a vLLM server's front end however busy: not this cause
+    assert trainer_idle(history_of({**busy, "server/frontend_cpu": 0.5}), embedded).rule == "trainer_idle_ceiling"
+    assert trainer_idle(history_of(busy), VLLM).rule == "trainer_idle_ceiling"
+
+
 def test_idle_cause_the_concurrency_ceiling():
     from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
 
