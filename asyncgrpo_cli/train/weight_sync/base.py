@@ -209,7 +209,13 @@ class WeightSyncBackend(ABC):
                 self.call("/resume", version, self.client.resume)
             except WeightSyncError as resume_exc:
                 exc.add_note(f"resuming the server afterwards failed too: {resume_exc}")
-                log.error("%s", resume_exc)
+                # One line that names the route that failed first: a line naming only /resume, logged before the
+                # caller's error about the failing route, read as a second failure (a server kill -9 mid-sync).
+                first = f"failed at {exc.route}" if isinstance(exc, WeightSyncError) else \
+                    f"failed ({type(exc).__name__}: {exc})"
+                cause = resume_exc.__cause__
+                log.error("weight sync to model version %s %s; resuming the server afterwards failed too (%s)",
+                          version, first, f"{type(cause).__name__}: {cause}" if cause is not None else resume_exc)
             raise
         self.call("/resume", version, self.client.resume)
 
