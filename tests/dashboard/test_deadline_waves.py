@@ -95,3 +95,20 @@ def test_one_busy_window_among_idle_ones_is_no_wave():
         h.push(_window(step, 0.0 if step == 4 else 3.5, 7.0))
     line = trainer_idle_in_waves(h, SETTINGS)
     assert line.text.startswith("over steps 1-6 (busy 40%-100%): trainer idle ")
+
+
+def test_the_windows_together_average_the_rate_and_the_cpu_readings():
+    """A CPU trial: the newest window finished no rollout and its sampler got 0.76 cores; the windows together
+    say the rate and the sampler's share of the run, not one window's (no 'generation 0 rollouts/s', no flicker
+    to another cause)."""
+    embedded = RunSettings(max_staleness=4, max_concurrent_rollouts=16, num_generations=4, backend="embedded")
+    h = MetricsHistory()
+    for step in range(1, 7):
+        last = step == 6
+        h.push({"step": step, "perf/step_s": 10.0, "perf/rollout_wait_s": 5.0 if step % 2 else 0.0,
+                "rollout/backpressure_s": 0.0, "rollout/concurrency": 16.0, "rollout/concurrency_cap": 16.0,
+                "rollout/vllm_kv_cache_usage_frac": 0.2, "batch/samples_per_step": 8.0, "rollout/request_s": 9.0,
+                "rollout/rollouts_per_s": 0.0 if last else 1.2, "server/frontend_cpu": 0.76 if last else 1.0})
+    line = trainer_idle_in_waves(h, embedded)
+    assert line.rule == "trainer_idle_embedded"
+    assert "generation 1 rollouts/s" in line.text and "the embedded sampler uses 0.96 CPU cores" in line.text

@@ -462,6 +462,11 @@ def test_idle_cause_a_busy_embedded_sampler():
     assert d.text.endswith("with a GPU, sampler.backend=vllm (README)")
     # a sampler process below 0.9 cores, or a vLLM server's front end however busy: not this cause
     assert trainer_idle(history_of({**busy, "server/frontend_cpu": 0.5}), embedded).rule == "trainer_idle_ceiling"
+    # ... unless the machine's cores are all busy: the sampler gets less than a core, and that paces it
+    loaded = {**busy, "server/frontend_cpu": 0.62, "host/cpu_busy_frac": 0.97}
+    d = trainer_idle(history_of(loaded), embedded)
+    assert d.rule == "trainer_idle_embedded" and "the embedded sampler gets 0.62 CPU cores of a machine 97% busy" in d.text
+    assert trainer_idle(history_of({**loaded, "host/cpu_busy_frac": 0.7}), embedded).rule == "trainer_idle_ceiling"
     assert trainer_idle(history_of(busy), VLLM).rule == "trainer_idle_ceiling"
 
 
