@@ -428,9 +428,10 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     alternate between a full queue (busy 100%, generation held) and an empty one (busy 46-62%); no finding then
     holds over ``hold_windows`` windows in a row, and the dashboard said "no steady finding" while deadline admission
     held generation 99-100% of the run. Here the windows are one: ``perf/rollout_wait_s``, ``perf/step_s``,
-    ``rollout/backpressure_s``, ``rollout/concurrency`` and every ``rollout/held_{gate}_frac`` are averaged over
-    them into the newest window (the rest is the newest window's own), and `trainer_idle` judges it with the
-    windows before it as logged.
+    ``rollout/backpressure_s``, ``rollout/concurrency``, the generation rate and the CPU readings (`WAVE_MEAN_KEYS`)
+    are averaged over them into the newest window, every ``rollout/held_{gate}_frac`` over the newest
+    ``hold_windows`` of them (the gate that holds now; the rest is the newest window's own), and `trainer_idle`
+    judges it with the windows before it as logged.
 
     Returns `trainer_idle`'s finding, its text starting ``in waves over steps A-B (busy X-Y%)`` with the idlest and
     busiest windows' shares (``over steps A-B`` when fewer than two windows were busy or idle: a fresh-user trial's
@@ -444,9 +445,12 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     if any(b is None for b in shares) or min(shares) >= 1 - th.high_wait_frac:
         return None
     merged = dict(rows[-1])
-    keys = set(WAVE_MEAN_KEYS) | {k for r in rows for k in r if k.startswith("rollout/held_") and k.endswith("_frac")}
-    for key in keys:
-        vals = [v for v in (num(r, key) for r in rows) if v is not None]
+    held = {k for r in rows for k in r if k.startswith("rollout/held_") and k.endswith("_frac")}
+    for key in set(WAVE_MEAN_KEYS) | held:
+        # Which gate holds generation changes over a run (a CPU trial: the allowance in steps 1-3, the cap from
+        # step 4, 0.502 against 0.494 over six windows): the gates' shares are the newest hold_windows' alone.
+        over = rows[-th.hold_windows:] if key in held else rows
+        vals = [v for v in (num(r, key) for r in over) if v is not None]
         if vals:
             merged[key] = sum(vals) / len(vals)
     together = MetricsHistory(maxlen=len(history.rows))

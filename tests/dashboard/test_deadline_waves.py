@@ -112,3 +112,19 @@ def test_the_windows_together_average_the_rate_and_the_cpu_readings():
     line = trainer_idle_in_waves(h, embedded)
     assert line.rule == "trainer_idle_embedded"
     assert "generation 1 rollouts/s" in line.text and "the embedded sampler uses 0.96 CPU cores" in line.text
+
+
+def test_the_gate_named_is_the_one_holding_in_the_newest_windows():
+    """A CPU trial: the allowance held generation in steps 1-3, the concurrency cap from step 4; over six windows
+    the allowance's mean share was a hair higher, and the finding named it with a fix that would not help."""
+    h = MetricsHistory()
+    for step in range(1, 7):
+        early = step <= 3
+        h.push({"step": step, "perf/step_s": 10.0, "perf/rollout_wait_s": 5.0 if step % 2 else 0.0,
+                "rollout/backpressure_s": 6.0, "rollout/held_allowance_frac": 1.0 if early else 0.01,
+                "rollout/held_cap_frac": 0.0 if early else 0.98, "rollout/concurrency": 16.0,
+                "rollout/concurrency_cap": 16.0, "batch/samples_per_step": 8.0})
+    settings = RunSettings(max_staleness=4, max_concurrent_rollouts=16, num_generations=4, backend="embedded")
+    assert trainer_idle_in_waves(h, settings) is None  # the cap holds at 16 with no KV reading: no cause to name
+    h.push({**h.latest, "step": 7, "server/frontend_cpu": 1.0})  # ... the sampler's process busy: that one
+    assert trainer_idle_in_waves(h, settings).rule == "trainer_idle_embedded"
