@@ -126,5 +126,5 @@ def test_the_gate_named_is_the_one_holding_in_the_newest_windows():
                 "rollout/concurrency_cap": 16.0, "batch/samples_per_step": 8.0})
     settings = RunSettings(max_staleness=4, max_concurrent_rollouts=16, num_generations=4, backend="embedded")
     assert trainer_idle_in_waves(h, settings) is None  # the cap holds at 16 with no KV reading: no cause to name
-    h.push({**h.latest, "step": 7, "server/frontend_cpu": 1.0})  # ... the sampler's process busy: that one
+    h.push({**h.latest, "step": 7, "perf/rollout_wait_s": 5.0, "server/frontend_cpu": 1.0})  # the sampler's process busy: that one
     assert trainer_idle_in_waves(h, settings).rule == "trainer_idle_embedded"
