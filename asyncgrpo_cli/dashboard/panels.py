@@ -44,6 +44,7 @@ class ProcessInfo:
     alive: bool | None
     detail: str = ""
     stopped: bool = False
+    exit_code: int | None = None  # once ended, when known: minus the signal that killed it (subprocess's way)
 
 
 @dataclass
@@ -157,12 +158,13 @@ STATE_STYLES = {"running": "green", "saving": "cyan", "finished": "bold green", 
 
 
 def process_state(p: ProcessInfo, ended: bool) -> tuple[str, str]:
-    """(text, style) of a process row: ``external``, ``alive``, ``exited``, ``STOPPED`` (SIGSTOP), or
-    ``stopping`` for one still running once the run has ended (``ended``: the supervisor stops it next)."""
+    """(text, style) of a process row: ``external``, ``alive``, ``exited``, ``killed`` (a signal ended it, e.g. a
+    ``kill -9``: a fresh-user trial read ``exited`` for its SIGKILL), ``STOPPED`` (SIGSTOP), or ``stopping`` for one
+    still running once the run has ended (``ended``: the supervisor stops it next)."""
     if p.alive is None:
         return "external", "cyan"
     if not p.alive:
-        return "exited", "red"
+        return ("killed", "red") if p.exit_code is not None and p.exit_code < 0 else ("exited", "red")
     if p.stopped:
         return "STOPPED", "bold red"
     return ("stopping", "yellow") if ended else ("alive", "green")

@@ -482,11 +482,11 @@ class Supervisor:
 
         table = []
         if self.server is not None:
-            stopped = self.server.stopped()
-            table.append(ProcessInfo("server", self.server.pid, self.server.poll() is None,
-                                     f"{self.plan.url}  log: logs/server.log" + (
+            stopped, src = self.server.stopped(), self.server.poll()
+            table.append(ProcessInfo("server", self.server.pid, src is None,
+                                     f"{self.plan.url}{f', {exit_text(src)}' if src is not None else ''}  log: logs/server.log" + (
                                          f"  (SIGSTOP or Ctrl-Z: kill -CONT -- -{self.server.pid} continues its process group)"
-                                         if stopped else ""), stopped=stopped))
+                                         if stopped else ""), stopped=stopped, exit_code=src))
         else:
             table.append(ProcessInfo("server", None, None, self.plan.url))
         if self.trainer is not None:

@@ -535,3 +535,12 @@ def test_a_silent_server_and_a_stopped_server_process_show_in_the_panels():
         flat = " ".join(console.export_text().split())
         assert "server not answering: no answer to GET /health" in flat, flat
         assert "STOPPED 7" in flat or "pid 7 STOPPED" in flat, flat
+
+
+def test_a_process_a_signal_ended_reads_killed():
+    """A fresh-user trial's `kill -9` of the server showed `exited` in the process table."""
+    from asyncgrpo_cli.dashboard.panels import ProcessInfo, process_state
+
+    assert process_state(ProcessInfo("server", 5, False, exit_code=-9), ended=False) == ("killed", "red")
+    assert process_state(ProcessInfo("server", 5, False, exit_code=1), ended=False) == ("exited", "red")
+    assert process_state(ProcessInfo("server", 5, False), ended=True) == ("exited", "red")
