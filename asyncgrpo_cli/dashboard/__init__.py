@@ -154,6 +154,7 @@ class Dashboard:
         self._waiting_from_step = 0  # status.json's step when the waiting began (a resumed run's start step)
         self._worker_silent_printed_at: float | None = None  # the last "rollout worker not answering" line
         self._stopping = False  # the supervisor is stopping the run (`begin_stop`)
+        self._stop_state: str | None = None  # the state line while it does
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -183,7 +184,8 @@ class Dashboard:
         """The current frame's data."""
         return DashboardView(status=self.status, history=self.history, diagnosis=self.diagnosis,
                              processes=list(self._processes), settings=self.settings, started_at=self.started_at,
-                             now=time.time(), title=self.title, outcome=self.outcome, eval=self.eval)
+                             now=time.time(), title=self.title, outcome=self.outcome or self._stop_state,
+                             eval=self.eval)
 
     def renderable(self):
         """The rich renderable of the current frame, `LIVE_MARGIN` columns narrower than the console: the
@@ -237,11 +239,14 @@ class Dashboard:
         self.outcome = outcome
         self.poll(processes)
 
-    def begin_stop(self) -> None:
+    def begin_stop(self, why: str = "") -> None:
         """The supervisor is stopping the run (a signal, a dead server) and has said why: the trainer's outage
         line (``server unreachable, retrying (1800 s left)``) no longer describes what happens, so plain mode
-        prints it no more (second fresh-user trial: it followed "the server was killed: stopping the trainer")."""
+        prints it no more (second fresh-user trial: it followed "the server was killed: stopping the trainer").
+        The state reads ``stopping: <why>`` until the outcome: the trainer's own ``stopped`` in status.json read
+        as the run's end for a few frames before ``failed`` (twenty-third session's trial)."""
         self._stopping = True
+        self._stop_state = f"stopping: {why}" if why else "stopping"
 
     def _print_server_status(self, status: dict[str, Any]) -> None:
         """Plain mode: the trainer's ``server_status`` line (an outage, a silent server, a re-push) when it

@@ -546,7 +546,7 @@ class Supervisor:
                                     f"progress if one is (up to {grace:.0f} s, launch.stop_timeout; send it again to "
                                     "stop now, without saving)", style="yellow"))
                     before = self._newest_checkpoint()  # "saved" below means saved by this stop
-                    dash.begin_stop()
+                    dash.begin_stop(sig)
                     self._stop_child(trainer, signal.SIGINT, grace)
                     dash.print(Text(self._checkpoint_report(before), style="yellow"))
                     outcome, status = "stopped", self._interrupted_rc()
@@ -558,7 +558,7 @@ class Supervisor:
                     dash.print(Text(f"the server (pid {self.server.pid}) {exit_text(code)}: stopping the trainer "
                                     "(it saves its last completed step)", style="red"))
                     before = self._newest_checkpoint()
-                    dash.begin_stop()
+                    dash.begin_stop(f"the server {exit_text(code)}")
                     self._stop_child(trainer, signal.SIGINT, self._stop_grace())
                     outcome, status = "failed", self._fail(f"the server (pid {self.server.pid}) {exit_text(code)} "
                                                            "during training; " + self._checkpoint_report(before),

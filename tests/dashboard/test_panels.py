@@ -544,3 +544,20 @@ def test_a_process_a_signal_ended_reads_killed():
     assert process_state(ProcessInfo("server", 5, False, exit_code=-9), ended=False) == ("killed", "red")
     assert process_state(ProcessInfo("server", 5, False, exit_code=1), ended=False) == ("exited", "red")
     assert process_state(ProcessInfo("server", 5, False), ended=True) == ("exited", "red")
+
+
+def test_while_the_supervisor_stops_the_run_the_state_says_so(tmp_path):
+    """The trainer's own `stopped` in status.json read as the run's end for a few frames before `failed` (a
+    fresh-user trial's server kill -9); from `begin_stop` the state line reads why the run is stopping."""
+    from asyncgrpo_cli.dashboard import Dashboard
+    from asyncgrpo_cli.dashboard.panels import run_state
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "status.json").write_text(json.dumps({"state": "stopped"}))
+    dash = Dashboard(out, mode="off", console=record_console(), started_at=T0)
+    dash.poll()
+    dash.begin_stop("the server was killed by SIGKILL")
+    assert run_state(dash.view()) == "stopping: the server was killed by SIGKILL"
+    dash.finish("failed")
+    assert run_state(dash.view()) == "failed"
