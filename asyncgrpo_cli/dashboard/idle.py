@@ -6,6 +6,8 @@ The trainer's busy share (`busy_share`) is ``1 - perf/rollout_wait_s / perf/step
 trainer is idle (`trainer_idle`, issue #33) when its wait is "high" as above (the premise of generation-bound).
 Its cause is the first of these that holds, each with the CLI override that fixes it:
 
+0. ``trainer_idle_server_silent``: the server did not answer (``server/silent_s``) for half the wait or more:
+   stopped or hung, no setting; a stopped one continues with ``kill -CONT``.
 1. ``trainer_idle_api_servers``: ``sampler.backend=vllm`` with one API server (``sampler.api_server_count=1``,
    or LoRA, which forces 1) and ``rollout.num_sampler_logprobs`` > 0: the one API server serialises the
    top log-probs (measured with a 0.6B model on one H200: top-8 cost 80% of generation throughput with 1
@@ -38,10 +40,10 @@ Its cause is the first of these that holds, each with the CLI override that fixe
    ``trainer_idle_engine_core``: vllm whose engine core uses ``engine_core_busy`` (0.9) of a CPU core or more
    (``server/engine_core_cpu``, issue #41): its host loop bounds generation (two servers on one H200 generated
    2.0-2.3x). Fix: one more server, ``sampler.engines``.
-   ``trainer_idle_embedded``: the embedded sampler whose process uses ``embedded_busy`` (0.9) CPU cores or more
-   (``server/frontend_cpu``), or any share of a machine whose cores are all busy (``host/cpu_busy_frac`` from
-   ``host_busy_frac``, 0.9): one model step at a time on one model thread paces generation (the CPU smoke job).
-   Fix: shorter completions or fewer rollouts per step there; ``sampler.backend=vllm`` on a GPU.
+   ``trainer_idle_embedded``: the embedded sampler on a CPU job (no GPU memory logged), or whose process uses
+   ``embedded_busy`` (0.9) CPU cores or more (``server/frontend_cpu``), or on a machine whose cores are all busy
+   (``host/cpu_busy_frac`` from ``host_busy_frac``, 0.9): one model step at a time on one model thread paces
+   generation (the CPU smoke job). Fix: shorter completions or smaller groups; ``sampler.backend=vllm`` on a GPU.
 7. ``trainer_idle_cap``: over the newest ``cap_windows`` (3) windows the adaptive cap stayed at one value below
    ``max_concurrent_rollouts``, ``rollout/concurrency`` at it and the KV cache "low" (< 50%). With requests
    waiting in vLLM (mean ``rollout/vllm_queued_requests`` > 0; the cap grows only when none waits) the fix is
@@ -346,24 +348,43 @@ def _cause_engine_core(history: MetricsHistory, s: RunSettings, th: Thresholds) 
 
 
 def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
-    """Cause 6, for the embedded sampler: its process busy (``server/frontend_cpu``, the whole embedded server, of
-    ``th.embedded_busy`` cores or more), or the machine's cores all busy (``host/cpu_busy_frac`` from
-    ``th.host_busy_frac``). It runs one batched model step at a time on one model thread, on the
-    machine's CPU here, so no concurrency or staleness option lifts generation (the twenty-second session's trial:
-    the CPU smoke job's idle trainer was blamed on nothing, or on the concurrency ceiling)."""
-    cores, host = num(history.latest, "server/frontend_cpu"), num(history.latest, "host/cpu_busy_frac")
-    saturated = host is not None and host >= th.host_busy_frac
-    if s.backend != "embedded" or cores is None or (cores < th.embedded_busy and not saturated):
+    """Cause 6, for the embedded sampler: on a CPU job (no ``perf/gpu_memory_peak_gib`` logged: the trainer, and
+    so the sampler's ``auto`` device, is the CPU), or with its process busy (``server/frontend_cpu``, the whole
+    embedded server, of ``th.embedded_busy`` cores or more), or with the machine's cores all busy
+    (``host/cpu_busy_frac`` from ``th.host_busy_frac``). It runs one batched model step at a time on one model
+    thread, so no concurrency or staleness option lifts generation: two fresh-user trials' CPU runs were told to
+    double ``max_concurrent_rollouts`` (followed: no faster, and the next fix changed every window) whenever the
+    sampler's CPU share dipped under a threshold on a machine shared with a test suite."""
+    m = history.latest
+    cores, host = num(m, "server/frontend_cpu"), num(m, "host/cpu_busy_frac")
+    on_cpu = num(m, "perf/gpu_memory_peak_gib") is None
+    if s.backend != "embedded" or not (on_cpu or (cores is not None and cores >= th.embedded_busy) or
+                                       (host is not None and host >= th.host_busy_frac)):
         return None
-    # On a machine whose cores are all busy (the trial beside a test suite: 0.39-0.86 cores for the sampler at
-    # 97-100% of two cores) the sampler gets less than a core, and the machine paces it all the same.
-    uses = (f"uses {cores:.2f} CPU cores" if cores >= th.embedded_busy else
-            f"gets {cores:.2f} CPU cores of a machine {host:.0%} busy")
+    uses = "runs on this machine's CPU" if cores is None else f"uses {cores:.2f} CPU cores"
+    if host is not None and host >= th.host_busy_frac:
+        uses += f" of a machine {host:.0%} busy (other programs take the rest)" if cores is not None and \
+            cores < th.embedded_busy else f" of a machine {host:.0%} busy"
     return ("trainer_idle_embedded",
             f"the embedded sampler {uses}: it runs one model step at a time on one model thread "
             "(sampler.backend=embedded, the stand-in for vLLM), and that step paces generation, not a limit",
-            "none on this machine but shorter completions (rollout.max_completion_length) or fewer rollouts per "
-            "step; with a GPU, sampler.backend=vllm (README)")
+            "none in concurrency or staleness; shorter completions (rollout.max_completion_length) or smaller groups "
+            "(rollout.num_generations) make each step's generation shorter; with a GPU, sampler.backend=vllm "
+            "(README)")
+
+
+def _cause_server_silent(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
+    """Cause 0: the server did not answer for half the trainer's wait or more (``server/silent_s`` against
+    ``perf/rollout_wait_s``): stopped (SIGSTOP, Ctrl-Z) or hung, not a setting, held generation (a fresh-user
+    trial's 40 s SIGSTOP of the server was blamed on the staleness allowance)."""
+    m = history.latest
+    silent, wait = num(m, "server/silent_s"), num(m, "perf/rollout_wait_s")
+    if silent is None or wait is None or wait <= 0 or silent < 0.5 * wait:
+        return None
+    return ("trainer_idle_server_silent",
+            f"the server did not answer for {silent:.0f} s of it (stopped or hung: see the processes panel)",
+            "none in the config: a stopped server continues with kill -CONT; a hung one ends the run with a "
+            "checkpoint at sampler.hang_timeout")
 
 
 def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
@@ -382,7 +403,7 @@ def _cause_worker(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tu
 
 
 #: The causes of an idle trainer, in the order they are tried (see the module docstring).
-IDLE_CAUSES = (_cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
+IDLE_CAUSES = (_cause_server_silent, _cause_api_servers, _cause_eager, _cause_on_policy, _cause_allowance, _cause_stale_drops,
                _cause_worker, _cause_engine_core, _cause_embedded, _cause_cap, _cause_ceiling)
 
 
@@ -416,7 +437,8 @@ WAVE_HOLDS = 2
 #: The generation rate and the CPU readings too: a fresh-user trial's CPU run read "generation 0 rollouts/s" from a
 #: newest window in which no rollout happened to finish, and its cause flickered with one window's CPU share.
 WAVE_MEAN_KEYS = ("perf/rollout_wait_s", "perf/step_s", "rollout/backpressure_s", "rollout/concurrency",
-                  "rollout/rollouts_per_s", "rollout/groups_per_s", "server/frontend_cpu", "host/cpu_busy_frac")
+                  "rollout/rollouts_per_s", "rollout/groups_per_s", "server/frontend_cpu", "host/cpu_busy_frac",
+                  "server/silent_s")
 
 
 def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSettings(),

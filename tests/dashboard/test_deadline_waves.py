@@ -123,8 +123,21 @@ def test_the_gate_named_is_the_one_holding_in_the_newest_windows():
         h.push({"step": step, "perf/step_s": 10.0, "perf/rollout_wait_s": 5.0 if step % 2 else 0.0,
                 "rollout/backpressure_s": 6.0, "rollout/held_allowance_frac": 1.0 if early else 0.01,
                 "rollout/held_cap_frac": 0.0 if early else 0.98, "rollout/concurrency": 16.0,
-                "rollout/concurrency_cap": 16.0, "batch/samples_per_step": 8.0})
+                "rollout/concurrency_cap": 16.0, "batch/samples_per_step": 8.0, "perf/gpu_memory_peak_gib": 2.0})
     settings = RunSettings(max_staleness=4, max_concurrent_rollouts=16, num_generations=4, backend="embedded")
-    assert trainer_idle_in_waves(h, settings) is None  # the cap holds at 16 with no KV reading: no cause to name
+    assert trainer_idle_in_waves(h, settings) is None  # an embedded sampler on a GPU, the cap at 16, no KV reading
     h.push({**h.latest, "step": 7, "perf/rollout_wait_s": 5.0, "server/frontend_cpu": 1.0})  # the sampler's process busy: that one
     assert trainer_idle_in_waves(h, settings).rule == "trainer_idle_embedded"
+
+
+def test_a_silent_server_is_named_before_any_setting():
+    """A fresh-user trial's 40 s SIGSTOP of the server was blamed on the staleness allowance."""
+    h = MetricsHistory()
+    h.push({**_window(1, 0.0), "rollout/held_allowance_frac": 1.0, "rollout/held_deadline_frac": 0.0})
+    h.push({**_window(2, 63.6), "perf/step_s": 72.3, "server/silent_s": 45.2, "rollout/held_allowance_frac": 1.0,
+            "rollout/held_deadline_frac": 0.0})
+    d = trainer_idle(h, SETTINGS)
+    assert d.rule == "trainer_idle_server_silent" and "the server did not answer for 45 s of it" in d.text
+    assert "kill -CONT" in d.text
+    h.push({**_window(3, 63.6), "perf/step_s": 72.3, "server/silent_s": 10.0})  # silent for a sixth: a setting
+    assert trainer_idle(h, SETTINGS).rule != "trainer_idle_server_silent"

@@ -284,7 +284,7 @@ def _idle(**extra) -> dict:
     return {"perf/rollout_wait_s": 1.2, "perf/step_s": 1.8, "rollout/backpressure_s": 0.0, "rollout/queue_size": 0,
             "rollout/concurrency": 250, "rollout/concurrency_cap": 256, "rollout/vllm_kv_cache_usage_frac": 0.7,
             "rollout/vllm_running_requests": 200, "rollout/vllm_queued_requests": 0, "batch/samples_per_step": 65,
-            **extra}
+            "perf/gpu_memory_peak_gib": 30.0, **extra}
 
 
 VLLM = RunSettings(max_staleness=2, max_concurrent_rollouts=256, backend="vllm", api_server_count=8,
@@ -465,9 +465,14 @@ def test_idle_cause_a_busy_embedded_sampler():
     # ... unless the machine's cores are all busy: the sampler gets less than a core, and that paces it
     loaded = {**busy, "server/frontend_cpu": 0.62, "host/cpu_busy_frac": 0.97}
     d = trainer_idle(history_of(loaded), embedded)
-    assert d.rule == "trainer_idle_embedded" and "the embedded sampler gets 0.62 CPU cores of a machine 97% busy" in d.text
+    assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 0.62 CPU cores of a machine 97% busy (other programs take the rest)" in d.text
     assert trainer_idle(history_of({**loaded, "host/cpu_busy_frac": 0.7}), embedded).rule == "trainer_idle_ceiling"
     assert trainer_idle(history_of(busy), VLLM).rule == "trainer_idle_ceiling"
+    # a CPU job (no GPU memory logged): the sampler is the CPU's, whatever share of it this window read
+    cpu_job = {k: v for k, v in busy.items() if k != "perf/gpu_memory_peak_gib"}
+    d = trainer_idle(history_of({**cpu_job, "server/frontend_cpu": 0.5}), embedded)
+    assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 0.50 CPU cores:" in d.text
+    assert "fix: none in concurrency or staleness; shorter completions (rollout.max_completion_length)" in d.text
 
 
 def test_idle_cause_the_concurrency_ceiling():

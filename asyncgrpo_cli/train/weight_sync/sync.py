@@ -201,7 +201,7 @@ class WeightSync:
                                       "rank 0", version)
             if self.backend is not None:
                 log.warning("weight sync to model version %s: the server went away during it (%s); pushing "
-                            "the whole version again to the server that came back (attempt %d of %d)",
+                            "the whole version again once the server answers (attempt %d of %d)",
                             version, error, attempt + 1, MAX_PUSH_ATTEMPTS)
                 self.backend.reconnect()
             again = True
