@@ -361,10 +361,12 @@ def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> 
     if s.backend != "embedded" or not (on_cpu or (cores is not None and cores >= th.embedded_busy) or
                                        (host is not None and host >= th.host_busy_frac)):
         return None
-    uses = "runs on this machine's CPU" if cores is None else f"uses {cores:.2f} CPU cores"
-    if host is not None and host >= th.host_busy_frac:
-        uses += f" of a machine {host:.0%} busy (other programs take the rest)" if cores is not None and \
-            cores < th.embedded_busy else f" of a machine {host:.0%} busy"
+    busy = host is not None and host >= th.host_busy_frac
+    if cores is None:
+        uses = "runs on this machine's CPU" + (f" ({host:.0%} busy)" if busy else "")
+    else:
+        uses = f"uses {cores:.2f} CPU cores" + (f" of a machine {host:.0%} busy" if busy else "") + (
+            " (other programs take the rest)" if busy and cores < th.embedded_busy else "")
     return ("trainer_idle_embedded",
             f"the embedded sampler {uses}: it runs one model step at a time on one model thread "
             "(sampler.backend=embedded, the stand-in for vLLM), and that step paces generation, not a limit",

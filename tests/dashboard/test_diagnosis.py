@@ -473,6 +473,9 @@ def test_idle_cause_a_busy_embedded_sampler():
     d = trainer_idle(history_of({**cpu_job, "server/frontend_cpu": 0.5}), embedded)
     assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 0.50 CPU cores:" in d.text
     assert "fix: none in concurrency or staleness; shorter completions (rollout.max_completion_length)" in d.text
+    no_reading = {k: v for k, v in cpu_job.items() if k != "server/frontend_cpu"}
+    assert "the embedded sampler runs on this machine's CPU (95% busy):" in trainer_idle(
+        history_of({**no_reading, "host/cpu_busy_frac": 0.95}), embedded).text
 
 
 def test_idle_cause_the_concurrency_ceiling():
