@@ -482,24 +482,6 @@ def test_embedded_resume_failure_does_not_hide_first_error(model_dir, tmp_path):
     assert any("resum" in note for note in info.value.__notes__)
 
 
-def test_a_failed_resume_after_a_failed_route_logs_one_line_naming_the_first_route(model_dir, tmp_path, caplog):
-    """A server killed mid-sync: the log line about the clean-up's /resume names the route that failed first, so
-    it does not read as a second failure beside the caller's error (twenty-second session's trial)."""
-    class TwoFailures(FakeClient):
-        def resume(self) -> None:
-            self.events.append("/resume")
-            raise SamplerError("resume down", "/resume")
-
-    client = TwoFailures(fail="/start_weight_update")
-    with caplog.at_level("ERROR"), pytest.raises(WeightSyncError, match="/start_weight_update"):
-        EmbeddedPathSync(client, tmp_path).sync(FullWeightSource(load(model_dir)), 3)
-    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("weight sync to model version 3 failed at /start_weight_update; resuming the server "
-                               "afterwards failed too (SamplerError: ")
-    assert "resume down" in lines[0]
-
-
 @dataclass
 class FakeSendArgs:
     group: object
