@@ -132,6 +132,25 @@ def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
         realistic_trl.combine(tmp_path, tmp_path / "out")
 
 
+def test_a_job_compares_with_the_engine_row_asking_as_many_log_probs():
+    engine = {"engine_generated_tok_s": 6000.0,
+              "runs": [{"variant": "job", "logprobs": 8, "generated_tok_s": 6000.0},
+                       {"variant": "no_logprobs", "logprobs": None, "generated_tok_s": 27000.0}]}
+    default = {"command": "asyncgrpo train model.name=m"}
+    clip = {"command": "asyncgrpo train loss.score_centering=false rollout.num_sampler_logprobs=0"}
+    assert realistic_trl.engine_for(engine, default) == (6000.0, "job (logprobs=8)")
+    rate, row = realistic_trl.engine_for(engine, clip)  # no logprobs=0 row: the no-log-probs one, an upper bound
+    assert rate == 27000.0 and "upper bound" in row
+    engine["runs"].insert(1, {"variant": "sampled_only", "logprobs": 0, "generated_tok_s": 20000.0})
+    assert realistic_trl.engine_for(engine, clip) == (20000.0, "sampled_only (logprobs=0)")
+    assert realistic_trl.engine_for({"engine_generated_tok_s": 5.0},
+                                    {"command": "x rollout.num_sampler_logprobs=4"}) == (5.0, "headline (logprobs=8)")
+    assert realistic_trl.engine_for(None, clip) == (None, None)
+    figures = realistic_trl.ours_figures({**clip, "summary": {"generated_tokens_per_s": 10000.0}},
+                                         *realistic_trl.engine_for(engine, clip))
+    assert figures["generation_frac_of_engine"] == 0.5 and figures["engine_row"] == "sampled_only (logprobs=0)"
+
+
 def test_unmet_requirements_of_a_wheel():
     import install
 

@@ -222,7 +222,36 @@ def _ratio(x, y):
     return round(x / y, 3) if x and y else None
 
 
-def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
+def _job_logprobs(run: dict) -> int:
+    """The top log-probs one of our jobs asked vLLM for: its command's ``rollout.num_sampler_logprobs=N``, else the
+    default 8."""
+    for arg in (run.get("command") or "").split():
+        if arg.startswith("rollout.num_sampler_logprobs="):
+            return int(arg.split("=", 1)[1])
+    return 8
+
+
+def engine_for(engine: dict | None, run: dict) -> tuple[float | None, str | None]:
+    """The engine's offline generated tok/s that ``run`` compares with, and which engine row it is: the row asking
+    as many top log-probs as the job did; for a job asking none (``_clip``: the sampled token's only) without such
+    a row, the row asking for no log-probs at all (an upper bound, so the job's share reads low); else the engine's
+    headline (its first row, 8 log-probs)."""
+    if not engine:
+        return None, None
+    rows = engine.get("runs") or []
+    want = _job_logprobs(run)
+    for r in rows:
+        if r.get("logprobs") == want and r.get("generated_tok_s"):
+            return r["generated_tok_s"], f"{r.get('variant')} (logprobs={want})"
+    if want == 0:
+        for r in rows:
+            if r.get("logprobs") is None and r.get("generated_tok_s"):
+                return r["generated_tok_s"], (f"{r.get('variant')} (no log-probs; the job asks the sampled token's: "
+                                              "an upper bound)")
+    return engine.get("engine_generated_tok_s"), "headline (logprobs=8)"
+
+
+def ours_figures(run: dict, engine_tok_s: float | None, engine_row: str | None = None) -> dict:
     """Our run's figures over the steps after the first: trained tok/s (wall clock), busy share (whole run, and the
     least of a step: the issue asks 70% of each step), generated tok/s
     (the steps' windows weighted by their time, from the rows; the summary's figure without rows) and its share of
@@ -238,7 +267,8 @@ def ours_figures(run: dict, engine_tok_s: float | None) -> dict:
     return {"steps_measured": s.get("steps_measured"), "trained_tokens_per_s": s.get("trained_tokens_per_s"),
             "busy_frac": s.get("trainer_busy_frac"), "busy_frac_min_step": min(busy) if busy else None,
             "generated_tokens_per_s": gen,
-            "generation_frac_of_engine": _ratio(gen, engine_tok_s), "weight_sync_s": s.get("weight_sync_s"),
+            "generation_frac_of_engine": _ratio(gen, engine_tok_s), "engine_row": engine_row,
+            "engine_generated_tokens_per_s": engine_tok_s, "weight_sync_s": s.get("weight_sync_s"),
             "s_per_1000_completions": s.get("s_per_1000_completions"),
             "completions_after_step1": s.get("completions_after_step1"),
             "peak_mib_by_role": (run.get("gpu_memory") or {}).get("peak_mib_by_role")}
@@ -283,7 +313,7 @@ def targets_of(measured: dict) -> dict:
                 "met": None if measured.get(k) is None else measured[k] >= v} for k, v in TARGETS.items()}
 
 
-def variants(folder: Path, sync_rows: list[dict], trl_rows: list[dict], engine_tok_s: float | None) -> dict:
+def variants(folder: Path, sync_rows: list[dict], trl_rows: list[dict], engine: dict | None) -> dict:
     """Each job variant in ``folder`` (``realistic_job_<mode>_<tags>.json``, tags of `realistic.JOB_TAGS`, such
     as ``async_mps``): its figures (`ours_figures`) and its trained tok/s over the same steps as the on-policy
     default and TRL (`same_steps`), keyed by the variant's name."""
@@ -296,7 +326,7 @@ def variants(folder: Path, sync_rows: list[dict], trl_rows: list[dict], engine_t
             continue
         run = json.loads(path.read_text())
         window = same_steps(run.get("rows") or [], sync_rows, trl_rows) or {}
-        figures = ours_figures(run, engine_tok_s)
+        figures = ours_figures(run, *engine_for(engine, run))
         measured = {"async_over_sync_trained_tok_s": window.get("async_over_sync_trained_tok_s"),
                     "ours_over_trl_trained_tok_s": window.get("ours_over_trl_trained_tok_s"),
                     "async_busy_frac_min_step": figures["busy_frac_min_step"],
@@ -327,7 +357,7 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
     s = load("realistic_job_sync.json", "realistic_job_sync")
     trl, engine = load("realistic_trl.json", "realistic_trl"), load("realistic_engine.json", "realistic_engine", False)
     engine_tok_s = (engine or {}).get("engine_generated_tok_s")
-    fa, fs = ours_figures(a, engine_tok_s), ours_figures(s, engine_tok_s)
+    fa, fs = ours_figures(a, *engine_for(engine, a)), ours_figures(s, *engine_for(engine, s))
     ft = {k: v for k, v in (trl.get("figures") or {}).items() if k != "rows"}
     window = same_steps(a.get("rows") or [], s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [])
     figures = {"async": fa, "sync": fs, "trl": {**ft, "mode": trl.get("mode_measured")},
@@ -342,7 +372,7 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
         figures.update({k: window[k] for k in ("async_over_sync_trained_tok_s", "ours_over_trl_trained_tok_s",
                                                "sync_over_trl_trained_tok_s")})
     figures["variants"] = variants(folder, s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [],
-                                   engine_tok_s)
+                                   engine)
     ours_over_trl = figures["ours_over_trl_trained_tok_s"]
     measured = {"async_over_sync_trained_tok_s": figures["async_over_sync_trained_tok_s"],
                 "ours_over_trl_trained_tok_s": ours_over_trl, "async_busy_frac_min_step": fa["busy_frac_min_step"],
