@@ -16,7 +16,7 @@ one H100, Qwen3-1.7B shape, MPS):
   the trainer's rule), trains for 2.2 s plus 0.35 s of the rest of its step (the job's ``fwd_bwd_s`` and step),
   its first step 20 s (the compile).
 
-Each ``max_staleness`` runs with each ``--order`` of deadline admission (``staleness.deadline_order``:
+Each ``max_staleness`` runs with each ``--order`` and ``--release`` (``staleness.deadline_release_versions``) of deadline admission (``staleness.deadline_order``:
 ``pessimistic``, the default, counts every committed token as pulled before a group in flight; ``observed`` counts
 the groups started at a later version at the share seen to finish first, 0 here since every completion is as long;
 the groups that finish in one decode step are taken in a random order, as a burst's groups finish on the GPU).
@@ -50,10 +50,12 @@ TRAIN_S, REST_S, FIRST_STEP_S = 2.2, 0.35, 20.0
 BUSY_TARGET = 0.7
 
 
-def simulate(max_staleness: int, steps: int, order: str = "pessimistic") -> dict:
-    """One run of the model (module docstring); returns its figures and one row per trainer step."""
+def simulate(max_staleness: int, steps: int, order: str = "pessimistic", release: int | None = None) -> dict:
+    """One run of the model (module docstring); returns its figures and one row per trainer step. ``release``:
+    ``staleness.deadline_release_versions`` (None: admission stays on, the default)."""
     rng = random.Random(0)
-    allowance, schedule = TokenAllowance(), StaleSchedule(max_staleness, order=order)
+    allowance = TokenAllowance()
+    schedule = StaleSchedule(max_staleness, order=order, release_after_versions=release)
     schedule.on_dropped_stale()  # deadline admission on, as after the first stale drop
     published = max(max_staleness, 1) * GROUPS_PER_STEP * G * (PROMPT + COMPLETION)
     clock, version, consumed, next_id = 0.0, 0, 0.0, 0
@@ -117,7 +119,8 @@ def simulate(max_staleness: int, steps: int, order: str = "pessimistic") -> dict
         row["busy"] = round(min(1.0, (FIRST_STEP_S if row["step"] == 1 else TRAIN_S) / (end - start)), 4)
     measured = rows[5:]
     busy = [r["busy"] for r in measured]
-    return {"max_staleness": max_staleness, "order": order, "overtake_share": schedule.overtake_share, "steps": steps,
+    return {"max_staleness": max_staleness, "order": order, "release_after_versions": release,
+            "overtake_share": schedule.overtake_share, "steps": steps,
             "step_s_mean": round(statistics.mean(r["step_s"] for r in measured), 3),
             "busy_mean": round(TRAIN_S * len(measured) / sum(r["step_s"] for r in measured), 3),
             "busy_lowest": min(busy), "steps_under_target": sum(b < BUSY_TARGET for b in busy),
@@ -132,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staleness", default="4,5,6,7,8")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--order", default="pessimistic,observed")
+    parser.add_argument("--release", default="none",
+                        help="staleness.deadline_release_versions values, comma-separated; none = stays on")
     args = parser.parse_args(argv)
-    runs = [simulate(int(s), args.steps, order) for order in args.order.split(",") for s in args.staleness.split(",")]
+    releases = [None if v == "none" else int(v) for v in args.release.split(",")]
+    runs = [simulate(int(s), args.steps, order, release) for release in releases for order in args.order.split(",")
+            for s in args.staleness.split(",")]
     for r in runs:
-        print(f"{r['order']:11s} max_staleness {r['max_staleness']}: step {r['step_s_mean']:.2f} s, busy {r['busy_mean']:.0%} "
+        release = "" if r["release_after_versions"] is None else f" release {r['release_after_versions']}"
+        print(f"{r['order']:11s}{release} max_staleness {r['max_staleness']}: step {r['step_s_mean']:.2f} s, busy {r['busy_mean']:.0%} "
               f"(lowest {r['busy_lowest']:.0%}, {r['steps_under_target']}/{r['steps_measured']} steps under "
               f"{BUSY_TARGET:.0%}), {r['rollouts_in_flight_mean']:.0f} in flight, {r['stale_drops']} stale drops")
     result = {"issue": 42, "bench": "deadline_waves", "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
               "model": {"decode_s": f"{DECODE_A_S} + {DECODE_B_S} x in_flight", "train_s": TRAIN_S, "rest_s": REST_S,
                         "first_step_s": FIRST_STEP_S, "groups_per_step": GROUPS_PER_STEP, "num_generations": G,
                         "prompt_tokens": PROMPT, "completion_tokens": COMPLETION,
-                        "deadline_admission": "on from the start"},
+                        "deadline_admission": "on from the start; with --release, off again after that many "
+                                              "weight updates without a stale drop"},
               "target": f"trainer busy >= {BUSY_TARGET:.0%} of each step (issue #42)", "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

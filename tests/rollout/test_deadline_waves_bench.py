@@ -50,3 +50,14 @@ def test_the_observed_order_lifts_the_default_window_where_completions_run_equal
     assert observed["overtake_share"] == 0.0 and observed["stale_drops"] == 0
     assert observed["busy_mean"] > pessimistic["busy_mean"] + 0.05
     assert observed["rollouts_in_flight_mean"] > pessimistic["rollouts_in_flight_mean"]
+
+
+def test_released_admission_feeds_the_trainer_at_the_default_window_in_the_model():
+    # the model has no source of stale drops where completions run equally long, so released admission only gains
+    # here; the trade (drops that come back) is the GPU job's `_release4` to measure
+    held, released = bw.simulate(4, 40), bw.simulate(4, 40, release=4)
+    assert released["release_after_versions"] == 4 and held["release_after_versions"] is None
+    assert released["stale_drops"] == 0 and released["busy_mean"] > held["busy_mean"] + 0.1
+    assert released["steps_under_target"] == 0 < held["steps_under_target"]
+    out = bw.simulate(4, 12, release=4)
+    assert len(out["rows"]) == 12

@@ -134,11 +134,16 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # (``launch.mps=false``) is the asynchronous job without it, and ``sync`` stays without it (automatic MPS is off
 # on-policy). ``_observed`` = ``staleness.deadline_order=observed`` (twenty-second session: deadline admission counts
 # the groups started after a group in flight at the share seen to finish first, ~0 where every completion runs to
-# 512 tokens; `scripts/bench/bench_deadline_waves.py --order observed`).
+# 512 tokens; `scripts/bench/bench_deadline_waves.py --order observed`). ``_release4`` =
+# ``staleness.deadline_release_versions=4`` (twenty-fourth session: deadline admission turns off again after 4
+# weight updates without a stale drop; simulated at staleness 4, busy 86% with no stale drop against 72%,
+# `bench_deadline_waves.py --release 4`, a model with no drop at all; on the GPU the s24 `_clip` job, admission
+# on, dropped 14 samples at steps 6-7 and 3 at step 19: whether released admission drops more is the GPU's to say).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
             "extmps": ["launch.mps=false"], "nomps": ["launch.mps=false"],
             "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"],
-            "observed": ["staleness.deadline_order=observed"], "kill9": []}
+            "observed": ["staleness.deadline_order=observed"], "kill9": [],
+            "release4": ["staleness.deadline_release_versions=4"]}
 KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
 
