@@ -74,7 +74,9 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     ``finished`` (rc 0), ``stopped`` (rc 130 / 143) or ``failed: <failure>``, and ``outcome`` its one word
     (`run.state.outcome_of`). A final state is kept, except
     a trainer's ``stopped`` when the job failed (rc 1: it was stopped because its server
-    died): the job's ``failed: <failure>`` then, the trainer's state in ``trainer_state``, so that the
+    died), or its ``failed: <reason>`` with ``trainer_state: stopped`` (what it writes when the supervisor said the
+    job fails, `run.stop_reason.stop_fails`): the job's ``failed: <failure>`` then, the trainer's state in
+    ``trainer_state``, so that the
     file, the console and the exit status agree. A run that did not finish and has a complete checkpoint gets
     ``resume_command`` (and ``last_checkpoint``) when the trainer wrote none, its own final state kept or not
     (a resumed run stopped before it saved anything: the console's ``resume with:`` names the checkpoint it
@@ -89,8 +91,12 @@ def finalize_status(output_dir: str | Path, rc: int, failure: str | None) -> Non
     complete = all(key in status for key in ALWAYS_KEYS)
     with_always_keys(status)
     state = str(status.get("state", ""))
-    if state.startswith("failed") or state == "finished" or (state == "stopped" and (rc in (0, 130, 143)
-                                                                                     or not failure)):
+    # the trainer's own "failed: <the supervisor's reason>" after a stop for a failure: the supervisor's text, which
+    # names the checkpoint too, replaces it
+    told = state.startswith("failed") and status.get("trainer_state") == "stopped" and bool(failure) \
+        and rc not in (0, 130, 143)
+    if not told and (state.startswith("failed") or state == "finished"
+                     or (state == "stopped" and (rc in (0, 130, 143) or not failure))):
         added = state != "finished" and rc != 0 and _add_resume_command(output_dir, status)
         if added or not complete or status.get("outcome") != outcome_of(state):
             status["outcome"] = outcome_of(state)

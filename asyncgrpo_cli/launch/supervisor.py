@@ -554,7 +554,7 @@ class Supervisor:
                 if self.server is not None and self.server.poll() is not None:
                     code = self.server.poll()
                     write_stop_reason(self.plan.output_dir, f"the server (pid {self.server.pid}) "
-                                      f"{exit_text(code)}")
+                                      f"{exit_text(code)}", fails=True)
                     dash.print(Text(f"the server (pid {self.server.pid}) {exit_text(code)}: stopping the trainer "
                                     "(it saves its last completed step)", style="red"))
                     before = self._newest_checkpoint()

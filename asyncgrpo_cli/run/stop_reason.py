@@ -28,20 +28,37 @@ def stop_reason(output_dir: str | Path, signum: int) -> str:
     return f"{name} from the supervisor: {text}" if text else name
 
 
+FAILS_LINE = "the job fails"
+"""The second line of `STOP_REASON_FILE` when the supervisor stops the trainer because the job failed (its server
+died), not because it was asked to stop (`stop_fails`)."""
+
+
 def read_stop_reason(output_dir: str | Path) -> str | None:
-    """The supervisor's line (`STOP_REASON_FILE`), None when it wrote none."""
+    """The supervisor's line (`STOP_REASON_FILE`'s first), None when it wrote none."""
     try:
-        return (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip() or None
+        text = (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().strip()
     except OSError:
         return None
+    return text.splitlines()[0].strip() if text else None
 
 
-def write_stop_reason(output_dir: str | Path, reason: str) -> None:
-    """The supervisor's side of `stop_reason` (best effort: a missing folder only loses the reason)."""
+def stop_fails(output_dir: str | Path) -> bool:
+    """Whether the supervisor stops the trainer because the job failed (`write_stop_reason` with ``fails``): the
+    trainer then ends ``status.json`` at ``failed: <reason>`` rather than ``stopped``, as the supervisor will."""
+    try:
+        lines = (Path(output_dir) / "logs" / STOP_REASON_FILE).read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.strip() == FAILS_LINE for line in lines[1:])
+
+
+def write_stop_reason(output_dir: str | Path, reason: str, fails: bool = False) -> None:
+    """The supervisor's side of `stop_reason` (best effort: a missing folder only loses the reason). ``fails``: the
+    job fails whatever the trainer does (its server died: `stop_fails`)."""
     try:
         path = Path(output_dir) / "logs" / STOP_REASON_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(reason + "\n")
+        path.write_text(reason + "\n" + (FAILS_LINE + "\n" if fails else ""))
     except OSError:
         pass
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 import signal
 
-from ..run.stop_reason import (STOP_REASON_FILE, clear_stop_reason, own_reason, stop_reason,  # noqa: F401
-                               stop_under_way, write_stop_reason)
+from ..run.stop_reason import (STOP_REASON_FILE, clear_stop_reason, own_reason, read_stop_reason,  # noqa: F401
+                               stop_fails, stop_reason, stop_under_way, write_stop_reason)
 
 
 class StopHandling:
@@ -54,6 +54,18 @@ class StopHandling:
             return {}
         return {"stopping": f"{getattr(self, '_stop_reason', 'stop requested')}: saving the last completed "
                             f"step (step {self.state.global_step}) and stopping"}
+
+    def _stopped_status(self) -> dict:
+        """``status.json``'s final fields after a stop: ``state: stopped``; or, when the supervisor stopped the
+        trainer because the job failed (its server died: `run.stop_reason.stop_fails`), ``failed: <its reason>``
+        with ``trainer_state: stopped``, which the supervisor then completes (`launch.job_files.finalize_status`).
+        Before, the file read ``stopped`` for the seconds until the supervisor wrote ``failed`` (a fresh-user
+        trial's ``kill -9`` of the server)."""
+        reason = getattr(self, "_stop_reason", None) or "stop requested"
+        said = read_stop_reason(self.args.output_dir)
+        if not own_reason and said and stop_fails(self.args.output_dir):
+            return {"state": f"failed: {said}", "trainer_state": "stopped", "note": f"stopped by {reason}"}
+        return {"state": "stopped", "note": f"stopped by {reason}"}
 
     @property
     def exit_code(self) -> int:

@@ -263,10 +263,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 mark_final_model(args.output_dir, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.live is not None:
-            self.live.update(force=True, state="stopped" if self._stop_requested else "finished",
-                             step=self.state.global_step, server_status=None,  # nothing retries any more
-                             stopping=None, **({"note": f"stopped by {self._stop_reason}"} if self._stop_requested
-                                               else {"resume_command": None}))  # finished: nothing to resume
+            self.live.update(force=True, step=self.state.global_step, server_status=None,  # nothing retries now
+                             stopping=None, **(self._stopped_status() if self._stop_requested
+                                               else {"state": "finished", "resume_command": None}))  # nothing to resume
         self.is_in_train = False
         runtime = time.time() - start
         if self.is_world_process_zero() and not self._stop_requested:  # the log's closing line (a stop has its own)

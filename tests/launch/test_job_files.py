@@ -226,3 +226,39 @@ def test_a_trainer_stopped_before_it_wrote_a_status_leaves_one(tmp_path):
     (tmp_path / "status.json").unlink()
     finalize_status(tmp_path, 1, "the trainer exited with status 1")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed: the trainer exited with status 1"
+
+
+def test_a_trainer_stopped_for_a_failure_says_failed_at_once_and_the_supervisor_completes_it(tmp_path):
+    """Twenty-third session's leftover: after `kill -9` of the server, status.json read ``stopped`` for ~3 s (the
+    trainer's final write) before the supervisor's ``failed``. The supervisor now says the job fails in its stop
+    line, the trainer's final write reads ``failed: <that line>``, and the supervisor's fuller text replaces it."""
+    import types
+
+    from asyncgrpo_cli.run import stop_reason
+    from asyncgrpo_cli.train.stopping import StopHandling
+
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(output_dir=str(tmp_path)),
+                                    _stop_reason="SIGINT from the supervisor: the server (pid 7) was killed by SIGKILL")
+    stop_reason.write_stop_reason(tmp_path, "asyncgrpo train got SIGINT")  # the user's Ctrl-C: the trainer's stop
+    assert not stop_reason.stop_fails(tmp_path)
+    assert StopHandling._stopped_status(trainer)["state"] == "stopped"
+    stop_reason.write_stop_reason(tmp_path, "the server (pid 7) was killed by SIGKILL", fails=True)
+    assert stop_reason.stop_fails(tmp_path)
+    assert stop_reason.read_stop_reason(tmp_path) == "the server (pid 7) was killed by SIGKILL"  # the first line only
+    said = StopHandling._stopped_status(trainer)
+    assert said["state"] == "failed: the server (pid 7) was killed by SIGKILL" and said["trainer_state"] == "stopped"
+    assert said["note"] == "stopped by SIGINT from the supervisor: the server (pid 7) was killed by SIGKILL"
+    stop_reason.own_reason.append("the supervisor (pid 9) is gone")  # its own watchdog: no supervisor completes it
+    try:
+        assert StopHandling._stopped_status(trainer)["state"] == "stopped"
+    finally:
+        stop_reason.own_reason.pop()
+
+    write(tmp_path, step=2, **said)
+    finalize_status(tmp_path, 1, "the server (pid 7) was killed by SIGKILL during training; checkpoint saved: x")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == ("failed: the server (pid 7) was killed by SIGKILL during training; checkpoint saved: "
+                               "x") and status["trainer_state"] == "stopped" and status["outcome"] == "failed"
+    write(tmp_path, step=2, **said)  # no failure text from the supervisor (none given): the trainer's is kept
+    finalize_status(tmp_path, 1, None)
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == said["state"]
