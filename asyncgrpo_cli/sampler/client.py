@@ -237,8 +237,10 @@ class SamplerClient:
             # while the server is unreachable: the outage logs its start and its end once (`ServerOutage`)
             level, unsaid = self._retry_level((state.retries + state.refusals) & (state.retries + state.refusals - 1)
                                               == 0 and not self.outage.active)
+            why = self.outage.stopping() if level >= logging.WARNING and not self.outage.active else None
             log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s%s", self.base_url, route, delay,
-                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "", unsaid)
+                    self.retry_count, f"; {self.outage.status()}" if self.outage.active
+                    else f"; not waited out: the job is already stopping ({why})" if why else "", unsaid)
             await asyncio.sleep(delay)
 
     def _retry_level(self, worth_a_warning: bool) -> tuple[int, str]:

@@ -614,3 +614,26 @@ def test_a_server_dying_mid_request_is_one_retry_warning_not_one_per_request(cap
     retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
     warned = [r.getMessage() for r in retries if r.levelname == "WARNING"]
     assert len(retries) >= 16 and len(warned) == 1, warned
+
+
+def test_the_first_retry_line_of_a_stopping_job_says_it_is_not_waited_out(caplog):
+    """Twenty-third session's trial: after `kill -9` of the server, the worker's first ``retrying in 1.0 s`` line (a
+    dropped request, before the outage had started) read as a wait the job would sit out; the outage's own lines
+    already said ``not waited out``. The first retry line now says so too when the job is stopping."""
+    handler = dropping([], 1)  # the first try: the connection dropped without an answer
+
+    async def main():
+        server = await serve(handler)
+        try:
+            async with SamplerClient(url_of(server), timeout_s=5.0, backoff_base_s=0.01, backoff_max_s=0.05) as c:
+                c.outage.stop_under_way = lambda: "the server (pid 4242) was killed by SIGKILL"
+                return await asyncio.wait_for(c.generate_turn([1], PARAMS), 30)
+        finally:
+            await server.close()
+
+    with caplog.at_level("DEBUG", logger="asyncgrpo_cli.sampler.client"):
+        run(main())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "retrying in" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].endswith("; not waited out: the job is already stopping (the server (pid 4242) was killed by "
+                              "SIGKILL)"), warned
