@@ -149,6 +149,7 @@ class Dashboard:
         self.eval: dict[str, Any] | None = None  # the newest eval round record
         self._outage_kind: str | None = None  # the server_status line printed last, digits masked
         self._outage_printed_at = 0.0
+        self._server_back_at: float | None = None  # when an outage last cleared while the run went on (unix s)
         self._waiting_since: float | None = None  # first status seen before any logged step (monotonic)
         self._waiting_printed_at = 0.0
         self._waiting_from_step = 0  # status.json's step when the waiting began (a resumed run's start step)
@@ -185,7 +186,7 @@ class Dashboard:
         return DashboardView(status=self.status, history=self.history, diagnosis=self.diagnosis,
                              processes=list(self._processes), settings=self.settings, started_at=self.started_at,
                              now=time.time(), title=self.title, outcome=self.outcome or self._stop_state,
-                             eval=self.eval)
+                             eval=self.eval, server_back_at=self._server_back_at)
 
     def renderable(self):
         """The rich renderable of the current frame, `LIVE_MARGIN` columns narrower than the console: the
@@ -264,9 +265,13 @@ class Dashboard:
                                               now - self._outage_printed_at >= SERVER_STATUS_EVERY_S):
             self.console.print(str(line), markup=False, highlight=False, soft_wrap=True)
             self._outage_printed_at = now
-        elif self.mode == "plain" and not line and self._outage_kind and not str(status.get("state", "")).startswith(
+        elif not line and self._outage_kind and not str(status.get("state", "")).startswith(
                 ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
-            self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
+            self._server_back_at = time.time()  # the panels show it for a while (`SERVER_BACK_SHOW_S`)
+            if self.mode == "plain":
+                self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
+        if line:
+            self._server_back_at = None
         self._outage_kind = kind
 
     def _print_worker_status(self, status: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from .findings import held_shares
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "alert": "bold red"}
 WORKER_SILENT_AFTER_S = 20.0  # seconds without a rollout worker heartbeat shown as a problem (red; plain: a line)
+SERVER_BACK_SHOW_S = 30.0  # seconds the panels say "answering again" after a sampler server outage cleared
 
 
 @dataclass
@@ -62,6 +63,9 @@ class DashboardView:
         title: panel title (run name / output dir).
         outcome: set on the last frame, once the run has ended (``finished``, ``stopped``, ``failed``):
             the state shows it, no ETA is shown, and processes still running are shown as being stopped.
+        server_back_at: when the sampler server's last outage (``server_status``) cleared while the run went on
+            (unix seconds; None: none did): the panels say ``answering again`` for `SERVER_BACK_SHOW_S` s after,
+            as plain mode prints a line (twenty-third session's trial: after a SIGCONT the red row just vanished).
     """
 
     status: Mapping[str, Any] | None
@@ -74,6 +78,16 @@ class DashboardView:
     title: str = "asyncgrpo"
     outcome: str | None = None
     eval: Mapping[str, Any] | None = None  # the newest eval round record (README "Evaluation"), None = none yet
+    server_back_at: float | None = None
+
+    @property
+    def server_back_text(self) -> str | None:
+        """``answering again (N s ago)`` for `SERVER_BACK_SHOW_S` s after an outage cleared (`server_back_at`), while
+        no new outage line shows and the run goes on; else None."""
+        if self.server_back_at is None or (self.status or {}).get("server_status") or self.ended:
+            return None
+        ago = max(0.0, self.now - self.server_back_at)
+        return f"answering again ({ago:.0f} s ago)" if ago < SERVER_BACK_SHOW_S else None
 
     @property
     def ended(self) -> bool:
@@ -411,6 +425,8 @@ def processes_panel(view: DashboardView) -> Panel:
     server_status = (view.status or {}).get("server_status")
     if server_status:  # "server unreachable, retrying (N s left)" while an outage lasts (SPEC B.17)
         table.add_row("sampler server", "", Text(str(server_status), style="bold red"))
+    elif view.server_back_text:
+        table.add_row("sampler server", "", Text(view.server_back_text, style="green"))
     updated = num(view.status, "updated_at")
     if updated is not None and view.now - updated > 10:
         table.add_row("status.json", "", Text(f"not updated for {fmt_duration(view.now - updated)}", style="yellow"))
@@ -521,6 +537,8 @@ def compact_dashboard(view: DashboardView) -> RenderableType:
     server_status = (view.status or {}).get("server_status")
     if server_status:  # unreachable, not answering, re-push: folded onto whole lines like the error
         parts.append(Text(f"sampler server: {server_status}", style="bold red"))
+    elif view.server_back_text:
+        parts.append(Text(f"sampler server: {view.server_back_text}", style="green"))
     error = (view.status or {}).get("last_error")
     if error and not view.outcome:  # the last frame: the supervisor prints the error and its cause under it
         parts.append(Text(f"last error: {str(error)[-300:]}", style="red"))

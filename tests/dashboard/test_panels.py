@@ -561,3 +561,40 @@ def test_while_the_supervisor_stops_the_run_the_state_says_so(tmp_path):
     assert run_state(dash.view()) == "stopping: the server was killed by SIGKILL"
     dash.finish("failed")
     assert run_state(dash.view()) == "failed"
+
+
+def test_the_panels_say_answering_again_for_a_while_after_an_outage_clears(tmp_path, monkeypatch):
+    """Twenty-third session's trial: after a SIGCONT of the server the panels' red row just vanished (plain mode
+    prints "answering again"). The processes panel and the compact panel now show it, green, for 30 s."""
+    import asyncgrpo_cli.dashboard as dashboard
+    from asyncgrpo_cli.dashboard.panels import SERVER_BACK_SHOW_S, compact_dashboard, processes_panel
+
+    out = tmp_path / "run"
+    out.mkdir()
+    now = {"t": 1000.0}
+    monkeypatch.setattr(dashboard.time, "time", lambda: now["t"])
+    dash = Dashboard(out, mode="rich", console=record_console(), settings=RunSettings(), started_at=now["t"] - 5)
+
+    def shown(render) -> str:
+        console = record_console()
+        console.print(render(dash.view()))
+        return console.export_text()
+
+    for line in ("server not answering: no answer to GET /health for 15 s (...) (30 s left)", None):
+        (out / "status.json").write_text(json.dumps({"state": "running", "step": 3, "server_status": line,
+                                                     "updated_at": now["t"]}))
+        dash.poll()
+    assert dash.view().server_back_at == 1000.0
+    now["t"] += 12
+    assert "answering again (12 s ago)" in shown(processes_panel)
+    assert "sampler server: answering again (12 s ago)" in shown(compact_dashboard)
+    now["t"] += SERVER_BACK_SHOW_S
+    assert "answering again" not in shown(processes_panel)  # after a while: the row goes
+    (out / "status.json").write_text(json.dumps({"state": "running", "step": 4, "server_status": "server "
+                                                 "unreachable, retrying (60 s left)", "updated_at": now["t"]}))
+    dash.poll()
+    assert dash.view().server_back_at is None and "answering again" not in shown(processes_panel)
+    (out / "status.json").write_text(json.dumps({"state": "failed: x", "step": 4, "server_status": None,
+                                                 "updated_at": now["t"]}))
+    dash.poll()  # the run ended: nothing is "answering again"
+    assert "answering again" not in shown(processes_panel)
