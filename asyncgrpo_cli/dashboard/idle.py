@@ -375,6 +375,10 @@ def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> 
             "(README)")
 
 
+#: The newest window's ``server/silent_s`` in the windows `trainer_idle_in_waves` takes together (which average it).
+NEWEST_SILENT_KEY = "server/silent_s_newest_window"
+
+
 def _cause_server_silent(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
     """Cause 0: the server did not answer for half the trainer's wait or more (``server/silent_s`` against
     ``perf/rollout_wait_s``): stopped (SIGSTOP, Ctrl-Z) or hung, not a setting, held generation (a fresh-user
@@ -383,6 +387,12 @@ def _cause_server_silent(history: MetricsHistory, s: RunSettings, th: Thresholds
     silent, wait = num(m, "server/silent_s"), num(m, "perf/rollout_wait_s")
     if silent is None or wait is None or wait <= 0 or silent < 0.5 * wait:
         return None
+    newest = num(m, NEWEST_SILENT_KEY)  # set where windows are taken together (`trainer_idle_in_waves`)
+    if newest is not None and newest < 1.0:  # a trial's 40 s SIGSTOP still read as a silent server two steps later
+        return ("trainer_idle_server_silent",
+                f"the server did not answer for {silent:.0f} s a step on average over these steps, and answers "
+                "again in the newest (it was stopped or hung)",
+                "none: it answers again, and this share leaves the window as newer steps come")
     return ("trainer_idle_server_silent",
             f"the server did not answer for {silent:.0f} s of it (stopped or hung: see the processes panel)",
             "none in the config: a stopped server continues with kill -CONT; a hung one ends the run with a "
@@ -477,6 +487,7 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
         vals = [v for v in (num(r, key) for r in over) if v is not None]
         if vals:
             merged[key] = sum(vals) / len(vals)
+    merged[NEWEST_SILENT_KEY] = num(rows[-1], "server/silent_s")
     together = MetricsHistory(maxlen=len(history.rows))
     for r in history.rows[:-1]:  # the rules that read several windows (stale drops, rollout times) see them all
         together.push(r)

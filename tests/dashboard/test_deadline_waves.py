@@ -141,3 +141,19 @@ def test_a_silent_server_is_named_before_any_setting():
     assert "kill -CONT" in d.text
     h.push({**_window(3, 63.6), "perf/step_s": 72.3, "server/silent_s": 10.0})  # silent for a sixth: a setting
     assert trainer_idle(h, SETTINGS).rule != "trainer_idle_server_silent"
+
+
+def test_windows_taken_together_say_when_the_silent_server_answers_again():
+    """Twenty-fourth session's trial: two steps after a 40 s SIGSTOP of the server ended, the line over steps 1-3
+    still read "the server did not answer for 15 s of it (stopped or hung ...)", as if it still were."""
+    h = MetricsHistory()
+    h.push({**_window(1, 0.0), "server/silent_s": 0.0})
+    h.push({**_window(2, 48.0), "perf/step_s": 50.3, "server/silent_s": 45.0})
+    h.push({**_window(3, 1.0), "server/silent_s": 0.0})
+    d = trainer_idle_in_waves(h, SETTINGS)
+    assert d is not None and d.rule == "trainer_idle_server_silent", d
+    assert "15 s a step on average over these steps, and answers again in the newest" in d.text
+    assert "kill -CONT" not in d.text and "it answers again" in d.text
+    h.push({**_window(4, 30.0), "perf/step_s": 32.3, "server/silent_s": 28.0})  # silent again, now: as before
+    d = trainer_idle_in_waves(h, SETTINGS)
+    assert d.rule == "trainer_idle_server_silent" and "kill -CONT" in d.text and "answers again" not in d.text
