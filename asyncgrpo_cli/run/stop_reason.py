@@ -78,7 +78,16 @@ def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None)
     (``server_pid``, default the `run.state.SERVER_PID_ENV` it sets; None for an external server or the Python
     API, whose outages are waited out): the supervisor's line (`STOP_REASON_FILE`, written before it signals),
     else ``the server (pid N) exited`` once that pid no longer runs (the supervisor stops the job when the server it
-    started exits, and may not have written its line yet); None while neither holds."""
+    started exits, and may not have written its line yet); None while neither holds. Before all that, whatever the
+    server: ``the supervisor (pid P) is gone`` once the job's supervisor (`state.LOCK_OWNER_ENV`) no longer runs, or
+    this process's own reason (`own_reason`): the trainer stops then (a trial's ``kill -9`` of the supervisor was
+    followed by "every request waits for it, 1800 s more at most" in trainer.log, logged before the trainer's
+    watchdog had seen it)."""
+    if own_reason:
+        return own_reason[-1]
+    gone = _supervisor_gone()
+    if gone:
+        return gone
     if server_pid is None:
         from .state import server_pid_from_env
 
@@ -91,3 +100,18 @@ def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None)
     from .orphans import process_alive
 
     return None if process_alive(server_pid) else f"the server (pid {server_pid}) exited"
+
+
+def _supervisor_gone() -> str | None:
+    """``the supervisor (pid P) is gone`` when this process runs under `asyncgrpo train` (`state.LOCK_OWNER_ENV`,
+    a pid other than its own) and that pid no longer runs; else None."""
+    import os
+
+    from .state import LOCK_OWNER_ENV
+
+    owner = os.environ.get(LOCK_OWNER_ENV, "").strip()
+    if not owner.isdigit() or int(owner) in (0, os.getpid()):
+        return None
+    from .orphans import process_alive
+
+    return None if process_alive(int(owner)) else f"the supervisor (pid {owner}) is gone"

@@ -668,3 +668,26 @@ def test_trainer_sigkill_takes_worker_and_pool_along_and_a_server_that_stays_dow
     assert str(status_of(down_out).get("state")).startswith("failed")
     wait_for(lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family), ORPHAN_BOUND_S,
              "the failed run's worker and pool to exit")
+
+
+def test_stop_under_way_says_the_supervisor_is_gone_whatever_the_server(tmp_path, monkeypatch):
+    """Twenty-fourth session's trial: after `kill -9` of the supervisor, trainer.log read "every request waits for it,
+    1800 s more at most" (the outage began before the trainer's watchdog saw the supervisor gone). The job's
+    supervisor no longer running is a stop under way too, and the trainer's own reason is said first."""
+    from asyncgrpo_cli.run import stop_reason
+    from asyncgrpo_cli.run.state import LOCK_OWNER_ENV, SERVER_PID_ENV
+
+    monkeypatch.delenv(SERVER_PID_ENV, raising=False)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv(LOCK_OWNER_ENV, str(os.getpid()))  # this process is the supervisor (the API's own run lock)
+    assert stop_reason.stop_under_way(tmp_path) is None
+    monkeypatch.setenv(LOCK_OWNER_ENV, str(os.getppid()))  # a supervisor that runs
+    assert stop_reason.stop_under_way(tmp_path) is None
+    monkeypatch.setenv(LOCK_OWNER_ENV, str(gone.pid))
+    assert stop_reason.stop_under_way(tmp_path) == f"the supervisor (pid {gone.pid}) is gone"
+    stop_reason.own_reason.append("the supervisor (pid 77) is gone")
+    try:
+        assert stop_reason.stop_under_way(tmp_path) == "the supervisor (pid 77) is gone"
+    finally:
+        stop_reason.own_reason.pop()
