@@ -67,6 +67,13 @@ def probe_health(url: str, timeout_s: float) -> tuple[str, str]:
     return ANSWERED, ""
 
 
+def _say(line: str) -> None:
+    """A line of the trainer's log (its stdout, ``logs/trainer.log``), with the time."""
+    from .console_log import stamped
+
+    print(stamped(line), flush=True)
+
+
 class ServerWatch:
     """Probes the server's ``/health`` and tells how long it has been silent (module docstring).
 
@@ -82,13 +89,17 @@ class ServerWatch:
             None for an external server.
         every_s / probe_timeout_s / report_after_s: the probe period, one probe's timeout, and the silence
             before `status` reports it.
+        say: where the log's two lines of a silence go (default: the trainer's log, `console_log.stamped`): `status`
+            once when it is first reported, and ``... answers again after N s silent`` when it ends (before, only
+            the console's plain lines said so: a trial's trainer.log held no trace of a 45 s SIGSTOP but
+            ``server silent 45 s`` in a step line).
     """
 
     def __init__(self, url: str, timeout_s: float, *, probe: Callable[[str, float], tuple[str, str]] | None = None,
                  clock: Callable[[], float] = time.monotonic, every_s: float = PROBE_EVERY_S,
                  probe_timeout_s: float = PROBE_TIMEOUT_S, report_after_s: float = REPORT_AFTER_S,
                  on_problem: Callable[[str], None] | None = None, server_pid: int | None = None,
-                 limit_field: str = "vllm_server_timeout") -> None:
+                 limit_field: str = "vllm_server_timeout", say: Callable[[str], None] | None = None) -> None:
         from ..config.compose import hydra_path
 
         self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
@@ -105,6 +116,8 @@ class ServerWatch:
         self._silent_taken = 0.0
         self._lock = threading.Lock()
         self.last_failure = ""
+        self.say = say or _say
+        self._reported = False  # the ongoing silence was said in the log
         self.problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,19 +160,32 @@ class ServerWatch:
         now = self.clock()
         if outcome != SILENT:
             with self._lock:
-                if self.silent_since is not None:
-                    self._silent_done += now - self.silent_since
+                silent = None if self.silent_since is None else now - self.silent_since
+                if silent is not None:
+                    self._silent_done += silent
                 self.last_answer, self.silent_since = now, None
+            if self._reported and silent is not None:
+                self._reported = False
+                how = "answers again" if outcome == ANSWERED else "refuses connections now (gone?)"
+                self.say(f"sampler server at {self.url}{self._pid_text()}: {how} after {silent:.0f} s silent")
             return None
         self.last_failure = why
         with self._lock:  # `take_silent_s` reads it from the training thread
             if self.silent_since is None:
                 self.silent_since = self.last_answer
+        if not self._reported and now - self.silent_since >= self.report_after_s:
+            line = self.status()
+            if line:
+                self._reported = True
+                self.say(line)
         if now - self.silent_since >= self.timeout_s:
             self.problem = self.hung_message(now - self.silent_since)
             if self.on_problem is not None:
                 self.on_problem(self.problem)
         return self.problem
+
+    def _pid_text(self) -> str:
+        return f" (pid {self.server_pid})" if self.server_pid else ""
 
     def budget(self) -> float | None:
         """How much longer the server may stay silent before the run stops (None while it answers): the

@@ -333,3 +333,27 @@ def test_a_sync_failing_while_the_server_is_silent_is_reported_as_the_hang():
     trainer.server_watch.check()
     with pytest.raises(RuntimeError, match="timed out"):
         AsyncGRPOTrainer._raise_sync_failure(trainer, failure)
+
+
+def test_a_silence_is_said_in_the_trainers_log_when_reported_and_when_it_ends():
+    """Twenty-fourth session's trial: after a 40 s SIGSTOP of the server, trainer.log held no line of it (the
+    console's plain lines came from status.json alone). The watch now says the silence once when it reports it, and
+    when it ends."""
+    clock = Clock()
+    said: list[str] = []
+    probe, _ = scripted([SILENT, SILENT, SILENT, SILENT, ANSWERED, SILENT, SILENT, REFUSED])
+    watch = ServerWatch("http://h:1", 60.0, probe=probe, clock=clock, server_pid=4242, say=said.append)
+    for _ in range(4):  # 5, 10, 15, 20 s silent: said once, at 15 s
+        clock.now += 5
+        watch.check()
+    assert len(said) == 1 and said[0].startswith("server not answering: no answer to GET /health from the server "
+                                                 "(pid 4242) for 15 s"), said
+    clock.now += 5
+    watch.check()  # it answers
+    assert said[1:] == ["sampler server at http://h:1 (pid 4242): answers again after 25 s silent"], said
+    for _ in range(2):  # 5 and 10 s: under the report's 15 s, nothing said, nor when it ends
+        clock.now += 5
+        watch.check()
+    clock.now += 5
+    watch.check()
+    assert len(said) == 2, said
