@@ -375,10 +375,6 @@ def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> 
             "(README)")
 
 
-#: The newest window's ``server/silent_s`` in the windows `trainer_idle_in_waves` takes together (which average it).
-NEWEST_SILENT_KEY = "server/silent_s_newest_window"
-
-
 def _cause_server_silent(history: MetricsHistory, s: RunSettings, th: Thresholds) -> tuple[str, str, str] | None:
     """Cause 0: the server did not answer for half the trainer's wait or more (``server/silent_s`` against
     ``perf/rollout_wait_s``): stopped (SIGSTOP, Ctrl-Z) or hung, not a setting, held generation (a fresh-user
@@ -387,12 +383,6 @@ def _cause_server_silent(history: MetricsHistory, s: RunSettings, th: Thresholds
     silent, wait = num(m, "server/silent_s"), num(m, "perf/rollout_wait_s")
     if silent is None or wait is None or wait <= 0 or silent < 0.5 * wait:
         return None
-    newest = num(m, NEWEST_SILENT_KEY)  # set where windows are taken together (`trainer_idle_in_waves`)
-    if newest is not None and newest < 1.0:  # a trial's 40 s SIGSTOP still read as a silent server two steps later
-        return ("trainer_idle_server_silent",
-                f"the server did not answer for {silent:.0f} s a step on average over these steps, and answers "
-                "again in the newest (it was stopped or hung)",
-                "none: it answers again, and this share leaves the window as newer steps come")
     return ("trainer_idle_server_silent",
             f"the server did not answer for {silent:.0f} s of it (stopped or hung: see the processes panel)",
             "none in the config: a stopped server continues with kill -CONT; a hung one ends the run with a "
@@ -453,6 +443,23 @@ WAVE_MEAN_KEYS = ("perf/rollout_wait_s", "perf/step_s", "rollout/backpressure_s"
                   "server/silent_s")
 
 
+#: A newest window silent for less than this (seconds of ``server/silent_s``) answers again: `trainer_idle_in_waves`
+#: then leaves the older windows' silences out of their waits and steps.
+SILENCE_OVER_S = 1.0
+
+
+def _without_silence(row: dict) -> dict:
+    """``row`` with its server's silence (``server/silent_s``) taken out of the trainer's wait and step: a silence
+    that has ended is not what holds the trainer now (twenty-fourth session's trial: four steps after a 40 s SIGSTOP
+    ended, the line over the windows still named the silent server, while the embedded sampler paced the steps)."""
+    silent = num(row, "server/silent_s") or 0.0
+    wait, step = num(row, "perf/rollout_wait_s"), num(row, "perf/step_s")
+    if silent <= 0 or wait is None or step is None:
+        return row
+    cut = min(silent, wait)
+    return {**row, "perf/rollout_wait_s": wait - cut, "perf/step_s": max(step - cut, 1e-9), "server/silent_s": 0.0}
+
+
 def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSettings(),
                           th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
     """An idle trainer over the newest ``WAVE_HOLDS x th.hold_windows`` windows (at least ``hold_windows``) taken
@@ -465,7 +472,8 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     ``rollout/backpressure_s``, ``rollout/concurrency``, the generation rate and the CPU readings (`WAVE_MEAN_KEYS`)
     are averaged over them into the newest window, every ``rollout/held_{gate}_frac`` over the newest
     ``hold_windows`` of them (the gate that holds now; the rest is the newest window's own), and `trainer_idle`
-    judges it with the windows before it as logged.
+    judges it with the windows before it as logged. Once the newest window's server answers again (silent under
+    `SILENCE_OVER_S`), the older windows' silences leave their waits and steps (`_without_silence`).
 
     Returns `trainer_idle`'s finding, its text starting ``in waves over steps A-B (busy X-Y%)`` with the idlest and
     busiest windows' shares (``over steps A-B`` when fewer than two windows were busy or idle: a fresh-user trial's
@@ -475,6 +483,8 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     rows = history.rows[-WAVE_HOLDS * th.hold_windows:]
     if len(rows) < th.hold_windows or th.hold_windows < 2:
         return None
+    if (num(rows[-1], "server/silent_s") or 0.0) < SILENCE_OVER_S:
+        rows = [_without_silence(r) for r in rows]
     shares = [busy_share(r) for r in rows]
     if any(b is None for b in shares) or min(shares) >= 1 - th.high_wait_frac:
         return None
@@ -487,7 +497,6 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
         vals = [v for v in (num(r, key) for r in over) if v is not None]
         if vals:
             merged[key] = sum(vals) / len(vals)
-    merged[NEWEST_SILENT_KEY] = num(rows[-1], "server/silent_s")
     together = MetricsHistory(maxlen=len(history.rows))
     for r in history.rows[:-1]:  # the rules that read several windows (stale drops, rollout times) see them all
         together.push(r)
