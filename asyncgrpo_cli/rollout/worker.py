@@ -203,6 +203,9 @@ def _worker_main(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, paren
     if parent_pid is not None:
         bind_to_parent(parent_pid, death_signal)
     _drop_boot_signals()
+    from ..run.log_lines import stamp_package_logs
+
+    stamp_package_logs()  # its warnings go to the trainer's log: after their time, as the trainer's
     try:
         _run_loop(loop_cls, kwargs, ready_event, stop_flag, no_signal_value, stopping, rollouts_done_value)
     finally:

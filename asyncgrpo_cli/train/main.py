@@ -162,6 +162,9 @@ def _main(argv: list[str] | None, built: list) -> int:
     from ..config.models import quiet_progress_bars_without_terminal
 
     quiet_progress_bars_without_terminal()  # logs/trainer.log: no raw 'Loading weights' / 'Writing model shards' bars
+    from ..run.log_lines import stamp_package_logs
+
+    stamp_package_logs()  # logs/trainer.log: the package's warnings after their time, as the step lines
     from ..rollout.worker import RolloutWorkerError
     from .server_watch import ServerHungError
     from .sync_check import WeightSyncCheckError
