@@ -483,7 +483,9 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     rows = history.rows[-WAVE_HOLDS * th.hold_windows:]
     if len(rows) < th.hold_windows or th.hold_windows < 2:
         return None
+    left_out = 0.0
     if (num(rows[-1], "server/silent_s") or 0.0) < SILENCE_OVER_S:
+        left_out = sum(num(r, "server/silent_s") or 0.0 for r in rows)
         rows = [_without_silence(r) for r in rows]
     shares = [busy_share(r) for r in rows]
     if any(b is None for b in shares) or min(shares) >= 1 - th.high_wait_frac:
@@ -508,5 +510,6 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     span = f"steps {first:.0f}-{last:.0f}" if first is not None and last is not None else f"{len(rows)} windows"
     busy = sum(b >= 1 - th.high_wait_frac for b in shares)
     waves = "in waves over" if busy >= 2 and len(shares) - busy >= 2 else "over"  # one busy window is no wave
-    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}): {found.text}",
+    silence = f"; the server's {left_out:.0f} s of silence left out" if left_out >= SILENCE_OVER_S else ""
+    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}{silence}): {found.text}",
                      found.severity)

@@ -154,6 +154,7 @@ def test_windows_taken_together_leave_out_a_silence_that_has_ended():
     d = trainer_idle_in_waves(h, SETTINGS)
     assert d is not None and d.rule != "trainer_idle_server_silent", d
     assert "waits 1.90 s for samples" in d.text, d.text  # (0 + 3 + 2.7) / 3: the 45 s left out
+    assert "; the server's 45 s of silence left out): " in d.text, d.text  # a trial could not square step 2's busy
     h.push({**_window(4, 30.0), "perf/step_s": 32.3, "server/silent_s": 28.0})  # silent again, now: named first
     d = trainer_idle_in_waves(h, SETTINGS)
     assert d.rule == "trainer_idle_server_silent" and "kill -CONT" in d.text
