@@ -149,6 +149,7 @@ class Dashboard:
         self.eval: dict[str, Any] | None = None  # the newest eval round record
         self._outage_kind: str | None = None  # the server_status line printed last, digits masked
         self._outage_printed_at = 0.0
+        self._outage_since: float | None = None  # when the outage now shown was first seen (monotonic s)
         self._server_back_at: float | None = None  # when an outage last cleared while the run went on (unix s)
         self._waiting_since: float | None = None  # first status seen before any logged step (monotonic)
         self._waiting_printed_at = 0.0
@@ -252,12 +253,15 @@ class Dashboard:
     def _print_server_status(self, status: dict[str, Any]) -> None:
         """Plain mode: the trainer's ``server_status`` line (an outage, a silent server, a re-push) when it
         appears or changes kind, then every `SERVER_STATUS_EVERY_S` s while it lasts (not every second: the
-        count-down changes each time), and a line when it clears while the run goes on."""
+        count-down changes each time), and a line when it clears while the run goes on, with the seconds since
+        this console first saw it (``answering again after N s``; trainer.log counts from the last answer)."""
         import re
 
         line = status.get("server_status")
         kind = re.sub(r"\d+", "N", str(line)) if line else None
         now = time.monotonic()
+        if line and self._outage_since is None:
+            self._outage_since = now
         if self._stopping:
             self._outage_kind = kind
             return
@@ -269,9 +273,13 @@ class Dashboard:
                 ("finished", "stopped", "failed")):  # it cleared while the run goes on (running, or saving)
             self._server_back_at = time.time()  # the panels show it for a while (`SERVER_BACK_SHOW_S`)
             if self.mode == "plain":
-                self.console.print("sampler server: answering again", markup=False, highlight=False, soft_wrap=True)
+                lasted = now - (self._outage_since if self._outage_since is not None else now)
+                self.console.print(f"sampler server: answering again after {lasted:.0f} s", markup=False,
+                                   highlight=False, soft_wrap=True)
         if line:
             self._server_back_at = None
+        else:
+            self._outage_since = None
         self._outage_kind = kind
 
     def _print_worker_status(self, status: dict[str, Any]) -> None:

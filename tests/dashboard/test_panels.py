@@ -369,12 +369,16 @@ def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(t
     printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
     assert printed == ["server unreachable, retrying (60 s left)", "server unreachable, retrying (50 s left)",
                        "server not answering: no answer to GET /health for 15 s (...) (30 s left)",
-                       "sampler server: answering again"], printed
+                       "sampler server: answering again after 12 s"], printed
 
 
-def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_not_at_the_end(tmp_path):
+def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_not_at_the_end(tmp_path,
+                                                                                             monkeypatch):
     """A sync that waited out the outage is followed by the step's save: the status that clears the outage may
     first be seen in state ``saving`` (the smoke drill ``external-back`` printed no 'answering again')."""
+    import asyncgrpo_cli.dashboard as dashboard
+
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: 50.0)
     out = tmp_path / "run"
     out.mkdir()
     console = record_console()
@@ -384,7 +388,7 @@ def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_
         (out / "status.json").write_text(json.dumps({"state": state, "step": 2, "server_status": line}))
         dash.poll()
     printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
-    assert printed == ["server unreachable, retrying (30 s left)", "sampler server: answering again",
+    assert printed == ["server unreachable, retrying (30 s left)", "sampler server: answering again after 0 s",
                        "server unreachable, retrying (20 s left)"], printed
 
 
