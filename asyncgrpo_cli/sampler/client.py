@@ -240,7 +240,8 @@ class SamplerClient:
             why = self.outage.stopping() if level >= logging.WARNING and not self.outage.active else None
             log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s%s", self.base_url, route, delay,
                     self.retry_count, f"; {self.outage.status()}" if self.outage.active
-                    else f"; not waited out: the job is already stopping ({why})" if why else "", unsaid)
+                    else f"; the job is already stopping ({why}): the retries end with it, not at sampler.timeout"
+                    if why else "", unsaid)
             await asyncio.sleep(delay)
 
     def _retry_level(self, worth_a_warning: bool) -> tuple[int, str]:
