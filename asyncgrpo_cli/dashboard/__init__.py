@@ -253,15 +253,17 @@ class Dashboard:
     def _print_server_status(self, status: dict[str, Any]) -> None:
         """Plain mode: the trainer's ``server_status`` line (an outage, a silent server, a re-push) when it
         appears or changes kind, then every `SERVER_STATUS_EVERY_S` s while it lasts (not every second: the
-        count-down changes each time), and a line when it clears while the run goes on, with the seconds since
-        this console first saw it (``answering again after N s``; trainer.log counts from the last answer)."""
+        count-down changes each time), and a line when it clears while the run goes on, with its seconds
+        (``answering again after N s``: from the last answer of a silent server, ``server_silent_s``, as
+        trainer.log counts; from the first report of an unreachable one, which comes within a retry)."""
         import re
 
         line = status.get("server_status")
         kind = re.sub(r"\d+", "N", str(line)) if line else None
         now = time.monotonic()
-        if line and self._outage_since is None:
-            self._outage_since = now
+        if line:  # a silence is reported 15-20 s in: count from the last answer (``server_silent_s``)
+            silent = num(status, "server_silent_s") or 0.0
+            self._outage_since = min(now if self._outage_since is None else self._outage_since, now - silent)
         if self._stopping:
             self._outage_kind = kind
             return

@@ -218,6 +218,13 @@ class ServerWatch:
         """Seconds since the server last answered, while it does not (None while it answers or refuses)."""
         return None if self.silent_since is None else self.clock() - self.silent_since
 
+    def shown_silence_s(self) -> float | None:
+        """Seconds since the last answer while `status` reports the silence, else None (``status.json``
+        ``server_silent_s``: the console's ``answering again after N s`` counts from there, not from when it
+        first saw the line, 15-20 s into the silence)."""
+        silent = self.silent_s()
+        return None if silent is None or silent < self.report_after_s else round(silent, 1)
+
     def status(self) -> str | None:
         """The live line once the silence has lasted `report_after_s` (``status.json`` ``server_status``)."""
         silent = self.silent_s()

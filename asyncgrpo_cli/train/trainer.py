@@ -715,6 +715,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                          worker_pid=getattr(self.worker.process, "pid", None),  # the console's silent-worker line
                          last_step_s=round(getattr(self, "_last_step_s", 0.0), 2) or None,
                          server_status=self._server_status(),
+                         server_silent_s=getattr(getattr(self, "server_watch", None), "shown_silence_s", lambda: None)(),
                          groups_without_signal=int(self.worker.no_signal_value.value),
                          max_groups_without_signal=self.args.max_groups_without_signal,
                          dataset_start_index=self.position.value, **self._stopping_status())

@@ -372,6 +372,29 @@ def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(t
                        "sampler server: answering again after 12 s"], printed
 
 
+def test_answering_again_counts_a_silence_from_the_last_answer_not_from_its_first_report(tmp_path, monkeypatch):
+    """Twenty-fifth session's trial: a 40.7 s SIGSTOP of the server printed ``answering again after 29 s`` right
+    after ``... for 36 s``: the count began at the first report, 16 s into the silence. It now starts at the last
+    answer (status.json ``server_silent_s``), as trainer.log's ``answers again after 45 s silent`` does."""
+    import asyncgrpo_cli.dashboard as dashboard
+
+    out = tmp_path / "run"
+    out.mkdir()
+    now = {"t": 1000.0}
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
+    console = record_console()
+    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    line = "server not answering: no answer to GET /health for {} s (...) ({} s left)"
+    for silent in (16, 26, 36, None):
+        (out / "status.json").write_text(json.dumps({
+            "state": "running", "step": 2, "server_status": line.format(silent, 120 - silent) if silent else None,
+            "server_silent_s": silent}))
+        dash.poll()
+        now["t"] += 10.0 if silent != 36 else 9.0
+    printed = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert printed[-1] == "sampler server: answering again after 45 s", printed
+
+
 def test_plain_mode_says_answering_again_when_the_outage_ends_during_a_save_but_not_at_the_end(tmp_path,
                                                                                              monkeypatch):
     """A sync that waited out the outage is followed by the step's save: the status that clears the outage may

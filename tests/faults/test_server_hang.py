@@ -52,10 +52,11 @@ def test_a_silent_server_is_reported_after_15_s_and_fails_the_run_at_the_timeout
     assert watch.check() is None and watch.status() is None  # it answers
     clock.now += 5
     assert watch.check() is None and watch.silent_s() == 5.0  # silent since its last answer
-    assert watch.status() is None  # a slow moment is not reported
+    assert watch.status() is None and watch.shown_silence_s() is None  # a slow moment is not reported
     clock.now += 10
     assert watch.check() is None
     line = watch.status()
+    assert watch.shown_silence_s() == 15.0  # status.json's server_silent_s: the console counts from the last answer
     assert line is not None and line.startswith("server not answering: no answer to GET /health for 15 s"), line
     assert "sampler.timeout=60 s (45 s left)" in line
     clock.now += 45
