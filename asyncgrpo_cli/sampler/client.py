@@ -237,11 +237,10 @@ class SamplerClient:
             # while the server is unreachable: the outage logs its start and its end once (`ServerOutage`)
             level, unsaid = self._retry_level((state.retries + state.refusals) & (state.retries + state.refusals - 1)
                                               == 0 and not self.outage.active)
-            why = self.outage.stopping() if level >= logging.WARNING and not self.outage.active else None
+            if level >= logging.WARNING and not self.outage.active and self.outage.stopping():
+                level = logging.DEBUG  # a stopping job: its outage and stop lines say it all, no wait is promised
             log.log(level, "sampler %s%s: retrying in %.1f s (retry %d)%s%s", self.base_url, route, delay,
-                    self.retry_count, f"; {self.outage.status()}" if self.outage.active
-                    else f"; the job is already stopping ({why}): the retries end with it, not at sampler.timeout"
-                    if why else "", unsaid)
+                    self.retry_count, f"; {self.outage.status()}" if self.outage.active else "", unsaid)
             await asyncio.sleep(delay)
 
     def _retry_level(self, worth_a_warning: bool) -> tuple[int, str]:

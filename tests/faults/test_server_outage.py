@@ -314,6 +314,19 @@ def test_weight_sync_failures_that_are_not_the_server_going_away_are_final():
     assert [c[0] for c in backend.calls].count("reconnect") == 2  # MAX_PUSH_ATTEMPTS = 3 attempts
 
 
+def test_a_sync_the_server_went_away_during_is_not_pushed_again_once_the_job_is_stopping():
+    """Twenty-fifth session's trial: after `kill -9` of the server, trainer.log said "pushing the whole version
+    again once the server answers (attempt 2 of 3)", then "its weight sync was abandoned by the stop": a stopping
+    job (`ServerOutage.stopping`) now fails the sync at once, with no promise of another push."""
+    from asyncgrpo_cli.train.weight_sync import WeightSyncError
+
+    backend = FlakyBackend(lost())
+    backend.client.outage.stop_under_way = lambda: "the server (pid 4242) exited"
+    with pytest.raises(WeightSyncError, match="connection|failed"):
+        weight_sync_over(backend).sync(3)
+    assert backend.calls == [("sync", 3)]
+
+
 def test_push_current_reconnects_first_and_republishes_the_current_version():
     backend = FlakyBackend()
     weight_sync_over(backend).push_current(4)

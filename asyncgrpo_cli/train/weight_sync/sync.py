@@ -184,7 +184,8 @@ class WeightSync:
                     timings = (self.backend.push_current if again else self.backend.sync)(self.source, version)
                 except WeightSyncError as exc:
                     error = exc
-                retry = error is not None and attempt < MAX_PUSH_ATTEMPTS and server_went_away(error, before, outage)
+                retry = (error is not None and attempt < MAX_PUSH_ATTEMPTS and server_went_away(error, before, outage)
+                         and not (outage is not None and outage.stopping()))  # a stopping job pushes no more
                 decision = "ok" if error is None else "retry" if retry else "failed"
             else:
                 t0 = now()
