@@ -49,6 +49,7 @@ from asyncgrpo_cli.train.gated_deltanet import GatedDeltaNetUnavailable
 from asyncgrpo_cli.train.loss import LossConfig
 from asyncgrpo_cli.train.packed_loss import install_loss_head, row_loss
 from asyncgrpo_cli.train.batcher import TokenBudgetBatcher
+from asyncgrpo_cli.train.checkpointing import enable_activation_checkpointing
 from asyncgrpo_cli.train.packing import pack_row
 from asyncgrpo_cli.train.tree_attention import apply_tree_attention
 
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="qwen3.5-2b", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="bench_out", help="folder for GDN_<shape>.json")
+    ap.add_argument("--no-activation-checkpointing", action="store_true",
+                    help="keep every layer's activations (the trainer checkpoints every layer by default, SPEC "
+                         "§16.4; without it the 2B shape's 16K-token tree row ran out of an H100's 80 GB)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda (the default): no CUDA GPU is visible here. This benchmark times a GPU; "
@@ -206,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_meta(args.device, args.shape)
     completion, groups, budget = WORKLOADS[args.shape]
     meta["workload"] = dict(group=GROUP, groups=groups, prompt=PROMPT_RATIO * completion, completion=completion,
-                            token_budget=budget, steps=args.steps)
+                            token_budget=budget, steps=args.steps,
+                            activation_checkpointing=not args.no_activation_checkpointing)
     started = time.perf_counter()
     partial = dict(meta)
     model = build_model(args.shape, args.device)
+    model.train()
+    if not args.no_activation_checkpointing:  # as the trainer does (non-reentrant, every layer)
+        enable_activation_checkpointing(model)
     _progress(path, partial, "model built", started)
     try:
         backend = apply_tree_attention(model, "flex" if args.device == "cuda" else "sdpa")

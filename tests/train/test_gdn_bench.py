@@ -20,6 +20,7 @@ def test_cpu_self_check_writes_versions_and_figures(tmp_path, capsys):
     for key in ("torch", "triton", "fla-core", "tilelang", "transformers", "date", "device", "gdn_kernel"):
         assert key in result
     assert result["gdn_kernel"] == "torch"
+    assert result["workload"]["activation_checkpointing"] is True  # as the trainer (an H100 OOM'd without it)
     assert 3.0 < result["packing_ratio"] < 3.5  # 8 rollouts, prompt 4 × completion
     assert result["forwarded_tokens"]["plain"] > 3 * result["forwarded_tokens"]["tree"]
     assert result["loss"]["tree"] == pytest.approx(result["loss"]["plain"], rel=1e-4, abs=1e-4)
