@@ -348,17 +348,23 @@ def test_the_trainer_busy_share_in_the_panels_and_the_plain_line():
     assert any("trainer busy" in ln and "—" in ln for ln in console.export_text().splitlines())
 
 
-def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(tmp_path, monkeypatch):
-    """An outage's count-down changes every second: the plain log prints it when it appears or changes kind
-    (unreachable, silent, re-push), then every 10 s, and says when the server answers again."""
+def plain_dashboard_on_a_clock(tmp_path, monkeypatch, start: float):
+    """A plain-mode `Dashboard` over ``tmp_path/run`` whose monotonic clock is ``now["t"]`` (from ``start``)."""
     import asyncgrpo_cli.dashboard as dashboard
 
     out = tmp_path / "run"
     out.mkdir()
-    now = {"t": 100.0}
+    now = {"t": start}
     monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
     console = record_console()
     dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    return out, now, console, dash
+
+
+def test_plain_mode_prints_a_lasting_server_status_every_10_s_not_every_second(tmp_path, monkeypatch):
+    """An outage's count-down changes every second: the plain log prints it when it appears or changes kind
+    (unreachable, silent, re-push), then every 10 s, and says when the server answers again."""
+    out, now, console, dash = plain_dashboard_on_a_clock(tmp_path, monkeypatch, 100.0)
     lines = ["server unreachable, retrying (60 s left)", "server unreachable, retrying (59 s left)",
              "server unreachable, retrying (51 s left)", "server unreachable, retrying (50 s left)",
              "server not answering: no answer to GET /health for 15 s (...) (30 s left)", None]
@@ -376,14 +382,7 @@ def test_answering_again_counts_a_silence_from_the_last_answer_not_from_its_firs
     """Twenty-fifth session's trial: a 40.7 s SIGSTOP of the server printed ``answering again after 29 s`` right
     after ``... for 36 s``: the count began at the first report, 16 s into the silence. It now starts at the last
     answer (status.json ``server_silent_s``), as trainer.log's ``answers again after 45 s silent`` does."""
-    import asyncgrpo_cli.dashboard as dashboard
-
-    out = tmp_path / "run"
-    out.mkdir()
-    now = {"t": 1000.0}
-    monkeypatch.setattr(dashboard.time, "monotonic", lambda: now["t"])
-    console = record_console()
-    dash = Dashboard(out, mode="plain", console=console, settings=RunSettings(), started_at=time.time() - 5)
+    out, now, console, dash = plain_dashboard_on_a_clock(tmp_path, monkeypatch, 1000.0)
     line = "server not answering: no answer to GET /health for {} s (...) ({} s left)"
     for silent in (16, 26, 36, None):
         (out / "status.json").write_text(json.dumps({
