@@ -185,7 +185,7 @@ class WeightSync:
                 except WeightSyncError as exc:
                     error = exc
                 retry = (error is not None and attempt < MAX_PUSH_ATTEMPTS and server_went_away(error, before, outage)
-                         and not (outage is not None and outage.stopping()))  # a stopping job pushes no more
+                         and not getattr(outage, "stopping", lambda: None)())  # a stopping job pushes no more
                 decision = "ok" if error is None else "retry" if retry else "failed"
             else:
                 t0 = now()
