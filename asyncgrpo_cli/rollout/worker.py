@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..run.log_lines import say
 from ..run.orphans import set_parent_death_signal
 from .completions import CompletionRecords
 from .evaluation import EvalResult
@@ -228,8 +229,8 @@ def _run_loop(loop_cls, kwargs: dict[str, Any], ready_event, stop_flag, no_signa
         while not stop_flag.value and not (stopping is not None and stopping.value):
             time.sleep(0.2)
         if not stop_flag.value:  # the trainer began a stop: nothing generated now would be trained
-            print("asyncgrpo rollout worker: the trainer is stopping: generation ends (no request is retried "
-                  "any more)", file=sys.stderr, flush=True)
+            say("asyncgrpo rollout worker: the trainer is stopping: generation ends (no request is retried "
+                "any more)", sys.stderr)
         loop.stop()
 
     threading.Thread(target=watch_stop, name="stop-watch", daemon=True).start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import TextIO
 
 PACKAGE_LOGGER = "asyncgrpo_cli"
@@ -33,3 +34,12 @@ def stamp_package_logs(stream: TextIO | None = None) -> bool:
     logger.addHandler(handler)
     logger.propagate = False
     return True
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """Print one event line of a trainer or worker process to ``stream`` (default ``sys.stdout``), after its
+    ``HH:MM:SS`` time when ``stream`` is not a terminal (a run's log), as its warnings are (`stamp_package_logs`)."""
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    stamp = "" if isatty is not None and isatty() else time.strftime(TIME_FORMAT) + " "
+    print(stamp + line, file=stream, flush=True)

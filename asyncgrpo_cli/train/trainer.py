@@ -36,6 +36,7 @@ from .compile import compile_decoder_layers
 from .console_log import stamped, use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, SpanClock, step_flops
+from ..run.log_lines import say
 from ..run.state import LiveFiles, TrainedPosition, mark_final_model
 from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
@@ -547,8 +548,8 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                             raise
                         sync_error = exc  # the step is trained: log it (its metrics line), then fail and save it
                     else:
-                        print(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was "
-                              f"abandoned by the stop ({exc})", flush=True)
+                        say(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was "
+                            f"abandoned by the stop ({exc})")
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s, host_times), optimizer_s, sync, peak, trained_version)
             if sync_error is not None:
