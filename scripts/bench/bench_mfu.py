@@ -3,6 +3,7 @@
     python scripts/bench/bench_mfu.py --out scripts/bench/results            # Qwen3-1.7B shape, 16K-token rows
     python scripts/bench/bench_mfu.py --device cpu --shape tiny --out /tmp/benchout   # checks the script only
     python scripts/bench/bench_mfu.py --compile --every-n-layers 2   # checkpoint every other layer (P3_every2_*)
+    python scripts/bench/bench_mfu.py --precision autocast   # float32 weights, bf16 autocast, as the recipes (P3_autocast_*)
 
 Workload: GRPO groups of G = 8 samples (prompt ``--prompt`` tokens shared by the group, ``--completion`` trained
 tokens each) tree-packed by the product's ``TokenBudgetBatcher`` + ``pack_row`` into ``--rows`` rows of at most
@@ -196,6 +197,9 @@ def main() -> int:
                     help="checkpoint every N-th layer only (trainer.activation_checkpointing_kwargs.every_n_layers)")
     ap.add_argument("--objective", default="centering", choices=("centering", "clipped"),
                     help="loss objective (default: score centering, the config default)")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "autocast"),
+                    help="bf16: bf16 weights (the default); autocast: float32 weights, the forward under bf16 "
+                         "autocast (the recipes' model.dtype=float32 with trainer.bf16)")
     ap.add_argument("--out", default=str(bp.ROOT / "scripts" / "bench" / "results"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script")
     bp.add_profile_args(ap)
@@ -212,8 +216,9 @@ def main() -> int:
     sizes = (4096, 8192, 16384) if ns.device == "cuda" else (128, 256)
     peak, peak_by_size = measure_matmul_peak(ns.device, dtype, sizes)
 
+    autocast = ns.precision == "autocast"
     model, backend = bp.setup_model(ns.shape, ns.attention, checkpointing, compile=ns.compile,
-                                    every_n_layers=ns.every_n_layers)
+                                    every_n_layers=ns.every_n_layers, dtype=torch.float32 if autocast else None)
     on, of = checkpointed_layers(model)
     if ns.profile:
         bp.install_markers(model)
@@ -228,7 +233,7 @@ def main() -> int:
     flops = step_flops(params, shape["hidden_size"], bp.VOCAB, shape["head_dim"], shape["num_attention_heads"],
                        shape["num_hidden_layers"], forwarded, trained, pairs, on / of if of else checkpointing)
 
-    step = bp.packed_step(model, rows, cfg)
+    step = bp.packed_step(model, rows, cfg, autocast=torch.bfloat16 if autocast else None)
     loss = step()
     if not math.isfinite(loss):
         sys.exit(f"P3: the loss is {loss}; not timing a broken step")
@@ -242,7 +247,9 @@ def main() -> int:
     result = dict(
         bp.run_meta(ns.shape), target_id="P3", attention=backend, activation_checkpointing=checkpointing,
         every_n_layers=ns.every_n_layers if checkpointing else None, checkpointed_layers=[on, of],
-        objective=ns.objective, torch_compile=ns.compile, dtype=str(dtype).replace("torch.", ""), G=G, prompt=prompt, completion=completion,
+        objective=ns.objective, torch_compile=ns.compile, dtype=str(dtype).replace("torch.", ""),
+        precision=ns.precision, weights_dtype="float32" if autocast else str(dtype).replace("torch.", ""), G=G,
+        prompt=prompt, completion=completion,
         token_budget=budget, rows=len(rows), row_tokens=[r.num_tokens for r in rows], steps=ns.steps,
         forwarded_tokens=forwarded, trained_tokens=trained, sample_tokens=sample_tokens,
         packing_ratio=sample_tokens / forwarded, tree_mask_pairs=pairs, parameters=params,
@@ -264,7 +271,8 @@ def main() -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     every = f"_every{ns.every_n_layers}" if checkpointing and ns.every_n_layers > 1 else ""
-    path = out / bp.result_name(f"P3{every}", ns.shape, ns.compile)
+    precision = "_autocast" if autocast else ""
+    path = out / bp.result_name(f"P3{every}{precision}", ns.shape, ns.compile)
     path.write_text(json.dumps(result, indent=1))
     if ns.profile:
         bp.profile_variant(step, f"{ns.shape}_P3_tree{'_compiled' * ns.compile}", Path(ns.profile), ns.profile_steps, ns.trace)

@@ -7,6 +7,8 @@
 #   bash scripts/gpu/run_benches.sh p3      P3 (MFU, Qwen3-1.7B shape, 16K-token rows)
 #   bash scripts/gpu/run_benches.sh prof    torch.profiler buckets of P1 (0.6B) and P3
 #   bash scripts/gpu/run_benches.sh p3c     P3 with trainer.torch_compile=true (--compile), then P3 eager
+#   bash scripts/gpu/run_benches.sh p3a     P3 eager as the recipes train (float32 weights, bf16 autocast:
+#                                           P3_autocast_*), then with bf16 weights: what float32 weights cost
 #   bash scripts/gpu/run_benches.sh p3e     P3 compiled with every 2nd, then every 4th layer checkpointed
 #                                           (trainer.activation_checkpointing_kwargs.every_n_layers; P3_every<N>_*)
 #   bash scripts/gpu/run_benches.sh p0.6c   P1/P2/P4/M1 at 0.6B with --compile (the padded baseline stays eager)
@@ -33,6 +35,8 @@ case "${1:-}" in
           --profile "$OUT/prof" ;;
   p3c)  timeout 320 python3 scripts/bench/bench_mfu.py --compile --out "$OUT/results"
         timeout 220 python3 scripts/bench/bench_mfu.py --out "$OUT/results" ;;
+  p3a)  timeout 170 python3 scripts/bench/bench_mfu.py --precision autocast --steps 5 --out "$OUT/results"
+        timeout 150 python3 scripts/bench/bench_mfu.py --steps 5 --out "$OUT/results" ;;
   p3e)  timeout 280 python3 scripts/bench/bench_mfu.py --compile --every-n-layers 2 --out "$OUT/results"
         timeout 260 python3 scripts/bench/bench_mfu.py --compile --every-n-layers 4 --out "$OUT/results" ;;
   p0.6c) timeout "$limit" python3 scripts/bench/bench_packing.py --shape qwen3-0.6b --compile --out "$OUT/results" ;;
@@ -48,5 +52,5 @@ case "${1:-}" in
           --profile "$OUT/prof"; timeout 300 python3 scripts/bench/bench_small.py --rows early --compile --steps 4 \
           --out "$OUT/prof" --profile "$OUT/prof" ;;
   router) timeout 120 python3 scripts/bench/bench_router.py --out "$OUT/results" ;;
-  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p3e|p0.6c|p1.7c|profc|host|e1t|e1tprof|router" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run_benches.sh p0.6|p1.7|p3|prof|p3c|p3a|p3e|p0.6c|p1.7c|profc|host|e1t|e1tprof|router" >&2; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
@@ -134,6 +135,25 @@ def test_p3_checkpointing_every_other_layer_counts_half_the_recomputation(tiny_c
     full = bm.step_flops(r["parameters"], r["hidden"], r["vocab"], r["head_dim"], r["query_heads"], r["layers"],
                          r["forwarded_tokens"], r["trained_tokens"], r["tree_mask_pairs"], True)
     assert expected["model"] == full["model"] and expected["hardware"] < full["hardware"]
+
+
+def test_p3_autocast_precision_trains_float32_weights_under_bf16_autocast(tiny_cpu, monkeypatch):
+    """``--precision autocast`` is the recipes' ``model.dtype=float32`` with ``trainer.bf16``: float32 weights, the
+    step under bf16 autocast, its own result file beside the bf16-weight one."""
+    seen = []
+    real = bp.packed_step
+
+    def spy(model, rows, cfg, **kwargs):
+        seen.append((next(model.parameters()).dtype, kwargs.get("autocast")))
+        return real(model, rows, cfg, **kwargs)
+
+    monkeypatch.setattr(bp, "packed_step", spy)
+    monkeypatch.setattr(sys, "argv", ["bench_mfu.py", "--device", "cpu", "--shape", "tiny", "--steps", "1", "--out",
+                                      str(tiny_cpu / "out"), "--precision", "autocast"])
+    assert bm.main() == 0
+    r = json.loads((tiny_cpu / "out" / "P3_autocast_tiny.json").read_text())
+    assert r["precision"] == "autocast" and r["weights_dtype"] == "float32"
+    assert seen == [(torch.float32, torch.bfloat16)]
 
 
 def test_completion_spread_and_padded_token_count():

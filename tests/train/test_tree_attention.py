@@ -103,6 +103,40 @@ def test_packed_logprobs_match_unpacked(model_dir, backend):
     assert expected.std() > 0.1  # the check is not vacuous
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_packed_logprobs_match_unpacked_under_bf16_autocast(model_dir, backend, monkeypatch):
+    """The recipes' precision, ``model.dtype=float32`` with ``trainer.bf16``: float32 weights, the forward under bf16
+    autocast. Qwen3's q_norm/k_norm then hand attention a float32 query and key beside a bf16 value; stock SDPA is
+    autocast, while FlexAttention (no autocast op; it accepts a query of higher precision than its key and value)
+    computes its scores from the float32 query and key. Casting them to bf16 first bought nothing on the GPU
+    (1,790 against 1,796 ms for the 1.7B shape's P3 step, one H100, 2026-12-07: NOTES), so the kernel keeps the
+    model's dtypes; packed log-probs still match the unpacked ones under the same autocast, to bf16 precision."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from asyncgrpo_cli.train import tree_attention as ta
+
+    seen = []
+
+    def spy_flex(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return flex_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ta, "_flex_fn", lambda device: spy_flex)
+    ref, model = _load(model_dir), _load(model_dir)
+    assert apply_tree_attention(model, backend) == backend
+    samples = _samples(model.config.vocab_size)
+    row = pack_row(samples)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _unpacked_logprobs(ref, samples)
+        with torch.no_grad():
+            got = _packed_logprobs(model, row)
+    if backend == "flex":
+        assert seen == [(torch.float32, torch.float32, torch.bfloat16)] * model.config.num_hidden_layers, seen
+    assert expected.std() > 0.1
+    assert (got - expected).abs().max().item() <= 0.1  # bf16 precision (float32 throughout: <= 1e-5 above)
+
+
 def test_packed_hidden_states_match_per_token(model_dir):
     """Stronger than log-probs: every sample's every token has its unpacked hidden state."""
     ref = _load(model_dir)
