@@ -367,7 +367,8 @@ def realistic_assets(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["async", "sync", "async_clip", "sync_clip", "async_mps", "async_clip_mps",
                                   "async_compile", "sync_compile", "async_stale8", "async_mps_stale8",
                                   "async_extmps", "async_mps_stale8_kill9", "async_nomps", "async_observed",
-                                  "async_clip_release4"])
+                                  "async_clip_release4", "async_clip_compile", "sync_clip_compile",
+                                  "async_clip_stale8"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
