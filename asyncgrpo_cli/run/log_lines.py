@@ -15,7 +15,7 @@ import time
 from typing import TextIO
 
 PACKAGE_LOGGER = "asyncgrpo_cli"
-TIME_FORMAT = "%H:%M:%S"  # `train.console_log.stamped`'s
+TIME_FORMAT = "%H:%M:%S"  # every stamped line's: `stamped`, `stamp_package_logs`
 
 
 def stamp_package_logs(stream: TextIO | None = None) -> bool:
@@ -36,10 +36,15 @@ def stamp_package_logs(stream: TextIO | None = None) -> bool:
     return True
 
 
+def stamped(line: str) -> str:
+    """``line`` after the local wall-clock time, ``23:14:05 step 3/8 | ...``: how a line reads in a log file."""
+    return f"{time.strftime(TIME_FORMAT)} {line}"
+
+
 def say(line: str, stream: TextIO | None = None) -> None:
     """Print one event line of a trainer or worker process to ``stream`` (default ``sys.stdout``), after its
-    ``HH:MM:SS`` time when ``stream`` is not a terminal (a run's log), as its warnings are (`stamp_package_logs`)."""
+    ``HH:MM:SS`` time (`stamped`) when ``stream`` is not a terminal (a run's log), as its warnings are
+    (`stamp_package_logs`)."""
     stream = sys.stdout if stream is None else stream
     isatty = getattr(stream, "isatty", None)
-    stamp = "" if isatty is not None and isatty() else time.strftime(TIME_FORMAT) + " "
-    print(stamp + line, file=stream, flush=True)
+    print(line if isatty is not None and isatty() else stamped(line), file=stream, flush=True)

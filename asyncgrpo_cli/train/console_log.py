@@ -11,11 +11,11 @@ and the supervisor's own panel shows the progress; each line then starts with th
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..run.log_lines import stamped
 from ..run.metrics_line import metrics_line
 
 
@@ -33,11 +33,6 @@ class PlainProgressCallback(ProgressCallback):
         line = _line(args, state, logs)
         if state.is_world_process_zero and self.training_bar is not None and line:
             self.training_bar.write(line)
-
-
-def stamped(line: str) -> str:
-    """``line`` after the local wall-clock time, ``23:14:05 step 3/8 | ...``: how a line reads in a log file."""
-    return f"{time.strftime('%H:%M:%S')} {line}"
 
 
 class PlainPrinterCallback(PrinterCallback):
