@@ -88,10 +88,12 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
                          "rollout/concurrency, rollout/score_queue_size", WARN)
     if bl == "high":
         held = _holding_gate(m)
+        faster = _faster_trainer(m, settings)
         if held is not None and held[0] != "allowance":  # another gate held the producer: name it, not staleness
             return Diagnosis("trainer_bound",
                              f"trainer-bound: generation waits {bp:.2f} s {_GATE_TEXT[held[0]](m, settings)} (held "
-                             f"{held[1]:.0%} of the window; expected when inference is faster than training)", INFO)
+                             f"{held[1]:.0%} of the window; expected when inference is faster than training){faster}",
+                             INFO)
         stale = num(m, "sample/staleness_mean")
         full = queue is not None and per_step is not None \
             and queue >= th.queue_full_frac * settings.max_staleness * per_step
@@ -99,12 +101,22 @@ def bottleneck(m: Mapping[str, Any], settings: RunSettings = RunSettings(),
         extra += ", queue holds ~max_staleness steps" if full else ""
         return Diagnosis("trainer_bound",
                          f"trainer-bound: generation waits {bp:.2f} s for the staleness limit{extra} (expected when "
-                         "inference is faster than training)", INFO)
+                         f"inference is faster than training){faster}", INFO)
     if wl in ("zero", None) and bl in ("zero", None):
         return Diagnosis("balanced", "balanced (no waits)", OK)
     return Diagnosis("balanced",
                      f"balanced (small waits: trainer {_wait_text(wait, step_s)}, generation "
                      f"{'?' if bp is None else f'{bp:.2f} s'})", OK)
+
+
+def _faster_trainer(m: Mapping[str, Any], settings: RunSettings) -> str:
+    """The trainer-bound line's way to a faster step: ``trainer.torch_compile=true`` for a trainer on a GPU (it logs
+    ``perf/gpu_memory_peak_gib``) that does not compile (issue #42: the trainer's own step bounds a 1.7B job at 512
+    tokens); empty otherwise, and when the config is unknown (``settings.torch_compile`` None)."""
+    if settings.torch_compile is not False or num(m, "perf/gpu_memory_peak_gib") is None:
+        return ""
+    return ("; to shorten the trainer's step: trainer.torch_compile=true (compiles each layer; the first step takes a "
+            "minute or two longer; README: One GPU)")
 
 
 #: What holds the producer at each gate of `asyncgrpo_cli.rollout.holds` (``rollout/held_{gate}_frac``), in words.

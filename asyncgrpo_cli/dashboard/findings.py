@@ -99,6 +99,7 @@ class RunSettings:
         in_flight_estimate: ``staleness.in_flight_estimate`` (``mean`` or ``kept``).
         deadline_release_versions: ``staleness.deadline_release_versions`` (None: deadline admission stays on).
         deadline_order: ``staleness.deadline_order`` (``pessimistic`` or ``observed``).
+        torch_compile: ``trainer.torch_compile``; None = unknown (no hint that depends on it).
     """
 
     max_staleness: int = 4
@@ -119,6 +120,7 @@ class RunSettings:
     in_flight_estimate: str = "mean"
     deadline_release_versions: int | None = None
     deadline_order: str = "pessimistic"
+    torch_compile: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -142,7 +144,8 @@ class RunSettings:
                    engines=int(cfg.sampler.get("engines", 1)),
                    in_flight_estimate=str(cfg.staleness.get("in_flight_estimate", "mean")),
                    deadline_release_versions=cfg.staleness.get("deadline_release_versions", None),
-                   deadline_order=str(cfg.staleness.get("deadline_order", "pessimistic")))
+                   deadline_order=str(cfg.staleness.get("deadline_order", "pessimistic")),
+                   torch_compile=bool(cfg.trainer.get("torch_compile", False)))
 
 
 class MetricsHistory:

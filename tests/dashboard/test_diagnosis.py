@@ -76,6 +76,24 @@ def test_trainer_bound():
     assert "staleness 3.6/4" in d.text and "max_staleness steps" in d.text
 
 
+def test_trainer_bound_on_a_gpu_names_torch_compile_when_it_is_off():
+    """Issue #42: the 1.7B job at 512 tokens is bound by the trainer's own step (generation waits for the staleness
+    limit); the line names the lever, `trainer.torch_compile=true`, for a trainer on a GPU that does not compile."""
+    m = {"rollout/queue_size": 40, "perf/rollout_wait_s": 0.0, "perf/step_s": 3.0, "rollout/backpressure_s": 2.5,
+         "batch/samples_per_step": 62, "sample/staleness_mean": 4.0, "perf/gpu_memory_peak_gib": 33.0}
+    off = dataclasses.replace(SETTINGS, torch_compile=False)
+    d = bottleneck(m, off)
+    assert d.rule == "trainer_bound" and d.text.endswith(
+        "(expected when inference is faster than training); to shorten the trainer's step: trainer.torch_compile=true "
+        "(compiles each layer; the first step takes a minute or two longer; README: One GPU)")
+    held = bottleneck({**m, "rollout/held_deadline_frac": 0.9}, off)
+    assert "deadline admission" in held.text and "trainer.torch_compile=true" in held.text
+    assert "torch_compile" not in bottleneck(m, dataclasses.replace(SETTINGS, torch_compile=True)).text
+    assert "torch_compile" not in bottleneck(m, SETTINGS).text  # the config unknown
+    cpu = {k: v for k, v in m.items() if k != "perf/gpu_memory_peak_gib"}
+    assert "torch_compile" not in bottleneck(cpu, off).text  # a CPU trainer: compiling is not the lever there
+
+
 def test_staleness_too_tight():
     d = bottleneck({"perf/rollout_wait_s": 0.4, "rollout/backpressure_s": 0.5, "perf/step_s": 1.0}, SETTINGS)
     assert d.rule == "staleness_too_tight" and d.severity == WARN and "raise staleness.max_staleness (now 4)" in d.text
@@ -510,6 +528,8 @@ def test_run_settings_from_the_one_gpu_recipe_config():
     assert (s.backend, s.api_server_count, s.sampler_extra_args, s.num_sampler_logprobs) == \
         ("vllm", 1, ("--enforce-eager",), 8)
     assert (s.max_staleness, s.weight_sync_steps, s.token_budget, s.max_model_len, s.lora) == (2, 1, 4096, 512, False)
+    assert s.torch_compile is False
+    assert RunSettings.from_config(compose(["+recipe=arith_vllm_1gpu", "trainer.torch_compile=true"])).torch_compile
     # every suggested override composes
     fixed = compose(["+recipe=arith_vllm_1gpu", "sampler.api_server_count=8", "sampler.extra_args=[]",
                      "staleness.max_staleness=4", "packing.token_budget=8192", "staleness.max_concurrent_rollouts=512",
