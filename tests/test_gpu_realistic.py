@@ -95,6 +95,20 @@ def test_trl_figures_plan_and_exact_error():
         "RuntimeError: NCCL error: duplicate GPU"
 
 
+def test_trl_plans_from_this_machines_newest_asynchronous_run_a_variant_included(tmp_path):
+    """The s26 TRL run found no plain realistic_job_async.json in the work folder (the asynchronous run was
+    ``_clip_release4``), planned from s18's committed run and ran 29 steps against our 20. The newest
+    asynchronous result of the work folder wins now; on-policy ones do not count."""
+    import os
+
+    assert realistic_trl.async_result_path(tmp_path) == next(p for p in realistic_trl.ASYNC_RESULTS[1:] if p.exists())
+    older, newer = tmp_path / "realistic_job_async.json", tmp_path / "realistic_job_async_clip_release4.json"
+    for path, t in ((older, 1000), (newer, 2000), (tmp_path / "realistic_job_sync_clip.json", 3000)):
+        path.write_text("{}")
+        os.utime(path, (t, t))
+    assert realistic_trl.async_result_path(tmp_path) == newer
+
+
 def test_combine_computes_ours_over_trl_and_the_targets(tmp_path):
     ours = {"summary": {"steps_measured": 5, "trained_tokens_per_s": 6000.0, "trainer_busy_frac": 0.75,
                         "generated_tokens_per_s": 7000.0, "weight_sync_s": 0.6},

@@ -39,9 +39,18 @@ ASYNC_RESULTS = [R.WORK / "realistic_job_async.json",
                  R.ROOT / "scripts" / "gpu" / "results" / "vllm033" / "realistic_job_async_s18.json"]  # 2026-12-06
 
 
+def async_result_path(work: Path | None = None) -> Path | None:
+    """The asynchronous run TRL's plan follows: this machine's newest ``realistic_job_async*.json`` in ``work``
+    (default `realistic.WORK`; a variant such as ``_clip_release4`` included: the s26 TRL run, finding no plain
+    ``realistic_job_async.json`` there, planned from s18's committed run and ran 29 steps against our 20), else the
+    first of `ASYNC_RESULTS` that exists."""
+    here = sorted((work or R.WORK).glob("realistic_job_async*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return here[0] if here else next((p for p in ASYNC_RESULTS[1:] if p.exists()), None)
+
+
 def trl_plan(async_result: dict | None) -> dict:
     """Steps and completions per step for TRL: as many completions as our asynchronous run trained, in steps of
-    about its completions per step (rounded to a multiple of 8). The run is `ASYNC_RESULTS`' first; without one,
+    about its completions per step (rounded to a multiple of 8). The run is `async_result_path`'s; without one,
     960 in steps of 48. ``TRL_COMPLETIONS`` / ``TRL_PER_STEP`` win over both."""
     total, per_step, source = DEFAULT_COMPLETIONS, DEFAULT_PER_STEP, "default"
     rows = (async_result or {}).get("rows") or []
@@ -190,7 +199,7 @@ def phase_trl(mode: str = "colocate") -> int:
     if mode not in ("colocate", "server"):
         print(f"realistic.py trl {mode!r}: use colocate or server")
         return 2
-    async_json = next((p for p in ASYNC_RESULTS if p.exists()), None)
+    async_json = async_result_path()
     async_result = json.loads(async_json.read_text()) if async_json else None
     result: dict = {"issue": 42, "phase": f"trl {mode}", "versions": R.versions(), "stand_in": R.build(),
                     "plan": {**trl_plan(async_result), "from": str(async_json) if async_json else None}, "runs": {}}
