@@ -198,8 +198,9 @@ def main() -> int:
     ap.add_argument("--objective", default="centering", choices=("centering", "clipped"),
                     help="loss objective (default: score centering, the config default)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "autocast"),
-                    help="bf16: bf16 weights (the default); autocast: float32 weights, the forward under bf16 "
-                         "autocast (the recipes' model.dtype=float32 with trainer.bf16)")
+                    help="bf16: bf16 weights (the default; a CPU check keeps float32 weights, as weights_dtype "
+                         "records); autocast: float32 weights, the forward under bf16 autocast (the recipes' "
+                         "model.dtype=float32 with trainer.bf16)")
     ap.add_argument("--out", default=str(bp.ROOT / "scripts" / "bench" / "results"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda, or cpu to check the script")
     bp.add_profile_args(ap)

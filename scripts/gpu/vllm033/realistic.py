@@ -1,4 +1,4 @@
-"""Issue #42 on one H200 with vLLM 0.33 (staged by `install.py`): a 1.7B-class job with 512-token completions,
+"""Issue #42 on one GPU (an H100 or H200) with vLLM 0.33 (staged by `install.py`): a 1.7B-class job with 512-token completions,
 ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPOTrainer``, with no network.
 
     python3 scripts/gpu/vllm033/realistic.py engine        # builds the stand-in, then vLLM's offline LLM.generate
@@ -9,6 +9,7 @@ ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPO
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
+                                                               # (OUT: scripts/gpu/results/vllm033 by default)
     python3 scripts/gpu/vllm033/realistic.py preflight async   # here, no GPU: the job at a tiny shape, 2 CPU steps
 
 The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
@@ -585,8 +586,15 @@ def main() -> int:
     if phase == "combine":
         import realistic_trl
 
-        out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT),
-                                    Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+        try:
+            out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT),
+                                        Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+        except FileNotFoundError as exc:  # a folder without the plain names: say which and how, no traceback
+            print(f"realistic.py combine: {exc}. IN must hold realistic_job_async.json, realistic_job_sync.json and "
+                  "realistic_trl.json (realistic_engine.json optional): the files a run fetched, or symbolic links "
+                  "to dated ones, e.g. realistic_job_async.json -> .../realistic_job_async_clip_release4_s26.json",
+                  file=sys.stderr)
+            return 2
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
     print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, start|follow NAME, "

@@ -395,7 +395,11 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
                           "whole run's); same_steps are trained tok/s over the steps every run logged, and the ratios "
                           "and the targets use those; steady_steps are the same over the second half of those steps "
                           "(after the queue the first step left is drained), for reading only; each variant has its "
-                          "own same_steps and targets against the same on-policy run and TRL",
+                          "own same_steps and targets against the same on-policy run and TRL; "
+                          "figures.engine_generated_tokens_per_s is the engine's headline row (8 top log-probs), "
+                          "while each run's generation_frac_of_engine compares with the row asking what the run "
+                          "asks (its engine_row); figures.trl is TRL's own summary over all its steps after the "
+                          "first, same_steps its steps in common with ours",
            "figures": figures, "ours_over_trl": ours_over_trl,
            "targets": targets, "async": a, "sync": s, "engine": engine}
     out_dir.mkdir(parents=True, exist_ok=True)
