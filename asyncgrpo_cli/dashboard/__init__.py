@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .jsonl import parse_json_lines
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ from rich.console import Console
 from rich.live import Live
 
 from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagnosis
+from .plain_repeats import PlainRepeats
 from .panels import (WORKER_SILENT_AFTER_S, DashboardView, ProcessInfo, completion_lines, completions_table,
                      plain_line, render_dashboard)
 
@@ -141,6 +143,7 @@ class Dashboard:
         self.rows: list[dict[str, Any]] = []
         self.status: dict[str, Any] | None = None
         self.diagnosis = steady_diagnosis(self.history, self.settings)
+        self._repeats = PlainRepeats()
         self._metrics = JsonlTail.at_end(self.output_dir / METRICS_FILE)
         self._completions = JsonlTail.at_end(self.output_dir / COMPLETIONS_FILE)
         self._live: Live | None = None
@@ -225,8 +228,11 @@ class Dashboard:
             self.history.push(row)
             self.rows.append(row)
             self.diagnosis = steady_diagnosis(self.history, self.settings)
-            if self.mode == "plain":
-                self.console.print(plain_line(row, self.diagnosis, num(self.status, "max_steps")),
+            if self.mode == "plain":  # a finding said in full once, then by its words (`PlainRepeats`)
+                step = num(row, "step")
+                shown = self._repeats.text(self.diagnosis, None if step is None else int(step))
+                carried = dataclasses.replace(self.diagnosis, text=shown) if shown is not None else None
+                self.console.print(plain_line(row, carried, num(self.status, "max_steps")),
                                    markup=False, highlight=False, soft_wrap=True)
         if self.log_completions:
             self._print_completions(self._completions.read_new())
