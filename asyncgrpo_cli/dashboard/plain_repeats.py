@@ -16,6 +16,7 @@ import re
 from .findings import OK, Diagnosis
 
 _HELD = re.compile(r"\s*\((held over [^()]*)\)$")
+_OVER = re.compile(r"^((?:in waves )?over (?:steps \d+-\d+|\d+ windows) \([^()]*\)): ")  # `idle.trainer_idle_in_waves`
 _FIX = re.compile(r"\bfix: ([^ (;,]+)")
 
 
@@ -28,8 +29,10 @@ class PlainRepeats:
     """Each step's finding as its plain line carries it (module docstring).
 
     ``text(d, step)`` returns ``d.text`` when ``d`` is ok (a short line that names no cause), new (another rule or
-    another fix than the finding last given in full) or not a held one; else the finding's words up to its first
-    ``(`` or ``;`` and ``(in full at step N; held over steps A-B)``."""
+    another fix than the finding last given in full) or neither a held one (``... (held over steps A-B)``) nor an
+    idle trainer over the last windows (``over steps A-B (busy X-Y%): ...``, ``in waves over ...``); else the
+    finding's words up to its first ``(`` or ``;`` and ``(in full at step N; held over steps A-B)``, or for the
+    latter ``over steps A-B (busy X-Y%): <its words> (in full at step N)``."""
 
     def __init__(self) -> None:
         self._full: tuple[tuple[str, tuple[str, ...]], int] | None = None  # (key, step) of the last full text
@@ -37,13 +40,16 @@ class PlainRepeats:
     def text(self, d: Diagnosis | None, step: int | None) -> str | None:
         if d is None:
             return None
-        held = _HELD.search(d.text)
-        if d.severity == OK or held is None or step is None:
+        held, over = _HELD.search(d.text), _OVER.match(d.text)
+        if d.severity == OK or (held is None and over is None) or step is None:
             self._full = None
             return d.text
         key = _key(d)
         if self._full is None or self._full[0] != key:
             self._full = (key, step)
             return d.text
-        words = re.split(r"[(;]", d.text, maxsplit=1)[0].strip().rstrip(":") or d.rule
+        rest = d.text[over.end():] if over is not None else d.text
+        words = re.split(r"[(;]", rest, maxsplit=1)[0].strip().rstrip(":") or d.rule
+        if over is not None:
+            return f"{over.group(1)}: {words} (in full at step {self._full[1]})"
         return f"{words} (in full at step {self._full[1]}; {held.group(1)})"

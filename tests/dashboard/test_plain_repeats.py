@@ -43,9 +43,8 @@ def test_other_rules_ok_lines_and_findings_not_held_come_in_full():
     healthy = Diagnosis("balanced", "healthy: balanced (no waits)", OK)
     assert r.text(healthy, 7) == healthy.text
     assert r.text(bound, 8) == bound.text  # after an ok line the finding is new again
-    waves = Diagnosis("trainer_idle_waves", "in waves over steps 5-10 (busy 40%-100%): trainer idle 23% of the step",
-                      WARN)  # not a held finding: no "(held over ...)" at its end
-    assert r.text(waves, 9) == waves.text and r.text(waves, 10) == waves.text
+    odd = Diagnosis("trainer_idle", "trainer idle 23% of the step (waits 0.8 s)", WARN)  # neither form: in full
+    assert r.text(odd, 9) == odd.text and r.text(odd, 10) == odd.text
     assert r.text(None, 11) is None
     assert r.text(idle(38, 2.0, 12), None) == idle(38, 2.0, 12).text  # a window without a step: in full
 
@@ -70,3 +69,20 @@ def test_the_plain_log_carries_an_on_policy_runs_finding_in_full_once(tmp_path):
     assert len(full) == 1 and full[0].startswith("step 3 |") and len(short) == 3, lines
     assert all(ln.endswith(f"(in full at step 3; held over steps 1-{n})") for n, ln in zip((4, 5, 6), short)), short
     assert max(len(ln) for ln in short) < len(full[0]) / 2
+
+
+def test_an_idle_trainer_over_the_last_windows_is_said_in_full_once():
+    """The smoke job's lines (twenty-sixth session): ``over steps 1-5 (busy 19%-100%): trainer idle 60% of the step
+    (...): the embedded sampler uses 0.74 CPU cores ... fix: ...`` on every step; and the realistic job's ``in waves
+    over steps 5-10 (...)``."""
+    text = ("{lead} (busy 19%-100%): trainer idle {pct}% of the step (waits 11.36 s for samples; generation 0.895 "
+            "rollouts/s): the embedded sampler uses 0.74 CPU cores of a machine 97% busy; fix: sampler.backend=vllm "
+            "on a GPU")
+    r = PlainRepeats()
+    first = Diagnosis("trainer_idle_embedded", text.format(lead="over steps 1-3", pct=61), WARN)
+    assert r.text(first, 3) == first.text
+    later = Diagnosis("trainer_idle_embedded", text.format(lead="over steps 1-5", pct=60), WARN)
+    assert r.text(later, 5) == "over steps 1-5 (busy 19%-100%): trainer idle 60% of the step (in full at step 3)"
+    waves = Diagnosis("trainer_idle_embedded", text.format(lead="in waves over steps 2-7", pct=40), WARN)
+    assert r.text(waves, 7) == ("in waves over steps 2-7 (busy 19%-100%): trainer idle 40% of the step (in full at "
+                                "step 3)")
