@@ -77,8 +77,9 @@ def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None)
     that the supervisor had already seen: a fresh-user trial). Only for a server the supervisor started
     (``server_pid``, default the `run.state.SERVER_PID_ENV` it sets; None for an external server or the Python
     API, whose outages are waited out): the supervisor's line (`STOP_REASON_FILE`, written before it signals),
-    else ``the server (pid N) exited`` once that pid no longer runs (the supervisor stops the job when the server it
-    started exits, and may not have written its line yet); None while neither holds. Before all that, whatever the
+    else ``the server (pid N) is gone`` once that pid no longer runs (the supervisor stops the job when the server it
+    started exits, and may not have written its line yet; "gone", not "exited": this process cannot see how it
+    ended, and the supervisor's line, a moment later, may say ``killed by SIGKILL``); None while neither holds. Before all that, whatever the
     server: ``the supervisor (pid P) is gone`` once the job's supervisor (`state.LOCK_OWNER_ENV`) no longer runs, or
     this process's own reason (`own_reason`): the trainer stops then (a trial's ``kill -9`` of the supervisor was
     followed by "every request waits for it, 1800 s more at most" in trainer.log, logged before the trainer's
@@ -99,7 +100,7 @@ def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None)
         return said
     from .orphans import process_alive
 
-    return None if process_alive(server_pid) else f"the server (pid {server_pid}) exited"
+    return None if process_alive(server_pid) else f"the server (pid {server_pid}) is gone"
 
 
 def _supervisor_gone() -> str | None:

@@ -134,11 +134,11 @@ def test_stop_under_way_says_why_once_the_server_the_supervisor_started_is_gone(
     finally:
         running.kill()
         running.wait()
-    assert stop_under_way(tmp_path) == f"the server (pid {running.pid}) exited"  # before the supervisor's line
-    assert stop_under_way(tmp_path, gone.pid) == f"the server (pid {gone.pid}) exited"
+    assert stop_under_way(tmp_path) == f"the server (pid {running.pid}) is gone"  # before the supervisor's line
+    assert stop_under_way(tmp_path, gone.pid) == f"the server (pid {gone.pid}) is gone"
     write_stop_reason(tmp_path, "the server (pid 4242) was killed by SIGKILL")
     assert stop_under_way(tmp_path) == "the server (pid 4242) was killed by SIGKILL"
-    assert stop_under_way(None, gone.pid) == f"the server (pid {gone.pid}) exited"
+    assert stop_under_way(None, gone.pid) == f"the server (pid {gone.pid}) is gone"
     from types import SimpleNamespace
 
     from asyncgrpo_cli.train.stopping import StopHandling
@@ -321,7 +321,7 @@ def test_a_sync_the_server_went_away_during_is_not_pushed_again_once_the_job_is_
     from asyncgrpo_cli.train.weight_sync import WeightSyncError
 
     backend = FlakyBackend(lost())
-    backend.client.outage.stop_under_way = lambda: "the server (pid 4242) exited"
+    backend.client.outage.stop_under_way = lambda: "the server (pid 4242) is gone"
     with pytest.raises(WeightSyncError, match="connection|failed"):
         weight_sync_over(backend).sync(3)
     assert backend.calls == [("sync", 3)]
