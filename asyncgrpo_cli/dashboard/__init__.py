@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.live import Live
 
 from .diagnosis import Diagnosis, MetricsHistory, RunSettings, num, steady_diagnosis
-from .plain_repeats import PlainRepeats
 from .panels import (WORKER_SILENT_AFTER_S, DashboardView, ProcessInfo, completion_lines, completions_table,
                      plain_line, render_dashboard)
+from .plain_repeats import PlainRepeats
 
 #: Columns the live frame leaves free on the right (room for the terminal's ``^C`` echo).
 LIVE_MARGIN = 2

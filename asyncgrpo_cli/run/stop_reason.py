@@ -79,11 +79,11 @@ def stop_under_way(output_dir: str | Path | None, server_pid: int | None = None)
     API, whose outages are waited out): the supervisor's line (`STOP_REASON_FILE`, written before it signals),
     else ``the server (pid N) is gone`` once that pid no longer runs (the supervisor stops the job when the server it
     started exits, and may not have written its line yet; "gone", not "exited": this process cannot see how it
-    ended, and the supervisor's line, a moment later, may say ``killed by SIGKILL``); None while neither holds. Before all that, whatever the
-    server: ``the supervisor (pid P) is gone`` once the job's supervisor (`state.LOCK_OWNER_ENV`) no longer runs, or
-    this process's own reason (`own_reason`): the trainer stops then (a trial's ``kill -9`` of the supervisor was
-    followed by "every request waits for it, 1800 s more at most" in trainer.log, logged before the trainer's
-    watchdog had seen it)."""
+    ended, and the supervisor's line, a moment later, may say ``killed by SIGKILL``); None while neither holds.
+    Before all that, whatever the server: ``the supervisor (pid P) is gone`` once the job's supervisor
+    (`state.LOCK_OWNER_ENV`) no longer runs, or this process's own reason (`own_reason`): the trainer stops then (a
+    trial's ``kill -9`` of the supervisor was followed by "every request waits for it, 1800 s more at most" in
+    trainer.log, logged before the trainer's watchdog had seen it)."""
     if own_reason:
         return own_reason[-1]
     gone = _supervisor_gone()

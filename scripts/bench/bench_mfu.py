@@ -3,7 +3,7 @@
     python scripts/bench/bench_mfu.py --out scripts/bench/results            # Qwen3-1.7B shape, 16K-token rows
     python scripts/bench/bench_mfu.py --device cpu --shape tiny --out /tmp/benchout   # checks the script only
     python scripts/bench/bench_mfu.py --compile --every-n-layers 2   # checkpoint every other layer (P3_every2_*)
-    python scripts/bench/bench_mfu.py --precision autocast   # float32 weights, bf16 autocast, as the recipes (P3_autocast_*)
+    python scripts/bench/bench_mfu.py --precision autocast   # float32 weights, bf16 autocast (P3_autocast_*)
 
 Workload: GRPO groups of G = 8 samples (prompt ``--prompt`` tokens shared by the group, ``--completion`` trained
 tokens each) tree-packed by the product's ``TokenBudgetBatcher`` + ``pack_row`` into ``--rows`` rows of at most

@@ -1,5 +1,6 @@
-"""Issue #42 on one GPU (an H100 or H200) with vLLM 0.33 (staged by `install.py`): a 1.7B-class job with 512-token completions,
-ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPOTrainer``, with no network.
+"""Issue #42 on one GPU (an H100 or H200) with vLLM 0.33 (staged by `install.py`): a 1.7B-class job with
+512-token completions, ours asynchronous and on-policy, against vLLM's offline ceiling and TRL's ``GRPOTrainer``,
+with no network.
 
     python3 scripts/gpu/vllm033/realistic.py engine        # builds the stand-in, then vLLM's offline LLM.generate
     python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
