@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import tempfile
 import threading
 import time
@@ -22,16 +23,31 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=1, default=_jsonable))
 
 
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A new file ``.<name>.<pid>.<random>.tmp`` in ``path``'s folder, open for writing, created with mode 0o666
+    less the process's umask, as a plain ``open`` makes it (``tempfile.mkstemp`` makes 0o600: status.json,
+    summary.txt and the other files written through `write_text_atomic` were readable by their owner alone, where
+    the run's other files follow the umask; a fresh-user trial of 2026-12-07 saw the difference)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a temporary file in its folder and ``os.replace``: a reader, or a
-    process killed mid-write, sees the old file or the new one, never half of it.
+    process killed mid-write, sees the old file or the new one, never half of it. The file's mode follows the
+    umask, as a plain write's does (`_temp_beside`).
 
     Raises:
         OSError: the folder cannot be made or written (the temporary file is removed).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

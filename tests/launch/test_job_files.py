@@ -262,3 +262,27 @@ def test_a_trainer_stopped_for_a_failure_says_failed_at_once_and_the_supervisor_
     write(tmp_path, step=2, **said)  # no failure text from the supervisor (none given): the trainer's is kept
     finalize_status(tmp_path, 1, None)
     assert json.loads((tmp_path / "status.json").read_text())["state"] == said["state"]
+
+
+def test_files_written_atomically_follow_the_umask_as_the_runs_other_files_do(tmp_path):
+    """A fresh-user trial (2026-12-07) found status.json, summary.txt and final_model.json at mode 0600 beside the
+    run's other files at 0644: `tempfile.mkstemp` made the atomic write's temporary file owner-only. It follows the
+    umask now; the write is still atomic (no temporary file left, the old content replaced whole)."""
+    import os
+    import stat
+
+    from asyncgrpo_cli.run.state import write_json_atomic, write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "status.json", {"state": "running"})
+        write_text_atomic(tmp_path / "summary.txt", "one\n")
+        write_text_atomic(tmp_path / "summary.txt", "two\n")
+        os.umask(0o077)
+        write_text_atomic(tmp_path / "private.txt", "x")
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode == {"status.json": 0o644, "summary.txt": 0o644, "private.txt": 0o600}, mode
+    assert (tmp_path / "summary.txt").read_text() == "two\n"
+    assert json.loads((tmp_path / "status.json").read_text()) == {"state": "running"}
