@@ -63,6 +63,7 @@ them go stale, so they are named once the config is right. When no cause holds, 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -511,5 +512,8 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     busy = sum(b >= 1 - th.high_wait_frac for b in shares)
     waves = "in waves over" if busy >= 2 and len(shares) - busy >= 2 else "over"  # one busy window is no wave
     silence = f"; the server's {left_out:.0f} s of silence left out" if left_out >= SILENCE_OVER_S else ""
-    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}{silence}): {found.text}",
+    # the share is of these steps taken together, not of the newest one (a trial read "busy 100% | ... trainer
+    # idle 47% of the step" on one line)
+    text = re.sub(r"^trainer idle (\d+%) of the step\b", r"trainer idle \1 of these steps", found.text)
+    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}{silence}): {text}",
                      found.severity)

@@ -53,7 +53,7 @@ def test_waves_of_busy_and_idle_steps_are_one_finding_with_a_sized_fix():
     h = _waves(9)
     line = steady_diagnosis(h, SETTINGS)
     assert line.rule == "trainer_idle_deadline" and line.severity == "warn"
-    assert line.text.startswith("in waves over steps 4-9 (busy 46%-100%): trainer idle ")
+    assert line.text.startswith("in waves over steps 4-9 (busy 46%-100%): trainer idle ") and " of these steps " in line.text
     assert "deadline admission holds generation back 100% of the time" in line.text
     # 7.5 s / 2.3 s = 3.3 steps: 2 x 3.3 + 1.25 -> 8
     assert "fix: staleness.max_staleness=8 (a rollout takes 7.5 s to generate, 3.3 of the trainer's own 2.30 s" in line.text

@@ -72,17 +72,17 @@ def test_the_plain_log_carries_an_on_policy_runs_finding_in_full_once(tmp_path):
 
 
 def test_an_idle_trainer_over_the_last_windows_is_said_in_full_once():
-    """The smoke job's lines (twenty-sixth session): ``over steps 1-5 (busy 19%-100%): trainer idle 60% of the step
+    """The smoke job's lines (twenty-sixth session): ``over steps 1-5 (busy 19%-100%): trainer idle 60% of these steps
     (...): the embedded sampler uses 0.74 CPU cores ... fix: ...`` on every step; and the realistic job's ``in waves
     over steps 5-10 (...)``."""
-    text = ("{lead} (busy 19%-100%): trainer idle {pct}% of the step (waits 11.36 s for samples; generation 0.895 "
+    text = ("{lead} (busy 19%-100%): trainer idle {pct}% of these steps (waits 11.36 s for samples; generation 0.895 "
             "rollouts/s): the embedded sampler uses 0.74 CPU cores of a machine 97% busy; fix: sampler.backend=vllm "
             "on a GPU")
     r = PlainRepeats()
     first = Diagnosis("trainer_idle_embedded", text.format(lead="over steps 1-3", pct=61), WARN)
     assert r.text(first, 3) == first.text
     later = Diagnosis("trainer_idle_embedded", text.format(lead="over steps 1-5", pct=60), WARN)
-    assert r.text(later, 5) == "over steps 1-5 (busy 19%-100%): trainer idle 60% of the step (in full at step 3)"
+    assert r.text(later, 5) == "over steps 1-5 (busy 19%-100%): trainer idle 60% of these steps (in full at step 3)"
     waves = Diagnosis("trainer_idle_embedded", text.format(lead="in waves over steps 2-7", pct=40), WARN)
-    assert r.text(waves, 7) == ("in waves over steps 2-7 (busy 19%-100%): trainer idle 40% of the step (in full at "
+    assert r.text(waves, 7) == ("in waves over steps 2-7 (busy 19%-100%): trainer idle 40% of these steps (in full at "
                                 "step 3)")
