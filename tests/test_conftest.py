@@ -20,8 +20,8 @@ from pathlib import Path
 
 def test_holds_a_process():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    Path(os.environ["PROBE_DIR"], "child").write_text(str(child.pid))
-    try:
+    try:  # the pid file is written inside: the signal, sent once it exists, lands in here
+        Path(os.environ["PROBE_DIR"], "child").write_text(str(child.pid))
         time.sleep(600)
     finally:
         child.kill()
