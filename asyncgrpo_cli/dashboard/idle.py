@@ -63,7 +63,6 @@ them go stale, so they are named once the config is right. When no cause holds, 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -411,18 +410,19 @@ IDLE_CAUSES = (_cause_server_silent, _cause_api_servers, _cause_eager, _cause_on
 
 
 def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
-                 th: Thresholds = DEFAULT_THRESHOLDS) -> Diagnosis | None:
+                 th: Thresholds = DEFAULT_THRESHOLDS, share_of: str = "the step") -> Diagnosis | None:
     """Issue #33: the trainer waits for samples a "high" share of the step (``perf/rollout_wait_s`` against
     ``perf/step_s``), with its most likely cause and the CLI override that fixes it (the causes and their
     order: the module docstring). None when the trainer is not idle or no cause holds (generation-bound
-    then says what to check)."""
+    then says what to check). ``share_of``: what the idle share is of, in the text (`trainer_idle_in_waves`:
+    ``these steps``, its windows merged into one)."""
     m = history.latest
     wait, step_s = num(m, "perf/rollout_wait_s"), num(m, "perf/step_s")
     if _level(wait, step_s, th) != "high":
         return None
     busy = busy_share(m)
     rate = breakdown_text(request_breakdown(m))  # issue #41: generation's rate and its request's binding stage
-    head = (f"trainer idle {1 - busy:.0%} of the step" if busy is not None else "trainer idle") \
+    head = (f"trainer idle {1 - busy:.0%} of {share_of}" if busy is not None else "trainer idle") \
         + f" (waits {wait:.2f} s for samples{f'; generation {rate}' if rate else ''})"
     for cause in IDLE_CAUSES:
         found = cause(history, settings, th)
@@ -504,7 +504,9 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     for r in history.rows[:-1]:  # the rules that read several windows (stale drops, rollout times) see them all
         together.push(r)
     together.push(merged)
-    found = trainer_idle(together, settings, th)
+    # the share is of these steps taken together, not of the newest one (a trial read "busy 100% | ... trainer
+    # idle 47% of the step" on one line)
+    found = trainer_idle(together, settings, th, share_of="these steps")
     if found is None:
         return None
     first, last = num(rows[0], "step"), num(rows[-1], "step")
@@ -512,8 +514,5 @@ def trainer_idle_in_waves(history: MetricsHistory, settings: RunSettings = RunSe
     busy = sum(b >= 1 - th.high_wait_frac for b in shares)
     waves = "in waves over" if busy >= 2 and len(shares) - busy >= 2 else "over"  # one busy window is no wave
     silence = f"; the server's {left_out:.0f} s of silence left out" if left_out >= SILENCE_OVER_S else ""
-    # the share is of these steps taken together, not of the newest one (a trial read "busy 100% | ... trainer
-    # idle 47% of the step" on one line)
-    text = re.sub(r"^trainer idle (\d+%) of the step\b", r"trainer idle \1 of these steps", found.text)
-    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}{silence}): {text}",
+    return Diagnosis(found.rule, f"{waves} {span} (busy {min(shares):.0%}-{max(shares):.0%}{silence}): {found.text}",
                      found.severity)

@@ -33,10 +33,10 @@ from .packed_loss import Reference, install_loss_head, micro_batch_sequences, ro
 from .batcher import TokenBudgetBatcher, batch_metrics, record_stale_verdict
 from .checkpointing import enable_activation_checkpointing
 from .compile import compile_decoder_layers
-from .console_log import stamped, use_plain_lines
+from .console_log import use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, SpanClock, step_flops
-from ..run.log_lines import say
+from ..run.log_lines import say, stamped
 from ..run.state import LiveFiles, TrainedPosition, mark_final_model
 from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
