@@ -55,6 +55,7 @@ FIELD_PATHS: dict[str, str] = {
     "weight_transfer_port": "sampler.weight_transfer_port",
     "check_weight_sync": "sampler.check_weight_sync",
     "weight_sync_packed": "sampler.weight_sync_packed",
+    "weight_sync_overlap": "sampler.weight_sync_overlap",
     "log_completions": "logging.log_completions",
     "num_completions_to_print": "logging.num_completions_to_print",
 }

@@ -39,6 +39,8 @@ ASYNC_GRPO_FIELDS = (
     "check_weight_sync",
     # CUDA-IPC weight sync in packed chunks (issues #41, #42; README: GPUs, weight sync and LoRA):
     "weight_sync_packed",
+    # The weight sync overlapped with the next step's forward and backward (README: GPUs, weight sync and LoRA):
+    "weight_sync_overlap",
 )
 
 
@@ -236,6 +238,11 @@ class AsyncGRPOConfig(TrainingArguments):
         "help": "CUDA-IPC weight sync (colocated vLLM 0.33) in packed chunks through one 1 GiB buffer, one IPC handle "
                 "a chunk, instead of one handle per tensor; other sync backends ignore it (README: GPUs, weight sync and "
                 "LoRA)."})
+    weight_sync_overlap: bool = field(default=False, metadata={
+        "help": "Run each weight sync on a background thread while the next step pulls its samples and runs its "
+                "forward and backward; that step waits for the sync before its optimizer step "
+                "(perf/weight_sync_wait_s). One trainer process only, not with check_weight_sync nor a LoRA model "
+                "(README: GPUs, weight sync and LoRA)."})
 
     def __post_init__(self) -> None:
         import torch

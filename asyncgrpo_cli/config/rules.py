@@ -235,3 +235,50 @@ def max_lora_rank_for(r: int) -> int:
     """Smallest allowed ``--max-lora-rank`` >= ``r`` (SPEC §9). Raises ConfigError above 512."""
     check_lora_rank(r)
     return next(a for a in ALLOWED_LORA_RANKS if a >= r)
+
+
+def weight_sync_overlap_refusals(*, check_weight_sync: bool, lora: bool, processes: int | None,
+                                 key: Callable[[str], str], lora_key: str,
+                                 one_process: str = "run one trainer process") -> list[ConfigError]:
+    """Why ``weight_sync_overlap`` (on) cannot apply to a run, one `ConfigError` per reason (README "Overlapped
+    weight sync"; SPEC §3.1, B.23: the worker stamps a version only once the server serves it). Empty: it applies.
+
+    The sync then runs on a background thread while the next step's forward and backward run (the trainer's
+    `sync_overlap.PendingSync`), which excludes: several trainer processes (FSDP gathers a sync's weights with
+    collectives that every rank's main thread joins in step), ``check_weight_sync`` (its probe runs a trainer forward
+    and a server request right after each sync, that is before the overlapped sync is done) and LoRA (its adapter or
+    merged sync is not built for it; adapter sync sends a small adapter without pausing generation).
+
+    Args:
+        check_weight_sync: the run's ``check_weight_sync``.
+        lora: the run syncs a LoRA adapter (``peft.enabled=true``, a ``peft_config`` or a PEFT model).
+        processes: trainer processes over all machines; None when not known here (the launch plan checks it).
+        key: spells a field's name (``sampler.weight_sync_overlap`` on the command line, the bare name in Python).
+        lora_key: how the run asked for LoRA (``peft.enabled=true``, ``peft_config``), for the message.
+        one_process: the fix's way to one trainer process (e.g. ``launch.trainer_gpus=[1]``).
+
+    Returns:
+        The refusals, each naming ``key("weight_sync_overlap")``, its value, why and the fix (raised by the caller,
+        with its other problems).
+    """
+    name = key("weight_sync_overlap")
+    cli = "." in name
+    on, off = ("true", "false") if cli else ("True", "False")
+    fix_off = f"{name}={off}"
+    found = []
+    if processes is not None and processes > 1:
+        found.append(ConfigError(
+            f"{name}={on} with {processes} trainer processes: FSDP gathers the weights of a sync with collectives that "
+            "every process's main thread joins in step, so the sync cannot run on a background thread. Fix: "
+            f"{fix_off}, or {one_process}", key=name))
+    if check_weight_sync:
+        found.append(ConfigError(
+            f"{name}={on} with {key('check_weight_sync')}={on}: the check probes the server with a trainer forward "
+            "right after each sync, before an overlapped sync is done. Fix: "
+            f"{fix_off}, or {key('check_weight_sync')}={off}", key=key("check_weight_sync")))
+    if lora:
+        found.append(ConfigError(
+            f"{name}={on} with {lora_key}: a LoRA run's weight sync (adapter or merged) is not built to run on a "
+            "background thread (adapter sync sends a small adapter without pausing generation: little to overlap). "
+            f"Fix: {fix_off}, or full-weight training", key=name))
+    return found

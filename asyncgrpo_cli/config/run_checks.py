@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Collector as _Collector
-from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err
+from .rules import ConfigError, ConfigErrors, ConfigTypeError, config_error as _err, weight_sync_overlap_refusals
 from .sources import (check_data_source, check_imports, check_model_source, check_prompt_rows, check_reward_funcs,
                       looks_like_local_data, model_max_len)
 from .loss_rules import loss_warnings
@@ -77,6 +77,14 @@ def validate_run(cfg: Any, command: str = "train", *, probe: bool = False) -> li
             c.warnings.append(f"sampler.weight_sync_packed=true has no effect here (sampler.backend={backend}"
                               f"{', LoRA adapter sync' if cfg.peft.enabled else ''}): only the CUDA-IPC full-weight "
                               "sync of a colocated vLLM sends packed chunks")
+        if cfg.sampler.weight_sync_overlap:  # several trainer processes: the launch plan refuses them
+            for refusal in weight_sync_overlap_refusals(check_weight_sync=bool(cfg.sampler.check_weight_sync),
+                                                        lora=bool(cfg.peft.enabled), processes=None,
+                                                        key=lambda n: f"sampler.{n}", lora_key="peft.enabled=true"):
+                c.add(refusal)
+            if int(st.max_staleness) == 0:
+                c.warnings.append("sampler.weight_sync_overlap=true overlaps nothing at staleness.max_staleness=0: the "
+                                  "next step trains samples of the new weights only, so it waits for the sync anyway")
     if command != "train":
         c.raise_if_any()
         return c.warnings

@@ -342,6 +342,13 @@ class SamplerConfig:
     135M or 1.7B model). Costs that buffer on the trainer's GPU during a sync. The NCCL sync, the embedded sampler
     and LoRA adapter sync ignore it (the start says so). Measured no faster (one H100, a 0.6B model: 0.166 s
     against 0.169 s plain, README "Packed CUDA-IPC sync"), hence off."""
+    weight_sync_overlap: bool = False
+    """Overlap each weight sync with the next step: after the optimizer step the sync runs on a background thread
+    while the trainer pulls and forwards/backwards the next step, which waits for it only before its own optimizer
+    step (and before an eval round, a checkpoint, a re-push or the run's end). The rollout worker stamps the new
+    version only once the sync is done; ``perf/weight_sync_wait_s`` is the time the trainer still waited for it.
+    One trainer process only, not with ``check_weight_sync`` nor LoRA (``peft.enabled``): the start refuses those.
+    Opt-in until timed on a GPU (README "Overlapped weight sync")."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""

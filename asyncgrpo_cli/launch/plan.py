@@ -516,6 +516,8 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         trainer=cfg.trainer, peft=cfg.peft, staleness=cfg.staleness)
     if server is not None:
         gpus.problems.extend(p for p in server.problems if p not in gpus.problems)
+    if cfg.sampler.get("weight_sync_overlap") and gpus.num_processes > 1:
+        gpus.problems.extend(str(e) for e in overlap_refusals(gpus))
     attention = str(getattr(cfg.packing.attention, "value", cfg.packing.attention))
     if attention == "flash" and not gpus.trainer_gpus:
         gpus.problems.append("packing.attention=flash: the flash-attention kernels run on CUDA GPUs only, and the "
@@ -556,6 +558,20 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
                                                    trainer=cfg.trainer, model=cfg.model),
                       trainer_argv=trainer_argv(acc_path, cfg_path), trainer_env=env,
                       output_dir=out, config_path=cfg_path, accelerate_config_path=acc_path, logs_dir=out / "logs")
+
+
+def overlap_refusals(gpus: GpuPlan) -> list[Any]:
+    """``sampler.weight_sync_overlap=true`` with this plan's trainer processes (`config.rules.weight_sync_overlap_refusals`:
+    one process only), as `ConfigError` s whose fix names the launch keys that give one process; empty with one."""
+    from ..config.rules import weight_sync_overlap_refusals
+
+    fixes = []
+    if gpus.processes_per_machine > 1:
+        fixes.append(f"launch.trainer_gpus=[{gpus.trainer_gpus[0]}]" if gpus.trainer_gpus else "launch.cpu_processes=1")
+    if gpus.num_machines > 1:
+        fixes.append("launch.num_machines=1")
+    return weight_sync_overlap_refusals(check_weight_sync=False, lora=False, processes=gpus.num_processes,
+                                        key=lambda n: f"sampler.{n}", lora_key="", one_process=" ".join(fixes))
 
 
 def resolved_config(cfg: DictConfig, model_path: str, output_dir: Path) -> DictConfig:
