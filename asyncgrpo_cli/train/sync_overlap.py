@@ -1,0 +1,121 @@
+"""One weight sync in flight on a background thread (``sampler.weight_sync_overlap``, README "Overlapped weight sync").
+
+With the option on, the trainer starts the sync of step N (`AsyncGRPOTrainer._push_weights`) here right after step
+N's optimizer step, and goes on with step N+1: it pulls its samples and runs its forward and backward while the
+server loads the new weights. It settles the sync (`PendingSync.settle`: waits for it, takes its metrics or its
+error) before anything that changes the parameters or depends on the server's weights: step N+1's optimizer step,
+the next sync, a re-push, an eval round, a checkpoint, the run's end. The rollout worker learns the new version
+only then (SPEC §3.1, B.23: a group's version is the one the server served when its first rollout started).
+
+Nothing here knows the trainer: ``fn`` is any callable that returns the sync's metrics, so tests drive it directly.
+A plain daemon thread per sync, not an executor, as `weight_sync.base.Background`: a sync that never returns (a
+hung server) must not keep the process from exiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class PendingSync:
+    """At most one weight sync running on a background thread, and its outcome until it is settled.
+
+    Args:
+        device: the trainer's device; when it is a CUDA device, the thread selects it first
+            (``torch.cuda.set_device``: the current device is per thread). None or a CPU device: nothing is set.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, device: torch.device | str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.clock = clock
+        self.version: int | None = None
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._metrics: dict[str, float] = {}
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """A sync was started and not settled yet (it may have finished already: `done`)."""
+        return self._thread is not None
+
+    @property
+    def done(self) -> bool:
+        """A sync is in flight and has returned or raised: `settle` does not wait."""
+        return self._thread is not None and self._done.is_set()
+
+    def start(self, version: int, fn: Callable[[], dict[str, float]]) -> None:
+        """Run ``fn()`` (the sync of model ``version``) on a new background thread and return at once.
+
+        Raises:
+            RuntimeError: a sync is still in flight (settle it first: one at a time).
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"the weight sync of model version {self.version} is still in flight; settle it "
+                               f"before starting the one of version {version}")
+        self.version = int(version)
+        self._metrics, self._error = {}, None
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"weight-sync-v{version}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], dict[str, float]]) -> None:
+        try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._metrics = dict(fn() or {})
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the trainer's thread by settle()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def settle(self, timeout_s: float | None = None) -> tuple[dict[str, float], float]:
+        """Wait for the sync in flight and end it: after this, nothing is in flight (also when it raises).
+
+        Args:
+            timeout_s: longest wait, seconds (None: until the sync ends).
+
+        Returns:
+            (the sync's ``perf/weight_sync_*`` metrics of SPEC §15.8, seconds; the seconds this call blocked),
+            ``({}, 0.0)`` when nothing is in flight.
+
+        Raises:
+            TimeoutError: the sync did not end within ``timeout_s`` (it stays in flight).
+            BaseException: whatever the sync raised (e.g. `WeightSyncError`), as it raised it.
+        """
+        if self._thread is None:
+            return {}, 0.0
+        start = self.clock()
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"the weight sync of model version {self.version} still runs after {timeout_s} s")
+        waited = self.clock() - start
+        metrics, error = self._metrics, self._error
+        self._thread, self.version, self._metrics, self._error = None, None, {}, None
+        if error is not None:
+            raise error
+        return metrics, waited
+
+    def close(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for a sync still in flight (at most ``timeout_s`` seconds) and drop its outcome.
+
+        Returns:
+            The error the dropped sync raised, else None (also when nothing was in flight or it still runs).
+        """
+        if self._thread is None or not self._done.wait(timeout_s):
+            return None
+        try:
+            self.settle()
+        except BaseException as exc:  # noqa: BLE001 - returned: the caller reports it
+            return exc
+        return None
+
+    def __repr__(self) -> str:
+        state: Any = "idle" if self._thread is None else ("done" if self._done.is_set() else "running")
+        return f"PendingSync(version={self.version}, {state})"
