@@ -120,6 +120,9 @@ class TrainerEvaluation:
         if final:
             self._wait(trainer)
         if self.schedule.due(step, final=final):
+            settle = getattr(trainer, "_settle_sync", None)
+            if settle is not None:  # an overlapped weight sync first (sampler.weight_sync_overlap): the round
+                settle()  # samples this step's weights, under its version
             self.schedule.request(step)
             trainer.worker.request_eval(step)
             if final:

@@ -84,6 +84,34 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
     return list(funcs), train_dataset
 
 
+def check_sync_overlap(args: Any, lora: bool, processes: int | None = None) -> None:
+    """``weight_sync_overlap=True`` where it cannot apply (`config.rules.weight_sync_overlap_refusals`, README
+    "Overlapped weight sync"): several trainer processes, ``check_weight_sync=True``, or LoRA. Nothing when it is off.
+
+    Args:
+        args: the `AsyncGRPOConfig`.
+        lora: the trainer got a ``peft_config`` or a PEFT model (adapter or merged LoRA sync).
+        processes: trainer processes; None = the launcher's ``WORLD_SIZE`` (torchrun, accelerate), else 1.
+
+    Raises:
+        ConfigError / ConfigErrors (ValueErrors): naming ``weight_sync_overlap``, the value, why and the fix.
+    """
+    import os
+
+    from ..config.rules import ConfigErrors, weight_sync_overlap_refusals
+
+    if not getattr(args, "weight_sync_overlap", False):
+        return
+    if processes is None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        processes = int(world) if world.isdigit() else 1
+    found = weight_sync_overlap_refusals(check_weight_sync=bool(getattr(args, "check_weight_sync", False)), lora=lora,
+                                         processes=processes, key=str, lora_key="a LoRA model (peft_config)",
+                                         one_process="launch one process (no torchrun or accelerate launch with several)")
+    if found:
+        raise ConfigErrors(found) if len(found) > 1 else found[0]
+
+
 def check_environment_column(environment_factory, train_dataset) -> None:
     """SPEC §16.1: with a dict of environments every example must carry an ``environment`` field naming its
     environment, so the dataset must exist and have that column.

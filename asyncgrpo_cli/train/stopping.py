@@ -93,6 +93,7 @@ class StopHandling:
                                  note=f"a second stop signal ({name}) while saving the last completed step: "
                                       "stopped without saving")
             return
+        self._settle_sync_quietly()  # sampler.weight_sync_overlap: a sync still in flight ends before the save
         can_save = (self.accelerator.num_processes == 1 and not getattr(self, "_in_optimizer_step", False)
                     and self.state.global_step > getattr(self, "_last_saved_step", 0)
                     and getattr(self, "position", None) is not None and not isinstance(exc, CheckpointError))

@@ -4,8 +4,9 @@ Rank 0 owns the rollout worker. Each optimizer step it pulls prompt outcomes fro
 stale samples, plans tree-packed rows for every rank with the token-budget batcher, and sends each rank its
 rows; every rank forwards its rows (tree attention; the loss runs inside the forward, chunked over the
 vocabulary), back-propagates, and steps. Every ``weight_sync_steps`` steps the weights go to the sampler and
-the model version the worker stamps on new groups advances. Checkpoints, callbacks, ``report_to`` and
-resumption come from `transformers.Trainer`; the rollout position is saved beside each checkpoint.
+the model version the worker stamps on new groups advances (``sampler.weight_sync_overlap``: the sync runs on a
+background thread while the next step pulls, forwards and backwards; `sync_steps.py`). Checkpoints, callbacks,
+``report_to`` and resumption come from `transformers.Trainer`; the rollout position is saved beside each checkpoint.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from .compile import compile_decoder_layers
 from .console_log import use_plain_lines
 from .packing import pack_row
 from .perf import PeakFlops, SpanClock, step_flops
-from ..run.log_lines import say, stamped
+from ..run.log_lines import stamped
 from ..run.state import LiveFiles, TrainedPosition, mark_final_model
 from .stopping import StopHandling
 from .step_pull import StepPlan, StepPulling
-from .startup import check_peft_targets, check_server_at_start, check_trainer_inputs
+from .sync_steps import WeightSyncing
+from .startup import check_peft_targets, check_server_at_start, check_sync_overlap, check_trainer_inputs
 from .trackers import log_completions
 from .cuda_memory import MemoryWatch
 from .host_time import ThreadTimes, host_time_metrics
@@ -48,7 +50,7 @@ from .host_load import HostLoadWatch
 from .tree_attention import apply_tree_attention
 
 
-class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
+class AsyncGRPOTrainer(StepPulling, WeightSyncing, StopHandling, Trainer):
     """Asynchronous GRPO trainer (SPEC §16.1). Generation runs on an external server (vLLM, or the embedded
     sampler) at ``args.vllm_server_base_url``, driven by a spawned rollout worker.
 
@@ -86,6 +88,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
 
         args = args or AsyncGRPOConfig(output_dir="outputs/asyncgrpo")
         try:
+            check_sync_overlap(args, lora=peft_config is not None or bool(getattr(model, "peft_config", None)))
             funcs, train_dataset = check_trainer_inputs(model, reward_funcs, args, train_dataset, tools,
                                                         environment_factory, processing_class)
         except ConfigError as exc:  # a user error: the message is the information, not the frames of the checks
@@ -353,120 +356,6 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         self.live.update(force=True, state="running")
         self.live.start_ticker(self._update_status)
 
-    def _make_weight_sync(self):
-        """The weight sync of every rank; rank 0 picks the backend from the server (SPEC B.23, §9)."""
-        from .weight_sync import WeightSync, dist_barrier, make_weight_sync, read_server_dtype
-
-        args = self.args
-        backend, mode, dtype = None, None, None
-        if self.is_world_process_zero():
-            peft_config = getattr(self.model, "peft_config", None)
-            rank = next(iter(peft_config.values())).r if peft_config else None
-            backend = make_weight_sync(self.sampler, output_dir=args.output_dir, lora_rank=rank,
-                                       max_staleness=args.max_staleness, device=self.accelerator.device,
-                                       master_address=args.weight_transfer_address,
-                                       master_port=args.weight_transfer_port, packed=args.weight_sync_packed)
-            dtype = read_server_dtype(self.sampler)
-            mode = backend.mode
-        mode, dtype = self._broadcast((mode, dtype))
-        sync = WeightSync(self.model, backend, mode=mode, dtype=dtype, barrier=dist_barrier())
-        sync.init()
-        return sync
-
-    def _check_weight_sync(self) -> None:
-        """``sampler.check_weight_sync``: `sync_check.SyncCheck.check_at_start` on every rank (full-weight sync
-        only); raises `sync_check.WeightSyncCheckError` when a sync did not take effect."""
-        from .sync_check import STARTED, SyncCheck, probe_prompt, server_sample
-
-        self.sync_check = None
-        if not getattr(self.args, "check_weight_sync", False):
-            return
-        if self.weight_sync.mode == "adapter":
-            print("asyncgrpo: sampler.check_weight_sync checks full-weight sync only; adapter (LoRA) sync is not "
-                  "checked", flush=True)
-            return
-        sampler = getattr(self, "sampler", None) if self.is_world_process_zero() else None
-        check = SyncCheck(self.model, self.weight_sync.sync, server_sample(sampler, self.model_id), self._broadcast,
-                          probe_prompt(self.processing_class), self.accelerator.autocast)
-        if self.is_world_process_zero():  # said before it runs (fresh-user trial, eleventh session)
-            self.live.append_metrics({"event": "weight_sync_check_started", "time": time.time(), "message": STARTED})
-        result = check.check_at_start(self.model_version)
-        if self.is_world_process_zero():  # the log's line, the console's (`dashboard`), and step 1's window
-            print(f"asyncgrpo: {result.message}", flush=True)
-            self.live.append_metrics({"event": "weight_sync_check", "step": self.state.global_step,
-                                      "time": time.time(), "status": result.status, "message": result.message})
-            for name, value in result.metrics().items():
-                self.window.add(name, value)
-        self.sync_check = check
-
-    def _probe_after_sync(self, version: int) -> dict[str, float]:
-        """``weight_sync/probe_gap`` of the sync of ``version`` (`sync_check.SyncCheck.probe_metrics`)."""
-        return self.sync_check.probe_metrics(version, say=self.is_world_process_zero())
-
-    def _push_weights(self, version: int, again: bool = False) -> dict[str, float]:
-        """Every rank: publish the weights as ``version`` (``again``: re-push the current version to a server
-        that came back from an outage, `WeightSync.push_current`); then release the worker's generation
-        if it waited for weights after an outage that ended before this push began. A push that generation
-        waits for (the re-push, or a step's sync that does its work) says so in the log and in ``status.json``
-        ``server_status``, and says when generation resumes."""
-        seen = self.worker.server_returns_seen() if self.worker is not None else 0
-        held = self.worker is not None and self.worker.needs_repush()  # rank 0: generation waits for this push
-        url = self.args.vllm_server_base_url
-        if held:
-            how = "again" if again else "(this step's weight sync)"
-            print(f"asyncgrpo: the sampler server at {url} answers again after an outage: pushing the weights of "
-                  f"model version {version} {how} before generation resumes", flush=True)
-            self._repush_status = f"server back: pushing the weights of model version {version}" + \
-                (" again" if again else "")
-        start = time.monotonic()
-        try:
-            sync = self.weight_sync.push_current(version) if again else self.weight_sync.sync(version)
-            if getattr(self, "sync_check", None) is not None:  # sampler.check_weight_sync
-                sync = {**sync, **self._probe_after_sync(version)}
-        finally:
-            self._repush_status = None
-        if self.worker is not None:
-            self.worker.ack_repush(seen)
-            if held and not self.worker.needs_repush():
-                print(f"asyncgrpo: {'re-pushed' if again else 'pushed'} model version {version} to {url} in "
-                      f"{time.monotonic() - start:.1f} s; generation resumes", flush=True)
-        return sync
-
-    def _server_status(self) -> str | None:
-        """``"server unreachable, retrying (N s left)"`` while the worker or the weight sync waits for the server
-        (no wait promised once a stop is under way: `_stop_under_way`); ``"server not answering: ..."`` while it
-        accepts connections but does not answer (`ServerWatch`); what the trainer does after an outage (re-push)."""
-        from ..sampler.retry import unreachable_text
-
-        sampler_outage = getattr(getattr(self, "sampler", None), "outage", None)
-        left = [t for t in (self.worker.server_seconds_left(),
-                            sampler_outage.seconds_left() if sampler_outage is not None else None) if t is not None]
-        if left:
-            return unreachable_text(min(left), self._stop_under_way())
-        watch = getattr(self, "server_watch", None)
-        return (watch.status() if watch is not None else None) or getattr(self, "_repush_status", None)
-
-    def _teardown_rollouts(self) -> None:
-        if getattr(self, "live", None) is not None:
-            self.live.stop_ticker()
-        weight_sync = getattr(self, "weight_sync", None)
-        if weight_sync is not None:
-            weight_sync.close()
-        if getattr(self, "server_watch", None) is not None:
-            self.server_watch.stop()
-        watch = getattr(self, "watch", None)
-        if watch is not None:
-            watch.stop()
-        if self.worker is not None:
-            hung = watch is not None and watch.problem is not None  # a dead or hung worker gets no long grace
-            self.worker.stop(timeout_s=2.0 if hung else 10.0)
-            self.worker = None
-        if watch is not None:
-            watch.reap()  # the reward pool of a worker that died is re-parented, not gone
-        sampler = getattr(self, "sampler", None)
-        if sampler is not None:
-            sampler.close()
-
     def _broadcast(self, obj: Any) -> Any:
         if self.accelerator.num_processes == 1:
             return obj
@@ -488,6 +377,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             plan = self._next_step_plan() if self.is_world_process_zero() else None
             plan = self._broadcast(plan)
             if plan.repush:
+                self._settle_sync()
                 try:
                     self._push_weights(self.model_version, again=True)  # logged (SPEC B.17)
                 except WeightSyncError as exc:
@@ -507,6 +397,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             contributions, my_rows, losses = [], [], []
             forwards = SpanClock(self.accelerator.device)
             for m, rows in enumerate(plan.rows):
+                self._settle_if_done()  # sampler.weight_sync_overlap: the worker stamps a served version at once
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
                 forwards.start()
@@ -524,6 +415,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                 loss_sum += value / micro
             fwd_bwd_s = time.monotonic() - fwd_bwd_start
             fwd_s, host_times = forwards.seconds(), host_time_metrics(host_before, ThreadTimes.read())
+            self._settle_sync()  # an overlapped sync reads the parameters the optimizer step changes
             opt_start = time.monotonic()
             self._in_optimizer_step = True  # a failure in here leaves no step to save
             grad_norm = None
@@ -536,20 +428,9 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             optimizer_s = time.monotonic() - opt_start
             self.state.global_step += 1
             self._in_optimizer_step = False
-            sync, sync_error = {}, None
             trained_version = self.model_version
-            if self.state.global_step % args.weight_sync_steps == 0:
-                try:
-                    sync = self._push_weights(self.model_version + 1)
-                    self.model_version += 1
-                except WeightSyncError as exc:  # a stop abandoned the wait for a dead server: save this step
-                    if not self._sync_failed_while_stopping(exc):
-                        if self.accelerator.num_processes > 1:
-                            raise
-                        sync_error = exc  # the step is trained: log it (its metrics line), then fail and save it
-                    else:
-                        say(f"asyncgrpo: step {self.state.global_step} is trained; its weight sync was "
-                            f"abandoned by the stop ({exc})")
+            ends = plan.stop or 0 < args.max_steps <= self.state.global_step or self._stop_requested
+            sync, sync_error = self._sync_after_step(overlap=not ends)  # overlap: on a thread, settled later
             self._finish_step(plan, my_rows, contributions, loss_sum, grad_norm, time.monotonic() - step_start,
                               (fwd_bwd_s, fwd_s, host_times), optimizer_s, sync, peak, trained_version)
             if sync_error is not None:
@@ -572,24 +453,12 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
             if self.control.should_training_stop:
                 break
 
-    def _raise_sync_failure(self, exc: BaseException) -> None:
-        """Raise a failed weight sync (after its trained step was logged); when the server was silent meanwhile
-        (`ServerWatch`), as `ServerHungError` naming that: a timed-out sync is then only the symptom."""
-        from .server_watch import ServerHungError
-
-        watch = getattr(self, "server_watch", None)
-        silent = watch.silent_s() if watch is not None else None
-        if watch is not None and (watch.problem or (silent is not None and silent >= watch.report_after_s)):
-            hung = watch.problem or watch.hung_message(silent, gave_up=silent >= watch.timeout_s)
-            raise ServerHungError(f"{hung}\n(step {self.state.global_step} is trained; its weight sync failed: "
-                                  f"{exc})") from exc
-        raise exc
-
     def _end_without_step(self, model, trial, plan: StepPlan) -> None:
         """A plan without rows: the epochs are done, a signal asked to stop, or the worker failed. A stop or a
         failure saves the last completed step first (every rank); a failure is then raised."""
         from ..rollout.worker import RolloutWorkerError
 
+        self._settle_sync()  # sampler.weight_sync_overlap: the last step's sync first (abandoned by a stop: said)
         if plan.stop_reason in ("stopped", "failed"):
             if self.state.global_step > self._last_saved_step:
                 self._save_checkpoint_with_position(model, trial)
@@ -678,7 +547,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
                                                    self.accelerator.num_processes, args.weight_sync_steps,
                                                    sample_tokens, forwarded, args.max_groups_per_step,
                                                    len({s.group_id for s in trained_samples})))
-        self.worker.set_model_version(self.model_version)
+        self.worker.set_model_version(self._served_version())  # not ahead of the server (sampler.weight_sync_overlap)
         if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
             self.state.epoch = self.position.value / self.num_prompts
         self._update_status(force=True)
@@ -708,7 +577,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         if self.live is None or self.worker is None:
             return
         self.live.update(force=force, step=self.state.global_step, epoch=self.state.epoch,
-                         model_version=self.model_version, queue_size=self._queue_size(),
+                         model_version=self._served_version(), queue_size=self._queue_size(),
                          concurrency=int(self.worker.concurrency_value.value),
                          rollouts_finished=_shared_value(self.worker, "rollouts_done_value"),
                          concurrency_cap=int(self.worker.cap_value.value),
@@ -735,6 +604,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
         out (the line shows ``gen — (no generation figures in this window)``)."""
         from ..rollout.loop import GENERATION_RATES
 
+        self._logged_step = self.state.global_step
         if self.worker is not None:
             for snapshot in self.worker.drain_metrics():
                 self.window.merge(snapshot)
@@ -780,6 +650,7 @@ class AsyncGRPOTrainer(StepPulling, StopHandling, Trainer):
     def _save_checkpoint_with_position(self, model, trial):
         """Save the checkpoint of the current step (every rank) and report it and its duration in
         ``status.json`` (``last_save_s``: the supervisor's stop grace derives from it). Returns the folder."""
+        self._settle_sync()  # sampler.weight_sync_overlap: the saved step's sync is done (or failed) first
         if self.live is not None:
             self.live.update(force=True, state="saving")
         start = time.monotonic()
