@@ -7,6 +7,11 @@ error) before anything that changes the parameters or depends on the server's we
 the next sync, a re-push, an eval round, a checkpoint, the run's end. The rollout worker learns the new version
 only then (SPEC §3.1, B.23: a group's version is the one the server served when its first rollout started).
 
+On a CUDA trainer the sync's GPU work runs on a stream of its own, which first waits for what the trainer's stream
+held when the sync started (the optimizer step): on the trainer's stream, the sync's copies and the CUDA-IPC event the
+server's load waits for would queue behind the next step's forward and backward, which the trainer launches meanwhile.
+The stream is synchronized before the sync counts as done, so the parameters are free to change once it is settled.
+
 Nothing here knows the trainer: ``fn`` is any callable that returns the sync's metrics, so tests drive it directly.
 A plain daemon thread per sync, not an executor, as `weight_sync.base.Background`: a sync that never returns (a
 hung server) must not keep the process from exiting.
@@ -27,7 +32,8 @@ class PendingSync:
 
     Args:
         device: the trainer's device; when it is a CUDA device, the thread selects it first
-            (``torch.cuda.set_device``: the current device is per thread). None or a CPU device: nothing is set.
+            (``torch.cuda.set_device``: the current device is per thread) and runs ``fn`` on a stream of its own that
+            waits for the caller's stream as it was at `start` (module docstring). None or a CPU device: neither.
         clock: seconds, monotonic (tests pass their own).
     """
 
@@ -40,6 +46,7 @@ class PendingSync:
         self._done = threading.Event()
         self._metrics: dict[str, float] = {}
         self._error: BaseException | None = None
+        self._stream: Any = None  # CUDA: the syncs' own stream, made by the first sync's thread
 
     @property
     def in_flight(self) -> bool:
@@ -60,17 +67,35 @@ class PendingSync:
         if self._thread is not None:
             raise RuntimeError(f"the weight sync of model version {self.version} is still in flight; settle it "
                                f"before starting the one of version {version}")
+        ready = None
+        if self._cuda:  # what the caller's stream holds now (the optimizer step): the sync reads after it
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         self.version = int(version)
         self._metrics, self._error = {}, None
         self._done.clear()
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"weight-sync-v{version}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn, ready), name=f"weight-sync-v{version}",
+                                         daemon=True)
         self._thread.start()
 
-    def _run(self, fn: Callable[[], dict[str, float]]) -> None:
+    @property
+    def _cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _run(self, fn: Callable[[], dict[str, float]], ready: Any) -> None:
         try:
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self._metrics = dict(fn() or {})
+            if not self._cuda:
+                self._metrics = dict(fn() or {})
+                return
+            torch.cuda.set_device(self.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_event(ready)
+            try:
+                with torch.cuda.stream(self._stream):
+                    self._metrics = dict(fn() or {})
+            finally:
+                self._stream.synchronize()  # its reads of the parameters are over before the sync counts as done
         except BaseException as exc:  # noqa: BLE001 - re-raised on the trainer's thread by settle()
             self._error = exc
         finally:
