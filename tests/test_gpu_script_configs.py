@@ -368,7 +368,7 @@ def realistic_assets(tmp_path_factory) -> Path:
                                   "async_compile", "sync_compile", "async_stale8", "async_mps_stale8",
                                   "async_extmps", "async_mps_stale8_kill9", "async_nomps", "async_observed",
                                   "async_clip_release4", "async_clip_compile", "sync_clip_compile",
-                                  "async_clip_stale8"])
+                                  "async_clip_stale8", "async_clip_overlap", "async_clip_compile_overlap"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
@@ -386,6 +386,7 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
     assert cfg.loss.score_centering is not clip and (cfg.rollout.num_sampler_logprobs == 0) is clip
     assert cfg.trainer.torch_compile is ("compile" in name.split("_"))
     assert cfg.staleness.deadline_release_versions == (4 if "release4" in name.split("_") else None)
+    assert cfg.sampler.weight_sync_overlap is ("overlap" in name.split("_"))  # one process, no check, no LoRA: allowed
     tags = name.split("_")
     # _extmps: the harness starts the daemon itself; _nomps: without it; else automatic (null)
     assert cfg.launch.mps is (True if "mps" in tags else False if {"extmps", "nomps"} & set(tags) else None)

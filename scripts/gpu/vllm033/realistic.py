@@ -6,7 +6,7 @@ with no network.
     python3 scripts/gpu/vllm033/realistic.py job async     # our job as users run it (the supervisor starts vLLM)
     python3 scripts/gpu/vllm033/realistic.py job sync      # the same with staleness.max_staleness=0 (on-policy)
     python3 scripts/gpu/vllm033/realistic.py job async_clip_mps  # a variant (`JOB_TAGS`: _clip, _mps, _extmps,
-                                                                 # _compile, _stale8, _kill9)
+                                                                 # _compile, _stale8, _kill9, _overlap, ...)
     python3 scripts/gpu/vllm033/realistic.py trl           # TRL's GRPOTrainer, colocated vLLM (server if it fails)
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
@@ -141,11 +141,15 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # weight updates without a stale drop; simulated at staleness 4, busy 86% with no stale drop against 72%,
 # `bench_deadline_waves.py --release 4`, a model with no drop at all; on the GPU the s24 `_clip` job, admission
 # on, dropped 14 samples at steps 6-7 and 3 at step 19: whether released admission drops more is the GPU's to say).
+# ``_overlap`` = ``sampler.weight_sync_overlap=true`` (each step's weight sync runs on a background thread while the
+# next step pulls, forwards and backwards, settled before its optimizer step; the one-H100 1.7B job spent 0.30 s
+# of a 3.25 s step in the sync, the trainer waiting: compare ``async_clip_overlap`` with ``async_clip``, and
+# ``perf/weight_sync_wait_s``, the wait left, with ``perf/weight_sync_s``).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
             "extmps": ["launch.mps=false"], "nomps": ["launch.mps=false"],
             "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"],
             "observed": ["staleness.deadline_order=observed"], "kill9": [],
-            "release4": ["staleness.deadline_release_versions=4"]}
+            "release4": ["staleness.deadline_release_versions=4"], "overlap": ["sampler.weight_sync_overlap=true"]}
 KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
 
