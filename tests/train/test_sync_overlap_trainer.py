@@ -59,15 +59,16 @@ def parameters(model) -> torch.Tensor:
 
 class RecordingTrainer(AsyncGRPOTrainer):
     """Each step's sync takes ``SYNC_S`` s longer and records, in ``events``: when it starts and ends (on which thread,
-    whether the parameters changed while it ran, the version the worker had meanwhile), each optimizer step (whether
-    a sync was in flight), each `_finish_step` (the trainer's version then) and each version the worker is given."""
+    whether the parameters changed while it ran, the version the worker had meanwhile), each optimizer step, eval
+    round asked for and checkpoint write (whether a sync was in flight then), each `_finish_step` (the trainer's
+    version then) and each version the worker is given."""
 
     SYNC_S = 0.4
 
     def _setup_rollouts(self, *args, **kwargs):
         self.events = []
         super()._setup_rollouts(*args, **kwargs)  # its own first push is not recorded: made before the loop
-        step, set_version = self.optimizer.step, self.worker.set_model_version
+        step, set_version, request_eval = self.optimizer.step, self.worker.set_model_version, self.worker.request_eval
 
         def optimizer_step(*a, **kw):
             self.events.append(("optimizer", self.state.global_step + 1, self.pending_sync.in_flight))
@@ -77,7 +78,16 @@ class RecordingTrainer(AsyncGRPOTrainer):
             self.events.append(("worker", int(version)))
             set_version(version)
 
+        def eval_round(at_step):
+            self.events.append(("eval", at_step, self.pending_sync.in_flight))
+            request_eval(at_step)
+
         self.optimizer.step, self.worker.set_model_version = optimizer_step, worker_version
+        self.worker.request_eval = eval_round
+
+    def _save_checkpoint(self, model, trial):
+        self.events.append(("save", self.state.global_step, self.pending_sync.in_flight))
+        return super()._save_checkpoint(model, trial)
 
     def _push_weights(self, version, again=False):
         served = int(self.worker.model_version_value.value)
@@ -96,8 +106,11 @@ class RecordingTrainer(AsyncGRPOTrainer):
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # the recording wrapper
 def test_the_sync_overlaps_the_next_step_and_is_settled_before_its_optimizer_step(model_dir, server, tmp_path):
     out = tmp_path / "run"
+    evals = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} minus 1?"}]}
+                                        for i in range(3)])
     trainer = RecordingTrainer(model=str(model_dir), reward_funcs=[token_parity_reward],
-                               args=args_for(out, server.url), train_dataset=prompts())
+                               args=args_for(out, server.url, save_steps=2, eval_strategy="steps", eval_steps=2),
+                               train_dataset=prompts(), eval_dataset=evals)
     result = trainer.train()
     assert result.global_step == 4 and trainer.model_version == 4
     events = trainer.events
@@ -107,6 +120,9 @@ def test_the_sync_overlaps_the_next_step_and_is_settled_before_its_optimizer_ste
     assert [e[2] for e in starts] == ["weight-sync-v1", "weight-sync-v2", "weight-sync-v3", "MainThread"]
     assert all(e[2] for e in events if e[0] == "sync end"), events  # the parameters never changed under a sync
     assert [e for e in events if e[0] == "optimizer" and e[2]] == [], events  # nor did an optimizer step run then
+    # An eval round samples the step's weights, a checkpoint holds a step whose sync is done (or failed).
+    assert [e for e in events if e[0] in ("eval", "save")] == [("eval", 2, False), ("save", 2, False),
+                                                                ("eval", 4, False), ("save", 4, False)], events
     # The trainer's version advances as its sync starts (its weights are that version); the worker's only once the
     # server serves it: every version the worker is given was synced before, and during a sync it had the previous.
     assert [e[2] for e in events if e[0] == "finish"] == [1, 2, 3, 4]
@@ -118,13 +134,14 @@ def test_the_sync_overlaps_the_next_step_and_is_settled_before_its_optimizer_ste
         elif e[0] == "worker":
             assert e[1] in ended, (e, events)
     assert [e[1] for e in events if e[0] == "worker"][-1] == 4
-    # Steps 2-4 log the sync settled in them (step 1's is in step 2's window), and the time they blocked for it: the
+    # A window logs the syncs settled in its step (step 1's in step 2's, before its optimizer step; step 2's before
+    # step 2's eval round, so in step 2's too; step 3's in step 4's) with the time the trainer blocked for them: the
     # sync sleeps longer than a tiny step takes, so some step waited (perf/step_s counts the wait).
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"event"' not in line]
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    assert "perf/weight_sync_wait_s" not in lines[0] and "perf/weight_sync_s" not in lines[0]
-    assert all(line["perf/weight_sync_s"] > 0 and line["perf/weight_sync_wait_s"] >= 0 for line in lines[1:]), lines
-    waited = max(lines[1:], key=lambda line: line["perf/weight_sync_wait_s"])
+    assert [("perf/weight_sync_s" in line, "perf/weight_sync_wait_s" in line) for line in lines] == \
+        [(False, False), (True, True), (False, False), (True, True)], lines
+    waited = max(lines[1::2], key=lambda line: line["perf/weight_sync_wait_s"])
     assert 0.1 < waited["perf/weight_sync_wait_s"] <= RecordingTrainer.SYNC_S + 1.0, waited
     assert waited["perf/step_s"] >= waited["perf/weight_sync_wait_s"], waited
     status = json.loads((out / "status.json").read_text())
