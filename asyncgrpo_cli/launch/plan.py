@@ -562,7 +562,9 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
 
 def overlap_refusals(gpus: GpuPlan) -> list[Any]:
     """``sampler.weight_sync_overlap=true`` with this plan's trainer processes (`config.rules.weight_sync_overlap_refusals`:
-    one process only), as `ConfigError` s whose fix names the launch keys that give one process; empty with one."""
+    one process only; SPEC §8.4, B.23), as `ConfigError` s whose fix names the launch keys that give one process;
+    empty with one. `build_launch_plan` adds them to the plan's problems (``train``, its ``--dry-run`` and
+    ``config --check`` refuse them)."""
     from ..config.rules import weight_sync_overlap_refusals
 
     fixes = []

@@ -86,7 +86,8 @@ def check_trainer_inputs(model, reward_funcs, args, train_dataset, tools, enviro
 
 def check_sync_overlap(args: Any, lora: bool, processes: int | None = None) -> None:
     """``weight_sync_overlap=True`` where it cannot apply (`config.rules.weight_sync_overlap_refusals`, README
-    "Overlapped weight sync"): several trainer processes, ``check_weight_sync=True``, or LoRA. Nothing when it is off.
+    "Overlapped weight sync"; SPEC §3.1, §9, B.23): several trainer processes, ``check_weight_sync=True``, or LoRA.
+    Nothing when it is off. Called by `AsyncGRPOTrainer.__init__` before anything loads.
 
     Args:
         args: the `AsyncGRPOConfig`.
