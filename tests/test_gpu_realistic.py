@@ -413,3 +413,22 @@ def test_steady_steps_leave_out_the_first_half():
     assert whole["steps"] == "2-20" and steady["steps"] == "10-20"
     assert steady["async_trained_tokens_per_s"] == 1000.0 and steady["async_over_sync_trained_tok_s"] == 1.333
     assert whole["async_trained_tokens_per_s"] > steady["async_trained_tokens_per_s"]
+
+
+def test_combine_without_an_on_policy_run_compares_the_asynchronous_run_with_trl(tmp_path):
+    """The twenty-seventh session's device time held the compiled asynchronous run, TRL and the engine but no
+    on-policy run: combine still gives ours_over_trl over the common steps, and every on-policy figure is None."""
+    rows = [{"step": k, "t_since_step1_s": 2.0 * (k - 1), "trained_tokens": 6000.0, "busy_frac": 0.8}
+            for k in range(1, 6)]
+    ours = {"summary": {"trained_tokens_per_s": 3000.0, "trainer_busy_frac": 0.8}, "rows": rows}
+    trl = {"figures": {"trained_tokens_per_s": 1.0, "rows": [
+        {"step": k, "time": 10.0 + 4.0 * k, "completion_tokens": 6000.0} for k in range(1, 6)]}}
+    for name, data in {"realistic_job_async.json": ours, "realistic_trl.json": trl}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    out = realistic_trl.combine(tmp_path, tmp_path / "out")
+    window = out["figures"]["same_steps"]
+    assert window["steps"] == "2-5" and window["sync_trained_tokens_per_s"] is None
+    assert out["ours_over_trl"] == 2.0 and out["figures"]["async_over_sync_trained_tok_s"] is None
+    assert out["figures"]["sync"] is None and out["sources"]["sync"]["file"] is None
+    assert out["targets"]["async_over_sync_trained_tok_s"]["met"] is None
+    assert out["targets"]["ours_over_trl_trained_tok_s"]["met"] is True

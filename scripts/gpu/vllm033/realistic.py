@@ -595,8 +595,8 @@ def main() -> int:
             out = realistic_trl.combine(Path(sys.argv[2] if len(sys.argv) > 2 else OUT),
                                         Path(sys.argv[3]) if len(sys.argv) > 3 else None)
         except FileNotFoundError as exc:  # a folder without the plain names: say which and how, no traceback
-            print(f"realistic.py combine: {exc}. IN must hold realistic_job_async.json, realistic_job_sync.json and "
-                  "realistic_trl.json (realistic_engine.json optional): the files a run fetched, or symbolic links "
+            print(f"realistic.py combine: {exc}. IN must hold realistic_job_async.json and realistic_trl.json "
+                  "(realistic_job_sync.json and realistic_engine.json optional): the files a run fetched, or symbolic links "
                   "to dated ones, e.g. realistic_job_async.json -> .../realistic_job_async_clip_release4_s26.json",
                   file=sys.stderr)
             return 2

@@ -13,7 +13,9 @@ Writes ``$OUT/realistic_trl.json``.
 source's file name is recorded), writes ``realistic_async_sync.json`` (our pair, the engine's ceiling,
 ``ours_over_trl``, the issue's targets, and each variant ``realistic_job_<name>.json`` in ``IN`` against the same
 on-policy run and TRL) and ``realistic_trl.json`` (TRL's, with
-``ours_over_trl``) into ``OUT`` (default ``scripts/gpu/results/vllm033``).
+``ours_over_trl``) into ``OUT`` (default ``scripts/gpu/results/vllm033``). ``realistic_job_sync.json`` and
+``realistic_engine.json`` may be missing (a session whose device time held no on-policy run or no engine run):
+the figures that need them are then None.
 """
 
 from __future__ import annotations
@@ -295,21 +297,23 @@ def _window_tok_s(rows: list[dict], last: int, tokens_key: str, time_key: str, f
     return round(tokens / span, 1) if span > 0 else None
 
 
-def same_steps(async_rows: list[dict], sync_rows: list[dict], trl_rows: list[dict],
+def same_steps(async_rows: list[dict], sync_rows: list[dict] | None, trl_rows: list[dict],
                steady: bool = False) -> dict | None:
-    """Each run's trained tok/s over the same steps, 2..N with N the last step all three logged (steps slow down as
-    a policy learns, so runs of different lengths compare over their common range); None when a run has fewer
+    """Each run's trained tok/s over the same steps, 2..N with N the last step all of them logged (steps slow down
+    as a policy learns, so runs of different lengths compare over their common range); None when a run has fewer
     than 3 steps or lacks the rows' times. ``steady``: over the second half, N/2..N (issue #42: steps 2-5 of the
-    asynchronous run drained the queue its 26 s first step let build up, 9,898 tok/s over 2-20, 9,207 over 10-20)."""
-    steps = [max((r.get("step") or 0 for r in rows), default=0) for rows in (async_rows, sync_rows, trl_rows)]
-    last = min(steps)
+    asynchronous run drained the queue its 26 s first step let build up, 9,898 tok/s over 2-20, 9,207 over 10-20).
+    ``sync_rows`` None: no on-policy run on this machine (twenty-seventh session), so its figure and the ratios
+    that take it are None and the window is the asynchronous run's and TRL's."""
+    runs = (async_rows, trl_rows) if sync_rows is None else (async_rows, sync_rows, trl_rows)
+    last = min(max((r.get("step") or 0 for r in rows), default=0) for rows in runs)
     if last < 3:
         return None
     first = max(2, last // 2) if steady else 2
     a = _window_tok_s(async_rows, last, "trained_tokens", "t_since_step1_s", first)
-    s = _window_tok_s(sync_rows, last, "trained_tokens", "t_since_step1_s", first)
+    s = None if sync_rows is None else _window_tok_s(sync_rows, last, "trained_tokens", "t_since_step1_s", first)
     t = _window_tok_s(trl_rows, last, "completion_tokens", "time", first)
-    if None in (a, s, t):
+    if None in (a, t) or (s is None and sync_rows is not None):
         return None
     return {"steps": f"{first}-{last}", "async_trained_tokens_per_s": a, "sync_trained_tokens_per_s": s,
             "trl_trained_tokens_per_s": t, "async_over_sync_trained_tok_s": _ratio(a, s),
@@ -322,7 +326,7 @@ def targets_of(measured: dict) -> dict:
                 "met": None if measured.get(k) is None else measured[k] >= v} for k, v in TARGETS.items()}
 
 
-def variants(folder: Path, sync_rows: list[dict], trl_rows: list[dict], engine: dict | None) -> dict:
+def variants(folder: Path, sync_rows: list[dict] | None, trl_rows: list[dict], engine: dict | None) -> dict:
     """Each job variant in ``folder`` (``realistic_job_<mode>_<tags>.json``, tags of `realistic.JOB_TAGS`, such
     as ``async_mps``): its figures (`ours_figures`) and its trained tok/s over the same steps as the on-policy
     default and TRL (`same_steps`), keyed by the variant's name."""
@@ -363,25 +367,27 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
         return {**json.loads(path.read_text()), "_file": path.resolve().name}
 
     a = load("realistic_job_async.json", "realistic_job_async")
-    s = load("realistic_job_sync.json", "realistic_job_sync")
+    s = load("realistic_job_sync.json", "realistic_job_sync", False)  # None: no on-policy run on this machine
     trl, engine = load("realistic_trl.json", "realistic_trl"), load("realistic_engine.json", "realistic_engine", False)
     engine_tok_s = (engine or {}).get("engine_generated_tok_s")
-    fa, fs = ours_figures(a, *engine_for(engine, a)), ours_figures(s, *engine_for(engine, s))
+    fa = ours_figures(a, *engine_for(engine, a))
+    fs = ours_figures(s, *engine_for(engine, s)) if s is not None else None
+    sync_tok_s = fs["trained_tokens_per_s"] if fs else None
+    sync_rows = (s.get("rows") or []) if s is not None else None
     ft = {k: v for k, v in (trl.get("figures") or {}).items() if k != "rows"}
-    window = same_steps(a.get("rows") or [], s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [])
+    trl_rows = (trl.get("figures") or {}).get("rows") or []
+    window = same_steps(a.get("rows") or [], sync_rows, trl_rows)
     figures = {"async": fa, "sync": fs, "trl": {**ft, "mode": trl.get("mode_measured")},
                "engine_generated_tokens_per_s": engine_tok_s,
-               "async_over_sync_trained_tok_s": _ratio(fa["trained_tokens_per_s"], fs["trained_tokens_per_s"]),
+               "async_over_sync_trained_tok_s": _ratio(fa["trained_tokens_per_s"], sync_tok_s),
                "ours_over_trl_trained_tok_s": _ratio(fa["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
-               "sync_over_trl_trained_tok_s": _ratio(fs["trained_tokens_per_s"], ft.get("trained_tokens_per_s")),
+               "sync_over_trl_trained_tok_s": _ratio(sync_tok_s, ft.get("trained_tokens_per_s")),
                "same_steps": window,
-               "steady_steps": same_steps(a.get("rows") or [], s.get("rows") or [],
-                                          (trl.get("figures") or {}).get("rows") or [], steady=True)}
+               "steady_steps": same_steps(a.get("rows") or [], sync_rows, trl_rows, steady=True)}
     if window:  # the ratios the targets take: over the same steps when every run has its rows' times
         figures.update({k: window[k] for k in ("async_over_sync_trained_tok_s", "ours_over_trl_trained_tok_s",
                                                "sync_over_trl_trained_tok_s")})
-    figures["variants"] = variants(folder, s.get("rows") or [], (trl.get("figures") or {}).get("rows") or [],
-                                   engine)
+    figures["variants"] = variants(folder, sync_rows, trl_rows, engine)
     ours_over_trl = figures["ours_over_trl_trained_tok_s"]
     measured = {"async_over_sync_trained_tok_s": figures["async_over_sync_trained_tok_s"],
                 "ours_over_trl_trained_tok_s": ours_over_trl, "async_busy_frac_min_step": fa["busy_frac_min_step"],
@@ -389,7 +395,7 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
     targets = targets_of(measured)
     sources = {k: {"file": v.get("_file"), "date": (v.get("versions") or {}).get("date"),
                    "gpu": (v.get("versions") or {}).get("gpu")} for k, v in
-               (("async", a), ("sync", s), ("trl", trl), ("engine", engine or {}))}
+               (("async", a), ("sync", s or {}), ("trl", trl), ("engine", engine or {}))}
     out = {"issue": 42, "sources": sources,
            "how_to_read": "figures.<run> are each run's own summary (every step after the first, its busy share the "
                           "whole run's); same_steps are trained tok/s over the steps every run logged, and the ratios "
