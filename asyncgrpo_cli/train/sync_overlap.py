@@ -5,7 +5,8 @@ N's optimizer step, and goes on with step N+1: it pulls its samples and runs its
 server loads the new weights. It settles the sync (`PendingSync.settle`: waits for it, takes its metrics or its
 error) before anything that changes the parameters or depends on the server's weights: step N+1's optimizer step,
 the next sync, a re-push, an eval round, a checkpoint, the run's end. The rollout worker learns the new version
-only then (SPEC §3.1, B.23: a group's version is the one the server served when its first rollout started).
+when the push has ended, from the sync's thread (SPEC §3.1, B.23: a group's version is the one the server served
+when its first rollout started).
 
 On a CUDA trainer the sync's GPU work runs on a stream of its own, which first waits for what the trainer's stream
 held when the sync started (the optimizer step): on the trainer's stream, the sync's copies and the CUDA-IPC event the

@@ -6,7 +6,8 @@ state.
 
 With overlap on, a step's sync runs on a background thread (`sync_overlap.PendingSync`) and the trainer's version
 advances at once (it holds the new weights: the next step's staleness counts from it), while the rollout worker's
-stays at the version the server serves until the sync is settled (`_settle_sync`). It is settled before whatever
+stays at the version the server serves until the push has ended (`_push_and_publish`, on the sync's thread).
+The sync is settled (`_settle_sync`) before whatever
 changes the parameters or reads the server's weights: the next optimizer step, the next sync or a re-push, an eval
 round, a checkpoint, the run's end or failure, the teardown; and as soon as it is done while the next step pulls its
 samples (`_settle_if_done`). A sync that failed is then handled as a failed sync is without overlap: abandoned by a
@@ -15,6 +16,8 @@ stop (the step is saved), or logged and raised (`_raise_sync_failure`) so that t
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 from ..run.log_lines import say
@@ -46,6 +49,7 @@ class WeightSyncing:
         sync = WeightSync(self.model, backend, mode=mode, dtype=dtype, barrier=dist_barrier())
         sync.init()
         self.pending_sync = PendingSync(self.accelerator.device) if getattr(args, "weight_sync_overlap", False) else None
+        self._version_lock, self._pushed_version = threading.Lock(), None  # `_push_and_publish`
         return sync
 
     def _check_weight_sync(self) -> None:
@@ -179,7 +183,8 @@ class WeightSyncing:
         if overlap and pending is not None:
             self._settle_sync()  # one at a time (the step's optimizer step settled it already)
             self._sync_step = self.state.global_step
-            pending.start(self.model_version + 1, lambda version=self.model_version + 1: self._push_weights(version))
+            pending.start(self.model_version + 1,
+                          lambda version=self.model_version + 1: self._push_and_publish(version))
             self.model_version += 1
             return {}, None
         self._settle_sync()
@@ -197,11 +202,32 @@ class WeightSyncing:
                     f"abandoned by the stop ({exc})")
         return sync, sync_error
 
+    def _push_and_publish(self, version: int) -> dict[str, float]:
+        """The overlapped sync's body, on `PendingSync`'s thread: `_push_weights`, then the worker stamps ``version``
+        on new groups at once: the server serves it from the sync's ``/resume`` on, and a group started between
+        then and the settle (up to a step's forward and backward later) would otherwise carry the version before
+        and count one version staler than it is (SPEC B.23). Under `_version_lock`, so that `_tell_worker_served`
+        on the trainer's thread cannot hand the worker the older version after it."""
+        metrics = self._push_weights(version)
+        with self._version_lock:
+            self._pushed_version = version
+            if self.worker is not None:
+                self.worker.set_model_version(version)
+        return metrics
+
     def _served_version(self) -> int:
         """The model version the server serves, which the worker stamps on new groups: the trainer's, but the one
-        before while an overlapped sync of the trainer's is in flight (read by the status ticker's thread too)."""
+        before while an overlapped sync of the trainer's is in flight and its push has not ended (read by the status
+        ticker's thread too)."""
         in_flight = getattr(getattr(self, "pending_sync", None), "version", None)  # None once settled
-        return self.model_version if in_flight is None else int(in_flight) - 1
+        if in_flight is None or getattr(self, "_pushed_version", None) == in_flight:
+            return self.model_version
+        return int(in_flight) - 1
+
+    def _tell_worker_served(self) -> None:
+        """Give the worker `_served_version` (after each step), under `_version_lock` (`_push_and_publish`)."""
+        with getattr(self, "_version_lock", None) or contextlib.nullcontext():
+            self.worker.set_model_version(self._served_version())
 
     def _settle_sync(self) -> None:
         """Wait for the overlapped weight sync in flight, if any (``sampler.weight_sync_overlap``). Done: its metrics

@@ -547,7 +547,7 @@ class AsyncGRPOTrainer(StepPulling, WeightSyncing, StopHandling, Trainer):
                                                    self.accelerator.num_processes, args.weight_sync_steps,
                                                    sample_tokens, forwarded, args.max_groups_per_step,
                                                    len({s.group_id for s in trained_samples})))
-        self.worker.set_model_version(self._served_version())  # not ahead of the server (sampler.weight_sync_overlap)
+        self._tell_worker_served()  # not ahead of the server (sampler.weight_sync_overlap)
         if self.num_prompts:  # a stream's length is unknown: its epoch is not reported
             self.state.epoch = self.position.value / self.num_prompts
         self._update_status(force=True)

@@ -75,7 +75,7 @@ class RecordingTrainer(AsyncGRPOTrainer):
             return step(*a, **kw)
 
         def worker_version(version):
-            self.events.append(("worker", int(version)))
+            self.events.append(("worker", int(version), threading.current_thread().name))
             set_version(version)
 
         def eval_round(at_step):
@@ -134,6 +134,10 @@ def test_the_sync_overlaps_the_next_step_and_is_settled_before_its_optimizer_ste
         elif e[0] == "worker":
             assert e[1] in ended, (e, events)
     assert [e[1] for e in events if e[0] == "worker"][-1] == 4
+    # The worker learns an overlapped sync's version on its thread as soon as the push ends (the server serves it
+    # from then on), not only at the settle, which may come a step's forward and backward later.
+    for version in (1, 2, 3):
+        assert ("worker", version, f"weight-sync-v{version}") in events, events
     # A window logs the syncs settled in its step (step 1's in step 2's, before its optimizer step; step 2's before
     # step 2's eval round, so in step 2's too; step 3's in step 4's) with the time the trainer blocked for them: the
     # sync sleeps longer than a tiny step takes, so some step waited (perf/step_s counts the wait).
