@@ -1,6 +1,6 @@
 """``sampler.weight_sync_overlap`` in the trainer, on CPU against the embedded sampler: the sync of step N runs on a
 background thread while step N+1 pulls, forwards and backwards; it is settled before step N+1's optimizer step (the
-parameters never change under it), the rollout worker learns the new version only once it is settled, and a sync that
+parameters never change under it), the rollout worker learns the new version only once its push has ended, and a sync that
 fails is found one step later yet ends the run as without overlap (the same checkpoint, status and metrics lines)."""
 
 from __future__ import annotations
@@ -16,27 +16,8 @@ import pytest
 import torch
 
 from asyncgrpo_cli import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo_cli.sampler.embedded.server import ServerConfig, ServerThread
-from asyncgrpo_cli.testing import make_tiny_model
 from asyncgrpo_cli.train.weight_sync import WeightSyncError
-
-
-def token_parity_reward(completion_ids, **kwargs):
-    """Picklable reward with spread inside groups (random for a random model)."""
-    return [float(bool(ids) and ids[0] % 2 == ids[-1] % 2) for ids in completion_ids]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture()
-def server(model_dir):
-    handle = ServerThread(ServerConfig(model=str(model_dir), port=0, device="cpu", dtype="float32",
-                                       max_model_len=96, max_logprobs=8)).start()
-    yield handle
-    handle.stop()
+from tests.train.test_trainer_e2e import model_dir, server, token_parity_reward  # noqa: F401 - fixtures, reward
 
 
 def prompts(n=16):
