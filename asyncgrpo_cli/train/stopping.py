@@ -76,8 +76,15 @@ class StopHandling:
 
     def _sync_failed_while_stopping(self, exc: BaseException) -> bool:
         """Whether a failed weight sync only failed because a stop abandoned the wait for the server (one
-        process: the step is complete and is saved; with more ranks the others may wait in a collective)."""
-        return bool(self._stop_requested and self.accelerator.num_processes == 1)
+        process: the step is complete and is saved; with more ranks the others may wait in a collective).
+
+        A stop is under way from a signal (``_stop_requested``), or from this process's own watchdog, which has
+        seen the supervisor gone and is about to send this process SIGTERM (`own_reason`, filled before the
+        signal): the server the supervisor started dies with it, and a sync that then fails before the signal's
+        handler has run is the same stop (a suite run under load had the trainer take the failure path instead and
+        die of that SIGTERM once the failure path had given the default handler back)."""
+        stopping = self._stop_requested or bool(own_reason)
+        return bool(stopping and self.accelerator.num_processes == 1)
 
     def _on_failure(self, model, trial, exc: BaseException) -> None:
         """A failure left the loop: save the last completed step when that is safe (one process, not inside

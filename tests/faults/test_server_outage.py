@@ -704,3 +704,27 @@ def test_stop_under_way_says_the_supervisor_is_gone_whatever_the_server(tmp_path
         assert stop_reason.stop_under_way(tmp_path) == "the supervisor (pid 77) is gone"
     finally:
         stop_reason.own_reason.pop()
+
+
+def test_a_sync_that_fails_once_the_supervisor_is_seen_gone_is_the_stops():
+    """The watchdog that sees the supervisor gone fills `own_reason`, then sends this process SIGTERM; the server the
+    supervisor started dies with it. A sync failing in between (before the signal's handler ran) is that stop's,
+    not a failure: the trainer saves the step and stops. A suite run under load had it take the failure path, which
+    gives the default SIGTERM handler back, and die of the signal without its final line."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.run import stop_reason
+    from asyncgrpo_cli.train.stopping import StopHandling
+
+    trainer = StopHandling()
+    trainer._stop_requested, trainer.accelerator = False, SimpleNamespace(num_processes=1)
+    assert not trainer._sync_failed_while_stopping(RuntimeError("reset"))
+    stop_reason.own_reason.append("the supervisor (pid 77) is gone")
+    try:
+        assert trainer._sync_failed_while_stopping(RuntimeError("reset"))
+        trainer.accelerator.num_processes = 2  # other ranks may wait in a collective: raised as before
+        assert not trainer._sync_failed_while_stopping(RuntimeError("reset"))
+    finally:
+        stop_reason.own_reason.pop()
+    trainer.accelerator.num_processes, trainer._stop_requested = 1, True
+    assert trainer._sync_failed_while_stopping(RuntimeError("reset"))
