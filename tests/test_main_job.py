@@ -232,6 +232,7 @@ def test_smoke_recipe_runs_with_the_weight_sync_overlapped(tmp_path):
     assert status["state"] == "finished" and status["step"] == 2 and status["model_version"] == 2, status
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert re.search(r"^\d\d:\d\d:\d\d training finished: step 2 in \d+ s", trainer_log, re.M), trainer_log[-3000:]
+    assert "weight sync overlapped with the next step (sampler.weight_sync_overlap=true)" in trainer_log
 
 
 def test_two_cpu_processes_train_together(tiny, tmp_path):

@@ -49,6 +49,9 @@ class WeightSyncing:
         sync = WeightSync(self.model, backend, mode=mode, dtype=dtype, barrier=dist_barrier())
         sync.init()
         self.pending_sync = PendingSync(self.accelerator.device) if getattr(args, "weight_sync_overlap", False) else None
+        if self.pending_sync is not None and self.is_world_process_zero():  # the log says it is on (a trial)
+            print("asyncgrpo trainer: weight sync overlapped with the next step (sampler.weight_sync_overlap=true): "
+                  "perf/weight_sync_wait_s is what a step still waits for it", flush=True)
         self._version_lock, self._pushed_version = threading.Lock(), None  # `_push_and_publish`
         return sync
 
