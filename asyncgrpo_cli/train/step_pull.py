@@ -98,7 +98,7 @@ class StepPulling:
         on_policy = args.max_staleness == 0 and (self.state.global_step + 1) % args.weight_sync_steps == 0
         poll_s = ROUND_POLL_S if args.max_staleness == 0 else POLL_S
         while on_policy or len(plans) < args.gradient_accumulation_steps:
-            self._settle_if_done()  # sampler.weight_sync_overlap: the worker learns the new version once it is served
+            self._settle_if_done()  # sampler.weight_sync_overlap: a failed sync is raised, not waited past
             if self._stop_requested:  # save first: the pulled samples stay untrained in the position's accounting
                 return StepPlan(stop=True, stop_reason="stopped")
             problem = self.watch.problem if self.watch is not None else None

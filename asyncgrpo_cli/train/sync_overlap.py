@@ -128,20 +128,6 @@ class PendingSync:
             raise error
         return metrics, waited
 
-    def close(self, timeout_s: float | None = None) -> BaseException | None:
-        """Wait for a sync still in flight (at most ``timeout_s`` seconds) and drop its outcome.
-
-        Returns:
-            The error the dropped sync raised, else None (also when nothing was in flight or it still runs).
-        """
-        if self._thread is None or not self._done.wait(timeout_s):
-            return None
-        try:
-            self.settle()
-        except BaseException as exc:  # noqa: BLE001 - returned: the caller reports it
-            return exc
-        return None
-
     def __repr__(self) -> str:
         state: Any = "idle" if self._thread is None else ("done" if self._done.is_set() else "running")
         return f"PendingSync(version={self.version}, {state})"

@@ -10,8 +10,9 @@ stays at the version the server serves until the push has ended (`_push_and_publ
 The sync is settled (`_settle_sync`) before whatever
 changes the parameters or reads the server's weights: the next optimizer step, the next sync or a re-push, an eval
 round, a checkpoint, the run's end or failure, the teardown; and as soon as it is done while the next step pulls its
-samples (`_settle_if_done`). A sync that failed is then handled as a failed sync is without overlap: abandoned by a
-stop (the step is saved), or logged and raised (`_raise_sync_failure`) so that the last trained step is saved.
+samples (`_settle_if_done`: a failure is found there). A sync that failed is then handled as a failed sync is
+without overlap: abandoned by a stop (the step is saved), or logged and raised (`_raise_sync_failure`) so that the
+last trained step is saved.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class WeightSyncing:
 
     def _settle_sync(self) -> None:
         """Wait for the overlapped weight sync in flight, if any (``sampler.weight_sync_overlap``). Done: its metrics
-        and ``perf/weight_sync_wait_s`` go into this step's window and the worker stamps the new version from now on.
+        and ``perf/weight_sync_wait_s`` go into this step's window (the worker was given the new version by the sync's thread).
         Failed: the trainer's version goes back to the one the server served; a sync a stop abandoned is said, any
         other failure is raised as without overlap (the step it followed is logged first if it was not yet, then
         `_raise_sync_failure`): the failure path then saves that step, ``global_step`` being still that step.
@@ -265,12 +266,11 @@ class WeightSyncing:
         for name, value in metrics.items():
             self.window.add(name, value)
         self.window.add(WAIT_METRIC, waited)
-        if self.worker is not None:
-            self.worker.set_model_version(version)
 
     def _settle_if_done(self) -> None:
-        """`_settle_sync` when the overlapped sync has already ended (no wait): the worker learns the new version as
-        soon as the server serves it, e.g. while the next step waits for samples of it (``max_staleness=0``)."""
+        """`_settle_sync` when the overlapped sync has already ended (no wait), while the next step waits for its
+        samples: a failed sync is then raised there, not waited past (at ``max_staleness=0`` the step waits for
+        samples of the version that sync never published)."""
         pending = getattr(self, "pending_sync", None)
         if pending is not None and pending.done:
             self._settle_sync()
@@ -288,6 +288,3 @@ class WeightSyncing:
             self.model_version = version - 1
             why = "was abandoned by the stop" if self._sync_failed_while_stopping(exc) else "failed"
             say(f"asyncgrpo: step {self._sync_step} is trained; its weight sync {why} ({exc})")
-            return
-        if self.worker is not None:
-            self.worker.set_model_version(version)

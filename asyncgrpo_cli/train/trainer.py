@@ -397,7 +397,6 @@ class AsyncGRPOTrainer(StepPulling, WeightSyncing, StopHandling, Trainer):
             contributions, my_rows, losses = [], [], []
             forwards = SpanClock(self.accelerator.device)
             for m, rows in enumerate(plan.rows):
-                self._settle_if_done()  # sampler.weight_sync_overlap: the worker stamps a served version at once
                 row = pack_row(rows[rank] if rank < len(rows) else [])
                 my_rows.append(row)
                 forwards.start()

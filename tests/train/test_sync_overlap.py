@@ -150,19 +150,6 @@ def test_on_a_gpu_the_sync_reads_what_the_callers_stream_wrote_before_start_on_i
         torch.cuda.synchronize()
 
 
-def test_close_waits_and_returns_the_dropped_error():
-    pending = PendingSync()
-    assert pending.close() is None
-    pending.start(1, lambda: (_ for _ in ()).throw(ValueError("lost")))
-    error = pending.close()
-    assert isinstance(error, ValueError) and not pending.in_flight
-    release = threading.Event()
-    pending.start(2, lambda: release.wait(10) and {})
-    assert pending.close(timeout_s=0.05) is None and pending.in_flight  # still running: left to its daemon thread
-    release.set()
-    pending.settle()
-
-
 # ------------------------------------------------------------------------------------ refusals
 def test_the_rules_name_the_field_the_value_and_the_fix():
     cli = lambda n: f"sampler.{n}"  # noqa: E731
