@@ -49,7 +49,8 @@ class WeightSyncing:
         mode, dtype = self._broadcast((mode, dtype))
         sync = WeightSync(self.model, backend, mode=mode, dtype=dtype, barrier=dist_barrier())
         sync.init()
-        self.pending_sync = PendingSync(self.accelerator.device) if getattr(args, "weight_sync_overlap", False) else None
+        overlap = getattr(args, "weight_sync_overlap", False)
+        self.pending_sync = PendingSync(self.accelerator.device) if overlap else None
         if self.pending_sync is not None and self.is_world_process_zero():  # the log says it is on (a trial)
             print("asyncgrpo trainer: weight sync overlapped with the next step (sampler.weight_sync_overlap=true): "
                   "perf/weight_sync_wait_s is what a step still waits for it", flush=True)
@@ -235,7 +236,7 @@ class WeightSyncing:
 
     def _settle_sync(self) -> None:
         """Wait for the overlapped weight sync in flight, if any (``sampler.weight_sync_overlap``). Done: its metrics
-        and ``perf/weight_sync_wait_s`` go into this step's window (the worker was given the new version by the sync's thread).
+        and ``perf/weight_sync_wait_s`` go into this step's window (the sync's thread gave the worker the version).
         Failed: the trainer's version goes back to the one the server served; a sync a stop abandoned is said, any
         other failure is raised as without overlap (the step it followed is logged first if it was not yet, then
         `_raise_sync_failure`): the failure path then saves that step, ``global_step`` being still that step.
