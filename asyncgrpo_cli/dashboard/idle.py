@@ -52,6 +52,9 @@ Its cause is the first of these that holds, each with the CLI override that fixe
 8. ``trainer_idle_ceiling``: ``rollout/concurrency`` at ``max_concurrent_rollouts`` with the KV cache low. Fix:
    twice ``staleness.max_concurrent_rollouts`` (if environments and tools allow).
 
+Beside any cause, the head notes groups dropped without reward spread when they are half or more
+(`no_signal_note`): no setting fixes that, and it multiplies whatever wait the cause makes.
+
 Order: the config causes (1, 2) first, named only when the metrics confirm them: the trainer waits and the KV cache
 is not full (at most ``engine_full_kv_frac``, 80%; above it vLLM's memory, not a flag, limits generation); their
 cost is measured and their fix costs nothing. On-policy training (3) follows: it waits by design, whatever the
@@ -409,6 +412,22 @@ IDLE_CAUSES = (_cause_server_silent, _cause_api_servers, _cause_eager, _cause_on
                _cause_worker, _cause_engine_core, _cause_embedded, _cause_cap, _cause_ceiling)
 
 
+def no_signal_note(history: MetricsHistory, th: Thresholds = DEFAULT_THRESHOLDS) -> str | None:
+    """Why the wait grows as the policy learns, beside any cause: ``frac_reward_zero_std`` from ``th.zero_std_high``
+    (mean over the newest ``th.stale_windows`` windows). A group without reward spread has no advantage and is
+    dropped (SPEC §3.2, Appendix B.7), so generation makes ``1 / (1 - share)`` groups for each one trained, whatever
+    bounds generation. No setting makes a dropped group count (the saturation finding says whether the prompts got
+    too easy or too hard), so this is a note in the finding's head, not a cause that would hide one with a fix
+    (issue #41's job: 75-88% of groups dropped, and the fix was the concurrency ceiling). A fresh-user trial's 30-step
+    smoke run named only the embedded sampler from step 20 on, with most groups dropped. None below the threshold."""
+    vals = history.values("frac_reward_zero_std")[-th.stale_windows:]
+    share = sum(vals) / len(vals) if vals else None
+    if share is None or share < th.zero_std_high:
+        return None
+    per = "almost none trained" if share >= 0.99 else f"{1 / (1 - share):.1f} generated per one trained"
+    return f"{share:.0%} of groups dropped without reward spread, {per}"
+
+
 def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
                  th: Thresholds = DEFAULT_THRESHOLDS, share_of: str = "the step") -> Diagnosis | None:
     """Issue #33: the trainer waits for samples a "high" share of the step (``perf/rollout_wait_s`` against
@@ -422,8 +441,9 @@ def trainer_idle(history: MetricsHistory, settings: RunSettings = RunSettings(),
         return None
     busy = busy_share(m)
     rate = breakdown_text(request_breakdown(m))  # issue #41: generation's rate and its request's binding stage
+    dropped = no_signal_note(history, th)
     head = (f"trainer idle {1 - busy:.0%} of {share_of}" if busy is not None else "trainer idle") \
-        + f" (waits {wait:.2f} s for samples{f'; generation {rate}' if rate else ''})"
+        + f" (waits {wait:.2f} s for samples{f'; generation {rate}' if rate else ''}{f'; {dropped}' if dropped else ''})"
     for cause in IDLE_CAUSES:
         found = cause(history, settings, th)
         if found is not None:

@@ -428,6 +428,29 @@ def test_idle_cause_stale_drops():
     assert trainer_idle(history_of(_idle(**{"sample/dropped_stale_token_frac": 0.05})), VLLM) is None  # not above 5%
 
 
+def test_an_idle_trainer_notes_the_groups_dropped_without_signal():
+    """A fresh-user trial's 30-step smoke run: from step 20 most groups were dropped for want of a reward spread, and
+    the idle finding named only the embedded sampler. The head notes the dropped groups now; the cause and its fix
+    stay (issue #41's job: 75-88% dropped, the fix was the concurrency ceiling)."""
+    from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
+
+    embedded = dataclasses.replace(VLLM, backend="embedded")
+    cpu = {k: v for k, v in _idle().items() if k != "perf/gpu_memory_peak_gib"}
+    assert "reward spread" not in trainer_idle(history_of(cpu), embedded).text
+    h = history_of(*[{**cpu, "frac_reward_zero_std": z} for z in (0.4, 0.7, 0.8, 0.9)])
+    d = trainer_idle(h, embedded)  # mean 0.7 over the newest windows
+    assert d.rule == "trainer_idle_embedded"
+    assert d.text.startswith("trainer idle 67% of the step (waits 1.20 s for samples; 70% of groups dropped without "
+                             "reward spread, 3.3 generated per one trained): the embedded sampler")
+    assert "almost none trained" in trainer_idle(history_of({**cpu, "frac_reward_zero_std": 1.0}), embedded).text
+    ceiling = trainer_idle(history_of(_idle(**{"rollout/vllm_kv_cache_usage_frac": 0.2, "frac_reward_zero_std": 0.8})),
+                           VLLM)
+    assert ceiling.rule == "trainer_idle_ceiling" and "80% of groups dropped without reward spread" in ceiling.text
+    # under half (the mean of the newest windows): no note
+    low = history_of({**cpu, "frac_reward_zero_std": 0.9}, {**cpu, "frac_reward_zero_std": 0.0})
+    assert "reward spread" not in trainer_idle(low, embedded).text
+
+
 def test_idle_cause_a_cap_that_never_grows():
     from asyncgrpo_cli.dashboard.diagnosis import trainer_idle
 
