@@ -368,7 +368,8 @@ def realistic_assets(tmp_path_factory) -> Path:
                                   "async_compile", "sync_compile", "async_stale8", "async_mps_stale8",
                                   "async_extmps", "async_mps_stale8_kill9", "async_nomps", "async_observed",
                                   "async_clip_release4", "async_clip_compile", "sync_clip_compile",
-                                  "async_clip_stale8", "async_clip_overlap", "async_clip_compile_overlap"])
+                                  "async_clip_stale8", "async_clip_overlap", "async_clip_compile_overlap",
+                                  "async_clip_compile_lowprio"])
 def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, name):
     """Both of issue #42's runs, as `realistic.py job NAME` runs them (the tiny model in place of the 1.7B one),
     through train's checks: a prompt of the data plus 512 completion tokens must fit max_model_len, the reward
@@ -402,6 +403,7 @@ def test_the_realistic_jobs_of_issue_42_pass_the_train_checks(realistic_assets, 
         if plan.mps is None:
             return
         assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "GPU-of-0" == plan.server.env["CUDA_VISIBLE_DEVICES"]
+        assert plan.trainer_env.get("CUDA_MPS_CLIENT_PRIORITY") == ("1" if "lowprio" in tags else None)
 
 
 def test_a_realistic_job_names_its_mode_and_tags_or_is_refused():

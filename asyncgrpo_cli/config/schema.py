@@ -415,6 +415,14 @@ class LaunchConfig:
     job's (another session, one machine). On-policy training takes turns on the GPU anyway and trained 3.7% fewer
     tok/s under MPS, so the automatic choice leaves it off. The daemon runs under a keeper that, if the job is
     killed, keeps it until the trainer's last save is done."""
+    mps_trainer_priority: str = "normal"
+    """The trainer's scheduling priority as a client of this run's MPS daemon (with ``launch.mps`` on): ``normal``
+    (the default: vLLM's and the trainer's kernels are scheduled alike) or ``below_normal``
+    (``CUDA_MPS_CLIENT_PRIORITY=1`` in the trainer's environment only: the GPU schedules vLLM's pending kernels
+    before the trainer's, so generation, which the asynchronous trainer waits on, is slowed less by training).
+    Without MPS it has nothing to act on: with ``launch.mps=false`` the setting is refused, and when the automatic
+    choice leaves MPS off the plan says it is unused. Not yet measured on a GPU (README "How fast, against
+    what")."""
     stop_timeout: Optional[float] = None
     """Seconds the supervisor waits after SIGINT/SIGTERM for the trainer to save a checkpoint and exit, before
     SIGTERM then SIGKILL; None = the last step time + 3 × the last measured save time + 30 s (120 s before

@@ -284,6 +284,12 @@ def check_groups(cfg: Any) -> None:
              f"{ENVIRONMENT_COLUMN!r} field (SPEC §16.1), and no dataset is given (data.name, data.generator)",
              f"set data.name to a dataset with an {ENVIRONMENT_COLUMN!r} column, or give one environment "
              "(environment.factory=module:Class)")
+    priority = la.get("mps_trainer_priority", "normal")
+    rule(priority in MPS_PRIORITIES, "launch.mps_trainer_priority", priority,
+         f"must be one of {', '.join(MPS_PRIORITIES)}", "set launch.mps_trainer_priority=normal")
+    rule(priority == "normal" or la.mps is not False, "launch.mps_trainer_priority", priority,
+         "a priority among the clients of an MPS daemon, and launch.mps=false starts none",
+         "set launch.mps_trainer_priority=normal, or launch.mps=null (automatic) or true")
     rule(la.stop_timeout is None or la.stop_timeout > 0, "launch.stop_timeout", la.stop_timeout,
          "the seconds the trainer gets to save after a stop must be > 0",
          "set launch.stop_timeout=300, or null to derive it from the measured step and save times")
@@ -296,6 +302,9 @@ def check_groups(cfg: Any) -> None:
     if errors:
         raise ConfigErrors(errors)
 
+
+#: ``launch.mps_trainer_priority``'s values, in ``CUDA_MPS_CLIENT_PRIORITY``'s order (0, 1).
+MPS_PRIORITIES = ("normal", "below_normal")
 
 #: The dataset column that routes an example to one of a dict of environments (SPEC §16.1).
 ENVIRONMENT_COLUMN = "environment"

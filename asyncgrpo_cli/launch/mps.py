@@ -42,6 +42,7 @@ from .mps_keeper import DRAIN_S, KEEPER_PID, QUIT_S  # QUIT_S: for the daemon an
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"  # a client's priority among the daemon's: 0 normal, 1 below normal
 READY_S = 30.0  # for the daemon's control socket to appear
 
 

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 
 from ..config.compose import DEFAULT_OUTPUT_DIR, server_url  # noqa: F401  (DEFAULT_OUTPUT_DIR: re-exported)
 from ..server.colocate import Layout, decide_layout, visible_gpu_count, visible_ids  # noqa: F401  (re-exported)
-from .mps import MpsPlan, plan_mps, plan_mps_auto
+from .mps import PRIORITY_ENV, MpsPlan, plan_mps, plan_mps_auto
 from ..server.command import ServerCommand, build_server_command, compute_dtype, data_parallel_size
 
 TRAINER_MODULE = "asyncgrpo_cli.train.main"
@@ -553,6 +553,15 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             server.env.update(mps.client_env)
             env.update(mps.client_env)
             gpus.notes.append(mps.note())
+    priority = cfg.launch.get("mps_trainer_priority", "normal")
+    if priority == "below_normal":
+        if mps is not None:
+            env[PRIORITY_ENV] = "1"
+            server.env.pop(PRIORITY_ENV, None)  # one the user exported would lower vLLM's too
+            gpus.notes.append(f"the trainer is an MPS client of priority below normal (launch.mps_trainer_priority="
+                              f"below_normal, {PRIORITY_ENV}=1): the GPU runs vLLM's pending kernels first")
+        elif choice is not False:  # launch.mps=false with it is refused by the config's checks
+            gpus.notes.append("launch.mps_trainer_priority=below_normal is unused: this job runs without MPS")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason, mps=mps,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
                                                    trainer=cfg.trainer, model=cfg.model),

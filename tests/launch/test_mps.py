@@ -51,6 +51,27 @@ def test_the_plan_puts_both_processes_under_this_runs_daemon(tmp_path, monkeypat
     assert plan.server.env["CUDA_VISIBLE_DEVICES"] == "GPU-uuid-0"
 
 
+def test_a_trainer_of_priority_below_normal_leaves_vllms_kernels_first(tmp_path, monkeypatch):
+    """``launch.mps_trainer_priority=below_normal``: ``CUDA_MPS_CLIENT_PRIORITY=1`` for the trainer alone (one the user
+    exported is taken from vLLM's environment); unused without MPS, and said so; refused with launch.mps=false."""
+    monkeypatch.setattr(mps_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
+    plan = build_launch_plan(cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal"), gpu_count=1,
+                             gpu_memory=H200)
+    assert not plan.problems, plan.problems
+    assert plan.trainer_env["CUDA_MPS_CLIENT_PRIORITY"] == "1" and "CUDA_MPS_CLIENT_PRIORITY" not in plan.server.env
+    assert any("MPS client of priority below normal" in n for n in plan.gpus.notes), plan.gpus.notes
+    assert "CUDA_MPS_CLIENT_PRIORITY=1" in plan.trainer_shell_line()
+    default = build_launch_plan(cfg_of(tmp_path), gpu_count=1, gpu_memory=H200)
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in default.trainer_env and not any("priority below" in n for n in default.gpus.notes)
+    on_policy = build_launch_plan(cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal",
+                                         "staleness.max_staleness=0"), gpu_count=1, gpu_memory=H200)
+    assert on_policy.mps is None and "CUDA_MPS_CLIENT_PRIORITY" not in on_policy.trainer_env
+    assert "launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in on_policy.gpus.notes
+    with pytest.raises(ValueError, match=r"launch.mps_trainer_priority='below_normal'.*launch.mps=false starts none"):
+        cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal", "launch.mps=false")
+
+
 def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypatch):
     """With CUDA_VISIBLE_DEVICES exported, index 0 of the plan is the first GPU the user made visible: a child's
     variable replaces the parent's, so "0" there would be the machine's GPU 0."""

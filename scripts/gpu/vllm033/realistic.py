@@ -145,11 +145,15 @@ def build(work: Path = WORK, shape: str = "qwen3-1.7b", device: str = "cuda", ro
 # next step pulls, forwards and backwards, settled before its optimizer step; the one-H100 1.7B job spent 0.30 s
 # of a 3.25 s step in the sync, the trainer waiting: compare ``async_clip_overlap`` with ``async_clip``, and
 # ``perf/weight_sync_wait_s``, the wait left, with ``perf/weight_sync_s``).
+# ``_lowprio`` = ``launch.mps_trainer_priority=below_normal`` (the trainer an MPS client of priority below normal:
+# the GPU runs vLLM's pending kernels first; compare ``async_clip_compile_lowprio`` with ``async_clip_compile``:
+# generated tok/s against the engine's, the busy share, trained tok/s).
 JOB_TAGS = {"clip": ["loss.score_centering=false", "rollout.num_sampler_logprobs=0"], "mps": ["launch.mps=true"],
             "extmps": ["launch.mps=false"], "nomps": ["launch.mps=false"],
             "compile": ["trainer.torch_compile=true"], "stale8": ["staleness.max_staleness=8"],
             "observed": ["staleness.deadline_order=observed"], "kill9": [],
-            "release4": ["staleness.deadline_release_versions=4"], "overlap": ["sampler.weight_sync_overlap=true"]}
+            "release4": ["staleness.deadline_release_versions=4"], "overlap": ["sampler.weight_sync_overlap=true"],
+            "lowprio": ["launch.mps_trainer_priority=below_normal"]}
 KILL9_EXTRA_STEPS = 10  # max_steps of a ``_kill9`` run: `STEPS` + this, so that it is still running at the kill
 
 
