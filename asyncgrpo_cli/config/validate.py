@@ -285,11 +285,12 @@ def check_groups(cfg: Any) -> None:
              f"set data.name to a dataset with an {ENVIRONMENT_COLUMN!r} column, or give one environment "
              "(environment.factory=module:Class)")
     priority = la.get("mps_trainer_priority", "normal")
+    cased = str(priority).lower() if str(priority).lower() in MPS_PRIORITIES else "normal"
     rule(priority in MPS_PRIORITIES, "launch.mps_trainer_priority", priority,
-         f"must be one of {', '.join(MPS_PRIORITIES)}", "set launch.mps_trainer_priority=normal")
-    rule(priority == "normal" or la.mps is not False, "launch.mps_trainer_priority", priority,
-         "a priority among the clients of an MPS daemon, and launch.mps=false starts none",
-         "set launch.mps_trainer_priority=normal, or launch.mps=null (automatic) or true")
+         f"must be one of {', '.join(MPS_PRIORITIES)}", f"set launch.mps_trainer_priority={cased}")
+    rule(priority not in MPS_PRIORITIES or priority == "normal" or la.mps is not False, "launch.mps_trainer_priority",
+         priority, "a priority among the clients of an MPS daemon, and launch.mps=false starts none",
+         "set launch.mps_trainer_priority=normal (or, where vLLM and the trainer share a GPU, launch.mps=null or true)")
     rule(la.stop_timeout is None or la.stop_timeout > 0, "launch.stop_timeout", la.stop_timeout,
          "the seconds the trainer gets to save after a stop must be > 0",
          "set launch.stop_timeout=300, or null to derive it from the measured step and save times")

@@ -548,6 +548,8 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             gpus.notes.extend([note] if note else [])
         else:
             mps, problem = plan_mps(out, **where)
+            if problem and cfg.launch.get("mps_trainer_priority", "normal") == "below_normal":
+                problem += " (and launch.mps_trainer_priority=normal: its below_normal needs MPS too)"
             gpus.problems.extend([problem] if problem else [])
         if mps is not None:
             server.env.update(mps.client_env)
@@ -560,7 +562,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             server.env.pop(PRIORITY_ENV, None)  # one the user exported would lower vLLM's too
             gpus.notes.append(f"the trainer is an MPS client of priority below normal (launch.mps_trainer_priority="
                               f"below_normal, {PRIORITY_ENV}=1): the GPU runs vLLM's pending kernels first")
-        elif choice is not False:  # launch.mps=false with it is refused by the config's checks
+        elif choice is None:  # launch.mps=false with it is refused by the config's checks, true by the plan's
             gpus.notes.append("launch.mps_trainer_priority=below_normal is unused: this job runs without MPS")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason, mps=mps,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,

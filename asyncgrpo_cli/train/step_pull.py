@@ -19,6 +19,10 @@ from .batcher import (OVERSIZE_STREAK_LIMIT, MicroBatchPlan, oversize_stop_messa
 
 POLL_S = 0.25  # rollout-queue poll while waiting, seconds
 ROUND_POLL_S = 0.02  # at max_staleness=0: the poll that also sees a done on-policy round (issue #33), seconds
+#: A poll that returns this much later than its timeout did not wait for samples: the trainer's process did not run
+#: (SIGSTOP, Ctrl-Z, a frozen machine), seconds. A fresh-user trial's 48 s SIGSTOP counted as waiting, and the idle
+#: finding then blamed generation for it over six windows.
+STOPPED_OVER_S = 5.0
 
 
 @dataclass
@@ -44,7 +48,8 @@ def pull_outcome(get: Callable[[float], Any], poll_s: float,
 
     An outcome already queued costs no wait; otherwise all the time blocked in ``get(poll_s)`` counts,
     whether an outcome arrives during it or not (SPEC §15 ``perf/rollout_wait_s``: time training
-    waited because the queue was empty).
+    waited because the queue was empty), up to ``poll_s``: a block that ends more than `STOPPED_OVER_S` after
+    its timeout is a process that was stopped, not waiting, and counts as ``poll_s``.
 
     Args:
         get: ``timeout_s -> outcome or None`` (`RolloutWorker.get_outcome`).
@@ -58,7 +63,8 @@ def pull_outcome(get: Callable[[float], Any], poll_s: float,
         return outcome, 0.0
     start = clock()
     outcome = get(poll_s)
-    return outcome, clock() - start
+    blocked = clock() - start
+    return outcome, poll_s if blocked > poll_s + STOPPED_OVER_S else blocked
 
 
 class StepPulling:

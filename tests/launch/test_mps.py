@@ -70,6 +70,17 @@ def test_a_trainer_of_priority_below_normal_leaves_vllms_kernels_first(tmp_path,
     assert "launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in on_policy.gpus.notes
     with pytest.raises(ValueError, match=r"launch.mps_trainer_priority='below_normal'.*launch.mps=false starts none"):
         cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal", "launch.mps=false")
+    # a bad value is one problem, with launch.mps=false too; its case-fixed spelling is the fix
+    with pytest.raises(ValueError) as bad:
+        cfg_of(tmp_path, "launch.mps_trainer_priority=BELOW_NORMAL", "launch.mps=false")
+    assert str(bad.value).count("launch.mps_trainer_priority='") == 1
+    assert "Fix: set launch.mps_trainer_priority=below_normal" in str(bad.value)
+    # launch.mps=true where it cannot apply (no GPU): the refusal names the priority's fix too, and no "unused" note
+    cpu = build_launch_plan(cfg_of(tmp_path, "launch.mps=true", "launch.mps_trainer_priority=below_normal"),
+                            gpu_count=0, gpu_memory=H200)
+    assert [p for p in cpu.problems if p.startswith("launch.mps=true") and
+            p.endswith("(and launch.mps_trainer_priority=normal: its below_normal needs MPS too)")], cpu.problems
+    assert not any("is unused" in n for n in cpu.gpus.notes), cpu.gpus.notes
 
 
 def test_the_gpu_ids_a_child_gets_are_the_users_visible_ones(tmp_path, monkeypatch):

@@ -39,3 +39,16 @@ def test_empty_poll_is_waiting():
     q = FakeQueue([None, None], block_s=0.05)
     outcome, waited = pull_outcome(q.get, 0.05, q.clock)
     assert outcome is None and abs(waited - 0.05) < 1e-9
+
+
+def test_a_block_far_past_its_timeout_is_a_stopped_process_not_waiting():
+    """A fresh-user trial's 48 s SIGSTOP of the trainer, while it polled an empty queue, read as 48 s of waiting
+    for samples, and the idle finding blamed generation. Past the timeout by more than STOPPED_OVER_S, a block
+    counts as the timeout; a slow return within that margin (a loaded machine) still counts in full."""
+    from asyncgrpo_cli.train.step_pull import STOPPED_OVER_S
+
+    q = FakeQueue([None, "outcome"], block_s=48.0)
+    outcome, waited = pull_outcome(q.get, 0.25, q.clock)
+    assert outcome == "outcome" and waited == 0.25
+    q = FakeQueue([None, None], block_s=0.25 + STOPPED_OVER_S)
+    assert pull_outcome(q.get, 0.25, q.clock)[1] == 0.25 + STOPPED_OVER_S
