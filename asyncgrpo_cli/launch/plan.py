@@ -540,6 +540,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
         gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
                           f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
     mps, choice = None, cfg.launch.get("mps")
+    priority = cfg.launch.get("mps_trainer_priority", "normal")
     if choice is not False:
         where = dict(colocated=gpus.colocated, starts_server=server is not None,
                      device=visible_ids(gpus.trainer_gpus[:1]), on_cpu=gpus.use_cpu)
@@ -548,14 +549,13 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             gpus.notes.extend([note] if note else [])
         else:
             mps, problem = plan_mps(out, **where)
-            if problem and cfg.launch.get("mps_trainer_priority", "normal") == "below_normal":
+            if problem and priority == "below_normal":
                 problem += " (and launch.mps_trainer_priority=normal: its below_normal needs MPS too)"
             gpus.problems.extend([problem] if problem else [])
         if mps is not None:
             server.env.update(mps.client_env)
             env.update(mps.client_env)
             gpus.notes.append(mps.note())
-    priority = cfg.launch.get("mps_trainer_priority", "normal")
     if priority == "below_normal":
         if mps is not None:
             env[PRIORITY_ENV] = "1"
