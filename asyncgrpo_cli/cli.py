@@ -418,7 +418,7 @@ def _check_plan(cfg) -> None:
     the YAML, which is then not printed)."""
     from .launch.preflight import early_refusal
 
-    problems = _plan_problems(cfg)
+    problems, unused = _plan_problems(cfg, with_unused=True)
     early = early_refusal(cfg, whole_commands=not problems)  # with problems, the fix is the overrides to add
     if early:
         problems.append(early)  # with train's own label ("error:" for a used folder), so both read alike
@@ -426,6 +426,8 @@ def _check_plan(cfg) -> None:
         _print_refusal(problem)
     if problems:
         raise typer.Exit(2)
+    for note in unused:  # the plan's note that a chosen setting does nothing here (train prints it in the plan)
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command("recipes")
@@ -617,15 +619,19 @@ def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Pa
         raise typer.Exit(2)
 
 
-def _plan_problems(cfg) -> list[str]:
+def _plan_problems(cfg, with_unused: bool = False):
     """The launch plan's problems on this machine (`launch.plan.build_launch_plan`: GPUs, cores, ``launch.mps``,
-    the server command), each as ``config error: ...`` (`train --dry-run` and `config --check` name them too)."""
+    the server command), each as ``config error: ...`` (`train --dry-run` and `config --check` name them too).
+    With ``with_unused``: ``(problems, unused)``, ``unused`` the plan's sentences on chosen settings it leaves
+    without effect (`GpuPlan.unused`)."""
     from .launch.plan import build_launch_plan
 
     try:
-        return [f"config error: {p}" for p in build_launch_plan(cfg).problems]
+        plan = build_launch_plan(cfg)
+        problems, unused = [f"config error: {p}" for p in plan.problems], list(plan.gpus.unused)
     except ConfigError as exc:
-        return [f"config error: {exc}"]
+        problems, unused = [f"config error: {exc}"], []
+    return (problems, unused) if with_unused else problems
 
 
 def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int:

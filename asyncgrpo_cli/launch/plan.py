@@ -83,6 +83,8 @@ class GpuPlan:
         num_machines: machines of the trainer (``launch.num_machines``).
         machine_rank: this machine's rank (``launch.machine_rank``).
         notes: remarks printed with the plan.
+        unused: settings the user chose that this plan leaves without effect, each a sentence naming the key
+            (printed with the plan's notes, and by ``config --check``, which prints no plan).
         problems: reasons the plan cannot run here (each names the setting and the fix); empty = runnable.
         layout: the colocation decision and memory split (`colocate.Layout`).
     """
@@ -95,6 +97,7 @@ class GpuPlan:
     machine_rank: int = 0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
     layout: Layout = field(default_factory=lambda: Layout(False, ""))
 
     @property
@@ -563,7 +566,7 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             gpus.notes.append(f"the trainer is an MPS client of priority below normal (launch.mps_trainer_priority="
                               f"below_normal, {PRIORITY_ENV}=1): the GPU runs vLLM's pending kernels first")
         elif choice is None:  # launch.mps=false with it is refused by the config's checks, true by the plan's
-            gpus.notes.append("launch.mps_trainer_priority=below_normal is unused: this job runs without MPS")
+            gpus.unused.append("launch.mps_trainer_priority=below_normal is unused: this job runs without MPS")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason, mps=mps,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,
                                                    trainer=cfg.trainer, model=cfg.model),

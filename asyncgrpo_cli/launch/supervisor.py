@@ -132,7 +132,7 @@ def print_plan(console: Console, cfg: DictConfig, plan: LaunchPlan, *, resolved:
     rows.append(("accelerate", f"{kind}, {acc['num_processes']} process(es) on {acc['num_machines']} machine(s), "
                  f"mixed_precision={acc['mixed_precision']}, {'CPU' if acc.get('use_cpu') else 'GPU'}; config: "
                  f"{plan.accelerate_config_path}", ""))
-    rows += [("note", note, "yellow") for note in plan.gpus.notes]
+    rows += [("note", note, "yellow") for note in [*plan.gpus.notes, *plan.gpus.unused]]
     rows += [("problem", problem, "bold red") for problem in plan.problems]
     console.print(Text("asyncgrpo train: launch plan", style="bold cyan"))
     for label, value, style in rows:

@@ -46,6 +46,11 @@ def test_config_check_runs_the_checks_train_runs(tmp_path):
     assert valid.output.rstrip().endswith("(the server's own checks run when it answers: asyncgrpo doctor)")
     assert valid.output.index("max_completion_length: 48") < valid.output.index("every check train runs before "
                                                                                  "it starts passed")
+    assert "is unused" not in valid.output
+    unused = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"trainer.output_dir={tmp_path / 'out'}",
+                                 f"sampler.port={_free_port()}", "launch.mps_trainer_priority=below_normal"])
+    assert unused.exit_code == 0, unused.output  # a setting this plan leaves without effect: said, as train's plan does
+    assert "note: launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in unused.output
     used = tmp_path / "used"  # a refusal of train's start (`early_refusal`): no YAML either
     used.mkdir()
     (used / "model.safetensors").write_bytes(b"x")

@@ -67,7 +67,7 @@ def test_a_trainer_of_priority_below_normal_leaves_vllms_kernels_first(tmp_path,
     on_policy = build_launch_plan(cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal",
                                          "staleness.max_staleness=0"), gpu_count=1, gpu_memory=H200)
     assert on_policy.mps is None and "CUDA_MPS_CLIENT_PRIORITY" not in on_policy.trainer_env
-    assert "launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in on_policy.gpus.notes
+    assert "launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in on_policy.gpus.unused
     with pytest.raises(ValueError, match=r"launch.mps_trainer_priority='below_normal'.*launch.mps=false starts none"):
         cfg_of(tmp_path, "launch.mps_trainer_priority=below_normal", "launch.mps=false")
     # a bad value is one problem, with launch.mps=false too; its case-fixed spelling is the fix
