@@ -319,7 +319,8 @@ class Dashboard:
 
     def _print_waiting(self, status: dict[str, Any]) -> None:
         """Plain mode, before the first logged step of this run: every `WAITING_EVERY_S` s of the trainer's
-        running state, what generation has done so far (rollouts in flight, finished, queue), so a slow first
+        running state, what generation has done so far (rollouts in flight, finished, queue, consecutive groups
+        dropped without reward spread), so a slow first
         step (a cold server, a stalled worker) is not a silent minute. The seconds count from the first
         ``running`` status seen (training, not the trainer's start-up); once status.json's step has moved past
         the one it waited from, that step's line is on its way (``metrics.jsonl`` may trail status.json by a
@@ -339,6 +340,11 @@ class Dashboard:
             parts.append(f"{int(status['rollouts_finished'])} finished")
         if status.get("queue_size") is not None:
             parts.append(f"queue {int(status['queue_size'])}")
+        dropped = int(status.get("groups_without_signal") or 0)
+        if dropped:  # why finished rollouts are not in the queue: their groups had no reward spread (SPEC §3.2)
+            limit = int(status.get("max_groups_without_signal") or 0)
+            parts.append(f"the last {dropped} group(s) dropped without reward spread"
+                         + (f" (the run stops at {limit}: rollout.max_groups_without_signal)" if limit else ""))
         self.console.print(f"waiting for step {self._waiting_from_step + 1} ({now - self._waiting_since:.0f} s "
                            f"since training started): {', '.join(parts)}", markup=False, highlight=False,
                            soft_wrap=True)

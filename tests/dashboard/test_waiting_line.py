@@ -82,3 +82,18 @@ def test_no_line_outside_plain_mode_or_while_not_running(tmp_path, monkeypatch):
         (out2 / "status.json").write_text(json.dumps({"state": state, "step": 0, "concurrency": 5}))
         dash2.poll()
     assert _printed(console2) == []
+
+
+def test_the_line_says_why_finished_rollouts_are_not_queued(tmp_path, monkeypatch):
+    """Groups dropped without reward spread (status.json's consecutive ``groups_without_signal``) explain a
+    queue that stays empty while rollouts finish; none dropped, nothing said."""
+    out, now, console, dash = _dash(tmp_path, monkeypatch)
+    for t, dropped in ((0, 0), (30, 0), (60, 12)):
+        now["t"] = 100.0 + t
+        _status(out, concurrency=64, rollouts_finished=8 * (t + 1), queue_size=0, groups_without_signal=dropped,
+                max_groups_without_signal=64)
+        dash.poll()
+    assert _printed(console) == [
+        "waiting for step 1 (30 s since training started): 64 rollouts in flight, 248 finished, queue 0",
+        "waiting for step 1 (60 s since training started): 64 rollouts in flight, 488 finished, queue 0, the last "
+        "12 group(s) dropped without reward spread (the run stops at 64: rollout.max_groups_without_signal)"]
