@@ -369,7 +369,7 @@ def _cause_embedded(history: MetricsHistory, s: RunSettings, th: Thresholds) -> 
         uses = "runs on this machine's CPU" + (f" ({host:.0%} busy)" if busy else "")
     else:
         uses = f"uses {cores:.2f} CPU cores" + (f" of a machine {host:.0%} busy" if busy else "") + (
-            " (other programs take the rest)" if busy and cores < th.embedded_busy else "")
+            " (the trainer and other programs take the rest)" if busy and cores < th.embedded_busy else "")
     return ("trainer_idle_embedded",
             f"the embedded sampler {uses}: it runs one model step at a time on one model thread "
             "(sampler.backend=embedded, the stand-in for vLLM), and that step paces generation, not a limit",

@@ -506,7 +506,7 @@ def test_idle_cause_a_busy_embedded_sampler():
     # ... unless the machine's cores are all busy: the sampler gets less than a core, and that paces it
     loaded = {**busy, "server/frontend_cpu": 0.62, "host/cpu_busy_frac": 0.97}
     d = trainer_idle(history_of(loaded), embedded)
-    assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 0.62 CPU cores of a machine 97% busy (other programs take the rest)" in d.text
+    assert d.rule == "trainer_idle_embedded" and "the embedded sampler uses 0.62 CPU cores of a machine 97% busy (the trainer and other programs take the rest)" in d.text
     assert trainer_idle(history_of({**loaded, "host/cpu_busy_frac": 0.7}), embedded).rule == "trainer_idle_ceiling"
     assert trainer_idle(history_of(busy), VLLM).rule == "trainer_idle_ceiling"
     # a CPU job (no GPU memory logged): the sampler is the CPU's, whatever share of it this window read
