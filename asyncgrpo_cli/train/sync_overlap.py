@@ -33,7 +33,8 @@ class PendingSync:
 
     Args:
         device: the trainer's device; when it is a CUDA device, the thread selects it first
-            (``torch.cuda.set_device``: the current device is per thread) and runs ``fn`` on a stream of its own that
+            (``torch.cuda.set_device``: the current device is per thread; ``cuda`` without an index, as accelerate
+            gives one process, is the caller's current device at `start`) and runs ``fn`` on a stream of its own that
             waits for the caller's stream as it was at `start` (module docstring). None or a CPU device: neither.
         clock: seconds, monotonic (tests pass their own).
     """
@@ -70,6 +71,9 @@ class PendingSync:
                                f"before starting the one of version {version}")
         ready = None
         if self._cuda:  # what the caller's stream holds now (the optimizer step): the sync reads after it
+            if self.device.index is None:  # accelerate's one-process device is "cuda": the caller's current device,
+                # read here on its thread (the sync's thread starts on device 0; torch.cuda.set_device("cuda") raises)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         self.version = int(version)

@@ -119,12 +119,20 @@ def test_the_thread_selects_the_trainer_cuda_device_and_a_stream_after_the_calle
     one = [("record", f"current stream of {cuda1}", "MainThread"), ("set_device", cuda1), ("wait", "Event"),
            ("enter stream",), ("sync",), ("exit stream",), ("synchronize",)]
     assert calls == one[:2] + [("new stream", cuda1)] + one[2:] + one, calls  # the stream is made once
+    # "cuda" without an index (accelerate's device for one process; the first GPU run raised in set_device): the
+    # caller's current device, read on the caller's thread
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    pending = PendingSync(torch.device("cuda"))
+    pending.start(1, lambda: {})
+    pending.settle()
+    assert ("set_device", torch.device("cuda", 3)) in calls and pending.device == torch.device("cuda", 3), calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_sync_reads_what_the_callers_stream_wrote_before_start_on_its_own_stream():
+def test_on_a_cuda_gpu_the_sync_reads_what_the_callers_stream_wrote_before_start_on_its_own_stream():
     x = torch.zeros(4096, 4096, device="cuda")
-    pending = PendingSync(torch.device("cuda", torch.cuda.current_device()))
+    pending = PendingSync(torch.device("cuda"))  # no index, as accelerate gives one process
     slow = torch.randn(8192, 8192, device="cuda")
     for round_ in range(3):
         for _ in range(10):  # keeps the caller's stream busy: the writes below are still queued at start()

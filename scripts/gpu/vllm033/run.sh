@@ -52,7 +52,7 @@ case "${1:-train}" in
   e1t_shared) python3 scripts/gpu/vllm033/e1t_shared.py ;;
   cuda_tests) timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/train/test_tree_attention.py \
                 tests/train/test_cuda_kernels.py tests/train/test_host_syncs.py tests/train/test_cuda_memory.py \
-                tests/train/test_compile.py -k "cuda" 2>&1 | tee "$OUT/cuda_tests.txt" ;;
+                tests/train/test_compile.py tests/train/test_sync_overlap.py -k "cuda" 2>&1 | tee "$OUT/cuda_tests.txt" ;;
   rollouts_job_*) python3 scripts/gpu/vllm033/rollouts.py job "${1#rollouts_job_}" ;;
   realistic_engine) python3 scripts/gpu/vllm033/realistic.py engine ;;
   realistic_job_*) python3 scripts/gpu/vllm033/realistic.py job "${1#realistic_job_}" ;;
