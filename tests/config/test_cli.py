@@ -50,7 +50,8 @@ def test_config_check_runs_the_checks_train_runs(tmp_path):
     unused = runner.invoke(app, ["config", "--check", "+recipe=smoke", f"trainer.output_dir={tmp_path / 'out'}",
                                  f"sampler.port={_free_port()}", "launch.mps_trainer_priority=below_normal"])
     assert unused.exit_code == 0, unused.output  # a setting this plan leaves without effect: said, as train's plan does
-    assert "note: launch.mps_trainer_priority=below_normal is unused: this job runs without MPS" in unused.output
+    assert "note: launch.mps_trainer_priority=below_normal is unused: this job runs without MPS (the trainer runs " \
+           "on the CPU)" in unused.output
     used = tmp_path / "used"  # a refusal of train's start (`early_refusal`): no YAML either
     used.mkdir()
     (used / "model.safetensors").write_bytes(b"x")

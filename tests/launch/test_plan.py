@@ -33,6 +33,17 @@ def test_one_gpu_embedded_shares_it_single_process():
     assert plan.trainer_env["CUDA_VISIBLE_DEVICES"] == "0" and "ACCELERATE_USE_CPU" not in plan.trainer_env
 
 
+def test_the_overlapped_sync_is_announced_with_the_plan_where_it_overlaps():
+    """A fresh-user trial found it only in trainer.log; on-policy it overlaps nothing (the config check warns)."""
+    def notes(*o):
+        return [n for n in build_launch_plan(cfg_of(*o), gpu_count=1).gpus.notes if "weight_sync_overlap" in n]
+
+    assert notes() == [] and notes("sampler.weight_sync_overlap=true", "staleness.max_staleness=0") == []
+    assert notes("sampler.weight_sync_overlap=true") == [
+        "sampler.weight_sync_overlap=true: each step's weight sync runs on a background thread while the next step "
+        "trains (perf/weight_sync_wait_s: what a step still waits for it)"]
+
+
 def test_torch_compile_is_announced_with_the_plan():
     assert not any("torch_compile" in n for n in build_launch_plan(cfg_of(), gpu_count=2).gpus.notes)
     gpu = build_launch_plan(cfg_of("trainer.torch_compile=true"), gpu_count=2).gpus.notes
