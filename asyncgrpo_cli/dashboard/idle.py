@@ -268,6 +268,8 @@ def _cause_allowance(history: MetricsHistory, s: RunSettings, th: Thresholds) ->
     if admitted is not None:
         parts.append(f"it admits ~{admitted:.0f}: {max(s.max_staleness, 1) * s.weight_sync_steps} steps of "
                      f"{num(m, 'batch/samples_per_step'):.0f} samples")
+    if shares:  # the producer's own record: it waited on the allowance, also where the estimate above reads roomy
+        parts.append(f"the rollout producer waited on it {shares.get('allowance', 0.0):.0%} of the window")
     why = f"the staleness token allowance holds generation back ({'; '.join(parts)})"
     target = cap if cap is not None else float(s.max_concurrent_rollouts)
     group_bound = bool(s.max_groups_per_step) and (num(m, "batch/groups_per_step") or 0) >= s.max_groups_per_step

@@ -389,8 +389,11 @@ def test_idle_cause_the_staleness_allowance():
     capped = {**held, "rollout/held_allowance_frac": 0.002, "rollout/held_cap_frac": 0.997}
     other = trainer_idle(history_of(capped), VLLM)
     assert other is None or other.rule != "trainer_idle_allowance"
-    assert trainer_idle(history_of({**capped, "rollout/held_allowance_frac": 0.6, "rollout/held_cap_frac": 0.3}),
-                        VLLM).rule == "trainer_idle_allowance"
+    by_record = trainer_idle(history_of({**capped, "rollout/held_allowance_frac": 0.6, "rollout/held_cap_frac": 0.3}),
+                             VLLM)
+    assert by_record.rule == "trainer_idle_allowance"
+    # the record is named (a trial read "16 in flight, cap 16; it admits ~20" as the cap binding, not the allowance)
+    assert "the rollout producer waited on it 60% of the window)" in by_record.text, by_record.text
     # the thirteenth session's trial (smoke job, after a 35 s SIGSTOP of the server): "holds generation back (16
     # rollouts in flight, cap 16; it admits ~20 ...)". In flight at a cap below what the allowance admits: the cap is
     # the limit, whether the producer's record says it held longer or no record is logged
