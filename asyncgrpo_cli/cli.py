@@ -418,7 +418,7 @@ def _check_plan(cfg) -> None:
     the YAML, which is then not printed)."""
     from .launch.preflight import early_refusal
 
-    problems, unused = _plan_problems(cfg, with_unused=True)
+    problems, unused = _plan_problems(cfg)
     early = early_refusal(cfg, whole_commands=not problems)  # with problems, the fix is the overrides to add
     if early:
         problems.append(early)  # with train's own label ("error:" for a used folder), so both read alike
@@ -606,7 +606,7 @@ def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Pa
         problem = exc
     message = early_refusal(cfg, whole_commands=problem is None)
     if message:
-        planned = _plan_problems(cfg)  # on a refusal only: the plan's own (launch.mps on a CPU, GPUs) too
+        planned, _ = _plan_problems(cfg)  # on a refusal only: the plan's own (launch.mps on a CPU, GPUs) too
         if planned and problem is None:
             message = early_refusal(cfg, whole_commands=False)
         if problem is not None:
@@ -619,11 +619,10 @@ def _refuse_early(cfg, overrides: list[str] | None = None, recipes_dirs: list[Pa
         raise typer.Exit(2)
 
 
-def _plan_problems(cfg, with_unused: bool = False):
-    """The launch plan's problems on this machine (`launch.plan.build_launch_plan`: GPUs, cores, ``launch.mps``,
-    the server command), each as ``config error: ...`` (`train --dry-run` and `config --check` name them too).
-    With ``with_unused``: ``(problems, unused)``, ``unused`` the plan's sentences on chosen settings it leaves
-    without effect (`GpuPlan.unused`)."""
+def _plan_problems(cfg) -> tuple[list[str], list[str]]:
+    """``(problems, unused)`` of the launch plan on this machine (`launch.plan.build_launch_plan`): its problems
+    (GPUs, cores, ``launch.mps``, the server command), each as ``config error: ...`` (`train --dry-run` and
+    `config --check` name them too), and its sentences on chosen settings it leaves without effect (`GpuPlan.unused`)."""
     from .launch.plan import build_launch_plan
 
     try:
@@ -631,7 +630,7 @@ def _plan_problems(cfg, with_unused: bool = False):
         problems, unused = [f"config error: {p}" for p in plan.problems], list(plan.gpus.unused)
     except ConfigError as exc:
         problems, unused = [f"config error: {exc}"], []
-    return (problems, unused) if with_unused else problems
+    return problems, unused
 
 
 def _train_sweep(hargs, recipes_dir, dry_run: bool, cfg_kind: str | None) -> int:

@@ -286,8 +286,7 @@ def check_groups(cfg: Any) -> None:
              "(environment.factory=module:Class)")
     priority = la.get("mps_trainer_priority", "normal")
     low = str(priority).lower()  # the fix: the spelling meant (BELOW_NORMAL, low, below), else the default
-    cased = low if low in MPS_PRIORITIES else ("below_normal" if low and low != "normal" and
-                                               ("low" in low or "below" in low) else "normal")
+    cased = low if low in MPS_PRIORITIES else "below_normal" if "low" in low else "normal"
     rule(priority in MPS_PRIORITIES, "launch.mps_trainer_priority", priority,
          f"must be one of {', '.join(MPS_PRIORITIES)}", f"set launch.mps_trainer_priority={cased}")
     rule(priority not in MPS_PRIORITIES or priority == "normal" or la.mps is not False, "launch.mps_trainer_priority",
