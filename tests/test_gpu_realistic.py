@@ -432,3 +432,35 @@ def test_combine_without_an_on_policy_run_compares_the_asynchronous_run_with_trl
     assert out["figures"]["sync"] is None and out["sources"]["sync"]["file"] is None
     assert out["targets"]["async_over_sync_trained_tok_s"]["met"] is None
     assert out["targets"]["ours_over_trl_trained_tok_s"]["met"] is True
+
+
+def test_compare_puts_our_runs_side_by_side_over_their_common_steps(tmp_path):
+    """Three runs of 6, 5 and 6 steps compare over steps 2-5; the first is the baseline, the ``sync`` one the
+    on-policy run each asynchronous run is held against; the busy steps' median leaves out the waiting ones."""
+    def rows(n, step_s, tokens, busy):
+        return [{"step": k, "t_since_step1_s": step_s * (k - 1), "trained_tokens": tokens, "step_s": step_s,
+                 "busy_frac": busy[k % len(busy)]} for k in range(1, n + 1)]
+
+    runs = {"async_x": rows(6, 2.0, 4000, [1.0]), "async_x_overlap": rows(5, 1.6, 4000, [1.0, 0.5]),
+            "sync_x": rows(6, 4.0, 4000, [0.5])}
+    files = []
+    for name, rs in runs.items():
+        files.append(tmp_path / f"realistic_job_{name}.json")
+        files[-1].write_text(json.dumps({"rows": rs, "summary": {"dropped_stale_token_frac": 0.01},
+                                         "versions": {"date": "d", "gpu": "g"}}))
+    out = realistic_trl.compare_jobs(files, tmp_path / "cmp.json", "what")
+    assert json.loads((tmp_path / "cmp.json").read_text()) == out
+    assert (out["same_steps"], out["steady_steps"], out["baseline"]) == ("2-5", "2-5", "async_x")
+    assert out["runs"]["async_x"]["same_steps_trained_tokens_per_s"] == 2000.0
+    assert out["runs"]["async_x_overlap"]["over_async_x_same_steps"] == 1.25
+    assert out["runs"]["async_x_overlap"]["busy_steps"] == 2  # steps 2 and 4 of 2-5
+    assert out["runs"]["sync_x"]["busy_step_s_median"] is None
+    assert out["async_over_sync_trained_tok_s"] == {"async_x": 2.0, "async_x_overlap": 2.5}
+    assert out["targets"]["async_x"]["async_over_sync_trained_tok_s"]["met"] is True
+    assert set(out["targets"]["async_x"]) == {"async_over_sync_trained_tok_s", "async_busy_frac_min_step"}
+    with pytest.raises(ValueError, match="two job results"):
+        realistic_trl.compare_jobs(files[:1], tmp_path / "one.json")
+    short = tmp_path / "realistic_job_async_short.json"
+    short.write_text(json.dumps({"rows": rows(2, 1.0, 1, [1.0])}))
+    with pytest.raises(ValueError, match="share 2 step"):
+        realistic_trl.compare_jobs([files[0], short], tmp_path / "two.json")

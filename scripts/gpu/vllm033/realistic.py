@@ -11,6 +11,8 @@ with no network.
     python3 scripts/gpu/vllm033/realistic.py trl server    # TRL's GRPOTrainer against `vllm serve` on the same GPU
     python3 scripts/gpu/vllm033/realistic.py combine IN [OUT]  # here, no GPU: ours_over_trl from the fetched JSONs
                                                                # (OUT: scripts/gpu/results/vllm033 by default)
+    python3 scripts/gpu/vllm033/realistic.py compare OUT A B ...  # here, no GPU: our runs of one session side by
+                                                                  # side over the same steps, A the baseline
     python3 scripts/gpu/vllm033/realistic.py preflight async   # here, no GPU: the job at a tiny shape, 2 CPU steps
 
 The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
@@ -606,8 +608,28 @@ def main() -> int:
             return 2
         print(json.dumps({k: out[k] for k in ("figures", "ours_over_trl", "targets")}, indent=1))
         return 0
+    if phase == "compare":
+        import realistic_trl
+
+        if len(sys.argv) < 5:
+            print("realistic.py compare OUT.json BASE.json OTHER.json [...]: our runs of one machine side by side, "
+                  "the first the baseline", file=sys.stderr)
+            return 2
+        try:
+            out = realistic_trl.compare_jobs([Path(a) for a in sys.argv[3:]], Path(sys.argv[2]),
+                                             os.environ.get("COMPARE_WHAT", ""))
+        except (OSError, ValueError) as exc:
+            print(f"realistic.py compare: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps({k: out[k] for k in ("same_steps", "async_over_sync_trained_tok_s", "targets")}, indent=1))
+        for name, run in out["runs"].items():
+            print(f"{name}: {run['same_steps_trained_tokens_per_s']} tok/s over {out['same_steps']} "
+                  f"({run['over_' + out['baseline'] + '_same_steps']}x {out['baseline']}), busy "
+                  f"{run['figures']['busy_frac']}, busy steps' median {run['busy_step_s_median']} s, "
+                  f"dropped stale {run['dropped_stale_token_frac']}")
+        return 0
     print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, start|follow NAME, "
-          "trl [colocate|server], combine IN [OUT], preflight async|sync")
+          "trl [colocate|server], combine IN [OUT], compare OUT A B [...], preflight async|sync")
     return 2
 
 

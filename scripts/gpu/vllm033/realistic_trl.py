@@ -414,3 +414,64 @@ def combine(folder: Path, out_dir: Path | None = None) -> dict:
                                                             "ours_over_trl": ours_over_trl,
                                                             "ours_async_figures": fa}, indent=1))
     return out
+
+
+def compare_jobs(files: list[Path], out: Path, what: str = "") -> dict:
+    """Our job runs of one machine and session side by side, without TRL (``realistic.py compare OUT A B ...``):
+    each run's `ours_figures` (no engine), its trained tok/s over the same steps (2..N, N the last step every run
+    logged) and over their second half, the median time of the steps whose trainer was busy throughout (busy >= 99%:
+    the step without waiting, where a change to the trainer's own step shows) and the share of generated tokens
+    dropped as too stale; then each run's ratio to the first (the baseline) over the same steps, and, where one run
+    is on-policy (its name starts with ``sync``), each asynchronous run's ``async_over_sync_trained_tok_s`` with the
+    issue's target. Writes ``out`` (JSON) and returns it. Raises ValueError with fewer than two files, or when the
+    runs share fewer than 3 steps; FileNotFoundError for a missing file."""
+    import statistics
+
+    if len(files) < 2:
+        raise ValueError("compare needs two job results or more (the first is the baseline)")
+    runs = {}
+    for path in map(Path, files):
+        run = json.loads(path.read_text())
+        runs[path.stem.removeprefix("realistic_job_")] = (path, run)
+    rows = {name: run.get("rows") or [] for name, (_p, run) in runs.items()}
+    last = min(max((r.get("step") or 0 for r in rs), default=0) for rs in rows.values())
+    if last < 3:
+        raise ValueError(f"the runs share {last} step(s): at least 3 are needed (step 1 compiles)")
+    windows = {"same_steps": 2, "steady_steps": max(2, last // 2)}
+    tok_s = {w: {name: _window_tok_s(rs, last, "trained_tokens", "t_since_step1_s", first)
+                 for name, rs in rows.items()} for w, first in windows.items()}
+    base = next(iter(runs))
+    sync = next((name for name in runs if name.startswith("sync")), None)
+    table = {}
+    for name, (path, run) in runs.items():
+        later = [r for r in rows[name] if (r.get("step") or 0) >= 2]
+        full = [r["step_s"] for r in later if (r.get("busy_frac") or 0) >= 0.99 and r.get("step_s")]
+        summary = run.get("summary") or {}
+        table[name] = {"file": path.name, "command": run.get("command"), "note": run.get("variant_note"),
+                       "figures": ours_figures(run, None),
+                       "same_steps_trained_tokens_per_s": tok_s["same_steps"][name],
+                       "steady_steps_trained_tokens_per_s": tok_s["steady_steps"][name],
+                       "busy_steps": len(full), "busy_step_s_median": round(statistics.median(full), 3) if full else None,
+                       "fwd_bwd_s": summary.get("fwd_bwd_s"),
+                       "dropped_stale_token_frac": summary.get("dropped_stale_token_frac"),
+                       f"over_{base}_same_steps": _ratio(tok_s["same_steps"][name], tok_s["same_steps"][base]),
+                       f"over_{base}_steady_steps": _ratio(tok_s["steady_steps"][name], tok_s["steady_steps"][base])}
+    over_sync = ({name: _ratio(tok_s["same_steps"][name], tok_s["same_steps"][sync]) for name in runs if name != sync}
+                 if sync else {})
+    versions = next(iter(runs.values()))[1].get("versions") or {}
+    result = {"issue": 42, "what": what, "date": versions.get("date"), "device": versions.get("gpu"),
+              "same_steps": f"2-{last}", "steady_steps": f"{windows['steady_steps']}-{last}", "baseline": base,
+              "how_to_read": "One run each, back to back on one machine, in the order listed. Trained tok/s over the "
+                             "same steps are the tokens of those steps over the wall time from the step before the "
+                             "first to the last (step 1 compiles and is left out); steady_steps are the second half "
+                             "of them. busy_step_s_median is the median step of the steps the trainer was busy "
+                             "throughout. The run-to-run spread of this job is not measured; its steps come in waves.",
+              "runs": table, "async_over_sync_trained_tok_s": over_sync,
+              "targets": {name: {k: v for k, v in targets_of(
+                  {"async_over_sync_trained_tok_s": r,
+                   "async_busy_frac_min_step": table[name]["figures"]["busy_frac_min_step"]}).items()
+                  if v["measured"] is not None} for name, r in over_sync.items()}}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
