@@ -460,6 +460,12 @@ def test_compare_puts_our_runs_side_by_side_over_their_common_steps(tmp_path):
     assert set(out["targets"]["async_x"]) == {"async_over_sync_trained_tok_s", "async_busy_frac_min_step"}
     with pytest.raises(ValueError, match="two job results"):
         realistic_trl.compare_jobs(files[:1], tmp_path / "one.json")
+    with pytest.raises(ValueError, match="named like a job result"):
+        realistic_trl.compare_jobs(files[1:], files[0])  # OUT forgotten: the first run would be overwritten
+    engine = tmp_path / "realistic_engine.json"
+    engine.write_text(json.dumps({"runs": [{"generated_tok_s": 1.0}]}))
+    with pytest.raises(ValueError, match="not one of our job results"):
+        realistic_trl.compare_jobs([files[0], engine], tmp_path / "three.json")
     short = tmp_path / "realistic_job_async_short.json"
     short.write_text(json.dumps({"rows": rows(2, 1.0, 1, [1.0])}))
     with pytest.raises(ValueError, match="share 2 step"):

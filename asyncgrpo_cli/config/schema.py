@@ -348,9 +348,10 @@ class SamplerConfig:
     step (and before an eval round, a checkpoint, a re-push or the run's end). The rollout worker stamps the new
     version only once the sync is done; ``perf/weight_sync_wait_s`` is the time the trainer still waited for it.
     One trainer process only, not with ``check_weight_sync`` nor LoRA (``peft.enabled``): the start refuses those.
-    Costs the copy of the weights a sync sends through the next step (3.2 GiB more at a 1.7B shape). Off: on one H100
-    at the 1.7B shape no step waited for a sync and a step without waiting for samples took 1.36 s against 1.57 s,
-    but that job, bound by generation, trained 0.99x as fast (README "Overlapped weight sync")."""
+    The copy of the weights that a sync sends stays in memory through the next step's forward and backward (3.1 GiB
+    more at a 1.7B shape). Off by default: on one H100 at the 1.7B shape no step waited for a sync, and a step that
+    did not wait for samples took 1.36 s against 1.57 s, but that job, bound by generation, trained 0.99x as fast
+    (README "Overlapped weight sync")."""
     gpu_memory_utilization: Optional[float] = None
     """``--gpu-memory-utilization`` (None = vLLM's default; with ``launch.colocate`` sized from the model and
     the trainer's estimated need, printed in the plan)."""

@@ -379,8 +379,7 @@ class Supervisor:
         typical = " (vLLM usually needs 1-2 minutes to load)" if vllm else ""
         self.console.print(f"waiting for {what} at {url}/health{typical}; sampler.timeout={timeout:g} s",
                            markup=False, highlight=False, soft_wrap=True)
-        terminal = self.console.is_terminal
-        last_report = t0
+        terminal, last_report = self.console.is_terminal, t0
         refused_since: float | None = None
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console,
                       transient=True, disable=not terminal) as progress:
@@ -503,11 +502,12 @@ class Supervisor:
         return table
 
     def _say_trainer_stopped(self, dash) -> None:
-        """One line when a trainer process (the launcher or a rank) is stopped (SIGSTOP, Ctrl-Z), and one when
-        it runs again: a stopped trainer shows no error, only steps that stop coming."""
+        """A line when a trainer process (launcher or rank) stops (SIGSTOP, Ctrl-Z), one when it runs again."""
         paused = self.trainer.stopped_pid() if self.trainer is not None else None
-        if paused is not None and self._trainer_paused is None:
-            dash.print(Text(f"the trainer process {paused} is stopped (SIGSTOP or Ctrl-Z): training waits until "
+        if paused is not None and self._trainer_paused is None:  # the launcher: its rank runs until its relay fills
+            who, then = (("'s launcher", "the trainer goes on a while, but the run cannot end")
+                         if paused == self.trainer.pid else (" process", "training waits"))
+            dash.print(Text(f"the trainer{who} {paused} is stopped (SIGSTOP or Ctrl-Z): {then} until "
                             f"`kill -CONT {paused}` continues it", style="red"))
         elif paused is None and self._trainer_paused is not None:
             dash.print(Text(f"the trainer process {self._trainer_paused} runs again", style="green"))

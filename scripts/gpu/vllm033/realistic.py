@@ -13,6 +13,7 @@ with no network.
                                                                # (OUT: scripts/gpu/results/vllm033 by default)
     python3 scripts/gpu/vllm033/realistic.py compare OUT A B ...  # here, no GPU: our runs of one session side by
                                                                   # side over the same steps, A the baseline
+                                                                  # (COMPARE_WHAT=... sets the result's `what`)
     python3 scripts/gpu/vllm033/realistic.py preflight async   # here, no GPU: the job at a tiny shape, 2 CPU steps
 
 The stand-in (built under `WORK` once per machine, by any phase that needs it; `build`): random weights of the
@@ -613,7 +614,7 @@ def main() -> int:
 
         if len(sys.argv) < 5:
             print("realistic.py compare OUT.json BASE.json OTHER.json [...]: our runs of one machine side by side, "
-                  "the first the baseline", file=sys.stderr)
+                  "BASE the baseline (COMPARE_WHAT=... sets the result's `what`)", file=sys.stderr)
             return 2
         try:
             out = realistic_trl.compare_jobs([Path(a) for a in sys.argv[3:]], Path(sys.argv[2]),
@@ -625,7 +626,8 @@ def main() -> int:
         for name, run in out["runs"].items():
             print(f"{name}: {run['same_steps_trained_tokens_per_s']} tok/s over {out['same_steps']} "
                   f"({run['over_' + out['baseline'] + '_same_steps']}x {out['baseline']}), busy "
-                  f"{run['figures']['busy_frac']}, busy steps' median {run['busy_step_s_median']} s, "
+                  f"{run['figures']['busy_frac']}, busy steps' median "
+                  f"{'-' if run['busy_step_s_median'] is None else str(run['busy_step_s_median']) + ' s'}, "
                   f"dropped stale {run['dropped_stale_token_frac']}")
         return 0
     print(f"realistic.py: unknown phase {phase!r}: use build, engine, job async|sync, start|follow NAME, "

@@ -423,15 +423,24 @@ def compare_jobs(files: list[Path], out: Path, what: str = "") -> dict:
     the step without waiting, where a change to the trainer's own step shows) and the share of generated tokens
     dropped as too stale; then each run's ratio to the first (the baseline) over the same steps, and, where one run
     is on-policy (its name starts with ``sync``), each asynchronous run's ``async_over_sync_trained_tok_s`` with the
-    issue's target. Writes ``out`` (JSON) and returns it. Raises ValueError with fewer than two files, or when the
-    runs share fewer than 3 steps; FileNotFoundError for a missing file."""
+    issue's target. Writes ``out`` (JSON) and returns it. Raises ValueError with fewer than two files, for a file
+    that is not one of our job results (no step rows with their times), for an ``out`` that is one of the inputs or
+    named like a job result (``realistic_job_*``: a forgotten OUT would overwrite the first run), or when the runs
+    share fewer than 3 steps; OSError for a file that cannot be read."""
     import statistics
 
     if len(files) < 2:
         raise ValueError("compare needs two job results or more (the first is the baseline)")
+    out = Path(out)
+    if out.name.startswith("realistic_job_") or out.resolve() in {Path(f).resolve() for f in files}:
+        raise ValueError(f"OUT={out} is named like a job result (the first argument is where the comparison goes, "
+                         "e.g. realistic_async_sync_..._sNN.json): it would be overwritten")
     runs = {}
     for path in map(Path, files):
         run = json.loads(path.read_text())
+        if not isinstance(run, dict) or not any("t_since_step1_s" in r for r in run.get("rows") or []):
+            raise ValueError(f"{path} is not one of our job results (realistic_job_*.json: step rows with "
+                             "t_since_step1_s), e.g. an engine or TRL result")
         runs[path.stem.removeprefix("realistic_job_")] = (path, run)
     rows = {name: run.get("rows") or [] for name, (_p, run) in runs.items()}
     last = min(max((r.get("step") or 0 for r in rs), default=0) for rs in rows.values())
@@ -471,7 +480,6 @@ def compare_jobs(files: list[Path], out: Path, what: str = "") -> dict:
                   {"async_over_sync_trained_tok_s": r,
                    "async_busy_frac_min_step": table[name]["figures"]["busy_frac_min_step"]}).items()
                   if v["measured"] is not None} for name, r in over_sync.items()}}
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
