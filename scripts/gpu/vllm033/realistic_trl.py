@@ -1,4 +1,5 @@
-"""The TRL side of issue #42 (``realistic.py trl [colocate|server]``) and the comparison (``realistic.py combine``).
+"""The TRL side of issue #42 (``realistic.py trl [colocate|server]``) and the comparisons (``realistic.py combine``,
+``realistic.py compare``).
 
 ``trl``: TRL's ``GRPOTrainer`` through `trl_run.py` in a child process (so that its failure, its GPU memory and
 a deadline are the parent's to record), over the same number of completions as our asynchronous run
@@ -16,6 +17,8 @@ on-policy run and TRL) and ``realistic_trl.json`` (TRL's, with
 ``ours_over_trl``) into ``OUT`` (default ``scripts/gpu/results/vllm033``). ``realistic_job_sync.json`` and
 ``realistic_engine.json`` may be missing (a session whose device time held no on-policy run or no engine run):
 the figures that need them are then None.
+
+``compare OUT BASE OTHER...``: our job runs of one session side by side, without TRL (`compare_jobs`).
 """
 
 from __future__ import annotations
