@@ -146,25 +146,27 @@ AUTO = "launch.mps=null (automatic)"
 
 
 def plan_mps_auto(output_dir: Path, *, colocated: bool, starts_server: bool, asynchronous: bool, device: str = "0",
-                  on_cpu: bool = False, which=None) -> tuple[MpsPlan | None, str | None]:
-    """``launch.mps=null``: MPS where it applies and pays. Returns ``(plan, None)`` for an asynchronous job
+                  on_cpu: bool = False, which=None) -> tuple[MpsPlan | None, str | None, str | None]:
+    """``launch.mps=null``: MPS where it applies and pays. Returns ``(plan, None, None)`` for an asynchronous job
     (``staleness.max_staleness > 0``) whose server this job starts on the GPU the trainer uses, with
-    ``nvidia-cuda-mps-control`` on PATH and the GPU's UUID readable; else ``(None, note)``, the plan's line saying
-    why not, or ``(None, None)`` when nothing shares a GPU (a CPU run, separate GPUs, an external server).
+    ``nvidia-cuda-mps-control`` on PATH and the GPU's UUID readable; else ``(None, note, why)``, the plan's line
+    saying why not and that reason alone (other notes quote it), or ``(None, None, None)`` when nothing shares a
+    GPU (a CPU run, separate GPUs, an external server).
     On-policy training takes turns on the GPU by design: under MPS it trained 3.7% fewer tok/s (README "How fast,
     against what"), so it stays off there unless ``launch.mps=true``. Arguments as `plan_mps`."""
     if on_cpu or not colocated or not starts_server:
-        return None, None
+        return None, None, None
     if not asynchronous:
-        return None, (f"CUDA MPS off ({AUTO}): on-policy training (staleness.max_staleness=0) takes turns on the GPU "
-                      "anyway, and trained 3.7% fewer tok/s under MPS; launch.mps=true forces it")
+        why = ("on-policy training (staleness.max_staleness=0) takes turns on the GPU anyway, and trained 3.7% fewer "
+               "tok/s under MPS")
+        return None, f"CUDA MPS off ({AUTO}): {why}; launch.mps=true forces it", why
     plan, problem = plan_mps(output_dir, colocated=colocated, starts_server=starts_server, device=device,
                              on_cpu=on_cpu, which=which)
     if plan is None:
         why = (problem or "").removeprefix("launch.mps=true: ").split(" Fix: ")[0]
-        return None, f"CUDA MPS off ({AUTO}): {why} (launch.mps=false says nothing)"
+        return None, f"CUDA MPS off ({AUTO}): {why} (launch.mps=false says nothing)", why
     plan.automatic = True
-    return plan, None
+    return plan, None, None
 
 
 def keeper_argv(plan: MpsPlan, stop_grace_s: float | None = None) -> list[str]:

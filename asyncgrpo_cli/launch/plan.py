@@ -545,13 +545,13 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             why = "both run at once, so they split the cores instead of contending for all of them"
         gpus.notes.append(f"CPU threads: sampler {sampler_threads}{each}, trainer {trainer_threads} per process, of "
                           f"{cores} cores (OMP_NUM_THREADS; {why}; export OMP_NUM_THREADS to choose yourself)")
-    mps, choice, auto_note = None, cfg.launch.get("mps"), None
+    mps, choice, auto_why = None, cfg.launch.get("mps"), None
     priority = cfg.launch.get("mps_trainer_priority", "normal")
     if choice is not False:
         where = dict(colocated=gpus.colocated, starts_server=server is not None,
                      device=visible_ids(gpus.trainer_gpus[:1]), on_cpu=gpus.use_cpu)
         if choice is None:  # automatic: a reason not to is a note, not a problem
-            mps, auto_note = plan_mps_auto(out, asynchronous=int(cfg.staleness.max_staleness) > 0, **where)
+            mps, auto_note, auto_why = plan_mps_auto(out, asynchronous=int(cfg.staleness.max_staleness) > 0, **where)
             gpus.notes.extend([auto_note] if auto_note else [])
         else:
             mps, problem = plan_mps(out, **where)
@@ -569,8 +569,8 @@ def build_launch_plan(cfg: DictConfig, gpu_count: int | None = None, *, server_r
             gpus.notes.append(f"the trainer is an MPS client of priority below normal (launch.mps_trainer_priority="
                               f"below_normal, {PRIORITY_ENV}=1): the GPU runs vLLM's pending kernels first")
         elif choice is None:  # launch.mps=false with it is refused by the config's checks, true by the plan's
-            why = ("the trainer runs on the CPU" if gpus.use_cpu else auto_note.split("): ", 1)[-1].split(";")[0]
-                   if auto_note else "vLLM and the trainer share no GPU here")  # config --check prints this alone
+            why = ("the trainer runs on the CPU" if gpus.use_cpu else auto_why  # config --check prints this alone
+                   or "vLLM and the trainer share no GPU here")
             gpus.unused.append(f"launch.mps_trainer_priority=below_normal is unused: this job runs without MPS ({why})")
     return LaunchPlan(gpus=gpus, url=url, server=server, server_reason=reason, mps=mps,
                       accelerate=accelerate_config(gpus, main_process_port, launch=cfg.launch,

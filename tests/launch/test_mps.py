@@ -147,6 +147,12 @@ def test_automatic_mps_is_on_for_an_asynchronous_colocated_job_and_says_why_not_
     elif says:
         assert len(notes) == 1 and notes[0].startswith("CUDA MPS off (launch.mps=null (automatic)): ")
         assert says in notes[0] and "Fix:" not in notes[0], notes
+        # the priority's unused note quotes the reason alone, not the note's own advice on launch.mps
+        low = build_launch_plan(cfg_of(tmp_path, *overrides, "launch.mps_trainer_priority=below_normal"),
+                                gpu_count=gpus, gpu_memory=H200).gpus.unused
+        assert len(low) == 1 and low[0].startswith("launch.mps_trainer_priority=below_normal is unused: this job runs "
+                                                   "without MPS (") and says in low[0], low
+        assert "launch.mps=" not in low[0].split("without MPS", 1)[1], low
     else:
         assert not notes, notes
     if not on:
