@@ -454,6 +454,7 @@ def test_compare_puts_our_runs_side_by_side_over_their_common_steps(tmp_path):
     assert out["runs"]["async_x"]["same_steps_trained_tokens_per_s"] == 2000.0
     assert out["runs"]["async_x_overlap"]["over_async_x_same_steps"] == 1.25
     assert out["runs"]["async_x_overlap"]["busy_steps"] == 2  # steps 2 and 4 of 2-5
+    assert out["runs"]["async_x"]["busy_steps"] == 4  # steps 2-5: its step 6 is outside the common steps
     assert out["runs"]["sync_x"]["busy_step_s_median"] is None
     assert out["async_over_sync_trained_tok_s"] == {"async_x": 2.0, "async_x_overlap": 2.5}
     assert out["targets"]["async_x"]["async_over_sync_trained_tok_s"]["met"] is True

@@ -456,7 +456,7 @@ def compare_jobs(files: list[Path], out: Path, what: str = "") -> dict:
     sync = next((name for name in runs if name.startswith("sync")), None)
     table = {}
     for name, (path, run) in runs.items():
-        later = [r for r in rows[name] if (r.get("step") or 0) >= 2]
+        later = [r for r in rows[name] if 2 <= (r.get("step") or 0) <= last]  # the same steps as the tok/s
         full = [r["step_s"] for r in later if (r.get("busy_frac") or 0) >= 0.99 and r.get("step_s")]
         summary = run.get("summary") or {}
         table[name] = {"file": path.name, "command": run.get("command"), "note": run.get("variant_note"),
